@@ -1,0 +1,89 @@
+// The daemon's configuration: one YAML file, validated once into plain structs.
+//
+// Every key, its type and its range live in config.cc; the commented example is
+// config/flashd.yaml. A bad file is reported as one line naming the file, line, key and what was
+// expected. Environment overrides (FLASHD_LISTEN, FLASHD_SOCKET, FLASHD_STATE_DIR,
+// FLASHD_MODEL_DIR, FLASHD_LOG_LEVEL) are applied after the file, so scripts and tests can move a
+// daemon without editing it. Relative paths are taken relative to the working directory.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "config/status.h"
+
+namespace flashd {
+
+struct ServerConfig {
+  // TCP listener "host:port"; port 0 picks a free port. Empty disables the TCP listener.
+  std::string listen_host = "127.0.0.1";
+  int listen_port = 8741;
+  bool listen_enabled = true;
+  // Unix socket path; empty disables the socket listener.
+  std::string socket_path = "./var/run/flashd.sock";
+  uint32_t socket_mode = 0660;
+  std::string socket_group;  // Empty: keep the daemon's group.
+  std::string pid_file = "./var/run/flashd.pid";
+  int http_threads = 16;            // Worker threads per listener; each open stream holds one.
+  int shutdown_grace_seconds = 10;  // How long in-flight responses may finish on SIGTERM.
+  uint64_t max_request_bytes = 64ull << 20;
+};
+
+struct ModelConfig {
+  std::string dir;  // Empty: the embedded default tiny model (random weights).
+  std::string id = "deepseek-v4.1-flash";
+};
+
+struct LogConfig {
+  std::string level = "info";  // trace, debug, info, warn, error, off.
+};
+
+struct CacheConfig {
+  int block_tokens = 64;
+  uint64_t ram_bytes = 4ull << 30;
+  uint64_t disk_quota_bytes = 256ull << 30;
+  int64_t ttl_seconds = 0;  // 0: blocks never expire by age.
+};
+
+struct Config {
+  ServerConfig server;
+  std::string state_dir = "./var/state";
+  ModelConfig model;
+  LogConfig log;
+  CacheConfig cache;
+
+  // Where each dotted key got its value: "FILE:LINE", "environment FLASHD_X", or absent for the
+  // built-in default. Used to point later errors (e.g. an unwritable state_dir) at their source.
+  std::map<std::string, std::string> origin;
+
+  // "FILE:LINE: key" or "environment FLASHD_X: key" or "key", for error messages.
+  std::string Where(const std::string& key) const;
+};
+
+// Parses YAML text. `filename` is only used in messages.
+StatusOr<Config> ParseConfig(std::string_view yaml_text, std::string_view filename);
+
+// Reads and parses a file.
+StatusOr<Config> LoadConfigFile(const std::string& path);
+
+// Looks up an environment variable; returns nullopt when unset.
+using EnvLookup = std::function<std::optional<std::string>(const char* name)>;
+EnvLookup ProcessEnvironment();
+
+// Applies the FLASHD_* overrides in place.
+Status ApplyEnvironment(Config* config, const EnvLookup& env);
+
+// Creates the state directory (and the socket's and pid file's parent directories) if needed and
+// checks that each is writable. Errors name the key and where its value came from.
+Status PrepareDirectories(const Config& config);
+
+// Parsers shared by the file and the environment, exposed for tests.
+Status ParseListen(std::string_view text, std::string* host, int* port);
+StatusOr<uint64_t> ParseByteSize(std::string_view text);
+bool IsValidLogLevel(std::string_view level);
+
+}  // namespace flashd

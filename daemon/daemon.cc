@@ -1,0 +1,227 @@
+#include "daemon/daemon.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <systemd/sd-daemon.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <mutex>
+
+#include "daemon/unix_socket.h"
+
+namespace flashd::daemon {
+namespace {
+
+constexpr const char* kEmbeddedDescription =
+    "embedded default tiny model with random weights: it exercises the whole daemon and writes "
+    "meaningless text; real answers need the released DeepSeek-V4.1-Flash checkpoint";
+
+api::ServedModel DescribeModel(const Config& config) {
+  api::ServedModel m;
+  m.id = config.model.id;
+  m.embedded_default = config.model.dir.empty();
+  m.description =
+      m.embedded_default ? kEmbeddedDescription : "DeepSeek-V4.1-Flash from " + config.model.dir;
+  m.created = static_cast<int64_t>(std::time(nullptr));
+  return m;
+}
+
+std::unique_ptr<httplib::Server> MakeServer(const Config& config) {
+  auto server = std::make_unique<httplib::Server>();
+  const int threads = config.server.http_threads;
+  server->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  server->set_keep_alive_max_count(1000);
+  return server;
+}
+
+}  // namespace
+
+Daemon::Daemon(const Config& config) : config_(config) {}
+
+Daemon::~Daemon() {
+  StopListeners(0);
+  RemoveFiles();
+}
+
+StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const Config& config) {
+  std::unique_ptr<Daemon> d(new Daemon(config));
+  d->api_ = std::make_unique<api::Api>(config, DescribeModel(config));
+  FLASHD_RETURN_IF_ERROR(d->Bind());
+  d->WritePidFile();
+  for (httplib::Server* s : {d->tcp_.get(), d->unix_.get()}) {
+    if (s != nullptr) d->threads_.emplace_back([s] { s->listen_after_bind(); });
+  }
+  d->api_->SetPhase(api::Phase::kReady, "");
+  return d;
+}
+
+Status Daemon::Bind() {
+  const ServerConfig& sc = config_.server;
+  // The socket is claimed first: a second daemon must say "already running", not "port in use".
+  if (!sc.socket_path.empty()) FLASHD_RETURN_IF_ERROR(ClaimSocketPath(sc.socket_path));
+
+  if (sc.listen_enabled) {
+    tcp_ = MakeServer(config_);
+    api_->Install(tcp_.get(), "tcp");
+    if (sc.listen_port == 0) {
+      tcp_port_ = tcp_->bind_to_any_port(sc.listen_host);
+    } else if (tcp_->bind_to_port(sc.listen_host, sc.listen_port)) {
+      tcp_port_ = sc.listen_port;
+    }
+    if (tcp_port_ <= 0) {
+      return IoError(config_.Where("server.listen") + ": cannot listen on " + sc.listen_host + ":" +
+                     std::to_string(sc.listen_port) +
+                     " (address in use, or not an address of this machine)");
+    }
+  }
+
+  if (!sc.socket_path.empty()) {
+    unix_ = MakeServer(config_);
+    unix_->set_address_family(AF_UNIX);
+    api_->Install(unix_.get(), "unix");
+    // Nobody may connect between bind() and chmod(): create the file with no access at all.
+    mode_t old_mask = ::umask(0777);
+    bool bound = unix_->bind_to_port(sc.socket_path, 80);
+    ::umask(old_mask);
+    if (!bound) {
+      return IoError(config_.Where("server.socket") + ": cannot bind Unix socket \"" +
+                     sc.socket_path + "\"");
+    }
+    own_socket_file_ = true;
+    FLASHD_RETURN_IF_ERROR(SetSocketPermissions(sc.socket_path, sc.socket_mode, sc.socket_group));
+  }
+  return Status::Ok();
+}
+
+void Daemon::WritePidFile() {
+  const std::string& path = config_.server.pid_file;
+  if (path.empty()) return;
+  std::ofstream out(path, std::ios::trunc);
+  out << ::getpid() << "\n";
+  if (!out) {
+    spdlog::warn("{}: cannot write pid file \"{}\"", config_.Where("server.pid_file"), path);
+    return;
+  }
+  own_pid_file_ = true;
+}
+
+void Daemon::RemoveFiles() {
+  if (own_socket_file_) {
+    ::unlink(config_.server.socket_path.c_str());
+    own_socket_file_ = false;
+  }
+  if (own_pid_file_) {
+    // Remove the pid file only while it still names this process.
+    std::ifstream in(config_.server.pid_file);
+    long pid = 0;
+    if (in >> pid && pid == ::getpid()) ::unlink(config_.server.pid_file.c_str());
+    own_pid_file_ = false;
+  }
+}
+
+bool Daemon::StopListeners(int grace_seconds) {
+  if (threads_.empty()) return true;
+  // httplib's stop() closes the listening socket and then joins its workers, so it returns only
+  // once every in-flight response has been written. Run it aside and wait at most the grace.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread stopper([&] {
+    if (tcp_) tcp_->stop();
+    if (unix_) unix_->stop();
+    for (std::thread& t : threads_) t.join();
+    std::lock_guard<std::mutex> lock(mu);
+    done = true;
+    cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(mu);
+  bool finished = grace_seconds <= 0 ? (cv.wait(lock, [&] { return done; }), true)
+                                     : cv.wait_for(lock, std::chrono::seconds(grace_seconds),
+                                                   [&] { return done; });
+  lock.unlock();
+  if (!finished) {
+    stopper.detach();
+    return false;
+  }
+  stopper.join();
+  threads_.clear();
+  return true;
+}
+
+int Daemon::Run() {
+  uv_loop_t loop;
+  uv_loop_init(&loop);
+  uv_signal_t sigterm;
+  uv_signal_t sigint;
+  uv_timer_t watchdog;
+  int received = 0;
+
+  auto on_signal = [](uv_signal_t* handle, int signum) {
+    *static_cast<int*>(handle->data) = signum;
+    uv_stop(handle->loop);
+  };
+  for (auto [handle, signum] : {std::pair{&sigterm, SIGTERM}, std::pair{&sigint, SIGINT}}) {
+    uv_signal_init(&loop, handle);
+    handle->data = &received;
+    uv_signal_start(handle, on_signal, signum);
+  }
+
+  // Under systemd with WatchdogSec=, ping at half the interval from the loop.
+  uint64_t watchdog_usec = 0;
+  uv_timer_init(&loop, &watchdog);
+  if (sd_watchdog_enabled(0, &watchdog_usec) > 0 && watchdog_usec > 0) {
+    uint64_t ms = watchdog_usec / 2000;
+    uv_timer_start(
+        &watchdog, [](uv_timer_t*) { sd_notify(0, "WATCHDOG=1"); }, ms, ms);
+  }
+
+  std::string ready = "flashd ready:";
+  if (tcp_) ready += " http://" + config_.server.listen_host + ":" + std::to_string(tcp_port_);
+  if (unix_) ready += " unix:" + config_.server.socket_path;
+  spdlog::info("{} (pid {})", ready, ::getpid());
+  // The same line on stdout, for scripts and tests that start the daemon and wait for it.
+  std::printf("%s\n", ready.c_str());
+  std::fflush(stdout);
+  sd_notify(0, "READY=1\nSTATUS=serving");
+
+  uv_run(&loop, UV_RUN_DEFAULT);
+
+  spdlog::info("received {}, shutting down (grace {} s, {} requests in flight)",
+               received == SIGTERM ? "SIGTERM" : "SIGINT", config_.server.shutdown_grace_seconds,
+               api_->metrics().InFlight());
+  sd_notify(0, "STOPPING=1\nSTATUS=draining");
+  api_->SetPhase(api::Phase::kStopping, "shutting down");
+
+  uv_signal_stop(&sigterm);
+  uv_signal_stop(&sigint);
+  uv_timer_stop(&watchdog);
+  for (uv_handle_t* h :
+       {reinterpret_cast<uv_handle_t*>(&sigterm), reinterpret_cast<uv_handle_t*>(&sigint),
+        reinterpret_cast<uv_handle_t*>(&watchdog)}) {
+    uv_close(h, nullptr);
+  }
+  uv_run(&loop, UV_RUN_DEFAULT);
+  uv_loop_close(&loop);
+
+  bool drained = StopListeners(config_.server.shutdown_grace_seconds);
+  RemoveFiles();
+  if (!drained) {
+    spdlog::warn("{} responses did not finish within {} s; closing them",
+                 api_->metrics().InFlight(), config_.server.shutdown_grace_seconds);
+    spdlog::shutdown();
+    std::fflush(stdout);
+    // Worker threads still hold the abandoned responses; leave without joining them.
+    ::_exit(0);
+  }
+  spdlog::info("stopped cleanly");
+  return 0;
+}
+
+}  // namespace flashd::daemon

@@ -1,0 +1,51 @@
+// Daemon: the running `flashd serve` process. Owns the listeners, the API, the pid file and the
+// signal loop.
+//
+// Start() binds every listener (so a conflict is reported before anything else happens) and
+// starts serving; Run() blocks on the main thread until SIGTERM or SIGINT, then drains in-flight
+// responses for up to server.shutdown_grace_seconds and removes the socket and pid files.
+#pragma once
+
+#include <httplib.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "config/config.h"
+#include "config/status.h"
+#include "tools-api/api.h"
+
+namespace flashd::daemon {
+
+class Daemon {
+ public:
+  // REQUIRES: PrepareDirectories(config) succeeded.
+  static StatusOr<std::unique_ptr<Daemon>> Start(const Config& config);
+  ~Daemon();
+
+  // Blocks until a shutdown signal and returns the process exit code.
+  int Run();
+
+  // The TCP port actually bound (useful when the config asked for port 0); -1 without TCP.
+  int tcp_port() const { return tcp_port_; }
+
+ private:
+  explicit Daemon(const Config& config);
+  Status Bind();
+  void WritePidFile();
+  void RemoveFiles();
+  bool StopListeners(int grace_seconds);
+
+  const Config config_;
+  std::unique_ptr<api::Api> api_;
+  std::unique_ptr<httplib::Server> tcp_;
+  std::unique_ptr<httplib::Server> unix_;
+  std::vector<std::thread> threads_;
+  int tcp_port_ = -1;
+  bool own_socket_file_ = false;
+  bool own_pid_file_ = false;
+};
+
+}  // namespace flashd::daemon

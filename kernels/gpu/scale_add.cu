@@ -1,0 +1,59 @@
+// The first kernel compiled for both GPU backends from this one source.
+#include "kernels/gpu/device.h"
+#include "kernels/gpu/portability.h"
+
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+namespace {
+
+__global__ void ScaleAddKernel(const float* x, float a, float b, float* y, size_t n) {
+  size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = a * x[i] + b;
+}
+
+std::string Describe(const char* what, gpuError_t err) {
+  return std::string(what) + ": " + gpuGetErrorString(err);
+}
+
+}  // namespace
+
+int DeviceCount(std::string* reason) {
+  int count = 0;
+  gpuError_t err = gpuGetDeviceCount(&count);
+  if (err != gpuSuccess) {
+    // Without a driver the runtime reports an error code rather than zero devices.
+    *reason = Describe("no usable GPU (device count query failed)", err);
+    return 0;
+  }
+  if (count == 0) *reason = "no GPU device present";
+  return count;
+}
+
+std::string ScaleAddRoundTrip(const float* x, float a, float b, float* y, size_t n) {
+  if (n == 0) return "";
+  float* dx = nullptr;
+  float* dy = nullptr;
+  std::string error;
+  gpuError_t err = gpuMalloc(reinterpret_cast<void**>(&dx), n * sizeof(float));
+  if (err == gpuSuccess) err = gpuMalloc(reinterpret_cast<void**>(&dy), n * sizeof(float));
+  if (err != gpuSuccess) error = Describe("malloc", err);
+  if (error.empty()) {
+    err = gpuMemcpy(dx, x, n * sizeof(float), gpuMemcpyHostToDevice);
+    if (err != gpuSuccess) error = Describe("copy to device", err);
+  }
+  if (error.empty()) {
+    const unsigned threads = 256;
+    const unsigned blocks = static_cast<unsigned>((n + threads - 1) / threads);
+    ScaleAddKernel<<<blocks, threads>>>(dx, a, b, dy, n);
+    err = gpuGetLastError();
+    if (err != gpuSuccess) error = Describe("launch", err);
+  }
+  if (error.empty()) {
+    err = gpuMemcpy(y, dy, n * sizeof(float), gpuMemcpyDeviceToHost);
+    if (err != gpuSuccess) error = Describe("copy to host", err);
+  }
+  if (dx != nullptr) gpuFree(dx);
+  if (dy != nullptr) gpuFree(dy);
+  return error;
+}
+
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -1,0 +1,259 @@
+// End-to-end: the real flashd binary, on a real TCP port and a real Unix socket.
+#include <httplib.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <boost/test/unit_test.hpp>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "tests/e2e/daemon_process.h"
+
+namespace flashd::testing {
+namespace {
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// One client per listener, so every check runs over both.
+std::vector<std::pair<std::string, std::unique_ptr<httplib::Client>>> Clients(
+    const DaemonProcess& d) {
+  std::vector<std::pair<std::string, std::unique_ptr<httplib::Client>>> out;
+  out.emplace_back("tcp", std::make_unique<httplib::Client>("127.0.0.1", d.port()));
+  auto unix_client = std::make_unique<httplib::Client>(d.socket_path());
+  unix_client->set_address_family(AF_UNIX);
+  out.emplace_back("unix", std::move(unix_client));
+  for (auto& [name, c] : out) {
+    c->set_connection_timeout(5);
+    c->set_read_timeout(30);
+  }
+  return out;
+}
+
+bool Contains(const std::string& s, const std::string& needle) {
+  return s.find(needle) != std::string::npos;
+}
+
+BOOST_AUTO_TEST_SUITE(daemon_e2e)
+
+BOOST_AUTO_TEST_CASE(serves_routes_on_both_listeners_and_stops_cleanly) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), "daemon did not start:\n" + d.log());
+  BOOST_TEST(d.port() > 0);
+
+  struct stat st;
+  BOOST_REQUIRE(::stat(d.socket_path().c_str(), &st) == 0);
+  BOOST_TEST(S_ISSOCK(st.st_mode));
+  BOOST_TEST((st.st_mode & 0777) == 0660u);
+
+  std::ifstream pid_in(d.pid_file());
+  long pid = 0;
+  BOOST_REQUIRE(pid_in >> pid);
+  BOOST_TEST(pid == d.pid());
+
+  for (auto& [name, client] : Clients(d)) {
+    BOOST_TEST_CONTEXT("listener " << name) {
+      auto health = client->Get("/health");
+      BOOST_REQUIRE(health);
+      BOOST_TEST(health->status == 200);
+      BOOST_TEST(json::parse(health->body)["status"] == "ok");
+
+      auto models = client->Get("/v1/models");
+      BOOST_REQUIRE(models);
+      BOOST_TEST(models->status == 200);
+      json m = json::parse(models->body);
+      BOOST_TEST(m["object"] == "list");
+      BOOST_REQUIRE(m["data"].size() == 1u);
+      BOOST_TEST(m["data"][0]["id"] == "deepseek-v4.1-flash");
+      BOOST_TEST(m["data"][0]["object"] == "model");
+      BOOST_TEST(m["data"][0]["embedded_default"] == true);
+      BOOST_TEST(Contains(m["data"][0]["description"].get<std::string>(), "random weights"));
+
+      auto missing = client->Get("/v1/nothing-here");
+      BOOST_REQUIRE(missing);
+      BOOST_TEST(missing->status == 404);
+      json e = json::parse(missing->body);
+      BOOST_TEST(e["error"]["type"] == "not_found_error");
+      BOOST_TEST(Contains(e["error"]["message"].get<std::string>(), "/v1/nothing-here"));
+
+      auto wrong = client->Post("/health", "{}", "application/json");
+      BOOST_REQUIRE(wrong);
+      BOOST_TEST(wrong->status == 405);
+      BOOST_TEST(wrong->get_header_value("Allow") == "GET");
+      BOOST_TEST(json::parse(wrong->body)["error"]["type"] == "method_not_allowed_error");
+
+      auto metrics = client->Get("/metrics");
+      BOOST_REQUIRE(metrics);
+      BOOST_TEST(metrics->status == 200);
+      BOOST_TEST(Contains(metrics->body, "flashd_uptime_seconds "));
+      BOOST_TEST(
+          Contains(metrics->body, "flashd_http_requests_total{route=\"/health\",status=\"200\"}"));
+      BOOST_TEST(Contains(metrics->body,
+                          "flashd_http_requests_total{route=\"unmatched\",status=\"404\"}"));
+      BOOST_TEST(
+          Contains(metrics->body, "flashd_http_requests_total{route=\"/health\",status=\"405\"}"));
+    }
+  }
+
+  // Both listeners recorded into one set of counters: /health 200 was answered twice.
+  httplib::Client tcp("127.0.0.1", d.port());
+  auto metrics = tcp.Get("/metrics");
+  BOOST_REQUIRE(metrics);
+  BOOST_TEST(
+      Contains(metrics->body, "flashd_http_requests_total{route=\"/health\",status=\"200\"} 2"),
+      metrics->body);
+
+  // Requests are logged one line each, naming the listener, route and status.
+  BOOST_TEST(Contains(d.log(), "unix GET /health 200"), d.log());
+  BOOST_TEST(Contains(d.log(), "tcp GET /v1/nothing-here 404"), d.log());
+
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+  BOOST_TEST(!fs::exists(d.socket_path()));
+  BOOST_TEST(!fs::exists(d.pid_file()));
+  BOOST_TEST(Contains(d.log(), "stopped cleanly"), d.log());
+}
+
+BOOST_AUTO_TEST_CASE(sigint_also_stops_cleanly) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_TEST(d.Stop(SIGINT) == 0);
+  BOOST_TEST(!fs::exists(d.socket_path()));
+}
+
+BOOST_AUTO_TEST_CASE(second_daemon_on_same_socket_refuses_and_first_keeps_serving) {
+  TempDir tmp;
+  DaemonProcess first({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(first.Start(), first.log());
+
+  fs::create_directories(tmp.path() / "second");
+  DaemonProcess second({tmp.path() / "second", "", {{"FLASHD_SOCKET", first.socket_path()}}, {}});
+  BOOST_TEST(!second.Start());
+  BOOST_TEST(second.exit_code() == 1);
+  BOOST_TEST(Contains(second.log(), "another flashd is already serving"), second.log());
+
+  // The refused daemon must not have removed the live socket.
+  auto client = std::make_unique<httplib::Client>(first.socket_path());
+  client->set_address_family(AF_UNIX);
+  auto health = client->Get("/health");
+  BOOST_REQUIRE(health);
+  BOOST_TEST(health->status == 200);
+  BOOST_TEST(first.Stop(SIGTERM) == 0);
+}
+
+BOOST_AUTO_TEST_CASE(stale_socket_file_is_replaced) {
+  TempDir tmp;
+  fs::create_directories(tmp.path() / "run");
+  std::string path = (tmp.path() / "run" / "flashd.sock").string();
+  // A socket file left by a process that died: bound, never listening, fd closed.
+  int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  BOOST_REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  ::close(fd);
+  BOOST_REQUIRE(fs::exists(path));
+
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  auto client = std::make_unique<httplib::Client>(path);
+  client->set_address_family(AF_UNIX);
+  auto health = client->Get("/health");
+  BOOST_REQUIRE(health);
+  BOOST_TEST(health->status == 200);
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+BOOST_AUTO_TEST_CASE(regular_file_at_socket_path_is_never_removed) {
+  TempDir tmp;
+  fs::create_directories(tmp.path() / "run");
+  fs::path path = tmp.path() / "run" / "flashd.sock";
+  std::ofstream(path) << "precious";
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_TEST(!d.Start());
+  BOOST_TEST(d.exit_code() == 1);
+  BOOST_TEST(Contains(d.log(), "is not a socket"), d.log());
+  std::ifstream in(path);
+  std::string content;
+  in >> content;
+  BOOST_TEST(content == "precious");
+}
+
+BOOST_AUTO_TEST_CASE(bad_config_exits_2_naming_file_line_and_key) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "server:\n  socket_mode: \"0660\"\n  http_threds: 4\n", {}, {}});
+  BOOST_TEST(!d.Start());
+  BOOST_TEST(d.exit_code() == 2);
+  std::string expected = (tmp.path() / "flashd.yaml").string() + ":3: server.http_threds";
+  BOOST_TEST(Contains(d.log(), expected), d.log());
+}
+
+BOOST_AUTO_TEST_CASE(bad_environment_override_exits_2) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {{"FLASHD_LISTEN", "127.0.0.1:http"}}, {}});
+  BOOST_TEST(!d.Start());
+  BOOST_TEST(d.exit_code() == 2);
+  BOOST_TEST(Contains(d.log(), "FLASHD_LISTEN"), d.log());
+}
+
+BOOST_AUTO_TEST_CASE(unwritable_state_dir_exits_2) {
+  TempDir tmp;
+  std::ofstream(tmp.path() / "file") << "x";
+  DaemonProcess d(
+      {tmp.path(), "", {{"FLASHD_STATE_DIR", (tmp.path() / "file" / "s").string()}}, {}});
+  BOOST_TEST(!d.Start());
+  BOOST_TEST(d.exit_code() == 2);
+  BOOST_TEST(Contains(d.log(), "environment FLASHD_STATE_DIR: state_dir"), d.log());
+}
+
+BOOST_AUTO_TEST_CASE(oversized_body_gets_json_413_and_daemon_keeps_serving) {
+  TempDir tmp;
+  std::string config = "server:\n  max_request_bytes: 1KiB\n";
+  DaemonProcess d({tmp.path(), config, {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  httplib::Client c("127.0.0.1", d.port());
+  auto big = c.Post("/v1/models", std::string(4096, 'x'), "application/json");
+  BOOST_REQUIRE(big);
+  BOOST_TEST(big->status == 413);
+  BOOST_TEST(json::parse(big->body)["error"]["type"] == "request_too_large_error");
+  auto health = c.Get("/health");
+  BOOST_REQUIRE(health);
+  BOOST_TEST(health->status == 200);
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+BOOST_AUTO_TEST_CASE(version_and_help) {
+  std::string cmd = std::string(FLASHD_BINARY) + " version";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  BOOST_REQUIRE(p);
+  char buf[256] = {};
+  size_t n = std::fread(buf, 1, sizeof buf - 1, p);
+  BOOST_TEST(::pclose(p) == 0);
+  BOOST_TEST(Contains(std::string(buf, n), "flashd 0."));
+
+  cmd = std::string(FLASHD_BINARY) + " serve --help";
+  p = ::popen(cmd.c_str(), "r");
+  BOOST_REQUIRE(p);
+  std::string help;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) help.append(buf, n);
+  BOOST_TEST(::pclose(p) == 0);
+  for (const char* var : {"FLASHD_LISTEN", "FLASHD_SOCKET", "FLASHD_STATE_DIR", "FLASHD_MODEL_DIR",
+                          "FLASHD_LOG_LEVEL", "--config"}) {
+    BOOST_TEST(Contains(help, var), var);
+  }
+
+  cmd = std::string(FLASHD_BINARY) + " frobnicate 2>/dev/null";
+  p = ::popen(cmd.c_str(), "r");
+  int status = ::pclose(p);
+  BOOST_TEST(WEXITSTATUS(status) == 2);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace flashd::testing

@@ -1,0 +1,67 @@
+// DaemonProcess: starts the real `flashd serve` binary for end-to-end tests, in a private
+// temporary directory, and waits for its "flashd ready:" line.
+//
+// Each instance gets its own state dir, socket and pid file under `dir()`, and TCP port 0 (a
+// free port chosen by the kernel, read back from the ready line), so tests can run in parallel.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace flashd::testing {
+
+// A fresh directory under the system temp dir, removed with the object.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+class DaemonProcess {
+ public:
+  struct Options {
+    std::filesystem::path dir;               // Holds state/, run/ and the log.
+    std::string config_yaml;                 // Written to dir/flashd.yaml when not empty.
+    std::map<std::string, std::string> env;  // Extra environment (overrides the defaults).
+    std::vector<std::string> args;           // Extra arguments after "serve".
+  };
+
+  explicit DaemonProcess(Options options);
+  ~DaemonProcess();  // Kills the process if still running.
+
+  // Starts the binary; returns false if it exited before printing its ready line (then
+  // exit_code() and log() say why) or did not get ready within `timeout`.
+  bool Start(std::chrono::seconds timeout = std::chrono::seconds(60));
+
+  // Sends `signal` and waits for the exit; returns the exit code (128+N if killed by signal N),
+  // or -1 if it did not exit within `timeout`.
+  int Stop(int signal, std::chrono::seconds timeout = std::chrono::seconds(30));
+
+  // Waits for an exit that the process makes by itself (after a failed start).
+  int Wait(std::chrono::seconds timeout = std::chrono::seconds(30));
+
+  pid_t pid() const { return pid_; }
+  int port() const { return port_; }
+  std::string socket_path() const;
+  std::string pid_file() const;
+  std::string log() const;  // Everything the daemon wrote to stderr.
+  int exit_code() const { return exit_code_; }
+
+ private:
+  Options options_;
+  pid_t pid_ = -1;
+  int stdout_fd_ = -1;
+  int port_ = -1;
+  int exit_code_ = -1;
+};
+
+}  // namespace flashd::testing

@@ -1,0 +1,136 @@
+#include "tools-api/api.h"
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <nlohmann/json.hpp>
+
+namespace flashd::api {
+namespace {
+
+const char* PhaseName(Phase phase) {
+  switch (phase) {
+    case Phase::kStarting:
+      return "starting";
+    case Phase::kLoading:
+      return "loading";
+    case Phase::kReady:
+      return "ok";
+    case Phase::kFailed:
+      return "error";
+    case Phase::kStopping:
+      return "stopping";
+  }
+  return "unknown";
+}
+
+// Per-thread request bookkeeping. httplib runs pre-routing, the handler, the response write and
+// the logger of one request on the same worker thread, so a thread-local carries the start time.
+struct RequestClock {
+  bool active = false;
+  std::chrono::steady_clock::time_point start;
+};
+thread_local RequestClock request_clock;
+
+}  // namespace
+
+Api::Api(const Config& config, ServedModel model) : config_(config), model_(std::move(model)) {
+  router_.Add("GET", "/health",
+              [this](const auto& req, auto& res, const PathParams&) { Health(req, res); });
+  router_.Add("GET", "/v1/models",
+              [this](const auto& req, auto& res, const PathParams&) { Models(req, res); });
+  router_.Add("GET", "/metrics", [this](const auto&, auto& res, const PathParams&) {
+    res.set_content(metrics_.Render(), "text/plain; version=0.0.4");
+  });
+}
+
+void Api::SetPhase(Phase phase, std::string reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  phase_ = phase;
+  reason_ = std::move(reason);
+}
+
+Phase Api::phase() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return phase_;
+}
+
+void Api::Health(const httplib::Request&, httplib::Response& res) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  nlohmann::json body = {{"status", PhaseName(phase_)}};
+  if (phase_ != Phase::kReady) {
+    body["reason"] = reason_;
+    res.status = 503;
+  }
+  res.set_content(body.dump(), "application/json");
+}
+
+void Api::Models(const httplib::Request&, httplib::Response& res) const {
+  nlohmann::json entry = {{"id", model_.id},
+                          {"object", "model"},
+                          {"created", model_.created},
+                          {"owned_by", "flashd"},
+                          {"description", model_.description},
+                          {"embedded_default", model_.embedded_default}};
+  nlohmann::json body = {{"object", "list"}, {"data", nlohmann::json::array({entry})}};
+  res.set_content(body.dump(), "application/json");
+}
+
+void Api::Install(httplib::Server* server, const std::string& listener) {
+  router_.Install(server);
+  server->set_payload_max_length(config_.server.max_request_bytes);
+
+  server->set_pre_routing_handler([this](const httplib::Request&, httplib::Response&) {
+    request_clock.active = true;
+    request_clock.start = std::chrono::steady_clock::now();
+    metrics_.RequestStarted();
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+
+  // Errors httplib detects before routing (bad request line, body too large) still get our JSON.
+  server->set_error_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (!res.body.empty()) return;
+    std::string type = "invalid_request_error";
+    std::string what = "request rejected with HTTP " + std::to_string(res.status);
+    if (res.status == 413) {
+      type = "request_too_large_error";
+      what = "request body exceeds server.max_request_bytes";
+    } else if (res.status == 414) {
+      what = "request URI too long";
+    } else if (res.status >= 500) {
+      type = "internal_error";
+    }
+    WriteError(res, res.status, type, what + " (" + req.method + " " + req.path + ")");
+  });
+
+  server->set_exception_handler(
+      [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
+        std::string what = "unknown exception";
+        try {
+          if (ep) std::rethrow_exception(ep);
+        } catch (const std::exception& e) {
+          what = e.what();
+        } catch (...) {
+        }
+        spdlog::error("{} {}: handler failed: {}", req.method, req.path, what);
+        WriteError(res, 500, "internal_error", "internal error while handling " + req.path);
+      });
+
+  server->set_logger([this, listener](const httplib::Request& req, const httplib::Response& res) {
+    double seconds = 0;
+    if (request_clock.active) {
+      seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - request_clock.start)
+              .count();
+      request_clock.active = false;
+      metrics_.RequestFinished();
+    }
+    Router::Match m = router_.Find(req.method, req.path);
+    const std::string route = m.kind == Router::Match::Kind::kNotFound ? "unmatched" : m.pattern;
+    metrics_.RecordRequest(route, res.status, seconds);
+    spdlog::info("{} {} {} {} {:.2f} ms", listener, req.method, req.path, res.status,
+                 seconds * 1e3);
+  });
+}
+
+}  // namespace flashd::api

@@ -1,0 +1,59 @@
+// Api: the HTTP routes flashd serves, installed identically on every listener (TCP, Unix socket).
+//
+// Owns the router and the metrics. The daemon owns one Api and reports its readiness through
+// SetPhase(); listener threads call the routes concurrently.
+#pragma once
+
+#include <httplib.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "config/config.h"
+#include "tools-api/metrics.h"
+#include "tools-api/router.h"
+
+namespace flashd::api {
+
+// What /v1/models reports about the served model.
+struct ServedModel {
+  std::string id;
+  std::string description;
+  bool embedded_default = false;  // True for the built-in tiny model with random weights.
+  int64_t created = 0;            // Unix seconds.
+};
+
+enum class Phase { kStarting, kLoading, kReady, kFailed, kStopping };
+
+class Api {
+ public:
+  Api(const Config& config, ServedModel model);
+  Api(const Api&) = delete;
+  Api& operator=(const Api&) = delete;
+
+  // Thread-safe. `reason` is shown by /health for every phase but kReady.
+  void SetPhase(Phase phase, std::string reason);
+  Phase phase() const;
+
+  // Installs the routes, the JSON error bodies for errors httplib raises itself (413, 400, 500),
+  // and per-request logging and metrics. `listener` names it in the log ("tcp", "unix").
+  // REQUIRES: `server` is not listening yet; this Api outlives it.
+  void Install(httplib::Server* server, const std::string& listener);
+
+  Metrics& metrics() { return metrics_; }
+
+ private:
+  void Health(const httplib::Request& req, httplib::Response& res) const;
+  void Models(const httplib::Request& req, httplib::Response& res) const;
+
+  const Config config_;
+  const ServedModel model_;
+  Router router_;
+  Metrics metrics_;
+  mutable std::mutex mu_;
+  Phase phase_ = Phase::kStarting;   // Guarded by mu_.
+  std::string reason_ = "starting";  // Guarded by mu_.
+};
+
+}  // namespace flashd::api
