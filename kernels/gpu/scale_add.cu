@@ -51,8 +51,11 @@ std::string ScaleAddRoundTrip(const float* x, float a, float b, float* y, size_t
     err = gpuMemcpy(y, dy, n * sizeof(float), gpuMemcpyDeviceToHost);
     if (err != gpuSuccess) error = Describe("copy to host", err);
   }
-  if (dx != nullptr) gpuFree(dx);
-  if (dy != nullptr) gpuFree(dy);
+  for (float* p : {dx, dy}) {
+    if (p == nullptr) continue;
+    gpuError_t free_err = gpuFree(p);
+    if (free_err != gpuSuccess && error.empty()) error = Describe("free", free_err);
+  }
   return error;
 }
 
