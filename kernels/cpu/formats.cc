@@ -1,0 +1,282 @@
+#include "kernels/cpu/formats.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+
+namespace flashd::kernels::cpu {
+namespace {
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+float FromBits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+constexpr float kE2M1Values[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+const std::array<float, 256>& E4M3Table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) {
+      int sign = c >> 7;
+      int exp = (c >> 3) & 0xF;
+      int mant = c & 7;
+      float v;
+      if (exp == 0xF && mant == 7) {
+        v = std::nanf("");
+      } else if (exp == 0) {
+        v = std::ldexp(static_cast<float>(mant), -9);
+      } else {
+        v = std::ldexp(1.0f + mant / 8.0f, exp - 7);
+      }
+      t[c] = sign ? -v : v;
+    }
+    return t;
+  }();
+  return table;
+}
+
+float AbsMax(const float* x, size_t n) {
+  float m = 0.0f;
+  for (size_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
+
+}  // namespace
+
+float Bf16ToFloat(uint16_t bits) { return FromBits(static_cast<uint32_t>(bits) << 16); }
+
+uint16_t FloatToBf16(float value) {
+  uint32_t u = Bits(value);
+  if (std::isnan(value)) return static_cast<uint16_t>((u >> 16) | 0x40);  // Quiet NaN.
+  uint32_t rounding = 0x7FFF + ((u >> 16) & 1);
+  return static_cast<uint16_t>((u + rounding) >> 16);
+}
+
+float F16ToFloat(uint16_t bits) {
+  uint32_t sign = (bits >> 15) & 1;
+  int exp = (bits >> 10) & 0x1F;
+  uint32_t mant = bits & 0x3FF;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(mant), -24);
+  } else if (exp == 31) {
+    v = mant ? std::nanf("") : INFINITY;
+  } else {
+    v = std::ldexp(1.0f + mant / 1024.0f, exp - 15);
+  }
+  return sign ? -v : v;
+}
+
+float E4M3ToFloat(uint8_t code) { return E4M3Table()[code]; }
+
+uint8_t FloatToE4M3(float value) {
+  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
+  if (std::isnan(value)) return sign | 0x7F;
+  float a = std::fabs(value);
+  if (a >= kFp8Max) return sign | 0x7E;  // Saturate (also +-inf).
+  if (a < 0.015625f) {                   // Below 2^-6: subnormal steps of 2^-9.
+    // a * 512 is exact; rint rounds ties to even under the default rounding mode.
+    int m = static_cast<int>(std::nearbyint(a * 512.0f));
+    return sign | static_cast<uint8_t>(m);  // m == 8 is exactly the smallest normal, code 0x08.
+  }
+  int e;
+  float frac = std::frexp(a, &e);  // a = frac * 2^e, frac in [0.5, 1).
+  int exponent = e - 1;            // a = mant * 2^exponent, mant in [1, 2).
+  float mant = frac * 2.0f;
+  int m = static_cast<int>(std::nearbyint((mant - 1.0f) * 8.0f));
+  if (m == 8) {
+    m = 0;
+    ++exponent;
+  }
+  // a < 448 guarantees the result is at most 448 (0x7E), never the NaN code.
+  return sign | static_cast<uint8_t>(((exponent + 7) << 3) | m);
+}
+
+float E8M0ToFloat(uint8_t code) {
+  if (code == 0xFF) return std::nanf("");
+  return std::ldexp(1.0f, static_cast<int>(code) - 127);
+}
+
+uint8_t FloatToE8M0(float value) {
+  int e;
+  std::frexp(value, &e);  // value = 0.5 * 2^e for a power of two.
+  int code = e - 1 + 127;
+  return static_cast<uint8_t>(std::clamp(code, 0, 254));
+}
+
+float E2M1ToFloat(uint8_t code) {
+  float v = kE2M1Values[code & 7];
+  return (code & 8) ? -v : v;
+}
+
+uint8_t FloatToE2M1(float value) {
+  if (std::isnan(value)) return 0;
+  const uint8_t sign = std::signbit(value) ? 8 : 0;
+  float a = std::fabs(value);
+  // Midpoints between neighbouring codes; at a midpoint the even code wins.
+  static constexpr float kMid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  uint8_t code = 0;
+  while (code < 7 && a > kMid[code]) ++code;
+  if (code < 7 && a == kMid[code] && (code & 1)) ++code;
+  return sign | code;
+}
+
+float Pow2Ceil(float x) {
+  uint32_t u = Bits(x);
+  int exponent = static_cast<int>((u >> 23) & 0xFF) - 127 + ((u & 0x7FFFFF) != 0 ? 1 : 0);
+  return FromBits(static_cast<uint32_t>(exponent + 127) << 23);
+}
+
+float Fp8BlockScale(float amax) { return Pow2Ceil(std::max(amax, 1e-4f) * (1.0f / kFp8Max)); }
+
+float Fp4E8M0BlockScale(float amax) {
+  return Pow2Ceil(std::max(amax, kFp4Max * 0x1p-126f) * (1.0f / kFp4Max));
+}
+
+uint8_t Fp4E4M3BlockScaleCode(float amax) {
+  float s = std::min(std::max(amax, kFp4Max * 0x1p-9f) / kFp4Max, kFp8Max);
+  return FloatToE4M3(s);
+}
+
+void QuantizeFp8PerBlock(const float* x, size_t n, size_t block, uint8_t* q, uint8_t* scales) {
+  for (size_t b = 0; b * block < n; ++b) {
+    const float* xb = x + b * block;
+    float s = Fp8BlockScale(AbsMax(xb, block));
+    scales[b] = FloatToE8M0(s);
+    for (size_t i = 0; i < block; ++i) {
+      q[b * block + i] = FloatToE4M3(std::clamp(xb[i] / s, -kFp8Max, kFp8Max));
+    }
+  }
+}
+
+void DequantizeFp8PerBlock(const uint8_t* q, const uint8_t* scales, size_t n, size_t block,
+                           float* out) {
+  for (size_t i = 0; i < n; ++i) out[i] = E4M3ToFloat(q[i]) * E8M0ToFloat(scales[i / block]);
+}
+
+namespace {
+
+// Shared body of the two FP4 quantizers: `scale_of` returns (scale value, scale code).
+template <typename ScaleOf>
+void QuantizeFp4(const float* x, size_t n, size_t block, uint8_t* packed, uint8_t* scales,
+                 ScaleOf scale_of) {
+  for (size_t b = 0; b * block < n; ++b) {
+    const float* xb = x + b * block;
+    auto [s, code] = scale_of(AbsMax(xb, block));
+    scales[b] = code;
+    for (size_t i = 0; i < block; i += 2) {
+      uint8_t lo = FloatToE2M1(std::clamp(xb[i] / s, -kFp4Max, kFp4Max));
+      uint8_t hi = FloatToE2M1(std::clamp(xb[i + 1] / s, -kFp4Max, kFp4Max));
+      packed[(b * block + i) / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+template <typename ScaleValue>
+void DequantizeFp4(const uint8_t* packed, const uint8_t* scales, size_t n, size_t block, float* out,
+                   ScaleValue scale_value) {
+  for (size_t i = 0; i < n; i += 2) {
+    uint8_t byte = packed[i / 2];
+    float s = scale_value(scales[i / block]);
+    out[i] = E2M1ToFloat(byte & 0xF) * s;
+    out[i + 1] = E2M1ToFloat(byte >> 4) * s;
+  }
+}
+
+}  // namespace
+
+void QuantizeFp4E8M0(const float* x, size_t n, size_t block, uint8_t* packed, uint8_t* scales) {
+  QuantizeFp4(x, n, block, packed, scales, [](float amax) {
+    float s = Fp4E8M0BlockScale(amax);
+    return std::pair<float, uint8_t>(s, FloatToE8M0(s));
+  });
+}
+
+void DequantizeFp4E8M0(const uint8_t* packed, const uint8_t* scales, size_t n, size_t block,
+                       float* out) {
+  DequantizeFp4(packed, scales, n, block, out, E8M0ToFloat);
+}
+
+void QuantizeFp4E4M3(const float* x, size_t n, size_t block, uint8_t* packed, uint8_t* scales) {
+  QuantizeFp4(x, n, block, packed, scales, [](float amax) {
+    uint8_t code = Fp4E4M3BlockScaleCode(amax);
+    return std::pair<float, uint8_t>(E4M3ToFloat(code), code);
+  });
+}
+
+void DequantizeFp4E4M3(const uint8_t* packed, const uint8_t* scales, size_t n, size_t block,
+                       float* out) {
+  DequantizeFp4(packed, scales, n, block, out, E4M3ToFloat);
+}
+
+void RoundTripFp8(float* x, size_t n, size_t block) {
+  for (size_t b = 0; b * block < n; ++b) {
+    float* xb = x + b * block;
+    float s = Fp8BlockScale(AbsMax(xb, block));
+    for (size_t i = 0; i < block; ++i) {
+      xb[i] = E4M3ToFloat(FloatToE4M3(std::clamp(xb[i] / s, -kFp8Max, kFp8Max))) * s;
+    }
+  }
+}
+
+void RoundTripFp4E8M0(float* x, size_t n, size_t block) {
+  for (size_t b = 0; b * block < n; ++b) {
+    float* xb = x + b * block;
+    float s = Fp4E8M0BlockScale(AbsMax(xb, block));
+    for (size_t i = 0; i < block; ++i) {
+      xb[i] = E2M1ToFloat(FloatToE2M1(std::clamp(xb[i] / s, -kFp4Max, kFp4Max))) * s;
+    }
+  }
+}
+
+void RoundTripFp4E4M3(float* x, size_t n, size_t block) {
+  for (size_t b = 0; b * block < n; ++b) {
+    float* xb = x + b * block;
+    float s = E4M3ToFloat(Fp4E4M3BlockScaleCode(AbsMax(xb, block)));
+    for (size_t i = 0; i < block; ++i) {
+      xb[i] = E2M1ToFloat(FloatToE2M1(std::clamp(xb[i] / s, -kFp4Max, kFp4Max))) * s;
+    }
+  }
+}
+
+void QuantizeFp8Weight(const float* w, size_t rows, size_t cols, uint8_t* q, uint8_t* scales) {
+  const size_t tile = 32;
+  const size_t scale_cols = (cols + tile - 1) / tile;
+  for (size_t r0 = 0; r0 < rows; r0 += tile) {
+    for (size_t c0 = 0; c0 < cols; c0 += tile) {
+      const size_t r1 = std::min(rows, r0 + tile);
+      const size_t c1 = std::min(cols, c0 + tile);
+      float amax = 0.0f;
+      for (size_t r = r0; r < r1; ++r) amax = std::max(amax, AbsMax(w + r * cols + c0, c1 - c0));
+      float s = Fp8BlockScale(amax);
+      scales[(r0 / tile) * scale_cols + c0 / tile] = FloatToE8M0(s);
+      for (size_t r = r0; r < r1; ++r) {
+        for (size_t c = c0; c < c1; ++c) {
+          q[r * cols + c] = FloatToE4M3(std::clamp(w[r * cols + c] / s, -kFp8Max, kFp8Max));
+        }
+      }
+    }
+  }
+}
+
+void DequantizeFp8Weight(const uint8_t* q, const uint8_t* scales, size_t rows, size_t cols,
+                         float* out) {
+  const size_t scale_cols = (cols + 31) / 32;
+  for (size_t r = 0; r < rows; ++r) {
+    for (size_t c = 0; c < cols; ++c) {
+      out[r * cols + c] =
+          E4M3ToFloat(q[r * cols + c]) * E8M0ToFloat(scales[(r / 32) * scale_cols + c / 32]);
+    }
+  }
+}
+
+}  // namespace flashd::kernels::cpu

@@ -1,0 +1,144 @@
+#include "kernels/cpu/linear.h"
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "kernels/cpu/formats.h"
+
+namespace flashd::kernels::cpu {
+namespace {
+
+bool ShapeOk(size_t M, size_t K, size_t N) {
+  return M > 0 && N > 0 && K > 0 && K % kQuantBlock == 0;
+}
+
+// Decodes one weight row to floats without its scales: the value grid of each format.
+void DecodeFp8Row(const uint8_t* w, size_t K, float* out) {
+  for (size_t k = 0; k < K; ++k) out[k] = E4M3ToFloat(w[k]);
+}
+
+void DecodeFp4Row(const uint8_t* w, size_t K, float* out) {
+  for (size_t k = 0; k < K; k += 2) {
+    out[k] = E2M1ToFloat(w[k / 2] & 0xF);
+    out[k + 1] = E2M1ToFloat(w[k / 2] >> 4);
+  }
+}
+
+// Runs fn(begin, end) over [0, n) split into `threads` contiguous ranges.
+template <typename Fn>
+void ParallelRanges(size_t n, int threads, Fn fn) {
+  size_t workers = std::clamp<size_t>(threads, 1, std::max<size_t>(1, n));
+  if (workers == 1) {
+    fn(0, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  size_t chunk = (n + workers - 1) / workers;
+  for (size_t begin = 0; begin < n; begin += chunk) {
+    pool.emplace_back(fn, begin, std::min(n, begin + chunk));
+  }
+  for (std::thread& t : pool) t.join();
+}
+
+// The shared fast path: w_row_scale(n, kb) gives the weight scale of row n, K-block kb.
+template <typename DecodeRow, typename RowBytes, typename WeightScale>
+void FastLinear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K, const uint8_t* w,
+                size_t N, float* y, int threads, DecodeRow decode, RowBytes row_bytes,
+                WeightScale w_scale) {
+  const size_t blocks = K / kQuantBlock;
+  // Activations are decoded once with their scales applied; a power-of-two scale makes that exact.
+  std::vector<float> x(M * K);
+  for (size_t m = 0; m < M; ++m) {
+    DequantizeFp8PerBlock(x_q + m * K, x_s + m * blocks, K, kQuantBlock, x.data() + m * K);
+  }
+  ParallelRanges(N, threads, [&](size_t begin, size_t end) {
+    std::vector<float> row(K);
+    for (size_t n = begin; n < end; ++n) {
+      decode(w + n * row_bytes, K, row.data());
+      for (size_t m = 0; m < M; ++m) {
+        const float* xm = x.data() + m * K;
+        float acc = 0.0f;
+        for (size_t b = 0; b < blocks; ++b) {
+          const float* xb = xm + b * kQuantBlock;
+          const float* wb = row.data() + b * kQuantBlock;
+          float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+          for (size_t k = 0; k < kQuantBlock; k += 4) {
+            p0 += xb[k] * wb[k];
+            p1 += xb[k + 1] * wb[k + 1];
+            p2 += xb[k + 2] * wb[k + 2];
+            p3 += xb[k + 3] * wb[k + 3];
+          }
+          acc += ((p0 + p1) + (p2 + p3)) * w_scale(n, b);
+        }
+        y[m * N + n] = acc;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+KernelStatus Fp8LinearRef(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K,
+                          const uint8_t* w_q, const uint8_t* w_s, size_t N, float* y) {
+  if (!ShapeOk(M, K, N)) return KernelStatus::kBadShape;
+  const size_t blocks = K / kQuantBlock;
+  for (size_t m = 0; m < M; ++m) {
+    for (size_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (size_t b = 0; b < blocks; ++b) {
+        float partial = 0.0f;
+        for (size_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; ++k) {
+          partial += E4M3ToFloat(x_q[m * K + k]) * E4M3ToFloat(w_q[n * K + k]);
+        }
+        acc += partial * E8M0ToFloat(x_s[m * blocks + b]) *
+               E8M0ToFloat(w_s[(n / kQuantBlock) * blocks + b]);
+      }
+      y[m * N + n] = acc;
+    }
+  }
+  return KernelStatus::kOk;
+}
+
+KernelStatus Fp4LinearRef(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K,
+                          const uint8_t* w_packed, const uint8_t* w_s, size_t N, float* y) {
+  if (!ShapeOk(M, K, N)) return KernelStatus::kBadShape;
+  const size_t blocks = K / kQuantBlock;
+  for (size_t m = 0; m < M; ++m) {
+    for (size_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (size_t b = 0; b < blocks; ++b) {
+        float partial = 0.0f;
+        for (size_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; ++k) {
+          uint8_t byte = w_packed[n * (K / 2) + k / 2];
+          uint8_t code = (k % 2 == 0) ? (byte & 0xF) : (byte >> 4);
+          partial += E4M3ToFloat(x_q[m * K + k]) * E2M1ToFloat(code);
+        }
+        acc += partial * E8M0ToFloat(x_s[m * blocks + b]) * E8M0ToFloat(w_s[n * blocks + b]);
+      }
+      y[m * N + n] = acc;
+    }
+  }
+  return KernelStatus::kOk;
+}
+
+KernelStatus Fp8Linear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K,
+                       const uint8_t* w_q, const uint8_t* w_s, size_t N, float* y, int threads) {
+  if (!ShapeOk(M, K, N)) return KernelStatus::kBadShape;
+  const size_t blocks = K / kQuantBlock;
+  FastLinear(x_q, x_s, M, K, w_q, N, y, threads, DecodeFp8Row, K,
+             [&](size_t n, size_t b) { return E8M0ToFloat(w_s[(n / kQuantBlock) * blocks + b]); });
+  return KernelStatus::kOk;
+}
+
+KernelStatus Fp4Linear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K,
+                       const uint8_t* w_packed, const uint8_t* w_s, size_t N, float* y,
+                       int threads) {
+  if (!ShapeOk(M, K, N)) return KernelStatus::kBadShape;
+  const size_t blocks = K / kQuantBlock;
+  FastLinear(x_q, x_s, M, K, w_packed, N, y, threads, DecodeFp4Row, K / 2,
+             [&](size_t n, size_t b) { return E8M0ToFloat(w_s[n * blocks + b]); });
+  return KernelStatus::kOk;
+}
+
+}  // namespace flashd::kernels::cpu

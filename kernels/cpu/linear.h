@@ -1,0 +1,35 @@
+// Quantized linear layers on the CPU: y[M,N] = x[M,K] . W[N,K]^T with x already quantized to FP8
+// per 32 along K (QuantizeFp8PerBlock), as the model's linear() does before every GEMM.
+//
+//   FP8 weights: codes [N, K], UE8M0 scales [ceil(N/32), K/32] (one per 32x32 tile).
+//   FP4 weights: packed [N, K/2] (low nibble = even k), UE8M0 scales [N, K/32].
+//
+// Each comes as a plain reference (one thread, one block at a time: the sum of the 32 products of
+// a block, then times both scales, added to the output) and a faster threaded version that
+// decodes each weight row once and splits the rows over threads. They compute the same function;
+// only the order of floating-point additions differs. Kernels never allocate device or output
+// memory: the caller owns every buffer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashd::kernels::cpu {
+
+enum class KernelStatus { kOk = 0, kBadShape };
+
+inline constexpr size_t kQuantBlock = 32;
+
+KernelStatus Fp8LinearRef(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K,
+                          const uint8_t* w_q, const uint8_t* w_s, size_t N, float* y);
+KernelStatus Fp4LinearRef(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K,
+                          const uint8_t* w_packed, const uint8_t* w_s, size_t N, float* y);
+
+// `threads` <= 1 runs on the calling thread.
+KernelStatus Fp8Linear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K,
+                       const uint8_t* w_q, const uint8_t* w_s, size_t N, float* y, int threads);
+KernelStatus Fp4Linear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K,
+                       const uint8_t* w_packed, const uint8_t* w_s, size_t N, float* y,
+                       int threads);
+
+}  // namespace flashd::kernels::cpu

@@ -1,0 +1,128 @@
+// The quantized linear kernels: the threaded versions against the plain references, and the
+// references against a double-precision product of the dequantized operands.
+#include "kernels/cpu/linear.h"
+
+#include <boost/test/unit_test.hpp>
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/formats.h"
+
+namespace flashd::kernels::cpu {
+namespace {
+
+struct Shape {
+  size_t M, K, N;
+};
+const Shape kShapes[] = {{1, 32, 1}, {3, 64, 33}, {5, 256, 70}, {2, 96, 40}, {8, 512, 129}};
+
+struct Operands {
+  std::vector<uint8_t> x_q, x_s;
+  std::vector<float> x;  // Dequantized activations.
+};
+
+Operands QuantizedActivations(const Shape& s, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  Operands o;
+  std::vector<float> raw(s.M * s.K);
+  for (float& v : raw) v = dist(rng);
+  o.x_q.resize(s.M * s.K);
+  o.x_s.resize(s.M * s.K / 32);
+  QuantizeFp8PerBlock(raw.data(), raw.size(), 32, o.x_q.data(), o.x_s.data());
+  o.x.resize(raw.size());
+  DequantizeFp8PerBlock(o.x_q.data(), o.x_s.data(), raw.size(), 32, o.x.data());
+  return o;
+}
+
+// Relative error against the largest magnitude in the expected output.
+void CheckClose(const std::vector<float>& got, const std::vector<double>& want, double tol) {
+  double scale = 1e-30;
+  for (double v : want) scale = std::max(scale, std::fabs(v));
+  for (size_t i = 0; i < want.size(); ++i) {
+    BOOST_TEST(std::fabs(got[i] - want[i]) / scale <= tol, "i=" << i);
+  }
+}
+
+std::vector<double> Exact(const std::vector<float>& x, const std::vector<float>& w,
+                          const Shape& s) {
+  std::vector<double> y(s.M * s.N, 0.0);
+  for (size_t m = 0; m < s.M; ++m) {
+    for (size_t n = 0; n < s.N; ++n) {
+      for (size_t k = 0; k < s.K; ++k) y[m * s.N + n] += double(x[m * s.K + k]) * w[n * s.K + k];
+    }
+  }
+  return y;
+}
+
+BOOST_AUTO_TEST_SUITE(linear)
+
+BOOST_AUTO_TEST_CASE(fp8_linear_matches_reference_and_exact_product) {
+  std::mt19937 rng(7);
+  for (const Shape& s : kShapes) {
+    BOOST_TEST_CONTEXT("M=" << s.M << " K=" << s.K << " N=" << s.N) {
+      Operands a = QuantizedActivations(s, rng);
+      std::normal_distribution<float> dist(0.0f, 0.05f);
+      std::vector<float> w(s.N * s.K);
+      for (float& v : w) v = dist(rng);
+      std::vector<uint8_t> w_q(w.size()), w_s(((s.N + 31) / 32) * (s.K / 32));
+      QuantizeFp8Weight(w.data(), s.N, s.K, w_q.data(), w_s.data());
+      std::vector<float> w_deq(w.size());
+      DequantizeFp8Weight(w_q.data(), w_s.data(), s.N, s.K, w_deq.data());
+
+      std::vector<float> ref(s.M * s.N), fast1(s.M * s.N), fast3(s.M * s.N);
+      BOOST_REQUIRE(Fp8LinearRef(a.x_q.data(), a.x_s.data(), s.M, s.K, w_q.data(), w_s.data(), s.N,
+                                 ref.data()) == KernelStatus::kOk);
+      BOOST_REQUIRE(Fp8Linear(a.x_q.data(), a.x_s.data(), s.M, s.K, w_q.data(), w_s.data(), s.N,
+                              fast1.data(), 1) == KernelStatus::kOk);
+      BOOST_REQUIRE(Fp8Linear(a.x_q.data(), a.x_s.data(), s.M, s.K, w_q.data(), w_s.data(), s.N,
+                              fast3.data(), 3) == KernelStatus::kOk);
+      std::vector<double> exact = Exact(a.x, w_deq, s);
+      CheckClose(ref, exact, 1e-5);
+      CheckClose(fast1, exact, 1e-5);
+      for (size_t i = 0; i < ref.size(); ++i) BOOST_TEST(fast1[i] == fast3[i]);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(fp4_linear_matches_reference_and_exact_product) {
+  std::mt19937 rng(11);
+  for (const Shape& s : kShapes) {
+    BOOST_TEST_CONTEXT("M=" << s.M << " K=" << s.K << " N=" << s.N) {
+      Operands a = QuantizedActivations(s, rng);
+      std::normal_distribution<float> dist(0.0f, 0.05f);
+      std::vector<float> w(s.N * s.K);
+      for (float& v : w) v = dist(rng);
+      std::vector<uint8_t> w_p(w.size() / 2), w_s(s.N * s.K / 32);
+      for (size_t n = 0; n < s.N; ++n) {
+        QuantizeFp4E8M0(w.data() + n * s.K, s.K, 32, w_p.data() + n * s.K / 2,
+                        w_s.data() + n * s.K / 32);
+      }
+      std::vector<float> w_deq(w.size());
+      DequantizeFp4E8M0(w_p.data(), w_s.data(), w.size(), 32, w_deq.data());
+
+      std::vector<float> ref(s.M * s.N), fast(s.M * s.N);
+      BOOST_REQUIRE(Fp4LinearRef(a.x_q.data(), a.x_s.data(), s.M, s.K, w_p.data(), w_s.data(), s.N,
+                                 ref.data()) == KernelStatus::kOk);
+      BOOST_REQUIRE(Fp4Linear(a.x_q.data(), a.x_s.data(), s.M, s.K, w_p.data(), w_s.data(), s.N,
+                              fast.data(), 4) == KernelStatus::kOk);
+      std::vector<double> exact = Exact(a.x, w_deq, s);
+      CheckClose(ref, exact, 1e-5);
+      CheckClose(fast, exact, 1e-5);
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(bad_shapes_are_refused) {
+  std::vector<uint8_t> b(64);
+  std::vector<float> y(4);
+  BOOST_TEST((Fp8LinearRef(b.data(), b.data(), 1, 33, b.data(), b.data(), 1, y.data()) ==
+              KernelStatus::kBadShape));
+  BOOST_TEST((Fp4Linear(b.data(), b.data(), 0, 32, b.data(), b.data(), 1, y.data(), 2) ==
+              KernelStatus::kBadShape));
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace flashd::kernels::cpu
