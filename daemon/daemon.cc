@@ -47,6 +47,7 @@ Daemon::Daemon(const Config& config) : config_(config) {}
 
 Daemon::~Daemon() {
   StopListeners(0);
+  if (loader_.joinable()) loader_.join();
   RemoveFiles();
 }
 
@@ -58,7 +59,8 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const Config& config) {
   for (httplib::Server* s : {d->tcp_.get(), d->unix_.get()}) {
     if (s != nullptr) d->threads_.emplace_back([s] { s->listen_after_bind(); });
   }
-  d->api_->SetPhase(api::Phase::kReady, "");
+  d->api_->SetPhase(api::Phase::kLoading, "loading the model");
+  d->loader_ = std::thread([raw = d.get()] { raw->LoadModel(); });
   return d;
 }
 
@@ -98,6 +100,33 @@ Status Daemon::Bind() {
     FLASHD_RETURN_IF_ERROR(SetSocketPermissions(sc.socket_path, sc.socket_mode, sc.socket_group));
   }
   return Status::Ok();
+}
+
+void Daemon::LoadModel() {
+  std::string dir = config_.model.dir;
+  if (dir.empty()) {
+    api_->SetPhase(api::Phase::kLoading, "writing the embedded default model");
+    Status s = engine::EnsureDefaultModel(config_.state_dir);
+    if (!s.ok()) {
+      spdlog::error("embedded default model: {}", s.message());
+      api_->SetPhase(api::Phase::kFailed, "embedded default model: " + s.message());
+      load_finished_ = true;
+      return;
+    }
+    dir = engine::DefaultModelDir(config_.state_dir);
+  }
+  api_->SetPhase(api::Phase::kLoading, "loading the model from " + dir);
+  auto model = engine::Model::Load(dir);
+  if (!model.ok()) {
+    // The daemon stays up so that the operator can read why from /health and the log.
+    spdlog::error("cannot load the model: {}", model.status().message());
+    api_->SetPhase(api::Phase::kFailed, "cannot load the model: " + model.status().message());
+  } else {
+    model_ = std::move(*model);
+    api_->SetPhase(api::Phase::kReady, "");
+    sd_notify(0, "STATUS=serving; model loaded");
+  }
+  load_finished_ = true;
 }
 
 void Daemon::WritePidFile() {
@@ -212,9 +241,19 @@ int Daemon::Run() {
 
   bool drained = StopListeners(config_.server.shutdown_grace_seconds);
   RemoveFiles();
+  if (!load_finished_) {
+    // Loading cannot be interrupted midway; nothing it holds needs an orderly release.
+    spdlog::info("model loading abandoned by shutdown");
+    loader_.detach();
+    drained = false;
+  } else if (loader_.joinable()) {
+    loader_.join();
+  }
   if (!drained) {
-    spdlog::warn("{} responses did not finish within {} s; closing them",
-                 api_->metrics().InFlight(), config_.server.shutdown_grace_seconds);
+    if (api_->metrics().InFlight() > 0) {
+      spdlog::warn("{} responses did not finish within {} s; closing them",
+                   api_->metrics().InFlight(), config_.server.shutdown_grace_seconds);
+    }
     spdlog::shutdown();
     std::fflush(stdout);
     // Worker threads still hold the abandoned responses; leave without joining them.

@@ -8,6 +8,7 @@
 
 #include <httplib.h>
 
+#include <atomic>
 #include <memory>
 #include <string>
 #include <thread>
@@ -15,6 +16,7 @@
 
 #include "config/config.h"
 #include "config/status.h"
+#include "engine/model.h"
 #include "tools-api/api.h"
 
 namespace flashd::daemon {
@@ -37,12 +39,18 @@ class Daemon {
   void WritePidFile();
   void RemoveFiles();
   bool StopListeners(int grace_seconds);
+  // Runs on loader_: writes the embedded default model if needed, then loads the model and
+  // reports the outcome through the API's phase.
+  void LoadModel();
 
   const Config config_;
   std::unique_ptr<api::Api> api_;
   std::unique_ptr<httplib::Server> tcp_;
   std::unique_ptr<httplib::Server> unix_;
   std::vector<std::thread> threads_;
+  std::thread loader_;
+  std::atomic<bool> load_finished_{false};
+  std::unique_ptr<engine::Model> model_;  // Written by loader_ before load_finished_ is set.
   int tcp_port_ = -1;
   bool own_socket_file_ = false;
   bool own_pid_file_ = false;

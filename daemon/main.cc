@@ -11,6 +11,7 @@
 
 #include "config/config.h"
 #include "daemon/daemon.h"
+#include "daemon/model_commands.h"
 #include "daemon/version.h"
 
 namespace flashd {
@@ -28,9 +29,11 @@ void PrintMainHelp() {
       "keeping compressed KV prefixes on disk so long contexts resume without prefill.\n\n"
       "Usage: flashd <command> [options]\n\n"
       "Commands:\n"
-      "  serve      run the daemon in the foreground\n"
-      "  version    print the version and build\n"
-      "  help       print this help (also: flashd <command> --help)\n",
+      "  serve       run the daemon in the foreground\n"
+      "  mkmodel     write a tiny checkpoint in the released format (random weights)\n"
+      "  model-info  parameters, KV bytes per token and state of a model or config.json\n"
+      "  version     print the version and build\n"
+      "  help        print this help (also: flashd <command> --help)\n",
       kVersion);
 }
 
@@ -116,9 +119,7 @@ int Serve(const std::vector<std::string>& args) {
     return kExitUsage;
   }
 
-  spdlog::set_default_logger(spdlog::stderr_color_mt("flashd"));
   spdlog::set_level(spdlog::level::from_str(config->log.level));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
   spdlog::info("flashd {} starting (config: {})", kVersion,
                config_path.empty() ? "built-in defaults" : config_path);
 
@@ -138,6 +139,9 @@ int Serve(const std::vector<std::string>& args) {
 
 int main(int argc, char** argv) {
   using namespace flashd;
+  // Logs go to stderr for every command, so stdout carries only a command's output.
+  spdlog::set_default_logger(spdlog::stderr_color_mt("flashd"));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ %v");
   std::vector<std::string> args(argv + 1, argv + argc);
   if (args.empty()) {
     PrintMainHelp();
@@ -147,6 +151,8 @@ int main(int argc, char** argv) {
   args.erase(args.begin());
   if (command == "serve") return Serve(args);
   if (command == "version" || command == "--version") return Version(args);
+  if (command == "mkmodel") return daemon::MkModelCommand(args);
+  if (command == "model-info") return daemon::ModelInfoCommand(args);
   if (command == "help" || command == "--help" || command == "-h") {
     PrintMainHelp();
     return kExitOk;

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "tests/e2e/daemon_process.h"
 
@@ -45,6 +46,7 @@ BOOST_AUTO_TEST_CASE(serves_routes_on_both_listeners_and_stops_cleanly) {
   DaemonProcess d({tmp.path(), "", {}, {}});
   BOOST_REQUIRE_MESSAGE(d.Start(), "daemon did not start:\n" + d.log());
   BOOST_TEST(d.port() > 0);
+  BOOST_REQUIRE_MESSAGE(WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
 
   struct stat st;
   BOOST_REQUIRE(::stat(d.socket_path().c_str(), &st) == 0);
@@ -71,8 +73,7 @@ BOOST_AUTO_TEST_CASE(serves_routes_on_both_listeners_and_stops_cleanly) {
       BOOST_REQUIRE(m["data"].size() == 1u);
       BOOST_TEST(m["data"][0]["id"] == "deepseek-v4.1-flash");
       BOOST_TEST(m["data"][0]["object"] == "model");
-      BOOST_TEST(m["data"][0]["embedded_default"] == true);
-      BOOST_TEST(Contains(m["data"][0]["description"].get<std::string>(), "random weights"));
+      BOOST_TEST(m["data"][0]["embedded_default"] == false);
 
       auto missing = client->Get("/v1/nothing-here");
       BOOST_REQUIRE(missing);
@@ -100,12 +101,12 @@ BOOST_AUTO_TEST_CASE(serves_routes_on_both_listeners_and_stops_cleanly) {
     }
   }
 
-  // Both listeners recorded into one set of counters: /health 200 was answered twice.
+  // Both listeners record into one set of counters: the 405 on /health was answered twice.
   httplib::Client tcp("127.0.0.1", d.port());
   auto metrics = tcp.Get("/metrics");
   BOOST_REQUIRE(metrics);
   BOOST_TEST(
-      Contains(metrics->body, "flashd_http_requests_total{route=\"/health\",status=\"200\"} 2"),
+      Contains(metrics->body, "flashd_http_requests_total{route=\"/health\",status=\"405\"} 2"),
       metrics->body);
 
   // Requests are logged one line each, naming the listener, route and status.
@@ -138,6 +139,7 @@ BOOST_AUTO_TEST_CASE(second_daemon_on_same_socket_refuses_and_first_keeps_servin
   BOOST_TEST(Contains(second.log(), "another flashd is already serving"), second.log());
 
   // The refused daemon must not have removed the live socket.
+  BOOST_TEST(WaitHealthy("127.0.0.1", first.port()) == 200);
   auto client = std::make_unique<httplib::Client>(first.socket_path());
   client->set_address_family(AF_UNIX);
   auto health = client->Get("/health");
@@ -161,6 +163,7 @@ BOOST_AUTO_TEST_CASE(stale_socket_file_is_replaced) {
 
   DaemonProcess d({tmp.path(), "", {}, {}});
   BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_TEST(WaitHealthy("127.0.0.1", d.port()) == 200);
   auto client = std::make_unique<httplib::Client>(path);
   client->set_address_family(AF_UNIX);
   auto health = client->Get("/health");
@@ -221,9 +224,82 @@ BOOST_AUTO_TEST_CASE(oversized_body_gets_json_413_and_daemon_keeps_serving) {
   BOOST_REQUIRE(big);
   BOOST_TEST(big->status == 413);
   BOOST_TEST(json::parse(big->body)["error"]["type"] == "request_too_large_error");
-  auto health = c.Get("/health");
-  BOOST_REQUIRE(health);
-  BOOST_TEST(health->status == 200);
+  auto models = c.Get("/v1/models");
+  BOOST_REQUIRE(models);
+  BOOST_TEST(models->status == 200);
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+BOOST_AUTO_TEST_CASE(embedded_default_model_is_written_loaded_and_described) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {{"FLASHD_MODEL_DIR", ""}}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  // The listeners answer at once; /health says why it is not ready until the model is loaded.
+  httplib::Client c("127.0.0.1", d.port());
+  auto first = c.Get("/health");
+  BOOST_REQUIRE(first);
+  if (first->status != 200) {
+    BOOST_TEST(first->status == 503);
+    json h = json::parse(first->body);
+    BOOST_TEST(h["status"] == "loading");
+    BOOST_TEST(Contains(h["reason"].get<std::string>(), "model"));
+  }
+  BOOST_REQUIRE_MESSAGE(WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  BOOST_TEST(fs::exists(tmp.path() / "state" / "models" / "default-tiny-v1" / "config.json"));
+  auto models = c.Get("/v1/models");
+  BOOST_REQUIRE(models);
+  json m = json::parse(models->body);
+  BOOST_TEST(m["data"][0]["embedded_default"] == true);
+  BOOST_TEST(Contains(m["data"][0]["description"].get<std::string>(), "random weights"));
+  BOOST_TEST(Contains(d.log(), "bound 495 tensors"), d.log());
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+BOOST_AUTO_TEST_CASE(missing_model_keeps_daemon_up_with_503_and_reason) {
+  TempDir tmp;
+  std::string missing = (tmp.path() / "no-such-model").string();
+  DaemonProcess d({tmp.path(), "", {{"FLASHD_MODEL_DIR", missing}}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  httplib::Client c("127.0.0.1", d.port());
+  json h;
+  for (int i = 0; i < 600; ++i) {  // Until the loader has given its verdict.
+    auto health = c.Get("/health");
+    BOOST_REQUIRE(health);
+    BOOST_TEST(health->status == 503);
+    h = json::parse(health->body);
+    if (h["status"] == "error") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  BOOST_TEST(h["status"] == "error");
+  BOOST_TEST(Contains(h["reason"].get<std::string>(), missing + ": no such model directory"),
+             h.dump());
+  BOOST_TEST(Contains(d.log(), "cannot load the model"), d.log());
+  auto models = c.Get("/v1/models");  // Still serving.
+  BOOST_REQUIRE(models);
+  BOOST_TEST(models->status == 200);
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+BOOST_AUTO_TEST_CASE(truncated_shard_is_reported_by_health_naming_the_file) {
+  TempDir tmp;
+  fs::path model = tmp.path() / "model";
+  fs::copy(SharedTinyModelDir(), model);
+  fs::path weights = model / "model.safetensors";
+  fs::resize_file(weights, fs::file_size(weights) / 2);
+  DaemonProcess d({tmp.path(), "", {{"FLASHD_MODEL_DIR", model.string()}}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  httplib::Client c("127.0.0.1", d.port());
+  json h;
+  for (int i = 0; i < 600; ++i) {
+    auto health = c.Get("/health");
+    BOOST_REQUIRE(health);
+    h = json::parse(health->body);
+    if (h["status"] == "error") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  BOOST_TEST(h["status"] == "error");
+  BOOST_TEST(Contains(h["reason"].get<std::string>(), weights.string()), h.dump());
+  BOOST_TEST(Contains(h["reason"].get<std::string>(), "truncated"), h.dump());
   BOOST_TEST(d.Stop(SIGTERM) == 0);
 }
 

@@ -1,6 +1,7 @@
 #include "tests/e2e/daemon_process.h"
 
 #include <fcntl.h>
+#include <httplib.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -14,6 +15,33 @@
 
 namespace flashd::testing {
 namespace fs = std::filesystem;
+
+const std::string& SharedTinyModelDir() {
+  static TempDir* dir = new TempDir();  // Removed at exit by the OS-level temp cleanup below.
+  static const std::string path = [] {
+    std::string model = (dir->path() / "tiny-model").string();
+    std::string cmd = std::string(FLASHD_BINARY) + " mkmodel " + model +
+                      " --set vocab_size=1024 --set dspark_noise_token_id=1000 --seed 3 "
+                      "> /dev/null";
+    if (std::system(cmd.c_str()) != 0) return std::string();
+    std::atexit([] { delete dir; });
+    return model;
+  }();
+  return path;
+}
+
+int WaitHealthy(const std::string& host, int port, std::chrono::seconds timeout) {
+  httplib::Client client(host, port);
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  int status = -1;
+  while (std::chrono::steady_clock::now() < deadline) {
+    auto res = client.Get("/health");
+    status = res ? res->status : -1;
+    if (status == 200) return status;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return status;
+}
 
 TempDir::TempDir() {
   std::random_device rd;
@@ -57,6 +85,7 @@ bool DaemonProcess::Start(std::chrono::seconds timeout) {
       {"FLASHD_SOCKET", (options_.dir / "run" / "flashd.sock").string()},
       {"FLASHD_STATE_DIR", (options_.dir / "state").string()},
       {"FLASHD_LOG_LEVEL", "info"},
+      {"FLASHD_MODEL_DIR", SharedTinyModelDir()},
   };
   for (const auto& [k, v] : options_.env) env[k] = v;
   options_.env = env;

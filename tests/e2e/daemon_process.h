@@ -15,6 +15,14 @@
 
 namespace flashd::testing {
 
+// A tiny model in the released format, written once per test binary with `flashd mkmodel`
+// (vocabulary 1024, so it takes a fraction of a second), shared by every daemon a test starts.
+const std::string& SharedTinyModelDir();
+
+// Polls GET /health until it answers 200 or `timeout` passes; returns the last status.
+int WaitHealthy(const std::string& host, int port,
+                std::chrono::seconds timeout = std::chrono::seconds(60));
+
 // A fresh directory under the system temp dir, removed with the object.
 class TempDir {
  public:

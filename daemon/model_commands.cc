@@ -1,0 +1,299 @@
+#include "daemon/model_commands.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "engine/model.h"
+#include "engine/model_config.h"
+#include "engine/model_info.h"
+#include "engine/tiny_model.h"
+
+namespace flashd::daemon {
+namespace {
+
+using nlohmann::json;
+
+constexpr int kExitOk = 0;
+constexpr int kExitUsage = 2;
+
+bool WantsHelp(const std::vector<std::string>& args) {
+  for (const std::string& a : args) {
+    if (a == "--help" || a == "-h") return true;
+  }
+  return false;
+}
+
+// A YAML value as JSON: integers, floats and booleans keep their type, the rest are strings.
+json YamlToJson(const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Sequence: {
+      json out = json::array();
+      for (const auto& item : node) out.push_back(YamlToJson(item));
+      return out;
+    }
+    case YAML::NodeType::Map: {
+      json out = json::object();
+      for (const auto& kv : node) out[kv.first.as<std::string>()] = YamlToJson(kv.second);
+      return out;
+    }
+    case YAML::NodeType::Scalar: {
+      const std::string s = node.Scalar();
+      if (node.Tag() != "!") {  // Quoted scalars stay strings.
+        int64_t i;
+        if (YAML::convert<int64_t>::decode(node, i)) return i;
+        double d;
+        if (YAML::convert<double>::decode(node, d)) return d;
+        bool b;
+        if (YAML::convert<bool>::decode(node, b)) return b;
+      }
+      return s;
+    }
+    default:
+      return nullptr;
+  }
+}
+
+void PrintMkModelHelp() {
+  std::printf(
+      "Usage: flashd mkmodel OUT_DIR [options]\n\n"
+      "Writes a tiny checkpoint in the exact released DeepSeek-V4.1-Flash format (config.json,\n"
+      "safetensors with the released tensor names, dtypes and scale layouts) with random\n"
+      "weights from a fixed seed. The default is hidden 256, 6 layers, 8 experts, two Engram\n"
+      "layers of a few thousand rows and one DSpark stage.\n\n"
+      "Options:\n"
+      "  --spec FILE       YAML mapping of text_config keys to change (e.g. hidden_size: 512);\n"
+      "                    quantization_config / vision_config mappings are merged too\n"
+      "  --set KEY=VALUE   one key, VALUE in YAML syntax (e.g. --set compress_ratios=[0,2,1])\n"
+      "  --shards N        split into N files with model.safetensors.index.json (default 1)\n"
+      "  --seed N          random seed (default 0)\n"
+      "  --tokenizer DIR   copy tokenizer.json and tokenizer_config.json from DIR\n"
+      "  --print-config    print the resulting config.json and write nothing\n");
+}
+
+void PrintModelInfoHelp() {
+  std::printf(
+      "Usage: flashd model-info DIR|config.json [--json]\n\n"
+      "Reports parameter counts (backbone, Engram, DSpark, vision), active parameters per token\n"
+      "for prefill and decode, KV cache bytes per token and per-sequence state, and checkpoint\n"
+      "bytes by dtype. Given a directory with safetensors files, also binds every tensor and\n"
+      "reports what the checkpoint holds beyond what the engine uses. The formulas are in\n"
+      "docs/model.md.\n\n"
+      "  --json   print one JSON object\n");
+}
+
+std::string Billions(uint64_t n) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.3fB (%llu)", n / 1e9, static_cast<unsigned long long>(n));
+  return buf;
+}
+
+}  // namespace
+
+int MkModelCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    PrintMkModelHelp();
+    return kExitOk;
+  }
+  std::string out_dir;
+  json overrides = json::object();
+  engine::TinyModelOptions options;
+  bool print_only = false;
+  auto fail = [](const std::string& message) {
+    std::fprintf(stderr, "flashd mkmodel: %s\n", message.c_str());
+    return kExitUsage;
+  };
+  try {
+    for (size_t i = 0; i < args.size(); ++i) {
+      const std::string& a = args[i];
+      auto value = [&]() -> std::string {
+        if (i + 1 >= args.size()) throw std::invalid_argument(a + " needs a value");
+        return args[++i];
+      };
+      if (a == "--spec") {
+        std::string path = value();
+        YAML::Node spec = YAML::LoadFile(path);
+        if (!spec.IsNull() && !spec.IsMap()) return fail(path + ": expected a mapping of keys");
+        if (spec.IsMap()) overrides.merge_patch(YamlToJson(spec));
+      } else if (a == "--set") {
+        std::string kv = value();
+        size_t eq = kv.find('=');
+        if (eq == std::string::npos || eq == 0) return fail("--set expects KEY=VALUE, got " + kv);
+        overrides[kv.substr(0, eq)] = YamlToJson(YAML::Load(kv.substr(eq + 1)));
+      } else if (a == "--shards") {
+        options.shards = std::stoi(value());
+      } else if (a == "--seed") {
+        options.seed = std::stoull(value());
+      } else if (a == "--tokenizer") {
+        options.tokenizer_dir = value();
+      } else if (a == "--print-config") {
+        print_only = true;
+      } else if (!a.empty() && a[0] == '-') {
+        return fail("unknown option " + a + " (see flashd mkmodel --help)");
+      } else if (out_dir.empty()) {
+        out_dir = a;
+      } else {
+        return fail("unexpected argument " + a);
+      }
+    }
+  } catch (const YAML::Exception& e) {
+    return fail(std::string("spec: ") + e.what());
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+  if (out_dir.empty() && !print_only) return fail("missing OUT_DIR (see flashd mkmodel --help)");
+  StatusOr<std::string> config = engine::TinyConfigJson(overrides.dump());
+  if (!config.ok()) return fail(config.status().message());
+  if (print_only) {
+    std::printf("%s\n", config->c_str());
+    return kExitOk;
+  }
+  Status s = engine::WriteTinyModel(out_dir, *config, options);
+  if (!s.ok()) return fail(s.message());
+  std::printf("wrote %s\n", out_dir.c_str());
+  return kExitOk;
+}
+
+int ModelInfoCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    PrintModelInfoHelp();
+    return kExitOk;
+  }
+  std::string path;
+  bool as_json = false;
+  for (const std::string& a : args) {
+    if (a == "--json") {
+      as_json = true;
+    } else if (path.empty() && (a.empty() || a[0] != '-')) {
+      path = a;
+    } else {
+      std::fprintf(stderr, "flashd model-info: unexpected argument %s\n", a.c_str());
+      return kExitUsage;
+    }
+  }
+  if (path.empty()) {
+    std::fprintf(stderr, "flashd model-info: missing DIR or config.json\n");
+    return kExitUsage;
+  }
+  StatusOr<engine::ModelConfig> config = engine::LoadModelConfig(path);
+  if (!config.ok()) {
+    std::fprintf(stderr, "flashd model-info: %s\n", config.status().message().c_str());
+    return kExitUsage;
+  }
+  const engine::ModelStats s = engine::ComputeModelStats(*config);
+
+  // With a checkpoint beside the config, bind it too: the check an operator wants first.
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::unique_ptr<engine::Model> model;
+  if (fs::is_directory(path, ec)) {
+    bool has_weights = fs::exists(fs::path(path) / "model.safetensors.index.json", ec);
+    for (const auto& e : fs::directory_iterator(path, ec)) {
+      has_weights = has_weights || e.path().extension() == ".safetensors";
+    }
+    if (has_weights) {
+      auto loaded = engine::Model::Load(path);
+      if (!loaded.ok()) {
+        std::fprintf(stderr, "flashd model-info: %s\n", loaded.status().message().c_str());
+        return kExitUsage;
+      }
+      model = std::move(*loaded);
+    }
+  }
+
+  json kv = json::array();
+  for (const engine::KvSourceBytes& k : s.kv_sources) {
+    kv.push_back({{"layer", k.layer},
+                  {"compress_ratio", k.compress_ratio},
+                  {"entry_bytes", k.entry_bytes},
+                  {"index_key_bytes", k.index_key_bytes},
+                  {"bytes_per_token", k.bytes_per_token}});
+  }
+  json j = {
+      {"model_type", config->model_type},
+      {"params_backbone", s.params_backbone},
+      {"params_engram", s.params_engram},
+      {"params_dspark", s.params_dspark},
+      {"params_vision", s.params_vision},
+      {"params_active_prefill", s.params_active_prefill},
+      {"params_active_prefill_without_replay", s.params_active_prefill_full},
+      {"params_active_decode", s.params_active_decode},
+      {"kv_bytes_per_token", static_cast<uint64_t>(std::llround(s.kv_bytes_per_token))},
+      {"kv_bytes_per_token_exact", s.kv_bytes_per_token},
+      {"kv_sources", kv},
+      {"sequence_state_bytes", s.sequence_state_bytes},
+      {"sequence_state",
+       {{"window_rings", s.window_ring_bytes},
+        {"compressor_partial_groups", s.compressor_state_bytes},
+        {"logits", s.logits_bytes},
+        {"engram_history", s.engram_history_bytes},
+        {"dspark_window_rings", s.dspark_window_bytes}}},
+      {"checkpoint_bytes_by_dtype", s.checkpoint_bytes_by_dtype},
+      {"checkpoint_bytes", s.checkpoint_bytes},
+  };
+  if (model) {
+    json unused = json::object();
+    for (const auto& [part, counts] : model->weights().unused) {
+      unused[engine::ModelPartName(part)] = {{"tensors", counts.first}, {"bytes", counts.second}};
+    }
+    j["checkpoint"] = {{"files", model->checkpoint().files().size()},
+                       {"file_bytes", model->checkpoint().total_file_bytes()},
+                       {"tensors", model->checkpoint().tensors().size()},
+                       {"bound", model->weights().tensors.size()},
+                       {"unused", unused},
+                       {"unexpected", model->weights().unexpected}};
+  }
+  if (as_json) {
+    std::printf("%s\n", j.dump(2).c_str());
+    return kExitOk;
+  }
+  std::printf("model %s (%s)\n", path.c_str(), config->model_type.c_str());
+  std::printf("parameters\n");
+  std::printf("  backbone                 %s\n", Billions(s.params_backbone).c_str());
+  std::printf("  engram                   %s\n", Billions(s.params_engram).c_str());
+  std::printf("  dspark                   %s\n", Billions(s.params_dspark).c_str());
+  std::printf("  vision (estimate)        %s\n", Billions(s.params_vision).c_str());
+  std::printf("active parameters per token\n");
+  std::printf("  decode                   %s\n", Billions(s.params_active_decode).c_str());
+  std::printf("  prefill, bounded replay  %s (layers 0-%d)\n",
+              Billions(s.params_active_prefill).c_str(), s.last_kv_source_layer);
+  std::printf("  prefill, every layer     %s\n", Billions(s.params_active_prefill_full).c_str());
+  std::printf("KV cache, persistent       %.2f bytes/token (1M tokens: %.3f GB)\n",
+              s.kv_bytes_per_token, s.kv_bytes_per_token * 1e6 / 1e9);
+  for (const engine::KvSourceBytes& k : s.kv_sources) {
+    std::printf("  layer %-3d ratio %d        (%llu + %llu) / %d = %.2f bytes/token\n", k.layer,
+                k.compress_ratio, static_cast<unsigned long long>(k.entry_bytes),
+                static_cast<unsigned long long>(k.index_key_bytes), k.compress_ratio,
+                k.bytes_per_token);
+  }
+  std::printf(
+      "per-sequence state         %llu bytes (window rings %llu, compressor %llu, "
+      "logits %llu, engram %llu)\n",
+      static_cast<unsigned long long>(s.sequence_state_bytes),
+      static_cast<unsigned long long>(s.window_ring_bytes),
+      static_cast<unsigned long long>(s.compressor_state_bytes),
+      static_cast<unsigned long long>(s.logits_bytes),
+      static_cast<unsigned long long>(s.engram_history_bytes));
+  std::printf("checkpoint bytes (without vision) %.3f GB\n", s.checkpoint_bytes / 1e9);
+  for (const auto& [dtype, bytes] : s.checkpoint_bytes_by_dtype) {
+    std::printf("  %-8s %.3f GB\n", dtype.c_str(), bytes / 1e9);
+  }
+  if (model) {
+    std::printf("checkpoint on disk: %zu files, %.3f GB, %zu tensors, %zu bound\n",
+                model->checkpoint().files().size(), model->checkpoint().total_file_bytes() / 1e9,
+                model->checkpoint().tensors().size(), model->weights().tensors.size());
+    for (const auto& [part, counts] : model->weights().unused) {
+      std::printf("  not used yet: %llu %s tensors (%.3f GB)\n",
+                  static_cast<unsigned long long>(counts.first), engine::ModelPartName(part),
+                  counts.second / 1e9);
+    }
+    for (const std::string& name : model->weights().unexpected) {
+      std::printf("  unexpected tensor: %s\n", name.c_str());
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace flashd::daemon

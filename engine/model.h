@@ -1,0 +1,45 @@
+// Model: a model directory opened for serving: its validated config, its checkpoint mapped
+// read-only, and every backbone and Engram tensor bound by name.
+//
+// Load() is slow for real checkpoints (it maps and checks hundreds of files); the daemon runs it
+// on a background thread and reports "loading" until it returns. The object is immutable after
+// Load() and may be read from any thread.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "config/status.h"
+#include "engine/model_config.h"
+#include "engine/model_info.h"
+#include "engine/safetensors.h"
+#include "engine/weights.h"
+
+namespace flashd::engine {
+
+class Model {
+ public:
+  static StatusOr<std::unique_ptr<Model>> Load(const std::string& dir);
+
+  const std::string& dir() const { return dir_; }
+  const ModelConfig& config() const { return config_; }
+  const Checkpoint& checkpoint() const { return *checkpoint_; }
+  const BoundWeights& weights() const { return weights_; }
+  const ModelStats& stats() const { return stats_; }
+
+ private:
+  Model() = default;
+
+  std::string dir_;
+  ModelConfig config_;
+  std::unique_ptr<Checkpoint> checkpoint_;
+  BoundWeights weights_;
+  ModelStats stats_;
+};
+
+// The directory of the embedded default model under `state_dir`. EnsureDefaultModel() writes it
+// (a fixed seed, so every install gets the same weights) unless a complete copy is there.
+std::string DefaultModelDir(const std::string& state_dir);
+Status EnsureDefaultModel(const std::string& state_dir);
+
+}  // namespace flashd::engine

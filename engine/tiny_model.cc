@@ -1,0 +1,345 @@
+#include "engine/tiny_model.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <vector>
+
+#include "engine/model_config.h"
+#include "engine/safetensors.h"
+#include "engine/weights.h"
+#include "kernels/cpu/formats.h"
+
+namespace flashd::engine {
+namespace {
+
+using nlohmann::json;
+namespace k = flashd::kernels::cpu;
+
+constexpr const char* kDefaultConfig = R"({
+  "architectures": ["DeepseekV41ForCausalLM"],
+  "model_type": "deepseek_v41",
+  "bos_token_id": 0,
+  "eos_token_id": 1,
+  "pad_token_id": 2,
+  "image_token_id": 129264,
+  "quantization_config": {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [32, 32],
+    "scale_fmt": "ue8m0",
+    "expert_dtype": "fp4"
+  },
+  "text_config": {
+    "vocab_size": 129280,
+    "hidden_size": 256,
+    "num_hidden_layers": 6,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 128,
+    "qk_rope_head_dim": 32,
+    "q_lora_rank": 64,
+    "o_lora_rank": 64,
+    "o_groups": 2,
+    "sliding_window": 32,
+    "hidden_act": "silu",
+    "swiglu_limit": 10.0,
+    "rms_norm_eps": 1e-20,
+    "rope_theta": 10000,
+    "compress_rope_theta": 160000,
+    "rope_scaling": {"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                     "original_max_position_embeddings": 65536},
+    "max_position_embeddings": 1048576,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": true,
+    "routed_scaling_factor": 1.5,
+    "compress_ratios": [0, 2, 2, 1, 1, 0, 0],
+    "kv_source_layer_ids": [1, 3],
+    "index_source_layer_ids": [1, 3, 4],
+    "index_n_heads": 4,
+    "index_head_dim": 64,
+    "index_topk": 16,
+    "candidate_source_layer_id": 3,
+    "candidate_topk_blocks": 4,
+    "candidate_block_size": 4,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "engram_layer_ids": [1, 3],
+    "engram_num_embeddings": [0, 0],
+    "engram_max_ngram_size": 4,
+    "engram_vocab_size": 1000,
+    "engram_n_heads": 2,
+    "engram_head_dim": 64,
+    "engram_pad_token_id": 2,
+    "engram_compressed_vocab_size": 99092,
+    "num_nextn_predict_layers": 1,
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [3, 4, 5],
+    "dspark_markov_rank": 32,
+    "dspark_n_routed_experts": 4,
+    "dspark_num_experts_per_tok": 2
+  }
+})";
+
+const std::set<std::string> kTopLevelKeys = {"bos_token_id", "eos_token_id", "pad_token_id",
+                                             "image_token_id", "architectures"};
+
+// A small, fast, well-mixed generator (SplitMix64) with Box-Muller normals: deterministic on
+// every platform, and seeded per tensor so adding a tensor does not change the others.
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t Next() {
+    uint64_t z = (state_ += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  }
+  float Normal() {
+    double u1 = (static_cast<double>(Next() >> 11) + 0.5) * 0x1p-53;
+    double u2 = static_cast<double>(Next() >> 11) * 0x1p-53;
+    return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2));
+  }
+
+ private:
+  uint64_t state_;
+};
+
+uint64_t SeedFor(uint64_t seed, const std::string& name) {
+  uint64_t h = 1469598103934665603ULL ^ seed;
+  for (char ch : name) h = (h ^ static_cast<uint8_t>(ch)) * 1099511628211ULL;
+  return h;
+}
+
+std::vector<float> Normals(uint64_t seed, const std::string& name, size_t n, float stddev) {
+  Rng rng(SeedFor(seed, name));
+  std::vector<float> v(n);
+  for (float& x : v) x = rng.Normal() * stddev;
+  return v;
+}
+
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::vector<uint8_t> AsBytes(const std::vector<float>& v, DType dtype) {
+  std::vector<uint8_t> out;
+  if (dtype == DType::kF32) {
+    out.resize(v.size() * 4);
+    std::memcpy(out.data(), v.data(), out.size());
+  } else {
+    out.resize(v.size() * 2);
+    for (size_t i = 0; i < v.size(); ++i) {
+      uint16_t b = k::FloatToBf16(v[i]);
+      out[2 * i] = static_cast<uint8_t>(b & 0xFF);
+      out[2 * i + 1] = static_cast<uint8_t>(b >> 8);
+    }
+  }
+  return out;
+}
+
+// Fills `tensors` with every tensor of `specs`, in order. Quantized weights produce their
+// ".scale" sibling at the same time.
+Status Generate(const std::vector<TensorSpec>& specs, uint64_t seed,
+                std::map<std::string, TensorData>* tensors) {
+  for (const TensorSpec& s : specs) {
+    if (tensors->count(s.name)) continue;  // A scale already made with its weight.
+    TensorData t{s.name, StoredDType(s.kind), s.shape, {}};
+    const size_t rows = static_cast<size_t>(s.shape[0]);
+    const size_t cols = s.shape.size() > 1 ? static_cast<size_t>(s.shape[1]) : 1;
+    const std::string base = s.name.substr(0, s.name.rfind('.'));
+    switch (s.kind) {
+      case TensorKind::kFp8Weight: {
+        std::vector<float> w = Normals(seed, s.name, rows * cols, 1.0f / std::sqrt(float(cols)));
+        TensorData scale{base + ".scale",
+                         DType::kF8E8M0,
+                         {int64_t((rows + 31) / 32), int64_t((cols + 31) / 32)},
+                         {}};
+        t.bytes.resize(rows * cols);
+        scale.bytes.resize(((rows + 31) / 32) * ((cols + 31) / 32));
+        k::QuantizeFp8Weight(w.data(), rows, cols, t.bytes.data(), scale.bytes.data());
+        (*tensors)[scale.name] = std::move(scale);
+        break;
+      }
+      case TensorKind::kFp4Weight: {
+        const size_t in = cols * 2;
+        std::vector<float> w = Normals(seed, s.name, rows * in, 1.0f / std::sqrt(float(in)));
+        TensorData scale{base + ".scale", DType::kF8E8M0, {int64_t(rows), int64_t(in / 32)}, {}};
+        t.bytes.resize(rows * cols);
+        scale.bytes.resize(rows * in / 32);
+        for (size_t r = 0; r < rows; ++r) {
+          k::QuantizeFp4E8M0(w.data() + r * in, in, 32, t.bytes.data() + r * cols,
+                             scale.bytes.data() + r * in / 32);
+        }
+        (*tensors)[scale.name] = std::move(scale);
+        break;
+      }
+      case TensorKind::kFp8Table: {
+        std::vector<float> w = Normals(seed, s.name, rows * cols, 1.0f);
+        std::string scale_name = base + ".scale";
+        TensorData scale{scale_name, DType::kF8E8M0, {int64_t(rows), int64_t(cols / 32)}, {}};
+        t.bytes.resize(rows * cols);
+        scale.bytes.resize(rows * cols / 32);
+        k::QuantizeFp8PerBlock(w.data(), rows * cols, 32, t.bytes.data(), scale.bytes.data());
+        (*tensors)[scale_name] = std::move(scale);
+        break;
+      }
+      case TensorKind::kFp8Scale:
+      case TensorKind::kFp4Scale:
+      case TensorKind::kFp8RowScale:
+        return Internal("mkmodel: scale " + s.name + " precedes its weight");
+      case TensorKind::kBf16:
+      case TensorKind::kF32: {
+        std::vector<float> v;
+        const size_t n = rows * cols;
+        if (EndsWith(s.name, "norm.weight") || EndsWith(s.name, "q_weight") ||
+            EndsWith(s.name, "k_weight") || EndsWith(s.name, "_scale")) {
+          v.assign(n, 1.0f);
+        } else if (EndsWith(s.name, "_base") || EndsWith(s.name, "attn_sink") ||
+                   EndsWith(s.name, "gate.bias") || EndsWith(s.name, "gate.bias_vl")) {
+          v.assign(n, 0.0f);
+        } else if (s.name == "embed.weight" || EndsWith(s.name, "markov_head.embed.weight")) {
+          v = Normals(seed, s.name, n, 1.0f);
+        } else if (s.name.find(".hc_") != std::string::npos) {
+          v = Normals(seed, s.name, n, 0.02f);
+        } else {
+          v = Normals(seed, s.name, n, 1.0f / std::sqrt(float(cols)));
+        }
+        t.bytes = AsBytes(v, t.dtype);
+        break;
+      }
+    }
+    (*tensors)[s.name] = std::move(t);
+  }
+  return Status::Ok();
+}
+
+Status CopyFile(const std::filesystem::path& from, const std::filesystem::path& to) {
+  std::error_code ec;
+  std::filesystem::copy_file(from, to, std::filesystem::copy_options::overwrite_existing, ec);
+  if (ec)
+    return IoError("cannot copy " + from.string() + " to " + to.string() + ": " + ec.message());
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<std::string> TinyConfigJson(std::string_view overrides_json) {
+  json config = json::parse(kDefaultConfig);
+  bool sizes_given = false;
+  if (!overrides_json.empty()) {
+    json overrides;
+    try {
+      overrides = json::parse(overrides_json);
+    } catch (const json::parse_error& e) {
+      return InvalidArgument(std::string("model spec is not valid JSON: ") + e.what());
+    }
+    if (!overrides.is_object()) return InvalidArgument("model spec must be a mapping of keys");
+    for (auto it = overrides.begin(); it != overrides.end(); ++it) {
+      if (it.key() == "quantization_config" || it.key() == "vision_config") {
+        if (!it.value().is_object()) {
+          return InvalidArgument("model spec: " + it.key() + " must be a mapping");
+        }
+        config[it.key()].merge_patch(it.value());
+      } else if (kTopLevelKeys.count(it.key())) {
+        config[it.key()] = it.value();
+      } else if (config["text_config"].contains(it.key())) {
+        config["text_config"][it.key()] = it.value();
+        sizes_given = sizes_given || it.key() == "engram_num_embeddings";
+      } else {
+        return InvalidArgument("model spec: unknown key \"" + it.key() +
+                               "\" (use the text_config keys of config.json)");
+      }
+    }
+  }
+  // Engram table sizes follow from the other Engram keys unless given: compute them the way
+  // the release's config does, so the self-check in ParseModelConfig holds.
+  json& text = config["text_config"];
+  if (!sizes_given && text.contains("engram_layer_ids") && !text["engram_layer_ids"].empty()) {
+    ModelConfig probe;
+    probe.engram_layer_ids = text["engram_layer_ids"].get<std::vector<int>>();
+    probe.engram_max_ngram_size = text["engram_max_ngram_size"].get<int>();
+    probe.engram_vocab_size = text["engram_vocab_size"].get<int64_t>();
+    probe.engram_n_heads = text["engram_n_heads"].get<int>();
+    std::vector<int64_t> rows;
+    for (const auto& layer : EngramPrimes(probe)) {
+      int64_t sum = 0;
+      for (const auto& per_n : layer) {
+        for (int64_t p : per_n) sum += p;
+      }
+      rows.push_back(sum);
+    }
+    text["engram_num_embeddings"] = rows;
+  }
+  std::string out = config.dump(2);
+  FLASHD_RETURN_IF_ERROR(ParseModelConfig(out, "model spec").status());
+  return out;
+}
+
+Status WriteTinyModel(const std::string& dir, std::string_view config_json,
+                      const TinyModelOptions& options) {
+  namespace fs = std::filesystem;
+  FLASHD_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(config_json, "model spec"));
+  if (options.shards < 1) return InvalidArgument("mkmodel: --shards must be at least 1");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return IoError(dir + ": cannot create: " + ec.message());
+
+  const std::vector<TensorSpec> specs = ExpectedTensors(config);
+  std::map<std::string, TensorData> tensors;
+  FLASHD_RETURN_IF_ERROR(Generate(specs, options.seed, &tensors));
+
+  // Split the tensors, in spec order, into shards of about equal bytes.
+  uint64_t total = 0;
+  for (const auto& [name, t] : tensors) total += t.bytes.size();
+  const uint64_t per_shard = (total + options.shards - 1) / options.shards;
+  std::vector<std::vector<const TensorData*>> shards(options.shards);
+  uint64_t filled = 0;
+  size_t current = 0;
+  for (const TensorSpec& s : specs) {
+    const TensorData& t = tensors.at(s.name);
+    if (filled >= per_shard * (current + 1) && current + 1 < shards.size()) ++current;
+    shards[current].push_back(&t);
+    filled += t.bytes.size();
+  }
+
+  std::map<std::string, std::string> meta = {{"format", "pt"}};
+  if (options.shards == 1) {
+    FLASHD_RETURN_IF_ERROR(
+        WriteSafetensors((fs::path(dir) / "model.safetensors").string(), shards[0], meta));
+  } else {
+    json weight_map = json::object();
+    for (size_t i = 0; i < shards.size(); ++i) {
+      char name[64];
+      std::snprintf(name, sizeof name, "model-%05zu-of-%05d.safetensors", i + 1, options.shards);
+      FLASHD_RETURN_IF_ERROR(WriteSafetensors((fs::path(dir) / name).string(), shards[i], meta));
+      for (const TensorData* t : shards[i]) weight_map[t->name] = name;
+    }
+    json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    std::ofstream(fs::path(dir) / "model.safetensors.index.json") << index.dump(2) << "\n";
+  }
+  std::ofstream out(fs::path(dir) / "config.json");
+  out << config_json << "\n";
+  if (!out) return IoError(dir + "/config.json: write failed");
+  if (!options.tokenizer_dir.empty()) {
+    for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
+      fs::path from = fs::path(options.tokenizer_dir) / file;
+      if (fs::exists(from, ec)) FLASHD_RETURN_IF_ERROR(CopyFile(from, fs::path(dir) / file));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace flashd::engine
