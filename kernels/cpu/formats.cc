@@ -78,6 +78,8 @@ float F16ToFloat(uint16_t bits) {
 
 float E4M3ToFloat(uint8_t code) { return E4M3Table()[code]; }
 
+const float* E4M3DecodeTable() { return E4M3Table().data(); }
+
 uint8_t FloatToE4M3(float value) {
   const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
   if (std::isnan(value)) return sign | 0x7F;

@@ -31,6 +31,8 @@ uint16_t FloatToBf16(float value);  // Round to nearest even; NaN stays NaN.
 float F16ToFloat(uint16_t bits);
 
 float E4M3ToFloat(uint8_t code);
+// The 256 decoded E4M3 values, indexed by code, for kernels that decode in bulk.
+const float* E4M3DecodeTable();
 uint8_t FloatToE4M3(float value);  // RNE; |value| >= 448 saturates to +-448; NaN -> 0x7F|sign.
 
 float E8M0ToFloat(uint8_t code);

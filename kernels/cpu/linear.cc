@@ -15,13 +15,24 @@ bool ShapeOk(size_t M, size_t K, size_t N) {
 
 // Decodes one weight row to floats without its scales: the value grid of each format.
 void DecodeFp8Row(const uint8_t* w, size_t K, float* out) {
-  for (size_t k = 0; k < K; ++k) out[k] = E4M3ToFloat(w[k]);
+  const float* table = E4M3DecodeTable();
+  for (size_t k = 0; k < K; ++k) out[k] = table[w[k]];
 }
 
 void DecodeFp4Row(const uint8_t* w, size_t K, float* out) {
+  // Both values of every byte, so a row decodes with one lookup per byte.
+  static const std::vector<float> pairs = [] {
+    std::vector<float> t(512);
+    for (int b = 0; b < 256; ++b) {
+      t[2 * b] = E2M1ToFloat(static_cast<uint8_t>(b & 0xF));
+      t[2 * b + 1] = E2M1ToFloat(static_cast<uint8_t>(b >> 4));
+    }
+    return t;
+  }();
   for (size_t k = 0; k < K; k += 2) {
-    out[k] = E2M1ToFloat(w[k / 2] & 0xF);
-    out[k + 1] = E2M1ToFloat(w[k / 2] >> 4);
+    const float* p = &pairs[2 * w[k / 2]];
+    out[k] = p[0];
+    out[k + 1] = p[1];
   }
 }
 
