@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <boost/test/unit_test.hpp>
@@ -117,6 +118,34 @@ BOOST_AUTO_TEST_CASE(serves_routes_on_both_listeners_and_stops_cleanly) {
   BOOST_TEST(!fs::exists(d.socket_path()));
   BOOST_TEST(!fs::exists(d.pid_file()));
   BOOST_TEST(Contains(d.log(), "stopped cleanly"), d.log());
+}
+
+BOOST_AUTO_TEST_CASE(flashctl_reports_status_over_the_socket_and_tcp) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  auto run = [](const std::string& args) {
+    std::string cmd = std::string(FLASHD_SOURCE_DIR) + "/clients/flashctl " + args + " 2>&1";
+    FILE* p = ::popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[1024];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+    int status = ::pclose(p);
+    return std::make_pair(WEXITSTATUS(status), out);
+  };
+  auto [code, out] = run("--socket " + d.socket_path() + " status");
+  BOOST_TEST(code == 0, out);
+  BOOST_TEST(Contains(out, "health: {\"status\":\"ok\"}"), out);
+  BOOST_TEST(Contains(out, "deepseek-v4.1-flash"), out);
+  auto [tcp_code, tcp_out] = run("--url http://127.0.0.1:" + std::to_string(d.port()) + " models");
+  BOOST_TEST(tcp_code == 0, tcp_out);
+  BOOST_TEST(json::parse(tcp_out)["object"] == "list");
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+  auto [gone_code, gone_out] = run("--socket " + d.socket_path() + " status");
+  BOOST_TEST(gone_code == 3, gone_out);
+  BOOST_TEST(Contains(gone_out, "no daemon answered"), gone_out);
 }
 
 BOOST_AUTO_TEST_CASE(sigint_also_stops_cleanly) {
