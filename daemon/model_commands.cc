@@ -5,7 +5,9 @@
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 
+#include "engine/engram.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/model_info.h"
@@ -233,6 +235,16 @@ int ModelInfoCommand(const std::vector<std::string>& args) {
       {"checkpoint_bytes_by_dtype", s.checkpoint_bytes_by_dtype},
       {"checkpoint_bytes", s.checkpoint_bytes},
   };
+  // Engram's compressed classes, from the model directory's own tokenizer when it has one.
+  std::optional<int64_t> classes;
+  if (fs::is_directory(path, ec) && fs::exists(fs::path(path) / "tokenizer.json", ec)) {
+    auto vocab = engine::BuildCompressedVocab((fs::path(path) / "tokenizer.json").string());
+    if (vocab.ok()) classes = vocab->classes;
+  }
+  if (classes) {
+    j["engram_tokenizer_classes"] = *classes;
+    j["engram_classes_match_config"] = *classes == config->engram_compressed_vocab_size;
+  }
   if (model) {
     json unused = json::object();
     for (const auto& [part, counts] : model->weights().unused) {
@@ -276,6 +288,12 @@ int ModelInfoCommand(const std::vector<std::string>& args) {
       static_cast<unsigned long long>(s.compressor_state_bytes),
       static_cast<unsigned long long>(s.logits_bytes),
       static_cast<unsigned long long>(s.engram_history_bytes));
+  if (classes) {
+    std::printf("engram classes from tokenizer.json: %lld (config: %lld)%s\n",
+                static_cast<long long>(*classes),
+                static_cast<long long>(config->engram_compressed_vocab_size),
+                *classes == config->engram_compressed_vocab_size ? "" : "  MISMATCH");
+  }
   std::printf("checkpoint bytes (without vision) %.3f GB\n", s.checkpoint_bytes / 1e9);
   for (const auto& [dtype, bytes] : s.checkpoint_bytes_by_dtype) {
     std::printf("  %-8s %.3f GB\n", dtype.c_str(), bytes / 1e9);

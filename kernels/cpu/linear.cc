@@ -152,4 +152,38 @@ KernelStatus Fp4Linear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t 
   return KernelStatus::kOk;
 }
 
+void DenseLinearRef(const float* x, size_t M, size_t K, const float* w, size_t N, float* y) {
+  for (size_t m = 0; m < M; ++m) {
+    for (size_t n = 0; n < N; ++n) {
+      float acc = 0.0f;
+      for (size_t k = 0; k < K; ++k) acc += x[m * K + k] * w[n * K + k];
+      y[m * N + n] = acc;
+    }
+  }
+}
+
+void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, float* y,
+                 int threads) {
+  // Small products are not worth a thread start.
+  if (M * N * K < (1u << 16)) threads = 1;
+  ParallelRanges(N, threads, [&](size_t begin, size_t end) {
+    for (size_t n = begin; n < end; ++n) {
+      const float* wn = w + n * K;
+      for (size_t m = 0; m < M; ++m) {
+        const float* xm = x + m * K;
+        float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+        size_t k = 0;
+        for (; k + 4 <= K; k += 4) {
+          p0 += xm[k] * wn[k];
+          p1 += xm[k + 1] * wn[k + 1];
+          p2 += xm[k + 2] * wn[k + 2];
+          p3 += xm[k + 3] * wn[k + 3];
+        }
+        for (; k < K; ++k) p0 += xm[k] * wn[k];
+        y[m * N + n] = (p0 + p1) + (p2 + p3);
+      }
+    }
+  });
+}
+
 }  // namespace flashd::kernels::cpu

@@ -32,4 +32,10 @@ KernelStatus Fp4Linear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t 
                        const uint8_t* w_packed, const uint8_t* w_s, size_t N, float* y,
                        int threads);
 
+// y[M,N] = x[M,K] . W[N,K]^T in fp32 for weights kept as floats (BF16 projections, fp32 mixers,
+// the head). The reference sums each dot product in order; the threaded version splits N.
+void DenseLinearRef(const float* x, size_t M, size_t K, const float* w, size_t N, float* y);
+void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, float* y,
+                 int threads);
+
 }  // namespace flashd::kernels::cpu

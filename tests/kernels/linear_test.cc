@@ -113,6 +113,28 @@ BOOST_AUTO_TEST_CASE(fp4_linear_matches_reference_and_exact_product) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(dense_linear_matches_reference) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  const Shape shapes[] = {{1, 5, 3}, {4, 128, 129}, {7, 33, 300}};
+  for (const Shape& s : shapes) {
+    std::vector<float> x(s.M * s.K), w(s.N * s.K), ref(s.M * s.N), fast(s.M * s.N);
+    for (float& v : x) v = dist(rng);
+    for (float& v : w) v = dist(rng);
+    DenseLinearRef(x.data(), s.M, s.K, w.data(), s.N, ref.data());
+    DenseLinear(x.data(), s.M, s.K, w.data(), s.N, fast.data(), 2);
+    std::vector<double> exact(s.M * s.N, 0.0);
+    for (size_t m = 0; m < s.M; ++m) {
+      for (size_t n = 0; n < s.N; ++n) {
+        for (size_t k = 0; k < s.K; ++k)
+          exact[m * s.N + n] += double(x[m * s.K + k]) * w[n * s.K + k];
+      }
+    }
+    CheckClose(ref, exact, 1e-5);
+    CheckClose(fast, exact, 1e-5);
+  }
+}
+
 BOOST_AUTO_TEST_CASE(bad_shapes_are_refused) {
   std::vector<uint8_t> b(64);
   std::vector<float> y(4);

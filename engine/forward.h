@@ -1,0 +1,125 @@
+// The CPU forward pass of DeepSeek-V4.1-Flash: prefill (many tokens) and decode (one token) for
+// sequences at any position, with all per-sequence state in SequenceState.
+//
+// Numerics follow the reference implementation: activations are rounded to BF16 between ops,
+// norms, gates, mHC mixes and softmaxes run in FP32, every FP8/FP4 linear quantizes its input to
+// FP8 per 32, the window KV is kept as FP8 with a UE8M0 scale per 32, compressed KV as FP4 with
+// an E4M3 scale per 16, and index keys as FP4 with a UE8M0 scale per 32. Every per-token result
+// depends only on that token and the state before it, so one prefill, any chunking, and token by
+// token decoding give bit-identical results; so do a batch and each sequence alone.
+//
+// Thread-safety: a CpuForward is immutable after Create() and may be shared; one SequenceState
+// must not be used by two calls at once.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "config/status.h"
+#include "engine/engram.h"
+#include "engine/model.h"
+
+namespace flashd::engine {
+
+// Everything a sequence carries between calls. Bounded parts (window rings, compressor partial
+// groups, Engram history) plus the compressed KV and index keys that grow with the context.
+struct SequenceState {
+  int64_t position = 0;  // Tokens processed so far.
+  struct Ring {
+    std::vector<uint8_t> codes;   // [window, head_dim] FP8 E4M3
+    std::vector<uint8_t> scales;  // [window, head_dim / 32] UE8M0
+  };
+  std::vector<Ring> rings;  // One per layer.
+  struct Source {
+    std::vector<float> kv_partial;     // [ratio, head_dim] fp32, ratio > 1 only
+    std::vector<float> score_partial;  // [ratio, head_dim] fp32
+    std::vector<uint8_t> kv_packed;    // [entries, head_dim / 2] FP4
+    std::vector<uint8_t> kv_scales;    // [entries, head_dim / 16] E4M3
+    std::vector<uint8_t> key_packed;   // [entries, index_head_dim / 2] FP4
+    std::vector<uint8_t> key_scales;   // [entries, index_head_dim / 32] UE8M0
+    int64_t entries = 0;
+  };
+  std::vector<Source> sources;          // Indexed by layer; empty for non-sources.
+  std::vector<int32_t> engram_classes;  // The last max_ngram_size - 1 token classes.
+
+  // A versioned binary snapshot of everything above (format in docs/formats.md).
+  std::string Serialize() const;
+  static StatusOr<SequenceState> Deserialize(std::string_view bytes);
+};
+
+// What a forward call can report besides logits, for tests against the reference.
+struct ForwardTrace {
+  // For each index-source layer and token: the compressed positions selected (ascending).
+  struct Selection {
+    int layer;
+    int64_t position;
+    std::vector<int64_t> entries;
+  };
+  std::vector<Selection> selections;
+  std::vector<std::vector<int64_t>> engram_rows;  // Per token: rows of every Engram layer.
+  // When record_streams is set: the residual streams after every layer, [tokens, hc, dim].
+  bool record_streams = false;
+  std::vector<std::vector<float>> streams;
+  // With record_streams: each layer's attention input and output, FFN input and output,
+  // [tokens, dim] each, in that order.
+  std::vector<std::vector<float>> sublayers;
+};
+
+struct ForwardOptions {
+  bool all_logits = false;  // Logits for every token, or only the last.
+  int threads = 0;          // 0: all cores.
+  ForwardTrace* trace = nullptr;
+  // Layer-by-layer replay of another implementation's run: when set, the residual stream
+  // entering layer l (l >= 1), and the final one, are taken from forced_streams
+  // [tokens, layers, hc, dim] (the stream each layer produced there) instead of from this
+  // model's previous layer. Each layer is then compared on identical inputs, which keeps one
+  // rounding difference from compounding through the rest of the stack.
+  const float* forced_streams = nullptr;
+  // The decoder bounded replay (off with 0): layers after the last KV source run only on the
+  // last max(replay_tokens, sliding_window) tokens of each sequence in the call. Earlier prompt
+  // tokens reach those layers only through their window rings, which then start at the replay.
+  // An approximation, measured in docs/benchmarks.md; needs all_logits off.
+  int64_t replay_tokens = 0;
+};
+
+// One sequence's part of a batched call.
+struct BatchItem {
+  SequenceState* state;
+  std::span<const int32_t> tokens;
+  std::vector<float>* logits;
+};
+
+class CpuForward {
+ public:
+  // Prepares the model's weights for the CPU (decodes BF16 matrices, keeps FP8/FP4 mapped).
+  // `tokenizer_json` is needed for Engram; "" means the model directory's own tokenizer.json.
+  static StatusOr<std::unique_ptr<CpuForward>> Create(const Model& model,
+                                                      const std::string& tokenizer_json = "");
+  ~CpuForward();
+
+  const ModelConfig& config() const;
+  SequenceState NewSequence() const;
+
+  // Appends `tokens` to the sequence and writes vocab-sized fp32 logits for the last token, or
+  // for every token with options.all_logits.
+  Status Forward(SequenceState* state, std::span<const int32_t> tokens, std::vector<float>* logits,
+                 const ForwardOptions& options = {}) const;
+
+  // Several sequences in one call: row-wise work (projections, experts, head) runs over all
+  // their tokens together; each sequence's results equal those of running it alone.
+  // REQUIRES: distinct states.
+  Status ForwardBatch(std::span<BatchItem> items, const ForwardOptions& options = {}) const;
+
+  // The compressed Engram vocabulary's class count (99,092 for the released tokenizer).
+  int64_t engram_classes() const;
+
+ private:
+  struct Impl;
+  explicit CpuForward(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace flashd::engine

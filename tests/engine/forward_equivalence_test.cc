@@ -1,0 +1,158 @@
+// Equivalences the forward pass must keep bit for bit: chunking, snapshots, batching.
+#include <boost/test/unit_test.hpp>
+#include <cstring>
+#include <random>
+
+#include "engine/forward.h"
+
+namespace flashd::engine {
+namespace {
+
+const std::string kDir = FLASHD_GOLDEN_DIR;
+
+const CpuForward& Forward() {
+  static std::unique_ptr<Model> model = [] {
+    auto m = Model::Load(kDir);
+    BOOST_REQUIRE_MESSAGE(m.ok(), m.status().ToString());
+    return std::move(*m);
+  }();
+  static std::unique_ptr<CpuForward> fwd = [] {
+    auto f = CpuForward::Create(*model);
+    BOOST_REQUIRE_MESSAGE(f.ok(), f.status().ToString());
+    return std::move(*f);
+  }();
+  return *fwd;
+}
+
+std::vector<int32_t> Tokens(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> dist(
+      0, static_cast<int32_t>(Forward().config().vocab_size) - 1);
+  std::vector<int32_t> t(n);
+  for (int32_t& v : t) v = dist(rng);
+  return t;
+}
+
+// Logits of every token, feeding `tokens` in chunks of the given sizes (cycled).
+std::vector<float> RunChunked(const std::vector<int32_t>& tokens, const std::vector<size_t>& sizes,
+                              SequenceState* state) {
+  std::vector<float> all, part;
+  ForwardOptions options;
+  options.all_logits = true;
+  size_t pos = 0, i = 0;
+  while (pos < tokens.size()) {
+    size_t n = std::min(sizes[i++ % sizes.size()], tokens.size() - pos);
+    BOOST_REQUIRE(
+        Forward().Forward(state, std::span<const int32_t>(&tokens[pos], n), &part, options).ok());
+    all.insert(all.end(), part.begin(), part.end());
+    pos += n;
+  }
+  return all;
+}
+
+bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+BOOST_AUTO_TEST_SUITE(forward_equivalence)
+
+BOOST_AUTO_TEST_CASE(one_prefill_equals_any_chunking_equals_token_by_token) {
+  const std::vector<int32_t> tokens = Tokens(77, 1);  // Past several windows and index top-ks.
+  SequenceState whole = Forward().NewSequence();
+  const std::vector<float> want = RunChunked(tokens, {tokens.size()}, &whole);
+  const std::vector<std::vector<size_t>> chunkings = {{1}, {3}, {8}, {17}, {5, 1, 30, 2}};
+  for (const auto& sizes : chunkings) {
+    SequenceState st = Forward().NewSequence();
+    std::vector<float> got = RunChunked(tokens, sizes, &st);
+    BOOST_TEST(BitEqual(got, want), "chunk sizes starting " << sizes[0]);
+    BOOST_TEST((st.Serialize() == whole.Serialize()), "state after chunks starting " << sizes[0]);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(snapshot_restore_continue_equals_uninterrupted) {
+  const std::vector<int32_t> prompt = Tokens(41, 2), more = Tokens(23, 3);
+  SequenceState a = Forward().NewSequence();
+  std::vector<float> logits;
+  BOOST_REQUIRE(Forward().Forward(&a, prompt, &logits).ok());
+  std::string snapshot = a.Serialize();
+  std::vector<float> uninterrupted = RunChunked(more, {1}, &a);
+
+  auto restored = SequenceState::Deserialize(snapshot);
+  BOOST_REQUIRE_MESSAGE(restored.ok(), restored.status().ToString());
+  BOOST_TEST(restored->position == 41);
+  std::vector<float> resumed = RunChunked(more, {1}, &*restored);
+  BOOST_TEST(BitEqual(resumed, uninterrupted));
+}
+
+BOOST_AUTO_TEST_CASE(corrupt_snapshots_are_refused) {
+  SequenceState a = Forward().NewSequence();
+  std::vector<float> logits;
+  BOOST_REQUIRE(Forward().Forward(&a, Tokens(9, 4), &logits).ok());
+  std::string bytes = a.Serialize();
+  BOOST_TEST(!SequenceState::Deserialize(bytes.substr(0, bytes.size() - 3)).ok());
+  std::string bad_magic = bytes;
+  bad_magic[0] = 'X';
+  BOOST_TEST(!SequenceState::Deserialize(bad_magic).ok());
+  std::string bad_version = bytes;
+  bad_version[4] = 99;
+  auto v = SequenceState::Deserialize(bad_version);
+  BOOST_TEST(v.status().message().find("version 99") != std::string::npos, v.status().message());
+}
+
+BOOST_AUTO_TEST_CASE(batch_equals_each_sequence_alone) {
+  // Three sequences at different positions with different chunk lengths, in one call.
+  std::vector<std::vector<int32_t>> prefixes = {Tokens(5, 10), Tokens(30, 11), {}};
+  std::vector<std::vector<int32_t>> chunks = {Tokens(12, 12), Tokens(1, 13), Tokens(20, 14)};
+  std::vector<SequenceState> batched, alone;
+  std::vector<std::vector<float>> want(3), got(3);
+  std::vector<float> scratch;
+  for (size_t i = 0; i < 3; ++i) {
+    batched.push_back(Forward().NewSequence());
+    alone.push_back(Forward().NewSequence());
+    if (!prefixes[i].empty()) {
+      BOOST_REQUIRE(Forward().Forward(&batched[i], prefixes[i], &scratch).ok());
+      BOOST_REQUIRE(Forward().Forward(&alone[i], prefixes[i], &scratch).ok());
+    }
+  }
+  ForwardOptions options;
+  options.all_logits = true;
+  for (size_t i = 0; i < 3; ++i) {
+    BOOST_REQUIRE(Forward().Forward(&alone[i], chunks[i], &want[i], options).ok());
+  }
+  std::vector<BatchItem> items;
+  for (size_t i = 0; i < 3; ++i) items.push_back({&batched[i], chunks[i], &got[i]});
+  BOOST_REQUIRE(Forward().ForwardBatch(items, options).ok());
+  for (size_t i = 0; i < 3; ++i) {
+    BOOST_TEST(BitEqual(got[i], want[i]), "sequence " << i);
+    BOOST_TEST((batched[i].Serialize() == alone[i].Serialize()), "state of sequence " << i);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(bounded_replay_is_exact_when_the_prompt_fits_and_off_by_default) {
+  const std::vector<int32_t> tokens = Tokens(60, 5);
+  SequenceState a = Forward().NewSequence(), b = Forward().NewSequence();
+  std::vector<float> full, replay;
+  BOOST_REQUIRE(Forward().Forward(&a, tokens, &full).ok());
+  ForwardOptions options;
+  options.replay_tokens = 60;  // The whole prompt: nothing is skipped.
+  BOOST_REQUIRE(Forward().Forward(&b, tokens, &replay, options).ok());
+  BOOST_TEST(BitEqual(full, replay));
+  BOOST_TEST(ForwardOptions().replay_tokens == 0);
+  options.all_logits = true;
+  BOOST_TEST(!Forward().Forward(&b, tokens, &replay, options).ok());
+}
+
+BOOST_AUTO_TEST_CASE(bad_input_is_refused) {
+  SequenceState st = Forward().NewSequence();
+  std::vector<float> logits;
+  std::vector<int32_t> out_of_vocab = {1, static_cast<int32_t>(Forward().config().vocab_size)};
+  Status s = Forward().Forward(&st, out_of_vocab, &logits);
+  BOOST_TEST(s.message().find("outside the vocabulary") != std::string::npos, s.message());
+  BOOST_TEST(st.position == 0);
+  BOOST_TEST(!Forward().Forward(&st, {}, &logits).ok());
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace flashd::engine
