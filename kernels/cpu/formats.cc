@@ -220,34 +220,35 @@ void DequantizeFp4E4M3(const uint8_t* packed, const uint8_t* scales, size_t n, s
   DequantizeFp4(packed, scales, n, block, out, E4M3ToFloat);
 }
 
-void RoundTripFp8(float* x, size_t n, size_t block) {
+namespace {
+
+// Rounds each block of x through a format: `scale_of(amax)` gives the block's scale, `round`
+// one element's value at that scale.
+template <typename ScaleOf, typename Round>
+void RoundTrip(float* x, size_t n, size_t block, ScaleOf scale_of, Round round) {
   for (size_t b = 0; b * block < n; ++b) {
     float* xb = x + b * block;
-    float s = Fp8BlockScale(AbsMax(xb, block));
-    for (size_t i = 0; i < block; ++i) {
-      xb[i] = E4M3ToFloat(FloatToE4M3(std::clamp(xb[i] / s, -kFp8Max, kFp8Max))) * s;
-    }
+    const float s = scale_of(AbsMax(xb, block));
+    for (size_t i = 0; i < block; ++i) xb[i] = round(xb[i] / s) * s;
   }
+}
+
+float RoundFp8(float v) { return E4M3ToFloat(FloatToE4M3(std::clamp(v, -kFp8Max, kFp8Max))); }
+float RoundFp4(float v) { return E2M1ToFloat(FloatToE2M1(std::clamp(v, -kFp4Max, kFp4Max))); }
+
+}  // namespace
+
+void RoundTripFp8(float* x, size_t n, size_t block) {
+  RoundTrip(x, n, block, Fp8BlockScale, RoundFp8);
 }
 
 void RoundTripFp4E8M0(float* x, size_t n, size_t block) {
-  for (size_t b = 0; b * block < n; ++b) {
-    float* xb = x + b * block;
-    float s = Fp4E8M0BlockScale(AbsMax(xb, block));
-    for (size_t i = 0; i < block; ++i) {
-      xb[i] = E2M1ToFloat(FloatToE2M1(std::clamp(xb[i] / s, -kFp4Max, kFp4Max))) * s;
-    }
-  }
+  RoundTrip(x, n, block, Fp4E8M0BlockScale, RoundFp4);
 }
 
 void RoundTripFp4E4M3(float* x, size_t n, size_t block) {
-  for (size_t b = 0; b * block < n; ++b) {
-    float* xb = x + b * block;
-    float s = E4M3ToFloat(Fp4E4M3BlockScaleCode(AbsMax(xb, block)));
-    for (size_t i = 0; i < block; ++i) {
-      xb[i] = E2M1ToFloat(FloatToE2M1(std::clamp(xb[i] / s, -kFp4Max, kFp4Max))) * s;
-    }
-  }
+  RoundTrip(
+      x, n, block, [](float amax) { return E4M3ToFloat(Fp4E4M3BlockScaleCode(amax)); }, RoundFp4);
 }
 
 void QuantizeFp8Weight(const float* w, size_t rows, size_t cols, uint8_t* q, uint8_t* scales) {
