@@ -19,6 +19,7 @@ configure: deps
 
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
+	packaging/fetch-tokenizer.sh $(BUILD_DIR)/tokenizer/deepseek-v4
 
 run: build
 	$(BUILD_DIR)/bin/flashd serve --config $(CONFIG)

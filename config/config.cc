@@ -107,6 +107,11 @@ const std::vector<Field>& Schema() {
          c->model.dir = t;
          return Status::Ok();
        }},
+      {"model.tokenizer_dir", "a directory holding tokenizer.json, or \"\"",
+       [](const std::string& t, Config* c) {
+         c->model.tokenizer_dir = t;
+         return Status::Ok();
+       }},
       {"model.id", "a non-empty model name",
        [](const std::string& t, Config* c) { return SetNonEmpty(t, &c->model.id); }},
       {"log.level", "one of trace, debug, info, warn, error, off",

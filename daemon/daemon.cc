@@ -11,10 +11,12 @@
 #include <condition_variable>
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <mutex>
 
 #include "daemon/unix_socket.h"
+#include "engine/tokenizer.h"
 
 namespace flashd::daemon {
 namespace {
@@ -106,7 +108,7 @@ void Daemon::LoadModel() {
   std::string dir = config_.model.dir;
   if (dir.empty()) {
     api_->SetPhase(api::Phase::kLoading, "writing the embedded default model");
-    Status s = engine::EnsureDefaultModel(config_.state_dir);
+    Status s = engine::EnsureDefaultModel(config_.state_dir, config_.model.tokenizer_dir);
     if (!s.ok()) {
       spdlog::error("embedded default model: {}", s.message());
       api_->SetPhase(api::Phase::kFailed, "embedded default model: " + s.message());
@@ -123,6 +125,18 @@ void Daemon::LoadModel() {
     api_->SetPhase(api::Phase::kFailed, "cannot load the model: " + model.status().message());
   } else {
     model_ = std::move(*model);
+    const std::string tokenizer_path = (std::filesystem::path(dir) / "tokenizer.json").string();
+    if (std::filesystem::exists(tokenizer_path)) {
+      auto tokenizer = engine::Tokenizer::Load(tokenizer_path);
+      if (tokenizer.ok()) {
+        api_->SetTokenizer(std::shared_ptr<const engine::Tokenizer>(std::move(*tokenizer)));
+        spdlog::info("tokenizer {}: {} ids", tokenizer_path, api_->tokenizer()->size());
+      } else {
+        spdlog::error("{}", tokenizer.status().message());
+      }
+    } else {
+      spdlog::warn("model {} has no tokenizer.json: /tokenize and generation are unavailable", dir);
+    }
     api_->SetPhase(api::Phase::kReady, "");
     sd_notify(0, "STATUS=serving; model loaded");
   }

@@ -32,6 +32,8 @@ void PrintMainHelp() {
       "  serve       run the daemon in the foreground\n"
       "  mkmodel     write a tiny checkpoint in the released format (random weights)\n"
       "  model-info  parameters, KV bytes per token and state of a model or config.json\n"
+      "  tokenize    text on stdin -> token ids (JSON array)\n"
+      "  detokenize  token ids (JSON array) on stdin -> text\n"
       "  version     print the version and build\n"
       "  help        print this help (also: flashd <command> --help)\n",
       kVersion);
@@ -153,6 +155,8 @@ int main(int argc, char** argv) {
   if (command == "version" || command == "--version") return Version(args);
   if (command == "mkmodel") return daemon::MkModelCommand(args);
   if (command == "model-info") return daemon::ModelInfoCommand(args);
+  if (command == "tokenize") return daemon::TokenizeCommand(args);
+  if (command == "detokenize") return daemon::DetokenizeCommand(args);
   if (command == "help" || command == "--help" || command == "-h") {
     PrintMainHelp();
     return kExitOk;

@@ -4,6 +4,8 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <iostream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -12,6 +14,7 @@
 #include "engine/model_config.h"
 #include "engine/model_info.h"
 #include "engine/tiny_model.h"
+#include "engine/tokenizer.h"
 
 namespace flashd::daemon {
 namespace {
@@ -311,6 +314,101 @@ int ModelInfoCommand(const std::vector<std::string>& args) {
       std::printf("  unexpected tensor: %s\n", name.c_str());
     }
   }
+  return kExitOk;
+}
+
+namespace {
+
+// Parses "--tokenizer FILE" (or "--tokenizer=FILE"); prints help or errors itself.
+bool TokenizerArgs(const std::vector<std::string>& args, const char* command, std::string* path,
+                   bool* plain, int* exit_code) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i] == "--help" || args[i] == "-h") {
+      std::printf(
+          "Usage: flashd %s --tokenizer FILE [--no-special]\n\n%s\n"
+          "  --tokenizer FILE  a tokenizer.json (Hugging Face format)\n"
+          "  --no-special      tokenize the text of special tokens as plain text\n",
+          command,
+          std::string(command) == "tokenize"
+              ? "Reads text on stdin and prints its token ids as one JSON array; no special\n"
+                "tokens are added, and special-token text in the input is recognised."
+              : "Reads a JSON array of token ids on stdin and prints their text.");
+      *exit_code = kExitOk;
+      return false;
+    }
+    if (args[i] == "--tokenizer" && i + 1 < args.size()) {
+      *path = args[++i];
+    } else if (args[i].rfind("--tokenizer=", 0) == 0) {
+      *path = args[i].substr(12);
+    } else if (args[i] == "--no-special") {
+      *plain = true;
+    } else {
+      std::fprintf(stderr, "flashd %s: unexpected argument %s\n", command, args[i].c_str());
+      *exit_code = kExitUsage;
+      return false;
+    }
+  }
+  if (path->empty()) {
+    std::fprintf(stderr, "flashd %s: --tokenizer FILE is required\n", command);
+    *exit_code = kExitUsage;
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+int TokenizeCommand(const std::vector<std::string>& args) {
+  std::string path;
+  bool plain = false;
+  int code = kExitOk;
+  if (!TokenizerArgs(args, "tokenize", &path, &plain, &code)) return code;
+  auto tok = engine::Tokenizer::Load(path);
+  if (!tok.ok()) {
+    std::fprintf(stderr, "flashd tokenize: %s\n", tok.status().message().c_str());
+    return kExitUsage;
+  }
+  std::string text((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+  std::vector<int32_t> ids = (*tok)->Encode(text, !plain);
+  std::string out = "[";
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i > 0) out += ',';
+    out += std::to_string(ids[i]);
+  }
+  out += "]\n";
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  return kExitOk;
+}
+
+int DetokenizeCommand(const std::vector<std::string>& args) {
+  std::string path;
+  bool plain = false;
+  int code = kExitOk;
+  if (!TokenizerArgs(args, "detokenize", &path, &plain, &code)) return code;
+  auto tok = engine::Tokenizer::Load(path);
+  if (!tok.ok()) {
+    std::fprintf(stderr, "flashd detokenize: %s\n", tok.status().message().c_str());
+    return kExitUsage;
+  }
+  std::string text((std::istreambuf_iterator<char>(std::cin)), std::istreambuf_iterator<char>());
+  std::vector<int32_t> ids;
+  try {
+    json j = json::parse(text);
+    ids = j.get<std::vector<int32_t>>();
+  } catch (const json::exception& e) {
+    std::fprintf(stderr, "flashd detokenize: stdin is not a JSON array of token ids (%s)\n",
+                 e.what());
+    return kExitUsage;
+  }
+  for (int32_t id : ids) {
+    if (id < 0 || static_cast<size_t>(id) >= (*tok)->size()) {
+      std::fprintf(stderr, "flashd detokenize: token id %d is outside the vocabulary (%zu)\n", id,
+                   (*tok)->size());
+      return kExitUsage;
+    }
+  }
+  std::string out = (*tok)->Decode(ids);
+  std::fwrite(out.data(), 1, out.size(), stdout);
   return kExitOk;
 }
 

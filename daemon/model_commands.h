@@ -10,3 +10,13 @@ int MkModelCommand(const std::vector<std::string>& args);
 int ModelInfoCommand(const std::vector<std::string>& args);
 
 }  // namespace flashd::daemon
+
+namespace flashd::daemon {
+
+// `flashd tokenize --tokenizer FILE`: stdin text -> one JSON array of ids (no special tokens
+// added; special-token text in the input is recognised, as the tokenizers library does).
+int TokenizeCommand(const std::vector<std::string>& args);
+// `flashd detokenize --tokenizer FILE`: a JSON array of ids on stdin -> their text on stdout.
+int DetokenizeCommand(const std::vector<std::string>& args);
+
+}  // namespace flashd::daemon

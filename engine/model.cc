@@ -12,7 +12,7 @@ namespace flashd::engine {
 namespace {
 
 // Bump when the default model's spec changes, so old copies are regenerated.
-constexpr const char* kDefaultModelName = "default-tiny-v1";
+constexpr const char* kDefaultModelName = "default-tiny-v2";
 constexpr uint64_t kDefaultModelSeed = 20260910;
 
 }  // namespace
@@ -48,7 +48,7 @@ std::string DefaultModelDir(const std::string& state_dir) {
   return (std::filesystem::path(state_dir) / "models" / kDefaultModelName).string();
 }
 
-Status EnsureDefaultModel(const std::string& state_dir) {
+Status EnsureDefaultModel(const std::string& state_dir, const std::string& tokenizer_dir) {
   namespace fs = std::filesystem;
   const fs::path dir = DefaultModelDir(state_dir);
   const fs::path done = dir / ".complete";
@@ -61,6 +61,14 @@ Status EnsureDefaultModel(const std::string& state_dir) {
   FLASHD_ASSIGN_OR_RETURN(std::string config, TinyConfigJson(""));
   TinyModelOptions options;
   options.seed = kDefaultModelSeed;
+  if (!tokenizer_dir.empty() && fs::exists(fs::path(tokenizer_dir) / "tokenizer.json", ec)) {
+    options.tokenizer_dir = tokenizer_dir;
+  } else {
+    spdlog::warn(
+        "no tokenizer.json in \"{}\" (model.tokenizer_dir): the embedded default model "
+        "will have no tokenizer, so it cannot tokenize or generate",
+        tokenizer_dir);
+  }
   FLASHD_RETURN_IF_ERROR(WriteTinyModel(tmp.string(), config, options));
   std::ofstream(tmp / ".complete") << kDefaultModelName << "\n";
   fs::remove_all(dir, ec);

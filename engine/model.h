@@ -38,8 +38,9 @@ class Model {
 };
 
 // The directory of the embedded default model under `state_dir`. EnsureDefaultModel() writes it
-// (a fixed seed, so every install gets the same weights) unless a complete copy is there.
+// (a fixed seed, so every install gets the same weights) unless a complete copy is there, with
+// the tokenizer files of `tokenizer_dir` when that holds them.
 std::string DefaultModelDir(const std::string& state_dir);
-Status EnsureDefaultModel(const std::string& state_dir);
+Status EnsureDefaultModel(const std::string& state_dir, const std::string& tokenizer_dir);
 
 }  // namespace flashd::engine

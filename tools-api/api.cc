@@ -42,6 +42,10 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
   router_.Add("GET", "/metrics", [this](const auto&, auto& res, const PathParams&) {
     res.set_content(metrics_.Render(), "text/plain; version=0.0.4");
   });
+  router_.Add("POST", "/tokenize",
+              [this](const auto& req, auto& res, const PathParams&) { Tokenize(req, res); });
+  router_.Add("POST", "/detokenize",
+              [this](const auto& req, auto& res, const PathParams&) { Detokenize(req, res); });
 }
 
 void Api::SetPhase(Phase phase, std::string reason) {
@@ -74,6 +78,80 @@ void Api::Models(const httplib::Request&, httplib::Response& res) const {
                           {"embedded_default", model_.embedded_default}};
   nlohmann::json body = {{"object", "list"}, {"data", nlohmann::json::array({entry})}};
   res.set_content(body.dump(), "application/json");
+}
+
+void Api::SetTokenizer(std::shared_ptr<const engine::Tokenizer> tokenizer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  tokenizer_ = std::move(tokenizer);
+}
+
+std::shared_ptr<const engine::Tokenizer> Api::tokenizer() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tokenizer_;
+}
+
+namespace {
+
+// Parses a JSON object body; on failure writes the 400 and returns false.
+bool ParseBody(const httplib::Request& req, httplib::Response& res, nlohmann::json* body) {
+  try {
+    *body = nlohmann::json::parse(req.body);
+  } catch (const nlohmann::json::parse_error& e) {
+    WriteError(res, 400, "invalid_request_error",
+               std::string("request body is not valid JSON: ") + e.what());
+    return false;
+  }
+  if (!body->is_object()) {
+    WriteError(res, 400, "invalid_request_error", "request body must be a JSON object");
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+void Api::Tokenize(const httplib::Request& req, httplib::Response& res) const {
+  auto tok = tokenizer();
+  if (!tok) return WriteError(res, 503, "unavailable_error", "no tokenizer is loaded yet");
+  nlohmann::json body;
+  if (!ParseBody(req, res, &body)) return;
+  if (!body.contains("text") || !body["text"].is_string()) {
+    return WriteError(res, 400, "invalid_request_error", "text: expected a string");
+  }
+  bool special = true;
+  if (body.contains("special")) {
+    if (!body["special"].is_boolean()) {
+      return WriteError(res, 400, "invalid_request_error", "special: expected true or false");
+    }
+    special = body["special"].get<bool>();
+  }
+  std::vector<int32_t> ids = tok->Encode(body["text"].get<std::string>(), special);
+  nlohmann::json out = {{"tokens", ids}, {"count", ids.size()}, {"model", model_.id}};
+  res.set_content(out.dump(), "application/json");
+}
+
+void Api::Detokenize(const httplib::Request& req, httplib::Response& res) const {
+  auto tok = tokenizer();
+  if (!tok) return WriteError(res, 503, "unavailable_error", "no tokenizer is loaded yet");
+  nlohmann::json body;
+  if (!ParseBody(req, res, &body)) return;
+  if (!body.contains("tokens") || !body["tokens"].is_array()) {
+    return WriteError(res, 400, "invalid_request_error", "tokens: expected an array of token ids");
+  }
+  std::vector<int32_t> ids;
+  for (size_t i = 0; i < body["tokens"].size(); ++i) {
+    const nlohmann::json& v = body["tokens"][i];
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 ||
+        v.get<int64_t>() >= static_cast<int64_t>(tok->size())) {
+      return WriteError(res, 400, "invalid_request_error",
+                        "tokens[" + std::to_string(i) + "]: expected a token id in [0, " +
+                            std::to_string(tok->size()) + ")");
+    }
+    ids.push_back(v.get<int32_t>());
+  }
+  // Text that ends inside a UTF-8 character gets U+FFFD there, so the JSON stays valid.
+  nlohmann::json out = {{"text", engine::SanitizeUtf8(tok->Decode(ids))}};
+  res.set_content(out.dump(), "application/json");
 }
 
 void Api::Install(httplib::Server* server, const std::string& listener) {

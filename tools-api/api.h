@@ -11,6 +11,7 @@
 #include <string>
 
 #include "config/config.h"
+#include "engine/tokenizer.h"
 #include "tools-api/metrics.h"
 #include "tools-api/router.h"
 
@@ -43,17 +44,24 @@ class Api {
 
   Metrics& metrics() { return metrics_; }
 
+  // Thread-safe. Until a tokenizer is set, /tokenize and /detokenize answer 503.
+  void SetTokenizer(std::shared_ptr<const engine::Tokenizer> tokenizer);
+  std::shared_ptr<const engine::Tokenizer> tokenizer() const;
+
  private:
   void Health(const httplib::Request& req, httplib::Response& res) const;
   void Models(const httplib::Request& req, httplib::Response& res) const;
+  void Tokenize(const httplib::Request& req, httplib::Response& res) const;
+  void Detokenize(const httplib::Request& req, httplib::Response& res) const;
 
   const Config config_;
   const ServedModel model_;
   Router router_;
   Metrics metrics_;
   mutable std::mutex mu_;
-  Phase phase_ = Phase::kStarting;   // Guarded by mu_.
-  std::string reason_ = "starting";  // Guarded by mu_.
+  Phase phase_ = Phase::kStarting;                      // Guarded by mu_.
+  std::string reason_ = "starting";                     // Guarded by mu_.
+  std::shared_ptr<const engine::Tokenizer> tokenizer_;  // Guarded by mu_.
 };
 
 }  // namespace flashd::api
