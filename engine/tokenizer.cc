@@ -402,21 +402,32 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view text,
 }
 
 std::vector<int32_t> Tokenizer::Encode(std::string_view raw, bool allow_added) const {
+  if (allow_added) return EncodeWithPlainRanges(raw, {});
+  std::vector<int32_t> out;
+  impl_->EncodePlain(SanitizeUtf8(raw), &out);
+  return out;
+}
+
+std::vector<int32_t> Tokenizer::EncodeWithPlainRanges(
+    std::string_view raw, const std::vector<std::pair<size_t, size_t>>& plain) const {
+  // Sanitising can change byte offsets; the ranges refer to valid UTF-8, which it leaves alone.
   const std::string text = SanitizeUtf8(raw);
   std::vector<int32_t> out;
   out.reserve(text.size() / 3);
-  if (!allow_added) {
-    impl_->EncodePlain(text, &out);
-    return out;
-  }
-  size_t last = 0, i = 0;
+  size_t last = 0, i = 0, next_plain = 0;
   const auto& trie = impl_->trie;
   while (i < text.size()) {
-    // The longest added token starting at i, if any.
+    while (next_plain < plain.size() && plain[next_plain].second <= i) ++next_plain;
+    if (next_plain < plain.size() && plain[next_plain].first <= i) {
+      i = plain[next_plain].second;  // No added token starts inside client text.
+      continue;
+    }
+    const size_t limit = next_plain < plain.size() ? plain[next_plain].first : text.size();
+    // The longest added token starting at i that ends before the next plain range.
     int node = 0;
     int32_t found = -1;
     size_t found_len = 0;
-    for (size_t k = i; k < text.size(); ++k) {
+    for (size_t k = i; k < limit; ++k) {
       auto it = trie[node].next.find(static_cast<uint8_t>(text[k]));
       if (it == trie[node].next.end()) break;
       node = it->second;

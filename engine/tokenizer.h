@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "config/status.h"
@@ -30,6 +31,13 @@ class Tokenizer {
   // chat renderer does with user-supplied content, so that "<｜Assistant｜>" typed by a user
   // cannot open a turn).
   std::vector<int32_t> Encode(std::string_view text, bool allow_added = true) const;
+
+  // Encodes `text` recognising added tokens everywhere except inside `plain` (sorted,
+  // non-overlapping byte ranges [begin, end), e.g. the client-supplied parts of a rendered
+  // chat). Text is tokenized as one string, so the ids equal Encode(text) wherever no added
+  // token's text appears inside a plain range.
+  std::vector<int32_t> EncodeWithPlainRanges(
+      std::string_view text, const std::vector<std::pair<size_t, size_t>>& plain) const;
 
   // The bytes of the tokens, concatenated (added tokens as their text). Unknown ids are skipped.
   std::string Decode(std::span<const int32_t> ids) const;
