@@ -48,7 +48,7 @@ std::unique_ptr<httplib::Server> MakeServer(const Config& config) {
 Daemon::Daemon(const Config& config) : config_(config) {}
 
 Daemon::~Daemon() {
-  StopListeners(0);
+  StopListeners(-1);
   if (loader_.joinable()) loader_.join();
   RemoveFiles();
 }
@@ -172,24 +172,31 @@ void Daemon::RemoveFiles() {
 bool Daemon::StopListeners(int grace_seconds) {
   if (threads_.empty()) return true;
   // httplib's stop() closes the listening socket and then joins its workers, so it returns only
-  // once every in-flight response has been written. Run it aside and wait at most the grace.
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  std::thread stopper([&] {
+  // once every in-flight response has been written. Run it aside and wait at most the grace
+  // (a negative grace waits for as long as it takes). The stopper may outlive this call, so
+  // what it shares lives on the heap.
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto shared = std::make_shared<Shared>();
+  std::thread stopper([shared, this] {
     if (tcp_) tcp_->stop();
     if (unix_) unix_->stop();
     for (std::thread& t : threads_) t.join();
-    std::lock_guard<std::mutex> lock(mu);
-    done = true;
-    cv.notify_all();
+    std::lock_guard<std::mutex> lock(shared->mu);
+    shared->done = true;
+    shared->cv.notify_all();
   });
-  std::unique_lock<std::mutex> lock(mu);
-  bool finished = grace_seconds <= 0 ? (cv.wait(lock, [&] { return done; }), true)
-                                     : cv.wait_for(lock, std::chrono::seconds(grace_seconds),
-                                                   [&] { return done; });
+  std::unique_lock<std::mutex> lock(shared->mu);
+  const auto is_done = [&] { return shared->done; };
+  const bool finished =
+      grace_seconds < 0 ? (shared->cv.wait(lock, is_done), true)
+                        : shared->cv.wait_for(lock, std::chrono::seconds(grace_seconds), is_done);
   lock.unlock();
   if (!finished) {
+    // The process is about to exit without joining the workers that hold the responses.
     stopper.detach();
     return false;
   }

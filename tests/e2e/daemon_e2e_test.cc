@@ -1,5 +1,6 @@
 // End-to-end: the real flashd binary, on a real TCP port and a real Unix socket.
 #include <httplib.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -7,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <boost/test/unit_test.hpp>
 #include <cstring>
 #include <fstream>
@@ -146,6 +148,73 @@ BOOST_AUTO_TEST_CASE(flashctl_reports_status_over_the_socket_and_tcp) {
   auto [gone_code, gone_out] = run("--socket " + d.socket_path() + " status");
   BOOST_TEST(gone_code == 3, gone_out);
   BOOST_TEST(Contains(gone_out, "no daemon answered"), gone_out);
+}
+
+BOOST_AUTO_TEST_CASE(sigterm_lets_an_in_flight_response_finish) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {{"FLASHD_MODEL_DIR", FLASHD_GOLDEN_DIR}}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  // A request that takes a while: tokenizing ~24 MB of text.
+  std::string text;
+  while (text.size() < (24u << 20)) text += "for (int i = 0; i < n; ++i) sum += a[i] * 2; // ok\n";
+  const std::string body = json({{"text", text}}).dump();
+  std::atomic<int> status{0};
+  std::atomic<size_t> count{0};
+  std::thread slow([&] {
+    httplib::Client c("127.0.0.1", d.port());
+    c.set_read_timeout(120);
+    c.set_write_timeout(120);
+    auto res = c.Post("/tokenize", body, "application/json");
+    if (res) {
+      status = res->status;
+      if (res->status == 200) count = json::parse(res->body)["count"].get<size_t>();
+    }
+  });
+  // Wait until the daemon is handling it (in flight: it and this metrics request).
+  httplib::Client probe("127.0.0.1", d.port());
+  bool in_flight = false;
+  for (int i = 0; i < 2000 && !in_flight; ++i) {
+    auto m = probe.Get("/metrics");
+    in_flight = m && Contains(m->body, "flashd_http_requests_in_flight 2");
+    if (!in_flight) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  BOOST_REQUIRE(in_flight);
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+  slow.join();
+  BOOST_TEST(status == 200);  // Finished within the grace period, not cut off.
+  BOOST_TEST(count > 1000000u);
+  BOOST_TEST(Contains(d.log(), "tcp POST /tokenize 200"), d.log());
+}
+
+BOOST_AUTO_TEST_CASE(notifies_systemd_ready_and_stopping) {
+  TempDir tmp;
+  // A stand-in for systemd's notification socket.
+  std::string notify = (tmp.path() / "notify.sock").string();
+  int fd = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, notify.c_str(), sizeof(addr.sun_path) - 1);
+  BOOST_REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  DaemonProcess d({tmp.path(), "", {{"NOTIFY_SOCKET", notify}}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  auto receive_until = [&](const std::string& want) {
+    std::string all;
+    for (int i = 0; i < 200 && !Contains(all, want); ++i) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 50) > 0) {
+        char buf[512];
+        ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+        if (n > 0) all.append(buf, static_cast<size_t>(n)) += "\n";
+      }
+    }
+    return all;
+  };
+  BOOST_TEST(Contains(receive_until("READY=1"), "READY=1"));
+  ::kill(d.pid(), SIGTERM);
+  BOOST_TEST(Contains(receive_until("STOPPING=1"), "STOPPING=1"));
+  BOOST_TEST(d.Wait() == 0);
+  ::close(fd);
 }
 
 BOOST_AUTO_TEST_CASE(sigint_also_stops_cleanly) {

@@ -68,6 +68,30 @@ BOOST_AUTO_TEST_CASE(model_info_text_and_a_tiny_directory) {
   BOOST_TEST(Contains(info.out, "not used yet: 60 dspark tensors"), info.out);
 }
 
+BOOST_AUTO_TEST_CASE(model_info_reports_engram_classes_of_the_v4_tokenizer) {
+  const std::string tokenizer_dir = FLASHD_V4_TOKENIZER_DIR;
+  if (!std::filesystem::exists(tokenizer_dir + "/tokenizer.json")) {
+    std::printf("SKIP: %s not fetched (packaging/fetch-tokenizer.sh)\n", tokenizer_dir.c_str());
+    return;
+  }
+  TempDir tmp;
+  std::string dir = (tmp.path() / "m").string();
+  // The full vocabulary with a narrow hidden size, so the checkpoint stays small.
+  Run mk = Flashd("mkmodel " + dir + " --tokenizer " + tokenizer_dir + " --set hidden_size=64");
+  BOOST_REQUIRE_MESSAGE(mk.code == 0, mk.out);
+  std::string cmd = std::string(FLASHD_BINARY) + " model-info " + dir + " --json 2>/dev/null";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  BOOST_REQUIRE(WEXITSTATUS(::pclose(p)) == 0);
+  json j = json::parse(out);
+  // DeepSeek's V4 tokenizer normalises to the 99,092 classes the released config declares.
+  BOOST_TEST(j["engram_tokenizer_classes"].get<int64_t>() == 99092);
+  BOOST_TEST(j["engram_classes_match_config"].get<bool>());
+}
+
 BOOST_AUTO_TEST_CASE(bad_input_is_one_line_and_exit_code_2) {
   TempDir tmp;
   Run none = Flashd("model-info " + (tmp.path() / "nothing").string());
