@@ -1,0 +1,65 @@
+// Sampler: turns a step's logits into the next token for one request.
+//
+// Each request owns its sampler and its random stream, so a seeded request draws the same tokens
+// whatever else shares its batch. Order of operations: penalties on the logits (repetition over
+// prompt and output, presence and frequency over output), then greedy when temperature is 0,
+// else temperature, top-k, top-p, min-p, and a draw. Log-probabilities are those of the model's
+// raw logits (log-softmax before any penalty or temperature), as the OpenAI API reports them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "config/status.h"
+
+namespace flashd::engine {
+
+struct SamplingParams {
+  float temperature = 1.0f;         // 0: greedy.
+  int top_k = 0;                    // 0: off.
+  float top_p = 1.0f;               // 1: off.
+  float min_p = 0.0f;               // 0: off.
+  float repetition_penalty = 1.0f;  // 1: off; >1 discourages tokens already seen.
+  float presence_penalty = 0.0f;    // OpenAI semantics, -2..2.
+  float frequency_penalty = 0.0f;   // OpenAI semantics, -2..2.
+  std::optional<uint64_t> seed;     // Unset: a random seed.
+  int max_tokens = 256;
+  std::vector<std::string> stop;     // Stop strings (not included in the output).
+  std::vector<int32_t> stop_tokens;  // Besides the model's end-of-sentence token.
+  int logprobs = 0;                  // Top-n log-probabilities per token (0-20).
+
+  // Checks ranges; errors name the field.
+  Status Validate() const;
+};
+
+struct SampledToken {
+  int32_t token = -1;
+  float logprob = 0.0f;                        // Of the chosen token.
+  std::vector<std::pair<int32_t, float>> top;  // The top-n alternatives, when asked.
+};
+
+class Sampler {
+ public:
+  Sampler(SamplingParams params, std::span<const int32_t> prompt);
+
+  // Picks the next token from vocab-sized logits and records it as output.
+  SampledToken Sample(std::span<const float> logits);
+  const SamplingParams& params() const { return params_; }
+  uint64_t seed() const { return seed_; }
+
+ private:
+  double Uniform();  // [0, 1), from the request's own stream.
+
+  SamplingParams params_;
+  uint64_t seed_;
+  uint64_t state_;
+  std::unordered_map<int32_t, int> seen_in_prompt_;
+  std::unordered_map<int32_t, int> output_counts_;
+};
+
+}  // namespace flashd::engine
