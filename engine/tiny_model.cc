@@ -267,7 +267,7 @@ StatusOr<std::string> TinyConfigJson(std::string_view overrides_json) {
   // Engram table sizes follow from the other Engram keys unless given: compute them the way
   // the release's config does, so the self-check in ParseModelConfig holds.
   json& text = config["text_config"];
-  if (!sizes_given && text.contains("engram_layer_ids") && !text["engram_layer_ids"].empty()) {
+  if (!sizes_given && text.contains("engram_layer_ids")) {
     ModelConfig probe;
     probe.engram_layer_ids = text["engram_layer_ids"].get<std::vector<int>>();
     probe.engram_max_ngram_size = text["engram_max_ngram_size"].get<int>();

@@ -1,0 +1,136 @@
+// Engine: the model resident in one engine thread, serving many generations at once.
+//
+// Submit() queues a request and returns at once with its event queue; the engine thread admits
+// requests as memory allows, and every step runs one forward pass over a batch that mixes one
+// decode token of every running sequence with prefill chunks of the others, under a token
+// budget. A long prompt is prefilled in chunks, so it delays others' decodes by at most one
+// chunk per step; prefill chunks go round-robin across tenants, so one tenant's huge prompt
+// cannot starve another's. Results of a sequence do not depend on what it is batched with.
+//
+// Threads: Submit, Cancel and stats() may be called from any thread; all model and sequence
+// state belongs to the engine thread. Events reach callers through EventQueue.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "config/status.h"
+#include "engine/forward.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+#include "engine/tokenizer.h"
+
+namespace flashd::engine {
+
+struct EngineOptions {
+  std::string model_dir;
+  int64_t step_token_budget = 512;  // Tokens per forward step, decodes and prefill together.
+  int64_t prefill_chunk = 256;      // Most prompt tokens of one sequence per step.
+  int64_t max_running = 64;         // Sequences admitted at once.
+  // Memory for admitted sequences: their compressed KV for prompt + max_tokens, and their
+  // bounded state. A request that needs more than this alone is refused.
+  uint64_t memory_budget_bytes = 1ull << 30;
+  int threads = 0;  // Forward-pass threads; 0: all cores.
+};
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  std::string tenant = "default";
+};
+
+struct GenerationEvent {
+  enum class Kind {
+    kQueued,  // Waiting for memory; queue_position says how many are ahead.
+    kToken,   // One generated token.
+    kDone,    // The end: finish_reason "stop", "length", "cancelled" or "error".
+  };
+  Kind kind = Kind::kToken;
+  int64_t queue_position = 0;
+  SampledToken token;
+  std::string text;  // Text this token completed (never half a character, never a stop string).
+  std::string finish_reason;
+  Status error;
+  int64_t prompt_tokens = 0;
+  int64_t completion_tokens = 0;
+  int64_t step = 0;  // The engine step that produced the event.
+};
+
+// The one queue between the engine thread and a request's consumer; it hides every mutex.
+class EventQueue {
+ public:
+  void Push(GenerationEvent event);
+  // The next event, or nullopt after `timeout`.
+  std::optional<GenerationEvent> Pop(std::chrono::milliseconds timeout);
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<GenerationEvent> events_;  // Guarded by mu_.
+};
+
+class Engine {
+ public:
+  using Handle = uint64_t;
+
+  // Loads the model and starts the engine thread.
+  static StatusOr<std::unique_ptr<Engine>> Open(const EngineOptions& options);
+  ~Engine();  // Cancels what is outstanding and joins the engine thread.
+
+  // Never blocks. Invalid requests end at once with an error event naming the field.
+  std::pair<Handle, std::shared_ptr<EventQueue>> Submit(GenerationRequest request);
+  // Stops a request within one step and frees what it held; its queue gets kDone "cancelled".
+  void Cancel(Handle handle);
+
+  struct Stats {
+    int64_t waiting = 0;
+    int64_t running = 0;
+    uint64_t memory_reserved_bytes = 0;  // Returns to 0 when nothing runs.
+    uint64_t memory_budget_bytes = 0;
+    int64_t steps = 0;
+    int64_t tokens_generated = 0;
+    int64_t prompt_tokens_processed = 0;
+  };
+  Stats stats() const;
+  const ModelConfig& config() const;
+  const Tokenizer* tokenizer() const { return tokenizer_.get(); }
+
+ private:
+  struct Sequence;
+  explicit Engine(EngineOptions options);
+  void Loop();
+  bool Step();  // One scheduling round; false when there was nothing to do.
+  void Finish(Sequence& s, const std::string& reason, Status error = Status::Ok());
+
+  EngineOptions options_;
+  std::unique_ptr<Model> model_;
+  std::unique_ptr<CpuForward> forward_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  uint64_t per_token_bytes_ = 0;
+  uint64_t per_sequence_bytes_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;                           // Guarded by mu_.
+  Handle next_handle_ = 1;                          // Guarded by mu_.
+  std::deque<std::unique_ptr<Sequence>> incoming_;  // Guarded by mu_.
+  std::vector<Handle> cancels_;                     // Guarded by mu_.
+  Stats stats_;                                     // Guarded by mu_.
+
+  // Engine-thread state.
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> running_;
+  size_t tenant_turn_ = 0;
+  int64_t step_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace flashd::engine
