@@ -120,6 +120,28 @@ const std::vector<Field>& Schema() {
          c->log.level = t;
          return Status::Ok();
        }},
+      {"engine.step_token_budget", "an integer in [1, 1048576]",
+       [](const std::string& t, Config* c) {
+         FLASHD_ASSIGN_OR_RETURN(c->engine.step_token_budget, ParseInteger(t, 1, 1 << 20));
+         return Status::Ok();
+       }},
+      {"engine.prefill_chunk", "an integer in [1, 1048576]",
+       [](const std::string& t, Config* c) {
+         FLASHD_ASSIGN_OR_RETURN(c->engine.prefill_chunk, ParseInteger(t, 1, 1 << 20));
+         return Status::Ok();
+       }},
+      {"engine.max_running", "an integer in [1, 100000]",
+       [](const std::string& t, Config* c) {
+         FLASHD_ASSIGN_OR_RETURN(c->engine.max_running, ParseInteger(t, 1, 100000));
+         return Status::Ok();
+       }},
+      {"engine.memory_budget_bytes", "a size such as \"8GiB\"",
+       [](const std::string& t, Config* c) {
+         FLASHD_ASSIGN_OR_RETURN(c->engine.memory_budget_bytes, ParseByteSize(t));
+         return Status::Ok();
+       }},
+      {"engine.threads", "an integer in [0, 1024] (0: all cores)",
+       [](const std::string& t, Config* c) { return SetInt(t, 0, 1024, &c->engine.threads); }},
       {"cache.block_tokens", "a power of two in [16, 4096]",
        [](const std::string& t, Config* c) {
          FLASHD_RETURN_IF_ERROR(SetInt(t, 16, 4096, &c->cache.block_tokens));
@@ -148,7 +170,7 @@ const std::vector<Field>& Schema() {
 }
 
 const std::set<std::string>& Sections() {
-  static const std::set<std::string> sections = {"server", "model", "log", "cache"};
+  static const std::set<std::string> sections = {"server", "model", "log", "engine", "cache"};
   return sections;
 }
 

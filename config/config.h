@@ -44,6 +44,14 @@ struct LogConfig {
   std::string level = "info";  // trace, debug, info, warn, error, off.
 };
 
+struct EngineConfig {
+  int64_t step_token_budget = 2048;  // Tokens per forward step (decodes and prefill chunks).
+  int64_t prefill_chunk = 512;       // Most prompt tokens of one sequence per step.
+  int64_t max_running = 64;          // Sequences generating at once.
+  uint64_t memory_budget_bytes = 8ull << 30;  // KV and state of admitted sequences.
+  int threads = 0;                            // Forward-pass threads; 0: all cores.
+};
+
 struct CacheConfig {
   int block_tokens = 64;
   uint64_t ram_bytes = 4ull << 30;
@@ -56,6 +64,7 @@ struct Config {
   std::string state_dir = "./var/state";
   ModelConfig model;
   LogConfig log;
+  EngineConfig engine;
   CacheConfig cache;
 
   // Where each dotted key got its value: "FILE:LINE", "environment FLASHD_X", or absent for the

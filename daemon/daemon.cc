@@ -118,28 +118,38 @@ void Daemon::LoadModel() {
     dir = engine::DefaultModelDir(config_.state_dir);
   }
   api_->SetPhase(api::Phase::kLoading, "loading the model from " + dir);
-  auto model = engine::Model::Load(dir);
-  if (!model.ok()) {
+  engine::EngineOptions options;
+  options.model_dir = dir;
+  options.step_token_budget = config_.engine.step_token_budget;
+  options.prefill_chunk = config_.engine.prefill_chunk;
+  options.max_running = config_.engine.max_running;
+  options.memory_budget_bytes = config_.engine.memory_budget_bytes;
+  options.threads = config_.engine.threads;
+  auto engine = engine::Engine::Open(options);
+  if (!engine.ok()) {
     // The daemon stays up so that the operator can read why from /health and the log.
-    spdlog::error("cannot load the model: {}", model.status().message());
-    api_->SetPhase(api::Phase::kFailed, "cannot load the model: " + model.status().message());
-  } else {
-    model_ = std::move(*model);
-    const std::string tokenizer_path = (std::filesystem::path(dir) / "tokenizer.json").string();
-    if (std::filesystem::exists(tokenizer_path)) {
-      auto tokenizer = engine::Tokenizer::Load(tokenizer_path);
-      if (tokenizer.ok()) {
-        api_->SetTokenizer(std::shared_ptr<const engine::Tokenizer>(std::move(*tokenizer)));
-        spdlog::info("tokenizer {}: {} ids", tokenizer_path, api_->tokenizer()->size());
-      } else {
-        spdlog::error("{}", tokenizer.status().message());
-      }
-    } else {
-      spdlog::warn("model {} has no tokenizer.json: /tokenize and generation are unavailable", dir);
-    }
-    api_->SetPhase(api::Phase::kReady, "");
-    sd_notify(0, "STATUS=serving; model loaded");
+    spdlog::error("cannot load the model: {}", engine.status().message());
+    api_->SetPhase(api::Phase::kFailed, "cannot load the model: " + engine.status().message());
+    load_finished_ = true;
+    return;
   }
+  engine_ = std::move(*engine);
+  if (engine_->tokenizer() != nullptr) {
+    // The API shares the engine's tokenizer; the engine outlives the listeners.
+    api_->SetTokenizer(
+        std::shared_ptr<const engine::Tokenizer>(std::shared_ptr<void>(), engine_->tokenizer()));
+    spdlog::info("tokenizer: {} ids", engine_->tokenizer()->size());
+  } else {
+    spdlog::warn("model {} has no tokenizer.json: /tokenize and generation are unavailable", dir);
+  }
+  api_->SetEngineStats([raw = engine_.get()] {
+    engine::Engine::Stats s = raw->stats();
+    return api::EngineMetrics{
+        s.running, s.waiting,          s.memory_reserved_bytes,  s.memory_budget_bytes,
+        s.steps,   s.tokens_generated, s.prompt_tokens_processed};
+  });
+  api_->SetPhase(api::Phase::kReady, "");
+  sd_notify(0, "STATUS=serving; model loaded");
   load_finished_ = true;
 }
 

@@ -16,7 +16,7 @@
 
 #include "config/config.h"
 #include "config/status.h"
-#include "engine/model.h"
+#include "engine/engine.h"
 #include "tools-api/api.h"
 
 namespace flashd::daemon {
@@ -50,7 +50,8 @@ class Daemon {
   std::vector<std::thread> threads_;
   std::thread loader_;
   std::atomic<bool> load_finished_{false};
-  std::unique_ptr<engine::Model> model_;  // Written by loader_ before load_finished_ is set.
+  // Written by loader_ before load_finished_ is set; read by the metrics hook after that.
+  std::unique_ptr<engine::Engine> engine_;
   int tcp_port_ = -1;
   bool own_socket_file_ = false;
   bool own_pid_file_ = false;

@@ -40,7 +40,31 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
   router_.Add("GET", "/v1/models",
               [this](const auto& req, auto& res, const PathParams&) { Models(req, res); });
   router_.Add("GET", "/metrics", [this](const auto&, auto& res, const PathParams&) {
-    res.set_content(metrics_.Render(), "text/plain; version=0.0.4");
+    std::string text = metrics_.Render();
+    std::function<EngineMetrics()> source;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      source = engine_stats_;
+    }
+    if (source) {
+      const EngineMetrics e = source();
+      auto gauge = [&](const char* name, const char* help, const char* type, uint64_t v) {
+        text += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type +
+                "\n" + name + " " + std::to_string(v) + "\n";
+      };
+      gauge("flashd_engine_running", "Sequences generating now.", "gauge", e.running);
+      gauge("flashd_engine_waiting", "Requests waiting for memory or a slot.", "gauge", e.waiting);
+      gauge("flashd_engine_memory_reserved_bytes", "KV and state reserved by admitted sequences.",
+            "gauge", e.memory_reserved_bytes);
+      gauge("flashd_engine_memory_budget_bytes", "engine.memory_budget_bytes.", "gauge",
+            e.memory_budget_bytes);
+      gauge("flashd_engine_steps_total", "Forward steps run.", "counter", e.steps);
+      gauge("flashd_engine_generated_tokens_total", "Tokens generated.", "counter",
+            e.tokens_generated);
+      gauge("flashd_engine_prompt_tokens_total", "Prompt tokens prefilled.", "counter",
+            e.prompt_tokens);
+    }
+    res.set_content(text, "text/plain; version=0.0.4");
   });
   router_.Add("POST", "/tokenize",
               [this](const auto& req, auto& res, const PathParams&) { Tokenize(req, res); });
@@ -83,6 +107,11 @@ void Api::Models(const httplib::Request&, httplib::Response& res) const {
 void Api::SetTokenizer(std::shared_ptr<const engine::Tokenizer> tokenizer) {
   std::lock_guard<std::mutex> lock(mu_);
   tokenizer_ = std::move(tokenizer);
+}
+
+void Api::SetEngineStats(std::function<EngineMetrics()> source) {
+  std::lock_guard<std::mutex> lock(mu_);
+  engine_stats_ = std::move(source);
 }
 
 std::shared_ptr<const engine::Tokenizer> Api::tokenizer() const {

@@ -7,6 +7,7 @@
 #include <httplib.h>
 
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 
@@ -27,6 +28,17 @@ struct ServedModel {
 
 enum class Phase { kStarting, kLoading, kReady, kFailed, kStopping };
 
+// The engine's counters, as /metrics reports them.
+struct EngineMetrics {
+  int64_t running = 0;
+  int64_t waiting = 0;
+  uint64_t memory_reserved_bytes = 0;
+  uint64_t memory_budget_bytes = 0;
+  int64_t steps = 0;
+  int64_t tokens_generated = 0;
+  int64_t prompt_tokens = 0;
+};
+
 class Api {
  public:
   Api(const Config& config, ServedModel model);
@@ -46,6 +58,8 @@ class Api {
 
   // Thread-safe. Until a tokenizer is set, /tokenize and /detokenize answer 503.
   void SetTokenizer(std::shared_ptr<const engine::Tokenizer> tokenizer);
+  // Thread-safe. /metrics includes what `source` returns once it is set.
+  void SetEngineStats(std::function<EngineMetrics()> source);
   std::shared_ptr<const engine::Tokenizer> tokenizer() const;
 
  private:
@@ -62,6 +76,7 @@ class Api {
   Phase phase_ = Phase::kStarting;                      // Guarded by mu_.
   std::string reason_ = "starting";                     // Guarded by mu_.
   std::shared_ptr<const engine::Tokenizer> tokenizer_;  // Guarded by mu_.
+  std::function<EngineMetrics()> engine_stats_;         // Guarded by mu_.
 };
 
 }  // namespace flashd::api

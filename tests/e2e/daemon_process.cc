@@ -21,7 +21,10 @@ const std::string& SharedTinyModelDir() {
   static const std::string path = [] {
     std::string model = (dir->path() / "tiny-model").string();
     std::string cmd = std::string(FLASHD_BINARY) + " mkmodel " + model +
-                      " --set vocab_size=1024 --set dspark_noise_token_id=1000 --seed 3 "
+                      " --tokenizer " FLASHD_GOLDEN_DIR
+                      " --set vocab_size=480"
+                      " --set engram_compressed_vocab_size=389 --set dspark_noise_token_id=400"
+                      " --seed 3 "
                       "> /dev/null";
     if (std::system(cmd.c_str()) != 0) return std::string();
     std::atexit([] { delete dir; });

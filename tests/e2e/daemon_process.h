@@ -16,7 +16,8 @@
 namespace flashd::testing {
 
 // A tiny model in the released format, written once per test binary with `flashd mkmodel`
-// (vocabulary 1024, so it takes a fraction of a second), shared by every daemon a test starts.
+// (the golden tests' 480-token tokenizer, so it takes a fraction of a second), shared by every
+// daemon a test starts.
 const std::string& SharedTinyModelDir();
 
 // Polls GET /health until it answers 200 or `timeout` passes; returns the last status.
