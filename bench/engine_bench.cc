@@ -1,0 +1,120 @@
+// Decode and prefill speed of the CPU forward pass, with the weight bytes one decode step reads
+// and the share of the machine's memory bandwidth that is, measured in the same run.
+//
+//   build/bench/engine_bench MODEL_DIR
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <set>
+
+#include "engine/forward.h"
+#include "engine/weights.h"
+
+using namespace flashd::engine;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+// Streaming read bandwidth: the sum of a 1 GiB buffer, best of three.
+double ReadBandwidth() {
+  const size_t n = (1ull << 30) / sizeof(uint64_t);
+  std::vector<uint64_t> buf(n, 1);
+  double best = 0;
+  volatile uint64_t sink = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    auto t = Clock::now();
+    uint64_t a = 0, b = 0, c = 0, d = 0;
+    for (size_t i = 0; i < n; i += 4) {
+      a += buf[i];
+      b += buf[i + 1];
+      c += buf[i + 2];
+      d += buf[i + 3];
+    }
+    sink = a + b + c + d;
+    best = std::max(best, (n * sizeof(uint64_t)) / Since(t) / 1e9);
+  }
+  (void)sink;
+  return best;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: engine_bench MODEL_DIR\n");
+    return 2;
+  }
+  auto model = Model::Load(argv[1]);
+  if (!model.ok()) return (std::fprintf(stderr, "%s\n", model.status().ToString().c_str()), 1);
+  auto fwd = CpuForward::Create(**model);
+  if (!fwd.ok()) return (std::fprintf(stderr, "%s\n", fwd.status().ToString().c_str()), 1);
+  const ModelConfig& c = (*fwd)->config();
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<int32_t> tok(3, static_cast<int32_t>(c.vocab_size) - 1);
+  auto tokens = [&](size_t n) {
+    std::vector<int32_t> t(n);
+    for (int32_t& v : t) v = tok(rng);
+    return t;
+  };
+
+  const double bandwidth = ReadBandwidth();
+  std::printf("memory read bandwidth: %.1f GB/s\n", bandwidth);
+
+  // Weight bytes one decode step reads: every dense tensor, and per layer the routed experts
+  // the batch touches (at most batch x top-k of them).
+  uint64_t dense = 0, per_expert = 0;
+  for (const TensorSpec& t : ExpectedTensors(c)) {
+    if (t.part == ModelPart::kDSpark) continue;
+    const TensorView* v = (*model)->weights().tensors.at(t.name);
+    if (t.kind == TensorKind::kFp8Table || t.kind == TensorKind::kFp8RowScale) continue;
+    if (t.expert == 0) per_expert += v->nbytes;
+    if (t.expert < 0) dense += v->nbytes;
+  }
+  std::printf("batch  decode tokens/s  weight bytes/step  read GB/s  share of bandwidth\n");
+  for (int batch : {1, 8, 32}) {
+    std::vector<SequenceState> states;
+    std::vector<std::vector<float>> logits(batch);
+    for (int i = 0; i < batch; ++i) {
+      states.push_back((*fwd)->NewSequence());
+      std::vector<float> l;
+      if (!(*fwd)->Forward(&states.back(), tokens(64), &l).ok()) return 1;
+    }
+    const int steps = 16;
+    std::vector<std::vector<int32_t>> next(batch, std::vector<int32_t>(1));
+    auto t = Clock::now();
+    for (int s = 0; s < steps; ++s) {
+      std::vector<BatchItem> items;
+      for (int i = 0; i < batch; ++i) {
+        next[i][0] = tok(rng);
+        items.push_back({&states[i], next[i], &logits[i]});
+      }
+      if (!(*fwd)->ForwardBatch(items).ok()) return 1;
+    }
+    const double seconds = Since(t);
+    const uint64_t experts_touched =
+        std::min<uint64_t>(c.n_routed_experts, uint64_t(batch) * c.num_experts_per_tok);
+    // per_expert already sums expert 0 of every layer: one expert's bytes across the stack.
+    const uint64_t step_bytes = dense + experts_touched * per_expert;
+    const double gbs = step_bytes * (steps / seconds) / 1e9;
+    std::printf("%5d  %15.1f  %17llu  %9.2f  %17.1f%%\n", batch, batch * steps / seconds,
+                static_cast<unsigned long long>(step_bytes), gbs, 100.0 * gbs / bandwidth);
+  }
+  std::printf("context  prefill tokens/s\n");
+  for (size_t n : {1024u, 4096u}) {
+    SequenceState st = (*fwd)->NewSequence();
+    std::vector<int32_t> p = tokens(n);
+    std::vector<float> l;
+    auto t = Clock::now();
+    for (size_t done = 0; done < n; done += 512) {
+      const size_t len = std::min<size_t>(512, n - done);
+      if (!(*fwd)->Forward(&st, std::span<const int32_t>(&p[done], len), &l).ok()) return 1;
+    }
+    std::printf("%7zu  %16.1f\n", n, n / Since(t));
+  }
+  return 0;
+}
