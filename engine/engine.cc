@@ -59,6 +59,12 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   e->per_token_bytes_ = static_cast<uint64_t>(std::ceil(s.kv_bytes_per_token));
   e->per_sequence_bytes_ = s.sequence_state_bytes;
   e->stats_.memory_budget_bytes = options.memory_budget_bytes;
+  // The KV pool holds at most what the memory budget allows.
+  KvPool& pool = *e->forward_->pool();
+  if (pool.block_bytes() > 0) {
+    pool.set_capacity_blocks(
+        std::max<uint64_t>(1, options.memory_budget_bytes / pool.block_bytes()));
+  }
   e->thread_ = std::thread([raw = e.get()] { raw->Loop(); });
   return e;
 }
@@ -350,6 +356,9 @@ bool Engine::Step() {
   stats_.steps = step_;
   stats_.tokens_generated += generated;
   stats_.prompt_tokens_processed += prompt_tokens;
+  const KvPool& pool = *forward_->pool();
+  stats_.pool_used_bytes = pool.used_blocks() * pool.block_bytes();
+  stats_.pool_capacity_bytes = pool.capacity_blocks() * pool.block_bytes();
   return !owners.empty();
 }
 

@@ -98,6 +98,8 @@ class Engine {
     int64_t steps = 0;
     int64_t tokens_generated = 0;
     int64_t prompt_tokens_processed = 0;
+    uint64_t pool_used_bytes = 0;  // KV blocks in use (shared blocks counted once).
+    uint64_t pool_capacity_bytes = 0;
   };
   Stats stats() const;
   const ModelConfig& config() const;

@@ -211,6 +211,8 @@ struct CpuForward::Impl {
   std::vector<Layer> layers;
   std::vector<float> embed, head, final_norm;
   std::unique_ptr<EngramHasher> engram;
+  std::shared_ptr<const KvBlockLayout> layout;
+  std::shared_ptr<KvPool> pool;
 
   Status Prepare(const Model& m, const std::string& tokenizer_json);
   const TensorView& T(const std::string& name) const { return *model->weights().tensors.at(name); }
@@ -218,9 +220,9 @@ struct CpuForward::Impl {
 
   // Attention for `n` rows of one sequence starting at position P. selection and cand point
   // at those rows' entries.
-  void Attention(int l, SequenceState* st, const float* x, size_t n, int64_t P,
-                 int64_t window_floor, float* out, std::vector<int64_t>* selection,
-                 std::vector<char>* cand, int threads, ForwardTrace* trace) const;
+  Status Attention(int l, SequenceState* st, const float* x, size_t n, int64_t P,
+                   int64_t window_floor, float* out, std::vector<int64_t>* selection,
+                   std::vector<char>* cand, int threads, ForwardTrace* trace) const;
   void Moe(int l, const float* x, size_t n, float* out, int threads) const;
   void ExpertForward(const Expert& e, const float* x, size_t n, const float* weights, float* out,
                      int threads) const;
@@ -320,6 +322,9 @@ Status CpuForward::Impl::Prepare(const Model& m, const std::string& tokenizer_js
       L.freqs = RopeFreqs(static_cast<int>(c.qk_rope_head_dim), 0, c.rope_theta, 1, 0, 0);
     }
   }
+  FLASHD_ASSIGN_OR_RETURN(KvBlockLayout block_layout, KvBlockLayout::For(c));
+  layout = std::make_shared<const KvBlockLayout>(std::move(block_layout));
+  pool = std::make_shared<KvPool>(layout->block_bytes, std::numeric_limits<size_t>::max());
   if (!c.engram_layer_ids.empty()) {
     std::string path = tokenizer_json;
     if (path.empty()) path = (std::filesystem::path(m.dir()) / "tokenizer.json").string();
@@ -409,9 +414,10 @@ void CpuForward::Impl::Moe(int l, const float* x, size_t n, float* out, int thre
   for (size_t i = 0; i < n * dim; ++i) out[i] = Bf(y[i] + shared[i]);
 }
 
-void CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, size_t n, int64_t P,
-                                 int64_t window_floor, float* out, std::vector<int64_t>* selection,
-                                 std::vector<char>* cand, int threads, ForwardTrace* trace) const {
+Status CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, size_t n, int64_t P,
+                                   int64_t window_floor, float* out,
+                                   std::vector<int64_t>* selection, std::vector<char>* cand,
+                                   int threads, ForwardTrace* trace) const {
   const Layer& L = layers[l];
   const LayerPlan& plan = c.layers[l];
   const size_t dim = static_cast<size_t>(c.hidden_size);
@@ -500,29 +506,26 @@ void CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, size_
     for (size_t g = 0; g < groups.size(); ++g) {
       float* latent = &latents[g * hd];
       const int64_t rope_pos = groups[g] * ratio;  // A group stands for its first token.
+      StatusOr<uint8_t*> row = st->MutableRow(l, src.entries);
+      if (!row.ok()) return row.status();
+      uint8_t* kv_row = *row;
       if (plan.owns_index_keys) {
         std::vector<float> key(idd);
         L.idx_wk.Apply(latent, 1, key.data(), 1);
         RoundBf(key.data(), idd);
         RmsNorm(key.data(), idd, L.idx_k_norm, c.rms_norm_eps);
         Rope(key.data() + idd - rd, L.freqs, rope_pos, false);
-        src.key_packed.resize((src.entries + 1) * idd / 2);
-        src.key_scales.resize((src.entries + 1) * idd / 32);
-        k::QuantizeFp4E8M0(key.data(), idd, 32, &src.key_packed[src.entries * idd / 2],
-                           &src.key_scales[src.entries * idd / 32]);
+        uint8_t* key_row = kv_row + hd / 2 + hd / 16;
+        k::QuantizeFp4E8M0(key.data(), idd, 32, key_row, key_row + idd / 2);
       }
       Rope(latent + hd - rd, L.freqs, rope_pos, false);
-      src.kv_packed.resize((src.entries + 1) * hd / 2);
-      src.kv_scales.resize((src.entries + 1) * hd / 16);
-      k::QuantizeFp4E4M3(latent, hd, 16, &src.kv_packed[src.entries * hd / 2],
-                         &src.kv_scales[src.entries * hd / 16]);
+      k::QuantizeFp4E4M3(latent, hd, 16, kv_row, kv_row + hd / 2);
       src.entries += 1;
     }
   }
 
   // Which compressed entries each query attends to.
   if (plan.is_index_source) {
-    const SequenceState::Source& src = st->sources[plan.kv_source];
     const size_t ih = static_cast<size_t>(c.index_n_heads);
     const size_t idd = static_cast<size_t>(c.index_head_dim);
     std::vector<float> iq(n * ih * idd), w(n * ih);
@@ -535,8 +538,8 @@ void CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, size_
     const int64_t width = (P + static_cast<int64_t>(n)) / ratio;
     std::vector<float> keys(static_cast<size_t>(width) * idd);
     for (int64_t j = 0; j < width; ++j) {
-      k::DequantizeFp4E8M0(&src.key_packed[j * idd / 2], &src.key_scales[j * idd / 32], idd, 32,
-                           &keys[j * idd]);
+      const uint8_t* key_row = st->Row(plan.kv_source, j) + hd / 2 + hd / 16;
+      k::DequantizeFp4E8M0(key_row, key_row + idd / 2, idd, 32, &keys[j * idd]);
     }
     for (size_t t = 0; t < n; ++t) {
       const int64_t pos = P + static_cast<int64_t>(t);
@@ -602,11 +605,10 @@ void CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, size_
       window_row(p, &keys[keys.size() - hd]);
     }
     if (ratio > 0) {
-      const SequenceState::Source& src = st->sources[plan.kv_source];
       for (int64_t j : selection[t]) {
         keys.resize(keys.size() + hd);
-        k::DequantizeFp4E4M3(&src.kv_packed[j * hd / 2], &src.kv_scales[j * hd / 16], hd, 16,
-                             &keys[keys.size() - hd]);
+        const uint8_t* kv_row = st->Row(plan.kv_source, j);
+        k::DequantizeFp4E4M3(kv_row, kv_row + hd / 2, hd, 16, &keys[keys.size() - hd]);
       }
     }
     const size_t nk = keys.size() / hd;
@@ -653,6 +655,7 @@ void CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, size_
     k::QuantizeFp8PerBlock(&kv[t * hd], hd, 32, &ring.codes[slot * hd],
                            &ring.scales[slot * hd / 32]);
   }
+  return Status::Ok();
 }
 
 CpuForward::CpuForward(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -666,6 +669,20 @@ StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const Model& model,
 }
 
 const ModelConfig& CpuForward::config() const { return impl_->c; }
+
+const std::shared_ptr<KvPool>& CpuForward::pool() const { return impl_->pool; }
+
+StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<KvPool> pool,
+                                        std::shared_ptr<const KvBlockLayout> layout);
+
+StatusOr<SequenceState> CpuForward::Restore(std::string_view snapshot) const {
+  FLASHD_ASSIGN_OR_RETURN(SequenceState s, RestoreSequence(snapshot, impl_->pool, impl_->layout));
+  if (s.rings.size() != static_cast<size_t>(impl_->c.num_hidden_layers) ||
+      s.sources.size() != static_cast<size_t>(impl_->c.num_hidden_layers)) {
+    return DataLoss("sequence snapshot: made for a model with another number of layers");
+  }
+  return s;
+}
 
 int64_t CpuForward::engram_classes() const {
   return impl_->engram ? impl_->c.engram_compressed_vocab_size : 0;
@@ -681,6 +698,8 @@ SequenceState CpuForward::NewSequence() const {
     r.codes.assign(win * hd, 0);
     r.scales.assign(win * hd / 32, 127);
   }
+  s.pool = impl_->pool;
+  s.layout = impl_->layout;
   s.sources.resize(c.num_hidden_layers);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
     const LayerPlan& p = c.layers[l];
@@ -914,9 +933,10 @@ Status CpuForward::ForwardBatch(std::span<BatchItem> items, const ForwardOptions
     collapse(pre_mix.data(), L.attn_norm);
     for (size_t i = 0; i < segs.size(); ++i) {
       const Segment& sg = segs[i];
-      m.Attention(l, items[i].state, &x[sg.offset * dim], sg.count, sg.start, sg.window_floor,
-                  &sub[sg.offset * dim], &selection[sg.offset], &candidates[sg.offset], threads,
-                  options.trace);
+      FLASHD_RETURN_IF_ERROR(m.Attention(l, items[i].state, &x[sg.offset * dim], sg.count, sg.start,
+                                         sg.window_floor, &sub[sg.offset * dim],
+                                         &selection[sg.offset], &candidates[sg.offset], threads,
+                                         options.trace));
     }
     const bool record = options.trace != nullptr && options.trace->record_streams;
     if (record) {

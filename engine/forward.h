@@ -20,13 +20,26 @@
 
 #include "config/status.h"
 #include "engine/engram.h"
+#include "engine/kv_pool.h"
 #include "engine/model.h"
 
 namespace flashd::engine {
 
 // Everything a sequence carries between calls. Bounded parts (window rings, compressor partial
-// groups, Engram history) plus the compressed KV and index keys that grow with the context.
+// groups, Engram history) plus the compressed KV and index keys that grow with the context,
+// which live in KvPool blocks the sequence references. Move-only: Fork() shares the blocks.
 struct SequenceState {
+  SequenceState() = default;
+  SequenceState(SequenceState&& other) noexcept;
+  SequenceState& operator=(SequenceState&& other) noexcept;
+  SequenceState(const SequenceState&) = delete;
+  SequenceState& operator=(const SequenceState&) = delete;
+  ~SequenceState();
+
+  // A second sequence continuing from this one's position: the bounded state is copied, every
+  // KV block is shared until one of them writes to it.
+  SequenceState Fork() const;
+
   int64_t position = 0;  // Tokens processed so far.
   struct Ring {
     std::vector<uint8_t> codes;   // [window, head_dim] FP8 E4M3
@@ -36,18 +49,23 @@ struct SequenceState {
   struct Source {
     std::vector<float> kv_partial;     // [ratio, head_dim] fp32, ratio > 1 only
     std::vector<float> score_partial;  // [ratio, head_dim] fp32
-    std::vector<uint8_t> kv_packed;    // [entries, head_dim / 2] FP4
-    std::vector<uint8_t> kv_scales;    // [entries, head_dim / 16] E4M3
-    std::vector<uint8_t> key_packed;   // [entries, index_head_dim / 2] FP4
-    std::vector<uint8_t> key_scales;   // [entries, index_head_dim / 32] UE8M0
-    int64_t entries = 0;
+    int64_t entries = 0;               // Compressed entries written (rows in the blocks).
   };
   std::vector<Source> sources;          // Indexed by layer; empty for non-sources.
   std::vector<int32_t> engram_classes;  // The last max_ngram_size - 1 token classes.
+  std::shared_ptr<KvPool> pool;
+  std::shared_ptr<const KvBlockLayout> layout;
+  std::vector<int32_t> blocks;  // Token positions [64 b, 64 b + 64) live in blocks[b].
 
-  // A versioned binary snapshot of everything above (format in docs/formats.md).
+  // Row `entry` of KV source `layer`: the FP4 KV row followed by its index-key row.
+  const uint8_t* Row(int layer, int64_t entry) const;
+  // The same row, writable: allocates its block, or copies a shared one first. Fails when the
+  // pool is full.
+  StatusOr<uint8_t*> MutableRow(int layer, int64_t entry);
+
+  // A versioned binary snapshot of everything above (format in docs/formats.md); restore with
+  // CpuForward::Restore.
   std::string Serialize() const;
-  static StatusOr<SequenceState> Deserialize(std::string_view bytes);
 };
 
 // What a forward call can report besides logits, for tests against the reference.
@@ -102,6 +120,10 @@ class CpuForward {
 
   const ModelConfig& config() const;
   SequenceState NewSequence() const;
+  // Reads a snapshot written by SequenceState::Serialize into this model's pool.
+  StatusOr<SequenceState> Restore(std::string_view snapshot) const;
+  // The pool new sequences take their KV blocks from (unbounded until a capacity is set).
+  const std::shared_ptr<KvPool>& pool() const;
 
   // Appends `tokens` to the sequence and writes vocab-sized fp32 logits for the last token, or
   // for every token with options.all_logits.

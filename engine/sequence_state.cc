@@ -1,4 +1,5 @@
-// SequenceState snapshots: the format is documented in docs/formats.md; bump kVersion on change.
+// SequenceState: block references, copy-on-write rows, forks and snapshots. The snapshot format
+// is documented in docs/formats.md; bump kVersion on change.
 #include <cstring>
 
 #include "engine/forward.h"
@@ -7,7 +8,7 @@ namespace flashd::engine {
 namespace {
 
 constexpr char kMagic[4] = {'F', 'L', 'S', 'Q'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 
 class Writer {
  public:
@@ -30,8 +31,9 @@ class Reader {
   template <typename T>
   bool Vec(std::vector<T>* v) {
     int64_t n;
-    if (!I64(&n) || n < 0 || static_cast<uint64_t>(n) > (in_.size() - pos_) / sizeof(T))
+    if (!I64(&n) || n < 0 || static_cast<uint64_t>(n) > (in_.size() - pos_) / sizeof(T)) {
       return false;
+    }
     v->resize(static_cast<size_t>(n));
     return Raw(v->data(), v->size() * sizeof(T));
   }
@@ -50,6 +52,76 @@ class Reader {
 
 }  // namespace
 
+SequenceState::SequenceState(SequenceState&& o) noexcept { *this = std::move(o); }
+
+SequenceState& SequenceState::operator=(SequenceState&& o) noexcept {
+  if (this == &o) return *this;
+  if (pool) {
+    for (int32_t b : blocks) pool->Unref(b);
+  }
+  position = o.position;
+  rings = std::move(o.rings);
+  sources = std::move(o.sources);
+  engram_classes = std::move(o.engram_classes);
+  pool = std::move(o.pool);
+  layout = std::move(o.layout);
+  blocks = std::move(o.blocks);
+  o.blocks.clear();
+  o.pool.reset();
+  return *this;
+}
+
+SequenceState::~SequenceState() {
+  if (pool) {
+    for (int32_t b : blocks) pool->Unref(b);
+  }
+}
+
+SequenceState SequenceState::Fork() const {
+  SequenceState s;
+  s.position = position;
+  s.rings = rings;
+  s.sources = sources;
+  s.engram_classes = engram_classes;
+  s.pool = pool;
+  s.layout = layout;
+  s.blocks = blocks;
+  for (int32_t b : s.blocks) pool->Ref(b);
+  return s;
+}
+
+const uint8_t* SequenceState::Row(int layer, int64_t entry) const {
+  const KvBlockLayout::Source& src = layout->sources[layout->source_of_layer[layer]];
+  const int64_t block = entry / src.entries_per_block;
+  const int64_t within = entry % src.entries_per_block;
+  return pool->data(blocks[static_cast<size_t>(block)]) + src.offset +
+         static_cast<size_t>(within) * (src.kv_row + src.key_row);
+}
+
+StatusOr<uint8_t*> SequenceState::MutableRow(int layer, int64_t entry) {
+  const KvBlockLayout::Source& src = layout->sources[layout->source_of_layer[layer]];
+  const size_t block = static_cast<size_t>(entry / src.entries_per_block);
+  while (blocks.size() <= block) {
+    const int32_t id = pool->Allocate();
+    if (id < 0) {
+      return ResourceExhausted("KV pool full (" + std::to_string(pool->capacity_blocks()) +
+                               " blocks of " + std::to_string(pool->block_bytes()) + " bytes)");
+    }
+    blocks.push_back(id);
+  }
+  if (pool->refs(blocks[block]) > 1) {
+    // Shared with another sequence: this one writes its own copy.
+    const int32_t copy = pool->Allocate();
+    if (copy < 0) return ResourceExhausted("KV pool full while copying a shared block");
+    std::memcpy(pool->data(copy), pool->data(blocks[block]), pool->block_bytes());
+    pool->Unref(blocks[block]);
+    blocks[block] = copy;
+  }
+  const int64_t within = entry % src.entries_per_block;
+  return pool->data(blocks[block]) + src.offset +
+         static_cast<size_t>(within) * (src.kv_row + src.key_row);
+}
+
 std::string SequenceState::Serialize() const {
   Writer w;
   w.Raw(kMagic, 4);
@@ -64,17 +136,18 @@ std::string SequenceState::Serialize() const {
   for (const Source& s : sources) {
     w.Vec(s.kv_partial);
     w.Vec(s.score_partial);
-    w.Vec(s.kv_packed);
-    w.Vec(s.kv_scales);
-    w.Vec(s.key_packed);
-    w.Vec(s.key_scales);
     w.I64(s.entries);
   }
   w.Vec(engram_classes);
+  w.I64(static_cast<int64_t>(layout ? layout->block_bytes : 0));
+  w.I64(static_cast<int64_t>(blocks.size()));
+  for (int32_t b : blocks) w.Raw(pool->data(b), pool->block_bytes());
   return w.out;
 }
 
-StatusOr<SequenceState> SequenceState::Deserialize(std::string_view bytes) {
+// Reads a snapshot into blocks of `pool`; used by CpuForward::Restore.
+StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<KvPool> pool,
+                                        std::shared_ptr<const KvBlockLayout> layout) {
   Reader r(bytes);
   char magic[4];
   uint32_t version = 0;
@@ -86,6 +159,8 @@ StatusOr<SequenceState> SequenceState::Deserialize(std::string_view bytes) {
                     ", this build reads version " + std::to_string(kVersion));
   }
   SequenceState s;
+  s.pool = pool;
+  s.layout = layout;
   int64_t n = 0;
   bool ok = r.I64(&s.position) && r.I64(&n) && n >= 0 && n < (1 << 20);
   if (ok) s.rings.resize(static_cast<size_t>(n));
@@ -95,13 +170,25 @@ StatusOr<SequenceState> SequenceState::Deserialize(std::string_view bytes) {
   ok = ok && r.I64(&n) && n >= 0 && n < (1 << 20);
   if (ok) s.sources.resize(static_cast<size_t>(n));
   for (size_t i = 0; ok && i < s.sources.size(); ++i) {
-    Source& src = s.sources[i];
-    ok = r.Vec(&src.kv_partial) && r.Vec(&src.score_partial) && r.Vec(&src.kv_packed) &&
-         r.Vec(&src.kv_scales) && r.Vec(&src.key_packed) && r.Vec(&src.key_scales) &&
-         r.I64(&src.entries);
+    SequenceState::Source& src = s.sources[i];
+    ok = r.Vec(&src.kv_partial) && r.Vec(&src.score_partial) && r.I64(&src.entries);
   }
-  ok = ok && r.Vec(&s.engram_classes) && r.done();
+  int64_t block_bytes = 0, count = 0;
+  ok = ok && r.Vec(&s.engram_classes) && r.I64(&block_bytes) && r.I64(&count) && count >= 0;
   if (!ok) return DataLoss("sequence snapshot: truncated or corrupt");
+  if (static_cast<size_t>(block_bytes) != layout->block_bytes) {
+    return DataLoss("sequence snapshot: blocks of " + std::to_string(block_bytes) +
+                    " bytes, this model's are " + std::to_string(layout->block_bytes));
+  }
+  for (int64_t b = 0; b < count; ++b) {
+    const int32_t id = pool->Allocate();
+    if (id < 0) return ResourceExhausted("KV pool full while restoring a snapshot");
+    s.blocks.push_back(id);
+    if (!r.Raw(pool->data(id), pool->block_bytes())) {
+      return DataLoss("sequence snapshot: truncated or corrupt");
+    }
+  }
+  if (!r.done()) return DataLoss("sequence snapshot: trailing bytes");
   return s;
 }
 

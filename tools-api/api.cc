@@ -58,6 +58,10 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
             "gauge", e.memory_reserved_bytes);
       gauge("flashd_engine_memory_budget_bytes", "engine.memory_budget_bytes.", "gauge",
             e.memory_budget_bytes);
+      gauge("flashd_engine_kv_pool_used_bytes", "KV pool blocks in use, shared ones once.", "gauge",
+            e.pool_used_bytes);
+      gauge("flashd_engine_kv_pool_capacity_bytes", "KV pool capacity.", "gauge",
+            e.pool_capacity_bytes);
       gauge("flashd_engine_steps_total", "Forward steps run.", "counter", e.steps);
       gauge("flashd_engine_generated_tokens_total", "Tokens generated.", "counter",
             e.tokens_generated);

@@ -37,6 +37,8 @@ struct EngineMetrics {
   int64_t steps = 0;
   int64_t tokens_generated = 0;
   int64_t prompt_tokens = 0;
+  uint64_t pool_used_bytes = 0;
+  uint64_t pool_capacity_bytes = 0;
 };
 
 class Api {

@@ -435,6 +435,7 @@ BOOST_AUTO_TEST_CASE(metrics_report_the_engine) {
   BOOST_TEST(Contains(m->body, "flashd_engine_running 0"), m->body);
   BOOST_TEST(Contains(m->body, "flashd_engine_memory_reserved_bytes 0"), m->body);
   BOOST_TEST(Contains(m->body, "flashd_engine_memory_budget_bytes 8589934592"), m->body);
+  BOOST_TEST(Contains(m->body, "flashd_engine_kv_pool_used_bytes 0"), m->body);
   BOOST_TEST(d.Stop(SIGTERM) == 0);
 }
 

@@ -112,6 +112,7 @@ BOOST_AUTO_TEST_CASE(cancellation_stops_and_frees_memory) {
     if (e->kind == GenerationEvent::Kind::kToken) ++got;
   }
   BOOST_TEST((*engine)->stats().memory_reserved_bytes > 0u);
+  BOOST_TEST((*engine)->stats().pool_used_bytes > 0u);
   (*engine)->Cancel(handle);
   Outcome o = Drain(*q);
   BOOST_TEST(o.reason == "cancelled");
@@ -120,6 +121,7 @@ BOOST_AUTO_TEST_CASE(cancellation_stops_and_frees_memory) {
   }
   BOOST_TEST((*engine)->stats().running == 0);
   BOOST_TEST((*engine)->stats().memory_reserved_bytes == 0u);
+  BOOST_TEST((*engine)->stats().pool_used_bytes == 0u);  // Every KV block is back.
 }
 
 BOOST_AUTO_TEST_CASE(admission_waits_for_memory_then_proceeds) {

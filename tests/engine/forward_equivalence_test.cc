@@ -77,11 +77,46 @@ BOOST_AUTO_TEST_CASE(snapshot_restore_continue_equals_uninterrupted) {
   std::string snapshot = a.Serialize();
   std::vector<float> uninterrupted = RunChunked(more, {1}, &a);
 
-  auto restored = SequenceState::Deserialize(snapshot);
+  auto restored = Forward().Restore(snapshot);
   BOOST_REQUIRE_MESSAGE(restored.ok(), restored.status().ToString());
   BOOST_TEST(restored->position == 41);
   std::vector<float> resumed = RunChunked(more, {1}, &*restored);
   BOOST_TEST(BitEqual(resumed, uninterrupted));
+}
+
+BOOST_AUTO_TEST_CASE(forks_share_blocks_until_they_diverge) {
+  const KvPool& pool = *Forward().pool();
+  const size_t baseline = pool.used_blocks();
+  const std::vector<int32_t> prefix = Tokens(200, 21), a_more = Tokens(30, 22),
+                             b_more = Tokens(30, 23);
+  std::vector<float> logits;
+  SequenceState a = Forward().NewSequence();
+  BOOST_REQUIRE(Forward().Forward(&a, prefix, &logits).ok());
+  const size_t prefix_blocks = a.blocks.size();
+  BOOST_TEST(prefix_blocks == 4u);  // 200 tokens: three full 64-token blocks and a partial one.
+  BOOST_TEST(pool.used_blocks() == baseline + prefix_blocks);
+  {
+    SequenceState b = a.Fork();
+    // The fork holds the same blocks: nothing new is allocated.
+    BOOST_TEST(pool.used_blocks() == baseline + prefix_blocks);
+    BOOST_TEST(b.blocks == a.blocks);
+    std::vector<float> la, lb;
+    BOOST_REQUIRE(Forward().Forward(&a, a_more, &la).ok());
+    BOOST_REQUIRE(Forward().Forward(&b, b_more, &lb).ok());
+    // Both wrote into the partial block, so one of them copied it; the full blocks stay shared.
+    BOOST_TEST(pool.used_blocks() == baseline + prefix_blocks + 1);
+    for (size_t i = 0; i < 3; ++i) BOOST_TEST(a.blocks[i] == b.blocks[i]);
+    BOOST_TEST(a.blocks[3] != b.blocks[3]);
+    // And each continues exactly as a sequence that never shared anything.
+    SequenceState fresh = Forward().NewSequence();
+    std::vector<int32_t> all = prefix;
+    all.insert(all.end(), b_more.begin(), b_more.end());
+    std::vector<float> lf;
+    BOOST_REQUIRE(Forward().Forward(&fresh, all, &lf).ok());
+    BOOST_TEST(BitEqual(lb, lf));
+  }
+  // The fork's own blocks are back in the pool once it is gone.
+  BOOST_TEST(pool.used_blocks() == baseline + prefix_blocks);
 }
 
 BOOST_AUTO_TEST_CASE(corrupt_snapshots_are_refused) {
@@ -89,13 +124,13 @@ BOOST_AUTO_TEST_CASE(corrupt_snapshots_are_refused) {
   std::vector<float> logits;
   BOOST_REQUIRE(Forward().Forward(&a, Tokens(9, 4), &logits).ok());
   std::string bytes = a.Serialize();
-  BOOST_TEST(!SequenceState::Deserialize(bytes.substr(0, bytes.size() - 3)).ok());
+  BOOST_TEST(!Forward().Restore(bytes.substr(0, bytes.size() - 3)).ok());
   std::string bad_magic = bytes;
   bad_magic[0] = 'X';
-  BOOST_TEST(!SequenceState::Deserialize(bad_magic).ok());
+  BOOST_TEST(!Forward().Restore(bad_magic).ok());
   std::string bad_version = bytes;
   bad_version[4] = 99;
-  auto v = SequenceState::Deserialize(bad_version);
+  auto v = Forward().Restore(bad_version);
   BOOST_TEST(v.status().message().find("version 99") != std::string::npos, v.status().message());
 }
 

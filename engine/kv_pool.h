@@ -1,0 +1,68 @@
+// KvPool: the compressed KV and index keys of every sequence, in fixed-size blocks of 64 tokens
+// (the prefix cache's block), reference-counted so that sequences sharing a prefix share its
+// blocks; a sequence writing into a shared block first copies it (copy on write).
+//
+// One block holds, for its 64 token positions, every KV source's rows: for a source of ratio r,
+// 64 / r entries of [FP4 KV (head_dim/2 bytes) | E4M3 scales (head_dim/16) | FP4 index key
+// (index_head_dim/2) | UE8M0 scales (index_head_dim/32)]. For the released model that is
+// 64 x 890 = 56,960 bytes.
+//
+// Thread-safety: allocation and reference counts belong to the thread that runs the forward
+// pass (the engine thread); used_blocks() and capacity_blocks() may be read from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "config/status.h"
+#include "engine/model_config.h"
+
+namespace flashd::engine {
+
+struct KvBlockLayout {
+  struct Source {
+    int layer = 0;
+    int ratio = 1;
+    int64_t entries_per_block = 0;
+    size_t kv_row = 0;   // FP4 values + E4M3 scales.
+    size_t key_row = 0;  // FP4 values + UE8M0 scales; 0 when the source writes no keys.
+    size_t offset = 0;   // Of its first row in a block.
+  };
+  int64_t block_tokens = 64;
+  std::vector<Source> sources;
+  std::vector<int> source_of_layer;  // Layer -> index in sources, or -1.
+  size_t block_bytes = 0;
+
+  static StatusOr<KvBlockLayout> For(const ModelConfig& config, int64_t block_tokens = 64);
+};
+
+class KvPool {
+ public:
+  KvPool(size_t block_bytes, size_t capacity_blocks);
+
+  // A zeroed block with one reference, or -1 when the pool is at capacity.
+  int32_t Allocate();
+  void Ref(int32_t block);
+  void Unref(int32_t block);  // The last reference returns the block to the pool.
+  int refs(int32_t block) const { return refs_[static_cast<size_t>(block)]; }
+  uint8_t* data(int32_t block) { return blocks_[static_cast<size_t>(block)].get(); }
+  const uint8_t* data(int32_t block) const { return blocks_[static_cast<size_t>(block)].get(); }
+
+  size_t block_bytes() const { return block_bytes_; }
+  size_t used_blocks() const { return used_.load(std::memory_order_relaxed); }
+  size_t capacity_blocks() const { return capacity_.load(std::memory_order_relaxed); }
+  void set_capacity_blocks(size_t capacity) { capacity_ = capacity; }
+
+ private:
+  size_t block_bytes_;
+  std::atomic<size_t> capacity_;
+  std::atomic<size_t> used_{0};
+  std::vector<std::unique_ptr<uint8_t[]>> blocks_;
+  std::vector<int> refs_;
+  std::vector<int32_t> free_;
+};
+
+}  // namespace flashd::engine
