@@ -156,6 +156,7 @@ void Daemon::LoadModel() {
     m.pool_capacity_bytes = s.pool_capacity_bytes;
     return m;
   });
+  api_->SetEngine(engine_.get());
   api_->SetPhase(api::Phase::kReady, "");
   sd_notify(0, "STATUS=serving; model loaded");
   load_finished_ = true;

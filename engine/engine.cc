@@ -98,6 +98,15 @@ std::pair<Engine::Handle, std::shared_ptr<EventQueue>> Engine::Submit(Generation
           InvalidArgument("prompt: token id " + std::to_string(t) + " outside the vocabulary");
     }
   }
+  const int64_t context = config().max_position_embeddings;
+  const int64_t wanted = static_cast<int64_t>(seq->request.prompt.size()) +
+                         static_cast<int64_t>(seq->request.sampling.max_tokens);
+  if (invalid.ok() && context > 0 && wanted > context) {
+    invalid = InvalidArgument(
+        "prompt: " + std::to_string(seq->request.prompt.size()) + " tokens plus max_tokens " +
+        std::to_string(seq->request.sampling.max_tokens) + " exceed the model's context of " +
+        std::to_string(context) + " tokens");
+  }
   if (invalid.ok() && !seq->request.sampling.stop.empty() && !tokenizer_) {
     invalid = InvalidArgument("stop: stop strings need the model's tokenizer.json");
   }

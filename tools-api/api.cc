@@ -74,6 +74,8 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               [this](const auto& req, auto& res, const PathParams&) { Tokenize(req, res); });
   router_.Add("POST", "/detokenize",
               [this](const auto& req, auto& res, const PathParams&) { Detokenize(req, res); });
+  router_.Add("POST", "/v1/completions",
+              [this](const auto& req, auto& res, const PathParams&) { Completions(req, res); });
 }
 
 void Api::SetPhase(Phase phase, std::string reason) {
@@ -118,36 +120,26 @@ void Api::SetEngineStats(std::function<EngineMetrics()> source) {
   engine_stats_ = std::move(source);
 }
 
+void Api::SetEngine(engine::Engine* engine) {
+  std::lock_guard<std::mutex> lock(mu_);
+  engine_ = engine;
+}
+
+engine::Engine* Api::engine() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return engine_;
+}
+
 std::shared_ptr<const engine::Tokenizer> Api::tokenizer() const {
   std::lock_guard<std::mutex> lock(mu_);
   return tokenizer_;
 }
 
-namespace {
-
-// Parses a JSON object body; on failure writes the 400 and returns false.
-bool ParseBody(const httplib::Request& req, httplib::Response& res, nlohmann::json* body) {
-  try {
-    *body = nlohmann::json::parse(req.body);
-  } catch (const nlohmann::json::parse_error& e) {
-    WriteError(res, 400, "invalid_request_error",
-               std::string("request body is not valid JSON: ") + e.what());
-    return false;
-  }
-  if (!body->is_object()) {
-    WriteError(res, 400, "invalid_request_error", "request body must be a JSON object");
-    return false;
-  }
-  return true;
-}
-
-}  // namespace
-
 void Api::Tokenize(const httplib::Request& req, httplib::Response& res) const {
   auto tok = tokenizer();
   if (!tok) return WriteError(res, 503, "unavailable_error", "no tokenizer is loaded yet");
   nlohmann::json body;
-  if (!ParseBody(req, res, &body)) return;
+  if (!ParseJsonBody(req, res, &body)) return;
   if (!body.contains("text") || !body["text"].is_string()) {
     return WriteError(res, 400, "invalid_request_error", "text: expected a string");
   }
@@ -167,7 +159,7 @@ void Api::Detokenize(const httplib::Request& req, httplib::Response& res) const 
   auto tok = tokenizer();
   if (!tok) return WriteError(res, 503, "unavailable_error", "no tokenizer is loaded yet");
   nlohmann::json body;
-  if (!ParseBody(req, res, &body)) return;
+  if (!ParseJsonBody(req, res, &body)) return;
   if (!body.contains("tokens") || !body["tokens"].is_array()) {
     return WriteError(res, 400, "invalid_request_error", "tokens: expected an array of token ids");
   }

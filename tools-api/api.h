@@ -12,6 +12,7 @@
 #include <string>
 
 #include "config/config.h"
+#include "engine/engine.h"
 #include "engine/tokenizer.h"
 #include "tools-api/metrics.h"
 #include "tools-api/router.h"
@@ -63,12 +64,18 @@ class Api {
   // Thread-safe. /metrics includes what `source` returns once it is set.
   void SetEngineStats(std::function<EngineMetrics()> source);
   std::shared_ptr<const engine::Tokenizer> tokenizer() const;
+  // Thread-safe. Until an engine is set, generation routes answer 503. REQUIRES: the engine
+  // outlives every listener this Api is installed on.
+  void SetEngine(engine::Engine* engine);
+  engine::Engine* engine() const;
 
  private:
   void Health(const httplib::Request& req, httplib::Response& res) const;
   void Models(const httplib::Request& req, httplib::Response& res) const;
   void Tokenize(const httplib::Request& req, httplib::Response& res) const;
   void Detokenize(const httplib::Request& req, httplib::Response& res) const;
+  // POST /v1/completions (OpenAI): tools-api/completions.cc.
+  void Completions(const httplib::Request& req, httplib::Response& res) const;
 
   const Config config_;
   const ServedModel model_;
@@ -79,6 +86,7 @@ class Api {
   std::string reason_ = "starting";                     // Guarded by mu_.
   std::shared_ptr<const engine::Tokenizer> tokenizer_;  // Guarded by mu_.
   std::function<EngineMetrics()> engine_stats_;         // Guarded by mu_.
+  engine::Engine* engine_ = nullptr;                    // Guarded by mu_.
 };
 
 }  // namespace flashd::api

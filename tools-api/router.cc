@@ -102,4 +102,19 @@ void Router::Install(httplib::Server* server) const {
   server->Options(any, dispatch);
 }
 
+bool ParseJsonBody(const httplib::Request& req, httplib::Response& res, nlohmann::json* body) {
+  try {
+    *body = nlohmann::json::parse(req.body);
+  } catch (const nlohmann::json::parse_error& e) {
+    WriteError(res, 400, "invalid_request_error",
+               std::string("request body is not valid JSON: ") + e.what());
+    return false;
+  }
+  if (!body->is_object()) {
+    WriteError(res, 400, "invalid_request_error", "request body must be a JSON object");
+    return false;
+  }
+  return true;
+}
+
 }  // namespace flashd::api

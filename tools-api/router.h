@@ -10,6 +10,7 @@
 
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,10 @@ using RouteHandler =
 // Writes {"error":{"type":...,"message":...}} with the given status.
 void WriteError(httplib::Response& res, int status, const std::string& type,
                 const std::string& message);
+
+// Parses the request body as a JSON object; otherwise writes the 400 (naming the position of a
+// syntax error) and returns false.
+bool ParseJsonBody(const httplib::Request& req, httplib::Response& res, nlohmann::json* body);
 
 class Router {
  public:

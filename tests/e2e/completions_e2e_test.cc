@@ -1,0 +1,321 @@
+// End-to-end: POST /v1/completions on the real daemon with the shared tiny model, over TCP and
+// the Unix socket.
+#include <httplib.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <boost/test/unit_test.hpp>
+#include <chrono>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <thread>
+
+#include "tests/e2e/daemon_process.h"
+
+namespace flashd::testing {
+namespace {
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+std::unique_ptr<httplib::Client> TcpClient(const DaemonProcess& d) {
+  auto c = std::make_unique<httplib::Client>("127.0.0.1", d.port());
+  c->set_read_timeout(120);
+  return c;
+}
+
+std::unique_ptr<httplib::Client> UnixClient(const DaemonProcess& d) {
+  auto c = std::make_unique<httplib::Client>(d.socket_path());
+  c->set_address_family(AF_UNIX);
+  c->set_read_timeout(120);
+  return c;
+}
+
+// The value of an unlabelled metric, or -1.
+double Metric(httplib::Client& c, const std::string& name) {
+  auto m = c.Get("/metrics");
+  if (!m) return -1;
+  std::smatch match;
+  const std::regex re("\n" + name + " ([0-9.e+]+)\n");
+  if (!std::regex_search(m->body, match, re)) return -1;
+  return std::stod(match[1]);
+}
+
+// Polls until the engine runs nothing and its KV pool is empty; false after `timeout`.
+bool WaitIdle(httplib::Client& c, std::chrono::seconds timeout = 20s) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < end) {
+    if (Metric(c, "flashd_engine_running") == 0 &&
+        Metric(c, "flashd_engine_kv_pool_used_bytes") == 0) {
+      return true;
+    }
+    std::this_thread::sleep_for(50ms);
+  }
+  return false;
+}
+
+struct Completion {
+  int status = 0;
+  std::string text;
+  std::string finish_reason;
+  json tokens;
+  json token_logprobs;
+  json usage;
+  std::string raw;
+};
+
+Completion Complete(httplib::Client& c, const json& body) {
+  Completion out;
+  auto res = c.Post("/v1/completions", body.dump(), "application/json");
+  if (!res) return out;
+  out.status = res->status;
+  out.raw = res->body;
+  if (res->status != 200) return out;
+  json j = json::parse(res->body);
+  out.text = j["choices"][0]["text"];
+  out.finish_reason = j["choices"][0]["finish_reason"];
+  if (!j["choices"][0]["logprobs"].is_null()) {
+    out.tokens = j["choices"][0]["logprobs"]["tokens"];
+    out.token_logprobs = j["choices"][0]["logprobs"]["token_logprobs"];
+  }
+  out.usage = j["usage"];
+  return out;
+}
+
+json Request(int i) {
+  const std::vector<std::string> prompts = {
+      "def add(a, b):",   "The quick brown fox", "int main() {",    "SELECT * FROM",
+      "Once upon a time", "import numpy as np",  "# TODO: fix the", "fn main() -> ()"};
+  return {{"prompt", prompts[i % prompts.size()]},
+          {"max_tokens", 24},
+          {"temperature", 0.9},
+          {"top_p", 0.95},
+          {"seed", 1000 + i},
+          {"logprobs", 2}};
+}
+
+BOOST_AUTO_TEST_SUITE(completions_e2e)
+
+BOOST_AUTO_TEST_CASE(concurrent_generations_equal_each_alone_and_share_steps) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  auto tcp = TcpClient(d);
+  constexpr int kN = 8;
+
+  // Each request alone, one after another.
+  std::vector<Completion> alone;
+  const double steps0 = Metric(*tcp, "flashd_engine_steps_total");
+  for (int i = 0; i < kN; ++i) {
+    alone.push_back(Complete(*tcp, Request(i)));
+    BOOST_REQUIRE_MESSAGE(alone.back().status == 200, alone.back().raw);
+  }
+  const double steps1 = Metric(*tcp, "flashd_engine_steps_total");
+
+  // All at once, half of them over the Unix socket.
+  std::vector<Completion> together(kN);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kN; ++i) {
+    threads.emplace_back([&, i] {
+      auto c = i % 2 == 0 ? TcpClient(d) : UnixClient(d);
+      together[i] = Complete(*c, Request(i));
+    });
+  }
+  for (auto& t : threads) t.join();
+  const double steps2 = Metric(*tcp, "flashd_engine_steps_total");
+
+  for (int i = 0; i < kN; ++i) {
+    BOOST_TEST_CONTEXT("request " << i) {
+      BOOST_REQUIRE_MESSAGE(together[i].status == 200, together[i].raw);
+      BOOST_TEST(together[i].text == alone[i].text);
+      BOOST_TEST(together[i].tokens == alone[i].tokens);
+      // Log-probabilities are bit-identical: batching does not change a sequence's arithmetic.
+      BOOST_TEST(together[i].token_logprobs == alone[i].token_logprobs);
+      BOOST_TEST(together[i].usage == alone[i].usage);
+      BOOST_TEST(alone[i].usage["completion_tokens"].get<int>() ==
+                 static_cast<int>(alone[i].tokens.size()));
+      BOOST_TEST((alone[i].finish_reason == "length" || alone[i].finish_reason == "stop"));
+      if (alone[i].finish_reason == "length") BOOST_TEST(alone[i].tokens.size() == 24u);
+    }
+  }
+  // Different seeds and prompts give different text (the random model is not degenerate).
+  BOOST_TEST(alone[0].text != alone[1].text);
+  // Run together, the requests shared forward steps: far fewer than one after another.
+  BOOST_TEST_MESSAGE("steps: alone " << steps1 - steps0 << ", together " << steps2 - steps1);
+  BOOST_TEST(steps1 - steps0 >= kN * 10.0);
+  BOOST_TEST(steps2 - steps1 < (steps1 - steps0) / 2,
+             "together " << steps2 - steps1 << " steps, alone " << steps1 - steps0);
+  BOOST_TEST(WaitIdle(*tcp));
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+// Splits an SSE body into its data payloads.
+std::vector<std::string> SseData(const std::string& body) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while ((pos = body.find("data: ", pos)) != std::string::npos) {
+    size_t end = body.find("\n\n", pos);
+    out.push_back(body.substr(pos + 6, end - pos - 6));
+    pos = end;
+  }
+  return out;
+}
+
+BOOST_AUTO_TEST_CASE(a_stream_carries_the_same_tokens_as_a_whole_response) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  auto unix_client = UnixClient(d);
+  json req = Request(3);
+  req["echo"] = true;
+  req.erase("logprobs");
+  const Completion whole = Complete(*unix_client, req);
+  BOOST_REQUIRE_MESSAGE(whole.status == 200, whole.raw);
+  BOOST_TEST(whole.text.rfind("SELECT * FROM", 0) == 0u, whole.text);
+
+  req["stream"] = true;
+  req["stream_options"] = {{"include_usage", true}};
+  auto res = unix_client->Post("/v1/completions", req.dump(), "application/json");
+  BOOST_REQUIRE(res);
+  BOOST_REQUIRE_MESSAGE(res->status == 200, res->body);
+  BOOST_TEST(res->get_header_value("Content-Type").rfind("text/event-stream", 0) == 0u);
+  std::vector<std::string> data = SseData(res->body);
+  BOOST_REQUIRE(data.size() >= 4u);
+  BOOST_TEST(data.back() == "[DONE]");
+  std::string text;
+  std::string finish;
+  json usage;
+  std::string id;
+  for (size_t i = 0; i + 1 < data.size(); ++i) {
+    json chunk = json::parse(data[i]);
+    BOOST_TEST(chunk["object"] == "text_completion");
+    if (id.empty()) id = chunk["id"];
+    BOOST_TEST(chunk["id"] == id);  // One id for the whole stream.
+    if (!chunk["usage"].is_null()) {
+      BOOST_TEST(chunk["choices"].empty());
+      usage = chunk["usage"];
+      continue;
+    }
+    text += chunk["choices"][0]["text"].get<std::string>();
+    if (!chunk["choices"][0]["finish_reason"].is_null()) {
+      finish = chunk["choices"][0]["finish_reason"];
+    }
+  }
+  BOOST_TEST(text == whole.text);
+  BOOST_TEST(finish == whole.finish_reason);
+  BOOST_TEST(usage == whole.usage);
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+BOOST_AUTO_TEST_CASE(bad_requests_get_400s_naming_the_field_and_nothing_is_lost) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  auto c = TcpClient(d);
+  struct Case {
+    std::string body;
+    int status;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {R"({"max_tokens": 4})", 400, "prompt: required"},
+      {R"({"prompt": "x", "temperature": "hot"})", 400, "temperature"},
+      {R"({"prompt": "x", "top_p": 0})", 400, "top_p"},
+      {R"({"prompt": "x", "max_tokens": 0})", 400, "max_tokens"},
+      {R"({"prompt": "x", "max_tokens": 1048576})", 400, "exceed the model's context of 1048576"},
+      {R"({"prompt": "x", "n": 2})", 400, "n: only 1"},
+      {R"({"prompt": "x", "stop": ["a", 3]})", 400, "stop"},
+      {R"({"prompt": "x", "logprobs": 50})", 400, "logprobs"},
+      {R"({"prompt": [1, 2, 99999999]})", 400, "prompt[2]"},
+      {R"({"prompt": ["a", "b"]})", 400, "batches of prompts"},
+      {R"({"prompt": "x", "model": "gpt-4o"})", 404, "gpt-4o"},
+      {R"({"prompt": "x", "echo": true, "logprobs": 1})", 400, "echo"},
+      {R"({"prompt": "x",)", 400, "not valid JSON"},
+  };
+  for (const Case& k : cases) {
+    BOOST_TEST_CONTEXT(k.body) {
+      auto res = c->Post("/v1/completions", k.body, "application/json");
+      BOOST_REQUIRE(res);
+      BOOST_TEST(res->status == k.status);
+      json e = json::parse(res->body);
+      BOOST_TEST(e["error"]["message"].get<std::string>().find(k.needle) != std::string::npos,
+                 e.dump());
+    }
+  }
+  // A request that can never fit the memory budget is refused, naming the limit.
+  TempDir tmp2;
+  const std::string small_config = "server:\n  pid_file: " + (tmp2.path() / "flashd.pid").string() +
+                                   "\nengine:\n  memory_budget_bytes: 1MiB\n";
+  DaemonProcess small({tmp2.path(), small_config, {}, {}});
+  BOOST_REQUIRE_MESSAGE(small.Start(), small.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", small.port()) == 200);
+  auto sc = TcpClient(small);
+  auto big =
+      sc->Post("/v1/completions", R"({"prompt": "x", "max_tokens": 500000})", "application/json");
+  BOOST_REQUIRE(big);
+  BOOST_TEST(big->status == 400);
+  BOOST_TEST(big->body.find("memory budget") != std::string::npos, big->body);
+  BOOST_TEST(small.Stop(SIGTERM) == 0);
+
+  // The daemon kept serving, and generation still works.
+  const Completion ok = Complete(*c, Request(0));
+  BOOST_TEST(ok.status == 200, ok.raw);
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+// Sends a raw HTTP request on a fresh TCP connection and returns the fd.
+int SendRaw(int port, const std::string& body) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return -1;
+  const std::string req =
+      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+      "application/json\r\nContent-Length: " +
+      std::to_string(body.size()) + "\r\n\r\n" + body;
+  if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) return -1;
+  return fd;
+}
+
+BOOST_AUTO_TEST_CASE(a_client_that_goes_away_cancels_its_generation) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  auto c = TcpClient(d);
+  for (bool stream : {true, false}) {
+    BOOST_TEST_CONTEXT("stream " << stream) {
+      const double before = Metric(*c, "flashd_engine_generated_tokens_total");
+      json body = {{"prompt", "endless"}, {"max_tokens", 200000}, {"stream", stream}};
+      int fd = SendRaw(d.port(), body.dump());
+      BOOST_REQUIRE(fd >= 0);
+      // Wait until it generates, then hang up.
+      bool generating = false;
+      for (int i = 0; i < 400 && !generating; ++i) {
+        generating = Metric(*c, "flashd_engine_generated_tokens_total") > before + 5;
+        std::this_thread::sleep_for(25ms);
+      }
+      BOOST_REQUIRE(generating);
+      BOOST_TEST(Metric(*c, "flashd_engine_running") == 1);
+      ::close(fd);
+      // The generation stops and its KV blocks return to the pool.
+      BOOST_TEST(WaitIdle(*c));
+      const double stopped = Metric(*c, "flashd_engine_generated_tokens_total");
+      std::this_thread::sleep_for(300ms);
+      BOOST_TEST(Metric(*c, "flashd_engine_generated_tokens_total") == stopped);
+    }
+  }
+  BOOST_TEST(d.log().find("client gone, generation cancelled") != std::string::npos, d.log());
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace flashd::testing

@@ -1,0 +1,553 @@
+// POST /v1/completions: OpenAI's text completions on the engine, whole or streamed as
+// server-sent events.
+//
+// The handler submits the request and waits for its first token before answering, so that every
+// error the engine finds (a field out of range, a prompt longer than the context, a request that
+// can never fit the memory budget) still gets a 4xx with a JSON body. After that the response is
+// 200, and a failure midway arrives as an error event in the stream. A client that goes away
+// mid-stream cancels its generation at the next token the engine produces.
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+
+#include "tools-api/api.h"
+
+namespace flashd::api {
+namespace {
+
+using engine::GenerationEvent;
+using nlohmann::json;
+using namespace std::chrono_literals;
+
+constexpr int kDefaultMaxTokens = 16;  // OpenAI's default for this route.
+constexpr size_t kMaxStops = 16;
+
+struct CompletionRequest {
+  engine::GenerationRequest gen;
+  bool stream = false;
+  bool include_usage = false;
+  bool echo = false;
+  std::string echo_text;
+};
+
+// A request field's problem; `status` is the HTTP status to answer with.
+struct FieldError {
+  int status = 400;
+  std::string type = "invalid_request_error";
+  std::string message;
+};
+
+bool Present(const json& body, const char* key) {
+  return body.contains(key) && !body[key].is_null();
+}
+
+std::optional<FieldError> GetNumber(const json& body, const char* key, double lo, double hi,
+                                    double* out) {
+  if (!Present(body, key)) return std::nullopt;
+  const json& v = body[key];
+  if (!v.is_number() || v.get<double>() < lo || v.get<double>() > hi) {
+    char range[96];
+    std::snprintf(range, sizeof range, "expected a number in [%g, %g]", lo, hi);
+    return FieldError{400, "invalid_request_error", std::string(key) + ": " + range};
+  }
+  *out = v.get<double>();
+  return std::nullopt;
+}
+
+std::optional<FieldError> GetInt(const json& body, const char* key, int64_t lo, int64_t hi,
+                                 int64_t* out) {
+  if (!Present(body, key)) return std::nullopt;
+  const json& v = body[key];
+  if (!v.is_number_integer() || v.get<int64_t>() < lo || v.get<int64_t>() > hi) {
+    return FieldError{400, "invalid_request_error",
+                      std::string(key) + ": expected an integer in [" + std::to_string(lo) + ", " +
+                          std::to_string(hi) + "]"};
+  }
+  *out = v.get<int64_t>();
+  return std::nullopt;
+}
+
+std::optional<FieldError> GetBool(const json& body, const char* key, bool* out) {
+  if (!Present(body, key)) return std::nullopt;
+  if (!body[key].is_boolean()) {
+    return FieldError{400, "invalid_request_error", std::string(key) + ": expected true or false"};
+  }
+  *out = body[key].get<bool>();
+  return std::nullopt;
+}
+
+// Fills `out` from the body; returns the first problem found.
+std::optional<FieldError> ParseCompletion(const json& body, const std::string& model_id,
+                                          const engine::Engine& eng, CompletionRequest* out) {
+  const engine::Tokenizer* tok = eng.tokenizer();
+  if (Present(body, "model")) {
+    if (!body["model"].is_string()) {
+      return FieldError{400, "invalid_request_error", "model: expected a string"};
+    }
+    if (body["model"].get<std::string>() != model_id) {
+      return FieldError{404, "not_found_error",
+                        "model: \"" + body["model"].get<std::string>() +
+                            "\" is not served here; this daemon serves \"" + model_id + "\""};
+    }
+  }
+
+  if (!Present(body, "prompt")) {
+    return FieldError{400, "invalid_request_error", "prompt: required"};
+  }
+  const json& prompt = body["prompt"];
+  const json* text = nullptr;
+  if (prompt.is_string()) {
+    text = &prompt;
+  } else if (prompt.is_array() && prompt.size() == 1 && prompt[0].is_string()) {
+    text = &prompt[0];
+  } else if (prompt.is_array() && !prompt.empty() && prompt[0].is_number_integer()) {
+    for (size_t i = 0; i < prompt.size(); ++i) {
+      if (!prompt[i].is_number_integer() || prompt[i].get<int64_t>() < 0 ||
+          prompt[i].get<int64_t>() >= eng.config().vocab_size) {
+        return FieldError{400, "invalid_request_error",
+                          "prompt[" + std::to_string(i) + "]: expected a token id in [0, " +
+                              std::to_string(eng.config().vocab_size) + ")"};
+      }
+      out->gen.prompt.push_back(prompt[i].get<int32_t>());
+    }
+    if (tok != nullptr) out->echo_text = engine::SanitizeUtf8(tok->Decode(out->gen.prompt));
+  } else if (prompt.is_array() && !prompt.empty()) {
+    return FieldError{400, "invalid_request_error",
+                      "prompt: batches of prompts are not supported; send one request per prompt"};
+  } else {
+    return FieldError{400, "invalid_request_error",
+                      "prompt: expected a non-empty string or an array of token ids"};
+  }
+  if (text != nullptr) {
+    if (tok == nullptr) {
+      return FieldError{503, "unavailable_error",
+                        "prompt: text prompts need the model's tokenizer.json; send token ids"};
+    }
+    const std::string& s = text->get_ref<const std::string&>();
+    if (s.empty()) return FieldError{400, "invalid_request_error", "prompt: empty"};
+    out->echo_text = s;
+    out->gen.prompt = tok->Encode(s);
+    // Like the model's own chat format, a prompt starts with the beginning-of-sentence token.
+    const auto bos = static_cast<int32_t>(eng.config().bos_token_id);
+    if (out->gen.prompt.empty() || out->gen.prompt.front() != bos) {
+      out->gen.prompt.insert(out->gen.prompt.begin(), bos);
+    }
+  }
+
+  engine::SamplingParams& p = out->gen.sampling;
+  p.max_tokens = kDefaultMaxTokens;
+  int64_t i64 = 0;
+  double d = 0;
+  const int64_t context = eng.config().max_position_embeddings;
+  if (auto e = GetInt(body, "max_tokens", 1, context > 0 ? context : INT32_MAX, &i64)) return e;
+  if (Present(body, "max_tokens")) p.max_tokens = static_cast<int>(i64);
+  if (auto e = GetNumber(body, "temperature", 0, 2, &d)) return e;
+  if (Present(body, "temperature")) p.temperature = static_cast<float>(d);
+  if (auto e = GetNumber(body, "top_p", 0, 1, &d)) return e;
+  if (Present(body, "top_p")) {
+    if (d <= 0) return FieldError{400, "invalid_request_error", "top_p: expected (0, 1]"};
+    p.top_p = static_cast<float>(d);
+  }
+  if (auto e = GetInt(body, "top_k", 0, INT32_MAX, &i64)) return e;
+  if (Present(body, "top_k")) p.top_k = static_cast<int>(i64);
+  if (auto e = GetNumber(body, "min_p", 0, 1, &d)) return e;
+  if (Present(body, "min_p")) p.min_p = static_cast<float>(d);
+  if (auto e = GetNumber(body, "presence_penalty", -2, 2, &d)) return e;
+  if (Present(body, "presence_penalty")) p.presence_penalty = static_cast<float>(d);
+  if (auto e = GetNumber(body, "frequency_penalty", -2, 2, &d)) return e;
+  if (Present(body, "frequency_penalty")) p.frequency_penalty = static_cast<float>(d);
+  if (auto e = GetNumber(body, "repetition_penalty", 0.01, 10, &d)) return e;
+  if (Present(body, "repetition_penalty")) p.repetition_penalty = static_cast<float>(d);
+  if (Present(body, "seed")) {
+    if (!body["seed"].is_number_integer()) {
+      return FieldError{400, "invalid_request_error", "seed: expected an integer"};
+    }
+    p.seed = body["seed"].is_number_unsigned() ? body["seed"].get<uint64_t>()
+                                               : static_cast<uint64_t>(body["seed"].get<int64_t>());
+  }
+  if (auto e = GetInt(body, "logprobs", 0, 20, &i64)) return e;
+  if (Present(body, "logprobs")) p.logprobs = static_cast<int>(i64);
+
+  if (Present(body, "stop")) {
+    const json& stop = body["stop"];
+    if (stop.is_string()) {
+      p.stop.push_back(stop.get<std::string>());
+    } else if (stop.is_array() && stop.size() <= kMaxStops) {
+      for (const json& s : stop) {
+        if (!s.is_string()) {
+          return FieldError{400, "invalid_request_error", "stop: expected strings"};
+        }
+        p.stop.push_back(s.get<std::string>());
+      }
+    } else {
+      return FieldError{400, "invalid_request_error",
+                        "stop: expected a string or an array of at most " +
+                            std::to_string(kMaxStops) + " strings"};
+    }
+    for (const std::string& s : p.stop) {
+      if (s.empty()) return FieldError{400, "invalid_request_error", "stop: empty stop string"};
+    }
+  }
+  if (Present(body, "stop_token_ids")) {
+    const json& ids = body["stop_token_ids"];
+    if (!ids.is_array()) {
+      return FieldError{400, "invalid_request_error", "stop_token_ids: expected an array"};
+    }
+    for (const json& t : ids) {
+      if (!t.is_number_integer() || t.get<int64_t>() < 0 ||
+          t.get<int64_t>() >= eng.config().vocab_size) {
+        return FieldError{400, "invalid_request_error",
+                          "stop_token_ids: expected token ids in [0, " +
+                              std::to_string(eng.config().vocab_size) + ")"};
+      }
+      p.stop_tokens.push_back(t.get<int32_t>());
+    }
+  }
+
+  if (auto e = GetBool(body, "echo", &out->echo)) return e;
+  if (auto e = GetBool(body, "stream", &out->stream)) return e;
+  if (Present(body, "stream_options")) {
+    if (!body["stream_options"].is_object()) {
+      return FieldError{400, "invalid_request_error", "stream_options: expected an object"};
+    }
+    if (auto e = GetBool(body["stream_options"], "include_usage", &out->include_usage)) {
+      e->message = "stream_options." + e->message;
+      return e;
+    }
+  }
+  if (auto e = GetInt(body, "n", 1, 1, &i64)) {
+    e->message = "n: only 1 completion per request is supported";
+    return e;
+  }
+  if (auto e = GetInt(body, "best_of", 1, 1, &i64)) {
+    e->message = "best_of: only 1 is supported";
+    return e;
+  }
+  if (Present(body, "suffix") && !(body["suffix"].is_string() && body["suffix"].empty())) {
+    return FieldError{400, "invalid_request_error", "suffix: not supported by this model"};
+  }
+  if (Present(body, "logit_bias") &&
+      !(body["logit_bias"].is_object() && body["logit_bias"].empty())) {
+    return FieldError{400, "invalid_request_error", "logit_bias: not supported"};
+  }
+  if (out->echo && p.logprobs > 0) {
+    return FieldError{400, "invalid_request_error",
+                      "echo: prompt log-probabilities are not computed; use echo or logprobs"};
+  }
+  return std::nullopt;
+}
+
+int HttpStatusFor(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kResourceExhausted:
+      return 400;
+    case StatusCode::kNotFound:
+      return 404;
+    case StatusCode::kUnavailable:
+      return 503;
+    default:
+      return 500;
+  }
+}
+
+const char* ErrorTypeFor(int status) {
+  switch (status) {
+    case 400:
+      return "invalid_request_error";
+    case 404:
+      return "not_found_error";
+    case 503:
+      return "unavailable_error";
+    default:
+      return "internal_error";
+  }
+}
+
+std::string NewCompletionId() {
+  static std::atomic<uint64_t> counter{0};
+  static const uint64_t salt = std::random_device{}() * 0x9E3779B97F4A7C15ull;
+  char buf[40];
+  std::snprintf(buf, sizeof buf, "cmpl-%016llx%08llx", static_cast<unsigned long long>(salt),
+                static_cast<unsigned long long>(counter.fetch_add(1) & 0xffffffffu));
+  return buf;
+}
+
+json Usage(const GenerationEvent& done) {
+  return {{"prompt_tokens", done.prompt_tokens},
+          {"completion_tokens", done.completion_tokens},
+          {"total_tokens", done.prompt_tokens + done.completion_tokens}};
+}
+
+// OpenAI's legacy logprobs object, grown one token at a time.
+class Logprobs {
+ public:
+  explicit Logprobs(const engine::Tokenizer* tok) : tok_(tok) {}
+
+  void Add(const GenerationEvent& e, size_t text_offset) {
+    tokens_.push_back(Piece(e.token.token));
+    token_logprobs_.push_back(e.token.logprob);
+    json top = json::object();
+    for (const auto& [id, lp] : e.token.top) top[Piece(id)] = lp;
+    top_logprobs_.push_back(std::move(top));
+    text_offset_.push_back(text_offset);
+  }
+  json ToJson() const {
+    return {{"tokens", tokens_},
+            {"token_logprobs", token_logprobs_},
+            {"top_logprobs", top_logprobs_},
+            {"text_offset", text_offset_}};
+  }
+
+ private:
+  std::string Piece(int32_t id) const {
+    if (tok_ == nullptr) return fmt::format("<{}>", id);
+    const int32_t one[1] = {id};
+    return engine::SanitizeUtf8(tok_->Decode(one));
+  }
+  const engine::Tokenizer* tok_;
+  json tokens_ = json::array();
+  json token_logprobs_ = json::array();
+  json top_logprobs_ = json::array();
+  json text_offset_ = json::array();
+};
+
+// What a streaming response carries between calls of its content provider.
+struct Stream {
+  engine::Engine* engine = nullptr;
+  engine::Engine::Handle handle = 0;
+  std::shared_ptr<engine::EventQueue> queue;
+  std::optional<GenerationEvent> pending;  // The first event, popped by the handler.
+  std::string id;
+  std::string model;
+  int64_t created = 0;
+  bool include_usage = false;
+  bool logprobs = false;
+  std::string echo;
+  size_t text_offset = 0;
+  bool finished = false;
+  const engine::Tokenizer* tok = nullptr;
+
+  json Chunk(const std::string& text, const json& logprobs, const json& finish) const {
+    json c = {
+        {"id", id},
+        {"object", "text_completion"},
+        {"created", created},
+        {"model", model},
+        {"choices",
+         json::array(
+             {{{"text", text}, {"index", 0}, {"logprobs", logprobs}, {"finish_reason", finish}}})}};
+    if (include_usage) c["usage"] = nullptr;
+    return c;
+  }
+  static std::string Event(const json& j) { return "data: " + j.dump() + "\n\n"; }
+
+  // Appends the SSE text for `e` to `out`; true when it ends the stream.
+  bool Append(const GenerationEvent& e, std::string* out) {
+    if (!echo.empty()) {
+      *out += Event(Chunk(echo, nullptr, nullptr));
+      text_offset += echo.size();
+      echo.clear();
+    }
+    switch (e.kind) {
+      case GenerationEvent::Kind::kQueued:
+        // A comment line: clients ignore it, and it shows a waiting stream is alive.
+        *out += ": queued at position " + std::to_string(e.queue_position) + "\n\n";
+        return false;
+      case GenerationEvent::Kind::kToken: {
+        json lp = nullptr;
+        if (logprobs) {
+          Logprobs one(tok);
+          one.Add(e, text_offset);
+          lp = one.ToJson();
+        }
+        text_offset += e.text.size();
+        *out += Event(Chunk(e.text, lp, nullptr));
+        return false;
+      }
+      case GenerationEvent::Kind::kDone:
+        break;
+    }
+    if (e.finish_reason == "error") {
+      const int status = HttpStatusFor(e.error);
+      *out += Event({{"error", {{"type", ErrorTypeFor(status)}, {"message", e.error.message()}}}});
+    } else {
+      *out += Event(Chunk("", nullptr, e.finish_reason));
+      if (include_usage) {
+        json u = Chunk("", nullptr, nullptr);
+        u["choices"] = json::array();
+        u["usage"] = Usage(e);
+        *out += Event(u);
+      }
+    }
+    *out += "data: [DONE]\n\n";
+    return true;
+  }
+};
+
+}  // namespace
+
+void Api::Completions(const httplib::Request& req, httplib::Response& res) const {
+  engine::Engine* eng = engine();
+  if (eng == nullptr) {
+    return WriteError(res, 503, "unavailable_error", "the model is not loaded yet; see /health");
+  }
+  json body;
+  if (!ParseJsonBody(req, res, &body)) return;
+  CompletionRequest cr;
+  if (auto e = ParseCompletion(body, model_.id, *eng, &cr)) {
+    return WriteError(res, e->status, e->type, e->message);
+  }
+
+  auto [handle, queue] = eng->Submit(std::move(cr.gen));
+  // Wait for the first token (or the end), so that refusals still answer 4xx.
+  std::optional<GenerationEvent> first;
+  int64_t last_position = -1;
+  while (!first) {
+    std::optional<GenerationEvent> e = queue->Pop(250ms);
+    if (!e) continue;
+    if (e->kind == GenerationEvent::Kind::kQueued) {
+      if (e->queue_position != last_position) {
+        spdlog::debug("completion {} waits at queue position {}", handle, e->queue_position);
+      }
+      last_position = e->queue_position;
+      continue;
+    }
+    first = std::move(e);
+  }
+  if (first->kind == GenerationEvent::Kind::kDone && first->finish_reason == "error") {
+    const int status = HttpStatusFor(first->error);
+    return WriteError(res, status, ErrorTypeFor(status), first->error.message());
+  }
+
+  const std::string id = NewCompletionId();
+  const int64_t created = static_cast<int64_t>(std::time(nullptr));
+  if (cr.stream) {
+    auto st = std::make_shared<Stream>();
+    st->engine = eng;
+    st->handle = handle;
+    st->queue = queue;
+    st->pending = std::move(first);
+    st->id = id;
+    st->model = model_.id;
+    st->created = created;
+    st->include_usage = cr.include_usage;
+    st->logprobs = cr.gen.sampling.logprobs > 0;
+    st->echo = cr.echo ? cr.echo_text : "";
+    st->tok = eng->tokenizer();
+    res.set_header("Cache-Control", "no-cache");
+    res.set_chunked_content_provider(
+        "text/event-stream",
+        [st](size_t, httplib::DataSink& sink) {
+          std::optional<GenerationEvent> e;
+          if (st->pending) {
+            e = std::move(st->pending);
+            st->pending.reset();
+          } else {
+            e = st->queue->Pop(250ms);
+          }
+          if (!e) return true;
+          std::string out;
+          bool done = st->Append(*e, &out);
+          // Send what else is ready in the same write.
+          while (!done) {
+            std::optional<GenerationEvent> more = st->queue->Pop(0ms);
+            if (!more) break;
+            done = st->Append(*more, &out);
+          }
+          if (!sink.write(out.data(), out.size())) return false;  // The releaser cancels.
+          if (done) {
+            st->finished = true;
+            sink.done();
+          }
+          return true;
+        },
+        [st](bool) {
+          if (!st->finished) {
+            spdlog::info("completion {}: client gone, generation cancelled", st->id);
+            st->engine->Cancel(st->handle);
+          }
+        });
+    return;
+  }
+
+  // Whole response. It is sent chunked, led by a space every second while the generation runs:
+  // JSON allows leading whitespace, and a write to a client that went away fails, which cancels
+  // the generation (httplib shows a handler no other sign of a closed connection).
+  struct Whole {
+    engine::Engine* engine = nullptr;
+    engine::Engine::Handle handle = 0;
+    std::shared_ptr<engine::EventQueue> queue;
+    std::optional<GenerationEvent> pending;
+    std::string text;
+    std::optional<Logprobs> logprobs;
+    std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
+    bool finished = false;
+  };
+  auto w = std::make_shared<Whole>();
+  w->engine = eng;
+  w->handle = handle;
+  w->queue = queue;
+  w->pending = std::move(first);
+  w->text = cr.echo ? cr.echo_text : "";
+  if (cr.gen.sampling.logprobs > 0) w->logprobs.emplace(eng->tokenizer());
+  res.set_chunked_content_provider(
+      "application/json",
+      [w, id, created, model = model_.id](size_t, httplib::DataSink& sink) {
+        std::optional<GenerationEvent> e;
+        if (w->pending) {
+          e = std::move(w->pending);
+          w->pending.reset();
+        } else {
+          e = w->queue->Pop(250ms);
+        }
+        while (e && e->kind != GenerationEvent::Kind::kDone) {
+          if (e->kind == GenerationEvent::Kind::kToken) {
+            if (w->logprobs) w->logprobs->Add(*e, w->text.size());
+            w->text += e->text;
+          }
+          e = w->queue->Pop(0ms);
+        }
+        const auto now = std::chrono::steady_clock::now();
+        if (!e) {
+          if (now - w->last_write < 1s) return true;
+          w->last_write = now;
+          return sink.write(" ", 1);  // false: the releaser cancels.
+        }
+        json out;
+        if (e->finish_reason == "error") {
+          const int status = HttpStatusFor(e->error);
+          out = {{"error", {{"type", ErrorTypeFor(status)}, {"message", e->error.message()}}}};
+        } else {
+          out = {
+              {"id", id},
+              {"object", "text_completion"},
+              {"created", created},
+              {"model", model},
+              {"choices", json::array({{{"text", w->text},
+                                        {"index", 0},
+                                        {"logprobs", w->logprobs ? w->logprobs->ToJson() : json()},
+                                        {"finish_reason", e->finish_reason}}})},
+              {"usage", Usage(*e)}};
+        }
+        w->finished = true;
+        const std::string body = out.dump();
+        if (!sink.write(body.data(), body.size())) return false;
+        sink.done();
+        return true;
+      },
+      [w, id](bool) {
+        if (!w->finished) {
+          spdlog::info("completion {}: client gone, generation cancelled", id);
+          w->engine->Cancel(w->handle);
+        }
+      });
+}
+
+}  // namespace flashd::api
