@@ -1,0 +1,136 @@
+"""The official openai Python SDK against the real daemon, over TCP and the Unix socket.
+
+Usage: openai_sdk_test.py FLASHD_BINARY TOKENIZER_DIR
+
+Writes a tiny model with `flashd mkmodel` (the tokenizer in TOKENIZER_DIR), starts `flashd serve`
+on a free port and a private socket with it, drives
+/v1/completions through the SDK as a user would, and stops the daemon with SIGTERM.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx2
+import openai
+
+MODEL = "deepseek-v4.1-flash"
+
+
+def start(binary, model_dir, work):
+    env = dict(os.environ)
+    env.update(
+        FLASHD_LISTEN="127.0.0.1:0",
+        FLASHD_SOCKET=os.path.join(work, "flashd.sock"),
+        FLASHD_STATE_DIR=os.path.join(work, "state"),
+        FLASHD_MODEL_DIR=model_dir,
+    )
+    config = os.path.join(work, "flashd.yaml")
+    with open(config, "w") as f:
+        f.write("server:\n  pid_file: %s\n" % os.path.join(work, "flashd.pid"))
+    log = open(os.path.join(work, "daemon.log"), "w")
+    proc = subprocess.Popen(
+        [binary, "serve", "--config", config], env=env, stdout=subprocess.PIPE, stderr=log, text=True
+    )
+    line = proc.stdout.readline()
+    if not line.startswith("flashd ready:"):
+        proc.kill()
+        sys.exit("daemon did not start: " + open(log.name).read())
+    url = line.split()[2]
+    return proc, url, env["FLASHD_SOCKET"], log.name
+
+
+def wait_ready(url):
+    # /health turns 200 once the model is loaded.
+    for _ in range(600):
+        try:
+            if httpx2.get(url + "/health").status_code == 200:
+                return
+        except httpx2.HTTPError:
+            pass
+        time.sleep(0.1)
+    sys.exit("model did not load")
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+    print("ok:", what)
+
+
+def exercise(client, name):
+    req = dict(model=MODEL, prompt="def add(a, b):", max_tokens=12, seed=42, temperature=0.8)
+    whole = client.completions.create(**req)
+    check(whole.object == "text_completion", name + ": object is text_completion")
+    check(whole.model == MODEL, name + ": model echoed")
+    choice = whole.choices[0]
+    check(choice.finish_reason in ("length", "stop"), name + ": finish_reason " + choice.finish_reason)
+    check(whole.usage.completion_tokens >= 1, name + ": completion tokens counted")
+    check(
+        whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens,
+        name + ": usage adds up",
+    )
+
+    again = client.completions.create(**req)
+    check(again.choices[0].text == choice.text, name + ": a seeded request is reproducible")
+
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **req))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    check(streamed == choice.text, name + ": the stream carries the same text")
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    check(finishes == [choice.finish_reason], name + ": one finish_reason at the end of the stream")
+    check(chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens,
+          name + ": the last chunk carries the usage")
+
+    lp = client.completions.create(logprobs=3, **req)
+    check(lp.choices[0].text == choice.text, name + ": logprobs do not change the tokens")
+    check(len(lp.choices[0].logprobs.tokens) == lp.usage.completion_tokens, name + ": one logprob per token")
+    check(all(len(t) <= 3 and len(t) >= 1 for t in lp.choices[0].logprobs.top_logprobs),
+          name + ": top logprobs per token")
+
+    try:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, top_p=0)
+        check(False, name + ": top_p=0 must be refused")
+    except openai.BadRequestError as e:
+        check("top_p" in str(e), name + ": a bad field raises BadRequestError naming it")
+    try:
+        client.completions.create(model="gpt-4o", prompt="x", max_tokens=4)
+        check(False, name + ": an unknown model must be refused")
+    except openai.NotFoundError as e:
+        check("gpt-4o" in str(e), name + ": an unknown model raises NotFoundError")
+    return choice.text
+
+
+def main():
+    binary, tokenizer_dir = sys.argv[1], sys.argv[2]
+    with tempfile.TemporaryDirectory() as work:
+        model_dir = os.path.join(work, "tiny-model")
+        subprocess.run(
+            [binary, "mkmodel", model_dir, "--tokenizer", tokenizer_dir, "--set", "vocab_size=480",
+             "--set", "engram_compressed_vocab_size=389", "--set", "dspark_noise_token_id=400",
+             "--seed", "3"],
+            check=True, stdout=subprocess.DEVNULL)
+        proc, url, sock, log = start(binary, model_dir, work)
+        try:
+            tcp = openai.OpenAI(base_url=url + "/v1/", api_key="unused", max_retries=0)
+            wait_ready(url)
+            over_tcp = exercise(tcp, "tcp")
+            uds = openai.OpenAI(
+                base_url="http://flashd/v1/",
+                api_key="unused",
+                max_retries=0,
+                http_client=openai.DefaultHttpx2Client(transport=httpx2.HTTPTransport(uds=sock)),
+            )
+            over_unix = exercise(uds, "unix")
+            check(over_tcp == over_unix, "both listeners serve the same generations")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=30)
+        check(code == 0, "daemon stopped cleanly")
+
+
+if __name__ == "__main__":
+    main()
