@@ -7,6 +7,8 @@
 #include <cstring>
 #include <random>
 #include <set>
+#include <string>
+#include <vector>
 
 #include "engine/forward.h"
 #include "engine/weights.h"
@@ -46,9 +48,13 @@ double ReadBandwidth() {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::fprintf(stderr, "usage: engine_bench MODEL_DIR\n");
+    std::fprintf(stderr, "usage: engine_bench MODEL_DIR [PREFILL_CONTEXT...]\n");
     return 2;
   }
+  // Prefill contexts; 131072 takes tens of minutes on a small CPU, so it is asked for by name.
+  std::vector<size_t> contexts;
+  for (int i = 2; i < argc; ++i) contexts.push_back(std::stoul(argv[i]));
+  if (contexts.empty()) contexts = {1024, 4096, 32768};
   auto model = Model::Load(argv[1]);
   if (!model.ok()) return (std::fprintf(stderr, "%s\n", model.status().ToString().c_str()), 1);
   auto fwd = CpuForward::Create(**model);
@@ -104,17 +110,21 @@ int main(int argc, char** argv) {
     std::printf("%5d  %15.1f  %17llu  %9.2f  %17.1f%%\n", batch, batch * steps / seconds,
                 static_cast<unsigned long long>(step_bytes), gbs, 100.0 * gbs / bandwidth);
   }
-  std::printf("context  prefill tokens/s\n");
-  for (size_t n : {1024u, 4096u}) {
+  std::printf("context  prefill tokens/s (whole prompt)  last chunk tokens/s\n");
+  for (size_t n : contexts) {
     SequenceState st = (*fwd)->NewSequence();
     std::vector<int32_t> p = tokens(n);
     std::vector<float> l;
     auto t = Clock::now();
+    double last = 0;
     for (size_t done = 0; done < n; done += 512) {
       const size_t len = std::min<size_t>(512, n - done);
+      auto c0 = Clock::now();
       if (!(*fwd)->Forward(&st, std::span<const int32_t>(&p[done], len), &l).ok()) return 1;
+      last = len / Since(c0);
     }
-    std::printf("%7zu  %16.1f\n", n, n / Since(t));
+    std::printf("%7zu  %31.1f  %19.1f\n", n, n / Since(t), last);
+    std::fflush(stdout);
   }
   return 0;
 }

@@ -10,6 +10,7 @@
 
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/linear.h"
+#include "kernels/cpu/parallel.h"
 
 namespace flashd::engine {
 namespace {
@@ -19,6 +20,19 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // Rounds to the nearest BF16 value: the reference keeps activations in BF16 between ops.
 inline float Bf(float x) { return k::Bf16ToFloat(k::FloatToBf16(x)); }
+
+// The indexer's dot product: eight running sums, lane d % 8 taking element d, added pairwise at
+// the end. The order is fixed (it never depends on batch or chunk), and the compiler turns the
+// lanes into vector registers.
+inline float Dot(const float* a, const float* b, size_t n) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  size_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    for (size_t u = 0; u < 8; ++u) lane[u] += a[d + u] * b[d + u];
+  }
+  for (; d < n; ++d) lane[d % 8] += a[d] * b[d];
+  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+}
 void RoundBf(float* x, size_t n) {
   for (size_t i = 0; i < n; ++i) x[i] = Bf(x[i]);
 }
@@ -541,7 +555,8 @@ Status CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, siz
       const uint8_t* key_row = st->Row(plan.kv_source, j) + hd / 2 + hd / 16;
       k::DequantizeFp4E8M0(key_row, key_row + idd / 2, idd, 32, &keys[j * idd]);
     }
-    for (size_t t = 0; t < n; ++t) {
+    // Each query's choice is its own, so queries are spread over the threads.
+    auto select = [&](size_t t) {
       const int64_t pos = P + static_cast<int64_t>(t);
       for (size_t h = 0; h < ih; ++h) {
         float* qh = &iq[(t * ih + h) * idd];
@@ -556,8 +571,7 @@ Status CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, siz
         float total = 0;
         for (size_t h = 0; h < ih; ++h) {
           const float* qh = &iq[(t * ih + h) * idd];
-          float dot = 0;
-          for (size_t d = 0; d < idd; ++d) dot += qh[d] * keys[j * idd + d];
+          const float dot = Dot(qh, &keys[j * idd], idd);
           total += Bf(std::max(Bf(dot), 0.0f) * w[t * ih + h]);
         }
         score[j] = Bf(total);
@@ -590,14 +604,21 @@ Status CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, siz
         if (j < visible) sel.push_back(j);
       }
       std::sort(sel.begin(), sel.end());
-      if (trace != nullptr) trace->selections.push_back({l, pos, sel});
+    };
+    k::ParallelRanges(n, threads, [&](size_t begin, size_t end) {
+      for (size_t t = begin; t < end; ++t) select(t);
+    });
+    if (trace != nullptr) {
+      for (size_t t = 0; t < n; ++t) {
+        trace->selections.push_back({l, P + static_cast<int64_t>(t), selection[t]});
+      }
     }
   }
 
   // Sparse attention over the window and the selected compressed entries, with sinks.
   std::vector<float> o(n * H * hd);
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  for (size_t t = 0; t < n; ++t) {
+  auto attend = [&](size_t t) {
     const int64_t pos = P + static_cast<int64_t>(t);
     std::vector<float> keys;
     for (int64_t p = std::max<int64_t>(window_floor, pos - win + 1); p <= pos; ++p) {
@@ -632,7 +653,10 @@ Status CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, siz
       }
       Rope(oh + hd - rd, L.freqs, pos, true);
     }
-  }
+  };
+  k::ParallelRanges(n, threads, [&](size_t begin, size_t end) {
+    for (size_t t = begin; t < end; ++t) attend(t);
+  });
 
   // Grouped output LoRA (BF16), then wo_b.
   const size_t G = static_cast<size_t>(c.o_groups);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "kernels/cpu/formats.h"
+#include "kernels/cpu/parallel.h"
 
 namespace flashd::kernels::cpu {
 namespace {
@@ -34,22 +35,6 @@ void DecodeFp4Row(const uint8_t* w, size_t K, float* out) {
     out[k] = p[0];
     out[k + 1] = p[1];
   }
-}
-
-// Runs fn(begin, end) over [0, n) split into `threads` contiguous ranges.
-template <typename Fn>
-void ParallelRanges(size_t n, int threads, Fn fn) {
-  size_t workers = std::clamp<size_t>(threads, 1, std::max<size_t>(1, n));
-  if (workers == 1) {
-    fn(0, n);
-    return;
-  }
-  std::vector<std::thread> pool;
-  size_t chunk = (n + workers - 1) / workers;
-  for (size_t begin = 0; begin < n; begin += chunk) {
-    pool.emplace_back(fn, begin, std::min(n, begin + chunk));
-  }
-  for (std::thread& t : pool) t.join();
 }
 
 // The shared fast path: w_row_scale(n, kb) gives the weight scale of row n, K-block kb.
