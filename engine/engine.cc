@@ -107,6 +107,13 @@ std::pair<Engine::Handle, std::shared_ptr<EventQueue>> Engine::Submit(Generation
         std::to_string(seq->request.sampling.max_tokens) + " exceed the model's context of " +
         std::to_string(context) + " tokens");
   }
+  // A request that cannot fit even alone is refused now, not after waiting its turn.
+  const uint64_t need = MemoryNeed(seq->request);
+  if (invalid.ok() && need > options_.memory_budget_bytes) {
+    invalid = ResourceExhausted("the request needs " + std::to_string(need) +
+                                " bytes of KV and state, more than the engine's memory budget (" +
+                                std::to_string(options_.memory_budget_bytes) + " bytes)");
+  }
   if (invalid.ok() && !seq->request.sampling.stop.empty() && !tokenizer_) {
     invalid = InvalidArgument("stop: stop strings need the model's tokenizer.json");
   }
@@ -124,6 +131,11 @@ std::pair<Engine::Handle, std::shared_ptr<EventQueue>> Engine::Submit(Generation
   incoming_.push_back(std::move(seq));
   cv_.notify_all();
   return {handle, queue};
+}
+
+uint64_t Engine::MemoryNeed(const GenerationRequest& r) const {
+  return (r.prompt.size() + static_cast<uint64_t>(r.sampling.max_tokens)) * per_token_bytes_ +
+         per_sequence_bytes_;
 }
 
 void Engine::Cancel(Handle handle) {
@@ -203,18 +215,7 @@ bool Engine::Step() {
       it = waiting_.erase(it);
       continue;
     }
-    const uint64_t need =
-        (s.request.prompt.size() + static_cast<uint64_t>(s.request.sampling.max_tokens)) *
-            per_token_bytes_ +
-        per_sequence_bytes_;
-    if (need > options_.memory_budget_bytes) {
-      Finish(s, "error",
-             ResourceExhausted("the request needs " + std::to_string(need) +
-                               " bytes of KV and state, more than the engine's memory budget (" +
-                               std::to_string(options_.memory_budget_bytes) + " bytes)"));
-      it = waiting_.erase(it);
-      continue;
-    }
+    const uint64_t need = MemoryNeed(s.request);
     if (reserved + need > options_.memory_budget_bytes ||
         static_cast<int64_t>(running_.size()) >= options_.max_running) {
       break;
@@ -306,7 +307,7 @@ bool Engine::Step() {
         q.generated += 1;
         q.next_input = t.token;
         const SamplingParams& sp = q.request.sampling;
-        const bool stop_token = t.token == config().eos_token_id ||
+        const bool stop_token = (t.token == config().eos_token_id && !sp.ignore_eos) ||
                                 std::find(sp.stop_tokens.begin(), sp.stop_tokens.end(), t.token) !=
                                     sp.stop_tokens.end();
         GenerationEvent e;

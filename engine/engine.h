@@ -111,6 +111,8 @@ class Engine {
   void Loop();
   bool Step();  // One scheduling round; false when there was nothing to do.
   void Finish(Sequence& s, const std::string& reason, Status error = Status::Ok());
+  // KV for the prompt and max_tokens, plus the bounded per-sequence state.
+  uint64_t MemoryNeed(const GenerationRequest& request) const;
 
   EngineOptions options_;
   std::unique_ptr<Model> model_;

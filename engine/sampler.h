@@ -31,6 +31,7 @@ struct SamplingParams {
   int max_tokens = 256;
   std::vector<std::string> stop;     // Stop strings (not included in the output).
   std::vector<int32_t> stop_tokens;  // Besides the model's end-of-sentence token.
+  bool ignore_eos = false;           // Generate past end-of-sentence (benchmarks, tests).
   int logprobs = 0;                  // Top-n log-probabilities per token (0-20).
 
   // Checks ranges; errors name the field.

@@ -1,11 +1,13 @@
 // POST /v1/completions: OpenAI's text completions on the engine, whole or streamed as
 // server-sent events.
 //
-// The handler submits the request and waits for its first token before answering, so that every
-// error the engine finds (a field out of range, a prompt longer than the context, a request that
-// can never fit the memory budget) still gets a 4xx with a JSON body. After that the response is
-// 200, and a failure midway arrives as an error event in the stream. A client that goes away
-// mid-stream cancels its generation at the next token the engine produces.
+// The handler submits the request and waits for the engine's first event before answering. The
+// engine refuses at once what it will never run (a field out of range, a prompt longer than the
+// context, a request larger than the whole memory budget), so those get a 4xx with a JSON body.
+// After that the response is 200, and a failure midway arrives as an error in the body. Both kinds
+// of response write something at least once a second (a token, an SSE comment, or a space before a
+// whole JSON body), so a client that goes away is noticed within about two seconds, even while its
+// request waits for memory, and its generation is cancelled.
 #include <spdlog/spdlog.h>
 
 #include <atomic>
@@ -210,6 +212,7 @@ std::optional<FieldError> ParseCompletion(const json& body, const std::string& m
     }
   }
 
+  if (auto e = GetBool(body, "ignore_eos", &p.ignore_eos)) return e;
   if (auto e = GetBool(body, "echo", &out->echo)) return e;
   if (auto e = GetBool(body, "stream", &out->stream)) return e;
   if (Present(body, "stream_options")) {
@@ -318,20 +321,49 @@ class Logprobs {
   json text_offset_ = json::array();
 };
 
-// What a streaming response carries between calls of its content provider.
-struct Stream {
+// A submitted generation as its response's content provider sees it.
+struct Generation {
   engine::Engine* engine = nullptr;
   engine::Engine::Handle handle = 0;
   std::shared_ptr<engine::EventQueue> queue;
   std::optional<GenerationEvent> pending;  // The first event, popped by the handler.
   std::string id;
+  bool finished = false;  // The response is complete.
+  std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
+
+  void Bind(engine::Engine* e, engine::Engine::Handle h, std::shared_ptr<engine::EventQueue> q,
+            GenerationEvent first, std::string response_id) {
+    engine = e;
+    handle = h;
+    queue = std::move(q);
+    pending = std::move(first);
+    id = std::move(response_id);
+  }
+
+  std::optional<GenerationEvent> Next(std::chrono::milliseconds timeout) {
+    if (pending) {
+      std::optional<GenerationEvent> e = std::move(pending);
+      pending.reset();
+      return e;
+    }
+    return queue->Pop(timeout);
+  }
+  // The response's resource releaser: a response that did not complete lost its client.
+  void Release() {
+    if (finished) return;
+    spdlog::info("completion {}: client gone, generation cancelled", id);
+    engine->Cancel(handle);
+  }
+};
+
+// What a streaming response carries between calls of its content provider.
+struct Stream : Generation {
   std::string model;
   int64_t created = 0;
   bool include_usage = false;
   bool logprobs = false;
   std::string echo;
   size_t text_offset = 0;
-  bool finished = false;
   const engine::Tokenizer* tok = nullptr;
 
   json Chunk(const std::string& text, const json& logprobs, const json& finish) const {
@@ -405,22 +437,12 @@ void Api::Completions(const httplib::Request& req, httplib::Response& res) const
     return WriteError(res, e->status, e->type, e->message);
   }
 
+  const int logprobs = cr.gen.sampling.logprobs;
   auto [handle, queue] = eng->Submit(std::move(cr.gen));
-  // Wait for the first token (or the end), so that refusals still answer 4xx.
+  // Wait for the engine's first word on it (a token, a place in the queue, or the end), so that
+  // refusals, which the engine makes at once, still answer 4xx.
   std::optional<GenerationEvent> first;
-  int64_t last_position = -1;
-  while (!first) {
-    std::optional<GenerationEvent> e = queue->Pop(250ms);
-    if (!e) continue;
-    if (e->kind == GenerationEvent::Kind::kQueued) {
-      if (e->queue_position != last_position) {
-        spdlog::debug("completion {} waits at queue position {}", handle, e->queue_position);
-      }
-      last_position = e->queue_position;
-      continue;
-    }
-    first = std::move(e);
-  }
+  while (!first) first = queue->Pop(250ms);
   if (first->kind == GenerationEvent::Kind::kDone && first->finish_reason == "error") {
     const int status = HttpStatusFor(first->error);
     return WriteError(res, status, ErrorTypeFor(status), first->error.message());
@@ -430,29 +452,26 @@ void Api::Completions(const httplib::Request& req, httplib::Response& res) const
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   if (cr.stream) {
     auto st = std::make_shared<Stream>();
-    st->engine = eng;
-    st->handle = handle;
-    st->queue = queue;
-    st->pending = std::move(first);
-    st->id = id;
+    st->Bind(eng, handle, queue, std::move(*first), id);
     st->model = model_.id;
     st->created = created;
     st->include_usage = cr.include_usage;
-    st->logprobs = cr.gen.sampling.logprobs > 0;
+    st->logprobs = logprobs > 0;
     st->echo = cr.echo ? cr.echo_text : "";
     st->tok = eng->tokenizer();
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
         [st](size_t, httplib::DataSink& sink) {
-          std::optional<GenerationEvent> e;
-          if (st->pending) {
-            e = std::move(st->pending);
-            st->pending.reset();
-          } else {
-            e = st->queue->Pop(250ms);
+          std::optional<GenerationEvent> e = st->Next(250ms);
+          if (!e) {
+            // A comment line each second of silence (a long prefill, a wait for memory): clients
+            // ignore it, and writing it is how a client that went away is noticed.
+            const auto now = std::chrono::steady_clock::now();
+            if (now - st->last_write < 1s) return true;
+            st->last_write = now;
+            return sink.write(": keep-alive\n\n", 14);
           }
-          if (!e) return true;
           std::string out;
           bool done = st->Append(*e, &out);
           // Send what else is ready in the same write.
@@ -461,6 +480,7 @@ void Api::Completions(const httplib::Request& req, httplib::Response& res) const
             if (!more) break;
             done = st->Append(*more, &out);
           }
+          st->last_write = std::chrono::steady_clock::now();
           if (!sink.write(out.data(), out.size())) return false;  // The releaser cancels.
           if (done) {
             st->finished = true;
@@ -468,45 +488,25 @@ void Api::Completions(const httplib::Request& req, httplib::Response& res) const
           }
           return true;
         },
-        [st](bool) {
-          if (!st->finished) {
-            spdlog::info("completion {}: client gone, generation cancelled", st->id);
-            st->engine->Cancel(st->handle);
-          }
-        });
+        [st](bool) { st->Release(); });
     return;
   }
 
   // Whole response. It is sent chunked, led by a space every second while the generation runs:
   // JSON allows leading whitespace, and a write to a client that went away fails, which cancels
   // the generation (httplib shows a handler no other sign of a closed connection).
-  struct Whole {
-    engine::Engine* engine = nullptr;
-    engine::Engine::Handle handle = 0;
-    std::shared_ptr<engine::EventQueue> queue;
-    std::optional<GenerationEvent> pending;
+  struct Whole : Generation {
     std::string text;
     std::optional<Logprobs> logprobs;
-    std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
-    bool finished = false;
   };
   auto w = std::make_shared<Whole>();
-  w->engine = eng;
-  w->handle = handle;
-  w->queue = queue;
-  w->pending = std::move(first);
+  w->Bind(eng, handle, queue, std::move(*first), id);
   w->text = cr.echo ? cr.echo_text : "";
-  if (cr.gen.sampling.logprobs > 0) w->logprobs.emplace(eng->tokenizer());
+  if (logprobs > 0) w->logprobs.emplace(eng->tokenizer());
   res.set_chunked_content_provider(
       "application/json",
       [w, id, created, model = model_.id](size_t, httplib::DataSink& sink) {
-        std::optional<GenerationEvent> e;
-        if (w->pending) {
-          e = std::move(w->pending);
-          w->pending.reset();
-        } else {
-          e = w->queue->Pop(250ms);
-        }
+        std::optional<GenerationEvent> e = w->Next(250ms);
         while (e && e->kind != GenerationEvent::Kind::kDone) {
           if (e->kind == GenerationEvent::Kind::kToken) {
             if (w->logprobs) w->logprobs->Add(*e, w->text.size());
@@ -542,12 +542,7 @@ void Api::Completions(const httplib::Request& req, httplib::Response& res) const
         sink.done();
         return true;
       },
-      [w, id](bool) {
-        if (!w->finished) {
-          spdlog::info("completion {}: client gone, generation cancelled", id);
-          w->engine->Cancel(w->handle);
-        }
-      });
+      [w](bool) { w->Release(); });
 }
 
 }  // namespace flashd::api

@@ -292,7 +292,8 @@ BOOST_AUTO_TEST_CASE(a_client_that_goes_away_cancels_its_generation) {
   for (bool stream : {true, false}) {
     BOOST_TEST_CONTEXT("stream " << stream) {
       const double before = Metric(*c, "flashd_engine_generated_tokens_total");
-      json body = {{"prompt", "endless"}, {"max_tokens", 200000}, {"stream", stream}};
+      json body = {
+          {"prompt", "endless"}, {"max_tokens", 200000}, {"ignore_eos", true}, {"stream", stream}};
       int fd = SendRaw(d.port(), body.dump());
       BOOST_REQUIRE(fd >= 0);
       // Wait until it generates, then hang up.
@@ -312,6 +313,70 @@ BOOST_AUTO_TEST_CASE(a_client_that_goes_away_cancels_its_generation) {
     }
   }
   BOOST_TEST(d.log().find("client gone, generation cancelled") != std::string::npos, d.log());
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
+// Reads and drops what arrives on a socket until Close() (or destruction) hangs up.
+class SocketReader {
+ public:
+  explicit SocketReader(int fd)
+      : fd_(fd), thread_([fd] {
+          char buf[4096];
+          while (::read(fd, buf, sizeof buf) > 0) {
+          }
+        }) {}
+  ~SocketReader() { Close(); }
+  void Close() {
+    if (fd_ < 0) return;
+    ::shutdown(fd_, SHUT_RDWR);
+    thread_.join();
+    ::close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_;
+  std::thread thread_;
+};
+
+BOOST_AUTO_TEST_CASE(a_waiting_request_whose_client_goes_away_never_runs) {
+  TempDir tmp;
+  // One sequence at a time, so a second request waits for the first.
+  const std::string config = "server:\n  pid_file: " + (tmp.path() / "flashd.pid").string() +
+                             "\nengine:\n  max_running: 1\n";
+  DaemonProcess d({tmp.path(), config, {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  auto c = TcpClient(d);
+  auto wait_for = [&](const std::string& metric, double value) {
+    for (int i = 0; i < 400; ++i) {
+      if (Metric(*c, metric) == value) return true;
+      std::this_thread::sleep_for(25ms);
+    }
+    return false;
+  };
+  const int first = SendRaw(
+      d.port(),
+      json({{"prompt", "first"}, {"max_tokens", 200000}, {"ignore_eos", true}, {"stream", true}})
+          .dump());
+  BOOST_REQUIRE(first >= 0);
+  // Read the first stream as a client would, so that its tokens never fill the socket.
+  SocketReader reader(first);
+  BOOST_REQUIRE(wait_for("flashd_engine_running", 1));
+  for (bool stream : {true, false}) {
+    BOOST_TEST_CONTEXT("stream " << stream) {
+      const int second = SendRaw(
+          d.port(), json({{"prompt", "second"}, {"max_tokens", 8}, {"stream", stream}}).dump());
+      BOOST_REQUIRE(second >= 0);
+      BOOST_REQUIRE(wait_for("flashd_engine_waiting", 1));
+      ::close(second);
+      // It leaves the queue while the first request is still generating.
+      BOOST_TEST(wait_for("flashd_engine_waiting", 0));
+      BOOST_TEST(Metric(*c, "flashd_engine_running") == 1);
+    }
+  }
+  reader.Close();
+  BOOST_TEST(WaitIdle(*c));
   BOOST_TEST(d.Stop(SIGTERM) == 0);
 }
 

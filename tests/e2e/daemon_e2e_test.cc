@@ -42,6 +42,19 @@ bool Contains(const std::string& s, const std::string& needle) {
   return s.find(needle) != std::string::npos;
 }
 
+// Polls /health until the model load has failed (status "error") or 30 s pass; the last body.
+json WaitForFailedLoad(httplib::Client& c) {
+  json h;
+  for (int i = 0; i < 600; ++i) {
+    auto health = c.Get("/health");
+    if (!health) break;
+    h = json::parse(health->body);
+    if (h["status"] == "error") break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return h;
+}
+
 BOOST_AUTO_TEST_SUITE(daemon_e2e)
 
 BOOST_AUTO_TEST_CASE(serves_routes_on_both_listeners_and_stops_cleanly) {
@@ -349,14 +362,7 @@ BOOST_AUTO_TEST_CASE(embedded_default_model_is_written_loaded_and_described) {
     // Without DeepSeek's tokenizer the default model cannot map tokens to Engram classes.
     std::printf("SKIP part: %s not fetched; the default model must report it\n",
                 FLASHD_V4_TOKENIZER_DIR);
-    json h;
-    for (int i = 0; i < 600; ++i) {
-      auto health = c.Get("/health");
-      BOOST_REQUIRE(health);
-      h = json::parse(health->body);
-      if (h["status"] == "error") break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    json h = WaitForFailedLoad(c);
     BOOST_TEST(Contains(h.dump(), "tokenizer.json"), h.dump());
     BOOST_TEST(d.Stop(SIGTERM) == 0);
     return;
@@ -407,14 +413,7 @@ BOOST_AUTO_TEST_CASE(a_model_without_its_tokenizer_is_reported_and_tokenize_is_5
   DaemonProcess d({tmp.path(), "", {{"FLASHD_MODEL_DIR", model.string()}}, {}});
   BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
   httplib::Client c("127.0.0.1", d.port());
-  json h;
-  for (int i = 0; i < 600; ++i) {
-    auto health = c.Get("/health");
-    BOOST_REQUIRE(health);
-    h = json::parse(health->body);
-    if (h["status"] == "error") break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  json h = WaitForFailedLoad(c);
   BOOST_TEST(h["status"] == "error");
   BOOST_TEST(Contains(h["reason"].get<std::string>(), "tokenizer.json"), h.dump());
   auto t = c.Post("/tokenize", R"({"text": "x"})", "application/json");
@@ -473,14 +472,7 @@ BOOST_AUTO_TEST_CASE(truncated_shard_is_reported_by_health_naming_the_file) {
   DaemonProcess d({tmp.path(), "", {{"FLASHD_MODEL_DIR", model.string()}}, {}});
   BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
   httplib::Client c("127.0.0.1", d.port());
-  json h;
-  for (int i = 0; i < 600; ++i) {
-    auto health = c.Get("/health");
-    BOOST_REQUIRE(health);
-    h = json::parse(health->body);
-    if (h["status"] == "error") break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  json h = WaitForFailedLoad(c);
   BOOST_TEST(h["status"] == "error");
   BOOST_TEST(Contains(h["reason"].get<std::string>(), weights.string()), h.dump());
   BOOST_TEST(Contains(h["reason"].get<std::string>(), "truncated"), h.dump());

@@ -5,6 +5,7 @@
 #include <boost/test/unit_test.hpp>
 #include <cstdlib>
 #include <map>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -184,6 +185,29 @@ BOOST_AUTO_TEST_CASE(stop_tokens_stop_strings_and_max_tokens) {
   Outcome b = Drain(*(*engine)->Submit(bad).second);
   BOOST_TEST(b.reason == "error");
   BOOST_TEST(b.error.message().rfind("temperature", 0) == 0u);
+}
+
+BOOST_AUTO_TEST_CASE(ignore_eos_generates_past_end_of_sentence) {
+  auto engine = Engine::Open(GoldenOptions());
+  BOOST_REQUIRE(engine.ok());
+  const int32_t eos = static_cast<int32_t>((*engine)->config().eos_token_id);
+  // Find a seeded run that ends on the end-of-sentence token.
+  std::optional<Outcome> ended;
+  uint64_t seed = 0;
+  for (; seed < 400 && !ended; ++seed) {
+    Outcome o = Drain(*(*engine)->Submit(Request(Prompt(8, 5, 480), 1.5f, seed, 48)).second);
+    if (o.reason == "stop") ended = o;
+  }
+  BOOST_REQUIRE_MESSAGE(ended.has_value(), "no run of 400 met the end-of-sentence token");
+  BOOST_TEST(ended->tokens.back() == eos);
+  GenerationRequest past = Request(Prompt(8, 5, 480), 1.5f, seed - 1, 48);
+  past.sampling.ignore_eos = true;
+  Outcome o = Drain(*(*engine)->Submit(past).second);
+  BOOST_TEST(o.reason == "length");
+  BOOST_TEST(o.tokens.size() == 48u);
+  // The same tokens up to and including the end-of-sentence, then more.
+  BOOST_TEST(std::vector<int32_t>(o.tokens.begin(), o.tokens.begin() + ended->tokens.size()) ==
+             ended->tokens);
 }
 
 BOOST_AUTO_TEST_CASE(a_flood_of_short_requests_beside_a_200k_token_prompt) {
