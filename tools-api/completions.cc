@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <ctime>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
@@ -273,14 +274,16 @@ const char* ErrorTypeFor(int status) {
   }
 }
 
-std::string NewCompletionId() {
+std::string NewId(const char* prefix) {
   static std::atomic<uint64_t> counter{0};
   static const uint64_t salt = std::random_device{}() * 0x9E3779B97F4A7C15ull;
   char buf[40];
-  std::snprintf(buf, sizeof buf, "cmpl-%016llx%08llx", static_cast<unsigned long long>(salt),
+  std::snprintf(buf, sizeof buf, "%s%016llx%08llx", prefix, static_cast<unsigned long long>(salt),
                 static_cast<unsigned long long>(counter.fetch_add(1) & 0xffffffffu));
   return buf;
 }
+
+std::string SseEvent(const json& j) { return "data: " + j.dump() + "\n\n"; }
 
 json Usage(const GenerationEvent& done) {
   return {{"prompt_tokens", done.prompt_tokens},
@@ -356,72 +359,108 @@ struct Generation {
   }
 };
 
-// What a streaming response carries between calls of its content provider.
-struct Stream : Generation {
-  std::string model;
-  int64_t created = 0;
-  bool include_usage = false;
-  bool logprobs = false;
-  std::string echo;
-  size_t text_offset = 0;
-  const engine::Tokenizer* tok = nullptr;
+using StreamAppend = std::function<void(const GenerationEvent&, std::string*)>;
 
-  json Chunk(const std::string& text, const json& logprobs, const json& finish) const {
-    json c = {
-        {"id", id},
-        {"object", "text_completion"},
-        {"created", created},
-        {"model", model},
-        {"choices",
-         json::array(
-             {{{"text", text}, {"index", 0}, {"logprobs", logprobs}, {"finish_reason", finish}}})}};
-    if (include_usage) c["usage"] = nullptr;
-    return c;
-  }
-  static std::string Event(const json& j) { return "data: " + j.dump() + "\n\n"; }
-
-  // Appends the SSE text for `e` to `out`; true when it ends the stream.
-  bool Append(const GenerationEvent& e, std::string* out) {
-    if (!echo.empty()) {
-      *out += Event(Chunk(echo, nullptr, nullptr));
-      text_offset += echo.size();
-      echo.clear();
-    }
-    switch (e.kind) {
-      case GenerationEvent::Kind::kQueued:
-        // A comment line: clients ignore it, and it shows a waiting stream is alive.
-        *out += ": queued at position " + std::to_string(e.queue_position) + "\n\n";
-        return false;
-      case GenerationEvent::Kind::kToken: {
-        json lp = nullptr;
-        if (logprobs) {
-          Logprobs one(tok);
-          one.Add(e, text_offset);
-          lp = one.ToJson();
+// Streams `g` as server-sent events. `append` writes the "data:" events of a token and of a normal
+// end; queue places and silence become comment lines, an error an error event, and the stream
+// closes with "data: [DONE]".
+void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAppend append) {
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      [g, append](size_t, httplib::DataSink& sink) {
+        std::optional<GenerationEvent> e = g->Next(250ms);
+        if (!e) {
+          // A comment line each second of silence (a long prefill, a wait for memory): clients
+          // ignore it, and writing it is how a client that went away is noticed.
+          const auto now = std::chrono::steady_clock::now();
+          if (now - g->last_write < 1s) return true;
+          g->last_write = now;
+          return sink.write(": keep-alive\n\n", 14);
         }
-        text_offset += e.text.size();
-        *out += Event(Chunk(e.text, lp, nullptr));
-        return false;
-      }
-      case GenerationEvent::Kind::kDone:
-        break;
-    }
-    if (e.finish_reason == "error") {
-      const int status = HttpStatusFor(e.error);
-      *out += Event({{"error", {{"type", ErrorTypeFor(status)}, {"message", e.error.message()}}}});
-    } else {
-      *out += Event(Chunk("", nullptr, e.finish_reason));
-      if (include_usage) {
-        json u = Chunk("", nullptr, nullptr);
-        u["choices"] = json::array();
-        u["usage"] = Usage(e);
-        *out += Event(u);
-      }
-    }
-    *out += "data: [DONE]\n\n";
-    return true;
+        std::string out;
+        bool done = false;
+        // This event and what else is ready, in one write.
+        for (; e && !done; e = done ? std::nullopt : g->queue->Pop(0ms)) {
+          if (e->kind == GenerationEvent::Kind::kQueued) {
+            out += ": queued at position " + std::to_string(e->queue_position) + "\n\n";
+            continue;
+          }
+          done = e->kind == GenerationEvent::Kind::kDone;
+          if (done && e->finish_reason == "error") {
+            const int status = HttpStatusFor(e->error);
+            out += SseEvent(
+                {{"error", {{"type", ErrorTypeFor(status)}, {"message", e->error.message()}}}});
+          } else {
+            append(*e, &out);
+          }
+          if (done) out += "data: [DONE]\n\n";
+        }
+        g->last_write = std::chrono::steady_clock::now();
+        if (!sink.write(out.data(), out.size())) return false;  // The releaser cancels.
+        if (done) {
+          g->finished = true;
+          sink.done();
+        }
+        return true;
+      },
+      [g](bool) { g->Release(); });
+}
+
+// Sends `g` as one JSON body: `on_token` sees every token, `body` makes the response from the
+// final event. It is sent chunked, led by a space every second while the generation runs: JSON
+// allows leading whitespace, and a write to a client that went away fails, which cancels the
+// generation (httplib shows a handler no other sign of a closed connection).
+void ServeWhole(httplib::Response& res, std::shared_ptr<Generation> g,
+                std::function<void(const GenerationEvent&)> on_token,
+                std::function<json(const GenerationEvent&)> body) {
+  res.set_chunked_content_provider(
+      "application/json",
+      [g, on_token, body](size_t, httplib::DataSink& sink) {
+        std::optional<GenerationEvent> e = g->Next(250ms);
+        while (e && e->kind != GenerationEvent::Kind::kDone) {
+          if (e->kind == GenerationEvent::Kind::kToken) on_token(*e);
+          e = g->queue->Pop(0ms);
+        }
+        if (!e) {
+          const auto now = std::chrono::steady_clock::now();
+          if (now - g->last_write < 1s) return true;
+          g->last_write = now;
+          return sink.write(" ", 1);  // false: the releaser cancels.
+        }
+        json out;
+        if (e->finish_reason == "error") {
+          const int status = HttpStatusFor(e->error);
+          out = {{"error", {{"type", ErrorTypeFor(status)}, {"message", e->error.message()}}}};
+        } else {
+          out = body(*e);
+        }
+        g->finished = true;
+        const std::string text = out.dump();
+        if (!sink.write(text.data(), text.size())) return false;
+        sink.done();
+        return true;
+      },
+      [g](bool) { g->Release(); });
+}
+
+// Submits `request` and waits for the engine's first word on it (a token, a place in the queue,
+// or the end), so that refusals, which the engine makes at once, still answer 4xx. Returns null
+// after writing that 4xx.
+std::shared_ptr<Generation> Start(engine::Engine* eng, engine::GenerationRequest request,
+                                  const std::string& id, httplib::Response& res) {
+  auto [handle, queue] = eng->Submit(std::move(request));
+  std::optional<GenerationEvent> first;
+  while (!first) first = queue->Pop(250ms);
+  if (first->kind == GenerationEvent::Kind::kDone && first->finish_reason == "error") {
+    const int status = HttpStatusFor(first->error);
+    WriteError(res, status, ErrorTypeFor(status), first->error.message());
+    return nullptr;
   }
-};
+  auto g = std::make_shared<Generation>();
+  g->Bind(eng, handle, queue, std::move(*first), id);
+  return g;
+}
 
 }  // namespace
 
@@ -436,113 +475,83 @@ void Api::Completions(const httplib::Request& req, httplib::Response& res) const
   if (auto e = ParseCompletion(body, model_.id, *eng, &cr)) {
     return WriteError(res, e->status, e->type, e->message);
   }
-
-  const int logprobs = cr.gen.sampling.logprobs;
-  auto [handle, queue] = eng->Submit(std::move(cr.gen));
-  // Wait for the engine's first word on it (a token, a place in the queue, or the end), so that
-  // refusals, which the engine makes at once, still answer 4xx.
-  std::optional<GenerationEvent> first;
-  while (!first) first = queue->Pop(250ms);
-  if (first->kind == GenerationEvent::Kind::kDone && first->finish_reason == "error") {
-    const int status = HttpStatusFor(first->error);
-    return WriteError(res, status, ErrorTypeFor(status), first->error.message());
-  }
-
-  const std::string id = NewCompletionId();
+  const bool want_logprobs = cr.gen.sampling.logprobs > 0;
+  const std::string id = NewId("cmpl-");
+  std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, res);
+  if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
+  const engine::Tokenizer* tok = eng->tokenizer();
+  auto chunk = [id, created, model = model_.id, usage = cr.include_usage](
+                   const std::string& text, const json& logprobs, const json& finish) {
+    json c = {
+        {"id", id},
+        {"object", "text_completion"},
+        {"created", created},
+        {"model", model},
+        {"choices",
+         json::array(
+             {{{"text", text}, {"index", 0}, {"logprobs", logprobs}, {"finish_reason", finish}}})}};
+    if (usage) c["usage"] = nullptr;
+    return c;
+  };
+
   if (cr.stream) {
-    auto st = std::make_shared<Stream>();
-    st->Bind(eng, handle, queue, std::move(*first), id);
-    st->model = model_.id;
-    st->created = created;
-    st->include_usage = cr.include_usage;
-    st->logprobs = logprobs > 0;
+    struct State {
+      std::string echo;
+      size_t text_offset = 0;
+    };
+    auto st = std::make_shared<State>();
     st->echo = cr.echo ? cr.echo_text : "";
-    st->tok = eng->tokenizer();
-    res.set_header("Cache-Control", "no-cache");
-    res.set_chunked_content_provider(
-        "text/event-stream",
-        [st](size_t, httplib::DataSink& sink) {
-          std::optional<GenerationEvent> e = st->Next(250ms);
-          if (!e) {
-            // A comment line each second of silence (a long prefill, a wait for memory): clients
-            // ignore it, and writing it is how a client that went away is noticed.
-            const auto now = std::chrono::steady_clock::now();
-            if (now - st->last_write < 1s) return true;
-            st->last_write = now;
-            return sink.write(": keep-alive\n\n", 14);
-          }
-          std::string out;
-          bool done = st->Append(*e, &out);
-          // Send what else is ready in the same write.
-          while (!done) {
-            std::optional<GenerationEvent> more = st->queue->Pop(0ms);
-            if (!more) break;
-            done = st->Append(*more, &out);
-          }
-          st->last_write = std::chrono::steady_clock::now();
-          if (!sink.write(out.data(), out.size())) return false;  // The releaser cancels.
-          if (done) {
-            st->finished = true;
-            sink.done();
-          }
-          return true;
-        },
-        [st](bool) { st->Release(); });
+    ServeStream(res, g,
+                [st, chunk, tok, want_logprobs, usage = cr.include_usage](const GenerationEvent& e,
+                                                                          std::string* out) {
+                  if (!st->echo.empty()) {
+                    *out += SseEvent(chunk(st->echo, nullptr, nullptr));
+                    st->text_offset += st->echo.size();
+                    st->echo.clear();
+                  }
+                  if (e.kind == GenerationEvent::Kind::kToken) {
+                    json lp = nullptr;
+                    if (want_logprobs) {
+                      Logprobs one(tok);
+                      one.Add(e, st->text_offset);
+                      lp = one.ToJson();
+                    }
+                    st->text_offset += e.text.size();
+                    *out += SseEvent(chunk(e.text, lp, nullptr));
+                    return;
+                  }
+                  *out += SseEvent(chunk("", nullptr, e.finish_reason));
+                  if (usage) {
+                    json u = chunk("", nullptr, nullptr);
+                    u["choices"] = json::array();
+                    u["usage"] = Usage(e);
+                    *out += SseEvent(u);
+                  }
+                });
     return;
   }
 
-  // Whole response. It is sent chunked, led by a space every second while the generation runs:
-  // JSON allows leading whitespace, and a write to a client that went away fails, which cancels
-  // the generation (httplib shows a handler no other sign of a closed connection).
-  struct Whole : Generation {
+  struct State {
     std::string text;
     std::optional<Logprobs> logprobs;
   };
-  auto w = std::make_shared<Whole>();
-  w->Bind(eng, handle, queue, std::move(*first), id);
-  w->text = cr.echo ? cr.echo_text : "";
-  if (logprobs > 0) w->logprobs.emplace(eng->tokenizer());
-  res.set_chunked_content_provider(
-      "application/json",
-      [w, id, created, model = model_.id](size_t, httplib::DataSink& sink) {
-        std::optional<GenerationEvent> e = w->Next(250ms);
-        while (e && e->kind != GenerationEvent::Kind::kDone) {
-          if (e->kind == GenerationEvent::Kind::kToken) {
-            if (w->logprobs) w->logprobs->Add(*e, w->text.size());
-            w->text += e->text;
-          }
-          e = w->queue->Pop(0ms);
-        }
-        const auto now = std::chrono::steady_clock::now();
-        if (!e) {
-          if (now - w->last_write < 1s) return true;
-          w->last_write = now;
-          return sink.write(" ", 1);  // false: the releaser cancels.
-        }
-        json out;
-        if (e->finish_reason == "error") {
-          const int status = HttpStatusFor(e->error);
-          out = {{"error", {{"type", ErrorTypeFor(status)}, {"message", e->error.message()}}}};
-        } else {
-          out = {
-              {"id", id},
-              {"object", "text_completion"},
-              {"created", created},
-              {"model", model},
-              {"choices", json::array({{{"text", w->text},
-                                        {"index", 0},
-                                        {"logprobs", w->logprobs ? w->logprobs->ToJson() : json()},
-                                        {"finish_reason", e->finish_reason}}})},
-              {"usage", Usage(*e)}};
-        }
-        w->finished = true;
-        const std::string body = out.dump();
-        if (!sink.write(body.data(), body.size())) return false;
-        sink.done();
-        return true;
+  auto st = std::make_shared<State>();
+  st->text = cr.echo ? cr.echo_text : "";
+  if (want_logprobs) st->logprobs.emplace(tok);
+  ServeWhole(
+      res, g,
+      [st](const GenerationEvent& e) {
+        if (st->logprobs) st->logprobs->Add(e, st->text.size());
+        st->text += e.text;
       },
-      [w](bool) { w->Release(); });
+      [st, chunk](const GenerationEvent& done) {
+        json out =
+            chunk(st->text, st->logprobs ? st->logprobs->ToJson() : json(), done.finish_reason);
+        out.erase("usage");
+        out["usage"] = Usage(done);
+        return out;
+      });
 }
 
 }  // namespace flashd::api
