@@ -1,0 +1,110 @@
+// The parts every generation route shares: request-field checks that name the field, the
+// sampling fields, error statuses, and serving a generation as a stream of server-sent events or
+// as one JSON body, with disconnects cancelling the generation. Internal to tools-api.
+#pragma once
+
+#include <httplib.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "engine/engine.h"
+
+namespace flashd::api::gen {
+
+using engine::GenerationEvent;
+using nlohmann::json;
+
+// A request field's problem; `status` is the HTTP status to answer with.
+struct FieldError {
+  int status = 400;
+  std::string type = "invalid_request_error";
+  std::string message;
+};
+
+bool Present(const json& body, const char* key);
+
+std::optional<FieldError> GetNumber(const json& body, const char* key, double lo, double hi,
+                                    double* out);
+
+std::optional<FieldError> GetInt(const json& body, const char* key, int64_t lo, int64_t hi,
+                                 int64_t* out);
+
+std::optional<FieldError> GetBool(const json& body, const char* key, bool* out);
+
+// The sampling fields every generation route shares; `max_tokens` also answers to
+// "max_completion_tokens".
+std::optional<FieldError> ParseSampling(const json& body, const engine::Engine& eng,
+                                        int default_max_tokens, engine::SamplingParams* out);
+
+// "stream" and "stream_options.include_usage".
+std::optional<FieldError> ParseStreamFlags(const json& body, bool* stream, bool* include_usage);
+
+int HttpStatusFor(const Status& s);
+
+const char* ErrorTypeFor(int status);
+
+std::string NewId(const char* prefix);
+
+// One server-sent event carrying `j`.
+std::string SseEvent(const json& j);
+
+json Usage(const GenerationEvent& done);
+
+// A submitted generation as its response's content provider sees it.
+struct Generation {
+  engine::Engine* engine = nullptr;
+  engine::Engine::Handle handle = 0;
+  std::shared_ptr<engine::EventQueue> queue;
+  std::optional<GenerationEvent> pending;  // The first event, popped by the handler.
+  std::string id;
+  bool finished = false;  // The response is complete.
+  std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
+
+  void Bind(engine::Engine* e, engine::Engine::Handle h, std::shared_ptr<engine::EventQueue> q,
+            GenerationEvent first, std::string response_id) {
+    engine = e;
+    handle = h;
+    queue = std::move(q);
+    pending = std::move(first);
+    id = std::move(response_id);
+  }
+
+  std::optional<GenerationEvent> Next(std::chrono::milliseconds timeout) {
+    if (pending) {
+      std::optional<GenerationEvent> e = std::move(pending);
+      pending.reset();
+      return e;
+    }
+    return queue->Pop(timeout);
+  }
+  // The response's resource releaser: a response that did not complete lost its client.
+  void Release();
+};
+
+using StreamAppend = std::function<void(const GenerationEvent&, std::string*)>;
+
+// Streams `g` as server-sent events. `append` writes the "data:" events of a token and of a normal
+// end; queue places and silence become comment lines, an error an error event, and the stream
+// closes with "data: [DONE]".
+void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAppend append);
+
+// Sends `g` as one JSON body: `on_token` sees every token, `body` makes the response from the
+// final event. It is sent chunked, led by a space every second while the generation runs: JSON
+// allows leading whitespace, and a write to a client that went away fails, which cancels the
+// generation (httplib shows a handler no other sign of a closed connection).
+void ServeWhole(httplib::Response& res, std::shared_ptr<Generation> g,
+                std::function<void(const GenerationEvent&)> on_token,
+                std::function<json(const GenerationEvent&)> body);
+
+// Submits `request` and waits for the engine's first word on it (a token, a place in the queue,
+// or the end), so that refusals, which the engine makes at once, still answer 4xx. Returns null
+// after writing that 4xx.
+std::shared_ptr<Generation> Start(engine::Engine* eng, engine::GenerationRequest request,
+                                  const std::string& id, httplib::Response& res);
+
+}  // namespace flashd::api::gen
