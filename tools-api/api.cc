@@ -76,6 +76,8 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               [this](const auto& req, auto& res, const PathParams&) { Detokenize(req, res); });
   router_.Add("POST", "/v1/completions",
               [this](const auto& req, auto& res, const PathParams&) { Completions(req, res); });
+  router_.Add("POST", "/v1/chat/completions",
+              [this](const auto& req, auto& res, const PathParams&) { ChatCompletions(req, res); });
 }
 
 void Api::SetPhase(Phase phase, std::string reason) {

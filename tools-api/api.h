@@ -14,6 +14,7 @@
 #include "config/config.h"
 #include "engine/engine.h"
 #include "engine/tokenizer.h"
+#include "tools-api/chat_format.h"
 #include "tools-api/metrics.h"
 #include "tools-api/router.h"
 
@@ -76,6 +77,8 @@ class Api {
   void Detokenize(const httplib::Request& req, httplib::Response& res) const;
   // POST /v1/completions (OpenAI): tools-api/completions.cc.
   void Completions(const httplib::Request& req, httplib::Response& res) const;
+  // POST /v1/chat/completions (OpenAI): tools-api/chat_completions.cc.
+  void ChatCompletions(const httplib::Request& req, httplib::Response& res) const;
 
   const Config config_;
   const ServedModel model_;
@@ -87,6 +90,7 @@ class Api {
   std::shared_ptr<const engine::Tokenizer> tokenizer_;  // Guarded by mu_.
   std::function<EngineMetrics()> engine_stats_;         // Guarded by mu_.
   engine::Engine* engine_ = nullptr;                    // Guarded by mu_.
+  mutable ToolCallLedger ledger_;                       // Thread-safe itself.
 };
 
 }  // namespace flashd::api

@@ -41,16 +41,7 @@ struct CompletionRequest {
 std::optional<FieldError> ParseCompletion(const json& body, const std::string& model_id,
                                           const engine::Engine& eng, CompletionRequest* out) {
   const engine::Tokenizer* tok = eng.tokenizer();
-  if (Present(body, "model")) {
-    if (!body["model"].is_string()) {
-      return FieldError{400, "invalid_request_error", "model: expected a string"};
-    }
-    if (body["model"].get<std::string>() != model_id) {
-      return FieldError{404, "not_found_error",
-                        "model: \"" + body["model"].get<std::string>() +
-                            "\" is not served here; this daemon serves \"" + model_id + "\""};
-    }
-  }
+  if (auto e = CheckModel(body, model_id)) return e;
 
   if (!Present(body, "prompt")) {
     return FieldError{400, "invalid_request_error", "prompt: required"};

@@ -152,6 +152,20 @@ std::optional<FieldError> ParseStreamFlags(const json& body, bool* stream, bool*
   return std::nullopt;
 }
 
+std::optional<FieldError> CheckModel(const json& body, const std::string& model_id) {
+  if (Present(body, "model")) {
+    if (!body["model"].is_string()) {
+      return FieldError{400, "invalid_request_error", "model: expected a string"};
+    }
+    if (body["model"].get<std::string>() != model_id) {
+      return FieldError{404, "not_found_error",
+                        "model: \"" + body["model"].get<std::string>() +
+                            "\" is not served here; this daemon serves \"" + model_id + "\""};
+    }
+  }
+  return std::nullopt;
+}
+
 int HttpStatusFor(const Status& s) {
   switch (s.code()) {
     case StatusCode::kInvalidArgument:
@@ -188,7 +202,13 @@ std::string NewId(const char* prefix) {
   return buf;
 }
 
-std::string SseEvent(const json& j) { return "data: " + j.dump() + "\n\n"; }
+std::string SseEvent(const json& j) { return "data: " + Dump(j) + "\n\n"; }
+
+std::string Dump(const json& j) {
+  // Generated text is whole characters, but a log line must never take a response down: any
+  // invalid UTF-8 that slips through becomes U+FFFD.
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
 
 json Usage(const GenerationEvent& done) {
   return {{"prompt_tokens", done.prompt_tokens},
@@ -229,10 +249,19 @@ void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAp
             out += SseEvent(
                 {{"error", {{"type", ErrorTypeFor(status)}, {"message", e->error.message()}}}});
           } else {
-            append(*e, &out);
+            try {
+              append(*e, &out);
+            } catch (const std::exception& ex) {
+              // A formatting bug must not leave the client waiting: end the stream with an error.
+              spdlog::error("generation {}: {}", g->id, ex.what());
+              out += SseEvent({{"error", {{"type", "internal_error"}, {"message", ex.what()}}}});
+              done = true;
+              g->engine->Cancel(g->handle);
+            }
           }
           if (done) out += "data: [DONE]\n\n";
         }
+        if (out.empty()) return true;  // (An empty write would end the chunked body.)
         g->last_write = std::chrono::steady_clock::now();
         if (!sink.write(out.data(), out.size())) return false;  // The releaser cancels.
         if (done) {
@@ -273,7 +302,7 @@ void ServeWhole(httplib::Response& res, std::shared_ptr<Generation> g,
           out = body(*e);
         }
         g->finished = true;
-        const std::string text = out.dump();
+        const std::string text = Dump(out);
         if (!sink.write(text.data(), text.size())) return false;
         sink.done();
         return true;

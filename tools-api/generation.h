@@ -44,6 +44,9 @@ std::optional<FieldError> ParseSampling(const json& body, const engine::Engine& 
 // "stream" and "stream_options.include_usage".
 std::optional<FieldError> ParseStreamFlags(const json& body, bool* stream, bool* include_usage);
 
+// "model", when given, must name the served model (404 otherwise).
+std::optional<FieldError> CheckModel(const json& body, const std::string& model_id);
+
 int HttpStatusFor(const Status& s);
 
 const char* ErrorTypeFor(int status);
@@ -52,6 +55,8 @@ std::string NewId(const char* prefix);
 
 // One server-sent event carrying `j`.
 std::string SseEvent(const json& j);
+// `j` as compact JSON text; invalid UTF-8 in strings becomes U+FFFD instead of throwing.
+std::string Dump(const json& j);
 
 json Usage(const GenerationEvent& done);
 

@@ -210,6 +210,111 @@ BOOST_AUTO_TEST_CASE(a_stream_carries_the_same_tokens_as_a_whole_response) {
   BOOST_TEST(d.Stop(SIGTERM) == 0);
 }
 
+// Folds a chat stream's deltas into one message, as a client would.
+json FoldChatStream(const std::string& body, json* usage) {
+  json message = {{"content", ""}, {"reasoning_content", ""}, {"tool_calls", json::array()}};
+  std::vector<std::string> data = SseData(body);
+  for (size_t i = 0; i + 1 < data.size(); ++i) {
+    json chunk = json::parse(data[i]);
+    if (chunk["choices"].empty()) {
+      *usage = chunk["usage"];
+      continue;
+    }
+    const json& d = chunk["choices"][0]["delta"];
+    if (d.contains("content"))
+      message["content"] = message["content"].get<std::string>() + d["content"].get<std::string>();
+    if (d.contains("reasoning_content")) {
+      message["reasoning_content"] = message["reasoning_content"].get<std::string>() +
+                                     d["reasoning_content"].get<std::string>();
+    }
+    if (d.contains("tool_calls")) {
+      const json& call = d["tool_calls"][0];
+      if (call.contains("id")) {
+        message["tool_calls"].push_back(
+            {{"id", call["id"]}, {"name", call["function"]["name"]}, {"arguments", ""}});
+      } else {
+        json& last = message["tool_calls"].back();
+        last["arguments"] =
+            last["arguments"].get<std::string>() + call["function"]["arguments"].get<std::string>();
+      }
+    }
+  }
+  BOOST_TEST(data.back() == "[DONE]");
+  return message;
+}
+
+BOOST_AUTO_TEST_CASE(chat_stream_folds_into_the_whole_message) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  auto c = UnixClient(d);
+  for (int seed = 0; seed < 6; ++seed) {
+    BOOST_TEST_CONTEXT("seed " << seed) {
+      json req = {{"messages", {{{"role", "user"}, {"content", "List the files."}}}},
+                  {"tools",
+                   {{{"type", "function"},
+                     {"function",
+                      {{"name", "ls"},
+                       {"parameters", {{"type", "object"}, {"properties", json::object()}}}}}}}},
+                  {"reasoning_effort", "high"},
+                  {"max_tokens", 40},
+                  {"temperature", 1.0},
+                  {"seed", seed}};
+      auto whole = c->Post("/v1/chat/completions", req.dump(), "application/json");
+      BOOST_REQUIRE(whole);
+      BOOST_REQUIRE_MESSAGE(whole->status == 200, whole->body);
+      json w = json::parse(whole->body);
+      const json& msg = w["choices"][0]["message"];
+      BOOST_TEST(w["object"] == "chat.completion");
+      req["stream"] = true;
+      req["stream_options"] = {{"include_usage", true}};
+      auto streamed = c->Post("/v1/chat/completions", req.dump(), "application/json");
+      BOOST_REQUIRE(streamed);
+      BOOST_REQUIRE(streamed->status == 200);
+      json usage;
+      json folded = FoldChatStream(streamed->body, &usage);
+      BOOST_TEST(folded["content"] == (msg["content"].is_null() ? json("") : msg["content"]));
+      BOOST_TEST(folded["reasoning_content"] == msg.value("reasoning_content", json("")));
+      const json calls = msg.value("tool_calls", json::array());
+      BOOST_REQUIRE(folded["tool_calls"].size() == calls.size());
+      for (size_t i = 0; i < calls.size(); ++i) {
+        BOOST_TEST(folded["tool_calls"][i]["id"].get<std::string>().rfind("call_", 0) == 0u);
+        BOOST_TEST(folded["tool_calls"][i]["name"] == calls[i]["function"]["name"]);
+        BOOST_TEST(folded["tool_calls"][i]["arguments"] == calls[i]["function"]["arguments"]);
+      }
+      BOOST_TEST(usage["completion_tokens"] == w["usage"]["completion_tokens"]);
+      BOOST_TEST(w["usage"]["prompt_cache_miss_tokens"] == w["usage"]["prompt_tokens"]);
+    }
+  }
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {R"({"messages": []})", "messages"},
+      {R"({"messages": [{"role": "bogus", "content": "x"}]})", "messages[0].role"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
+       "tool_choice"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})",
+       "response_format"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", "top_logprobs"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "maybe"}})",
+       "thinking"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "extreme"})",
+       "reasoning_effort"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0})",
+       "max_completion_tokens"},
+  };
+  for (const auto& [body, needle] : bad) {
+    BOOST_TEST_CONTEXT(body) {
+      auto r = c->Post("/v1/chat/completions", body, "application/json");
+      BOOST_REQUIRE(r);
+      BOOST_TEST(r->status == 400);
+      BOOST_TEST(json::parse(r->body)["error"]["message"].get<std::string>().find(needle) !=
+                     std::string::npos,
+                 r->body);
+    }
+  }
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
 BOOST_AUTO_TEST_CASE(bad_requests_get_400s_naming_the_field_and_nothing_is_lost) {
   TempDir tmp;
   DaemonProcess d({tmp.path(), "", {}, {}});

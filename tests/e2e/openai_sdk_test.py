@@ -104,6 +104,49 @@ def exercise(client, name):
     return choice.text
 
 
+def exercise_chat(client, name):
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+              "parameters": {"type": "object", "properties": {"path": {"type": "string"}},
+                             "required": ["path"]}}}]
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}]
+    req = dict(model=MODEL, messages=messages, tools=tools, max_tokens=12, seed=7, temperature=0.8)
+    whole = client.chat.completions.create(**req)
+    check(whole.object == "chat.completion", name + ": chat object")
+    msg = whole.choices[0].message
+    check(msg.role == "assistant", name + ": assistant message")
+    check(whole.choices[0].finish_reason in ("length", "stop", "tool_calls"), name + ": chat finish_reason")
+    check(whole.usage.prompt_tokens > 100, name + ": the tool schema is part of the prompt")
+    check(whole.usage.prompt_tokens_details.cached_tokens == 0, name + ": cached_tokens reported")
+
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **req))
+    check(chunks[0].choices[0].delta.role == "assistant", name + ": the stream opens with the role")
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    check(streamed == (msg.content or ""), name + ": the chat stream carries the same content")
+    check(chunks[-1].usage.completion_tokens == whole.usage.completion_tokens, name + ": chat stream usage")
+
+    thinking = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, seed=7,
+                                              reasoning_effort="high")
+    reasoning = getattr(thinking.choices[0].message, "reasoning_content", None)
+    if reasoning is None and thinking.choices[0].message.model_extra:
+        reasoning = thinking.choices[0].message.model_extra.get("reasoning_content")
+    check(bool(reasoning), name + ": thinking mode returns reasoning_content")
+
+    # A tool-call round trip: the call and its result go back as history.
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.txt"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "hello"},
+    ]
+    after = client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=4, seed=1)
+    check(after.usage.prompt_tokens > whole.usage.prompt_tokens, name + ": tool results extend the prompt")
+
+    try:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}], max_tokens=4)
+        check(False, name + ": an unknown role must be refused")
+    except openai.BadRequestError as e:
+        check("messages[0].role" in str(e), name + ": a bad message names messages[0].role")
+
+
 def main():
     binary, tokenizer_dir = sys.argv[1], sys.argv[2]
     with tempfile.TemporaryDirectory() as work:
@@ -118,6 +161,7 @@ def main():
             tcp = openai.OpenAI(base_url=url + "/v1/", api_key="unused", max_retries=0)
             wait_ready(url)
             over_tcp = exercise(tcp, "tcp")
+            exercise_chat(tcp, "tcp")
             uds = openai.OpenAI(
                 base_url="http://flashd/v1/",
                 api_key="unused",
@@ -125,6 +169,7 @@ def main():
                 http_client=openai.DefaultHttpx2Client(transport=httpx2.HTTPTransport(uds=sock)),
             )
             over_unix = exercise(uds, "unix")
+            exercise_chat(uds, "unix")
             check(over_tcp == over_unix, "both listeners serve the same generations")
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,321 @@
+// POST /v1/chat/completions: OpenAI's chat completions on the engine.
+//
+// The messages and tools are rendered in the model's own chat format (chat_format.h), the text a
+// client supplied is tokenized with special tokens off, and the output is split back into
+// reasoning, content and tool calls as it is generated (chat_parser.h). Each sampled tool call's
+// exact text is remembered under its id, so that a client sending the call back renders the very
+// bytes the model wrote.
+#include <spdlog/spdlog.h>
+
+#include <ctime>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "tools-api/api.h"
+#include "tools-api/chat_format.h"
+#include "tools-api/chat_parser.h"
+#include "tools-api/generation.h"
+
+namespace flashd::api {
+namespace {
+
+using namespace gen;
+
+constexpr int kDefaultMaxTokens = 4096;
+
+struct ChatRequest {
+  engine::GenerationRequest gen;
+  ChatOptions options;
+  bool stream = false;
+  bool include_usage = false;
+  bool logprobs = false;
+};
+
+std::optional<FieldError> Invalid(std::string message) {
+  return FieldError{400, "invalid_request_error", std::move(message)};
+}
+
+// Fills `out`; `ordered` is the same body with its keys in the client's order (tool schemas are
+// rendered in that order).
+std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
+                                    const std::string& model_id, const engine::Engine& eng,
+                                    const ToolCallLedger* ledger, ChatRequest* out) {
+  if (auto e = CheckModel(body, model_id)) return e;
+  if (!Present(body, "messages") || !body["messages"].is_array() || body["messages"].empty()) {
+    return Invalid("messages: expected a non-empty array");
+  }
+  ojson messages = ordered["messages"];
+
+  // Tools go with the first system (or developer) message, as the model's encoder expects.
+  std::string tool_choice = "auto";
+  if (Present(body, "tool_choice")) {
+    if (!body["tool_choice"].is_string() ||
+        (body["tool_choice"] != "auto" && body["tool_choice"] != "none")) {
+      return Invalid("tool_choice: only \"auto\" and \"none\" are supported so far");
+    }
+    tool_choice = body["tool_choice"].get<std::string>();
+  }
+  if (Present(body, "tools")) {
+    if (!body["tools"].is_array()) return Invalid("tools: expected an array");
+    if (tool_choice != "none" && !body["tools"].empty()) {
+      const ojson& first = messages[0];
+      const bool system_first = first.is_object() && first.contains("role") &&
+                                (first["role"] == "system" || first["role"] == "developer");
+      if (!system_first) {
+        messages.insert(messages.begin(), ojson{{"role", "system"}, {"content", ""}});
+      }
+      messages[0]["tools"] = ordered["tools"];
+    }
+  }
+  if (Present(body, "response_format")) {
+    const json& f = body["response_format"];
+    if (!f.is_object() || !f.contains("type") || !f["type"].is_string()) {
+      return Invalid("response_format: expected {\"type\": ...}");
+    }
+    if (f["type"] != "text") {
+      return Invalid("response_format: only \"text\" is supported so far");
+    }
+  }
+
+  // Thinking: OpenAI's reasoning_effort, or DeepSeek's {"thinking": {"type": "enabled"}}.
+  if (Present(body, "thinking")) {
+    const json& t = body["thinking"];
+    if (!t.is_object() || !t.contains("type") ||
+        (t["type"] != "enabled" && t["type"] != "disabled")) {
+      return Invalid("thinking: expected {\"type\": \"enabled\"} or {\"type\": \"disabled\"}");
+    }
+    out->options.thinking = t["type"] == "enabled";
+  }
+  if (Present(body, "reasoning_effort")) {
+    const json& r = body["reasoning_effort"];
+    if (r.is_string() && r == "none") {
+      out->options.thinking = false;
+    } else {
+      out->options.thinking = true;
+      out->options.reasoning_effort = ordered["reasoning_effort"];
+    }
+  }
+
+  StatusOr<RenderedPrompt> prompt = RenderChat(messages, out->options, ledger);
+  if (!prompt.ok()) return Invalid(prompt.status().message());
+  out->gen.prompt = eng.tokenizer()->EncodeWithPlainRanges(prompt->text, prompt->untrusted);
+
+  engine::SamplingParams& p = out->gen.sampling;
+  const int64_t context = eng.config().max_position_embeddings;
+  const int64_t room = context - static_cast<int64_t>(out->gen.prompt.size());
+  const int default_max =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kDefaultMaxTokens, room)));
+  if (auto e = ParseSampling(body, eng, default_max, &p)) return e;
+  if (auto e = GetBool(body, "logprobs", &out->logprobs)) return e;
+  int64_t top = 0;
+  if (auto e = GetInt(body, "top_logprobs", 0, 20, &top)) return e;
+  if (top > 0 && !out->logprobs) return Invalid("top_logprobs: needs \"logprobs\": true");
+  p.logprobs = static_cast<int>(top);
+  if (auto e = ParseStreamFlags(body, &out->stream, &out->include_usage)) return e;
+  int64_t n = 1;
+  if (auto e = GetInt(body, "n", 1, 1, &n)) {
+    e->message = "n: only 1 choice per request is supported";
+    return e;
+  }
+  return std::nullopt;
+}
+
+json ChatUsage(const GenerationEvent& done) {
+  json u = Usage(done);
+  // No prefix is reused yet: every prompt token is computed.
+  u["prompt_tokens_details"] = {{"cached_tokens", 0}};
+  u["prompt_cache_hit_tokens"] = 0;
+  u["prompt_cache_miss_tokens"] = done.prompt_tokens;
+  return u;
+}
+
+// OpenAI's chat logprobs entry for one token.
+json TokenLogprobs(const engine::Tokenizer* tok, const GenerationEvent& e) {
+  auto entry = [tok](int32_t id, float logprob) {
+    const int32_t one[1] = {id};
+    const std::string raw = tok->Decode(one);
+    json bytes = json::array();
+    for (unsigned char c : raw) bytes.push_back(static_cast<int>(c));
+    return json{{"token", engine::SanitizeUtf8(raw)}, {"logprob", logprob}, {"bytes", bytes}};
+  };
+  json item = entry(e.token.token, e.token.logprob);
+  json top = json::array();
+  for (const auto& [id, lp] : e.token.top) top.push_back(entry(id, lp));
+  item["top_logprobs"] = top;
+  return item;
+}
+
+// The model's output as OpenAI deltas, one token at a time.
+class Assembler {
+ public:
+  Assembler(bool thinking, ToolCallLedger* ledger) : parser_(thinking), ledger_(ledger) {}
+
+  // The deltas this text completes, in order.
+  std::vector<json> Feed(const std::string& text) { return Deltas(parser_.Feed(text)); }
+  std::vector<json> Finish() { return Deltas(parser_.Finish()); }
+  bool called_tools() const { return !ids_.empty(); }
+
+ private:
+  std::vector<json> Deltas(const std::vector<ParseEvent>& events) {
+    std::vector<json> out;
+    for (const ParseEvent& e : events) {
+      switch (e.kind) {
+        case ParseEvent::Kind::kReasoning:
+          out.push_back({{"reasoning_content", e.text}});
+          break;
+        case ParseEvent::Kind::kContent:
+          out.push_back({{"content", e.text}});
+          break;
+        case ParseEvent::Kind::kToolCallStart:
+          ids_[e.index] = e.id;
+          out.push_back({{"tool_calls",
+                          json::array({{{"index", e.index},
+                                        {"id", e.id},
+                                        {"type", "function"},
+                                        {"function", {{"name", e.text}, {"arguments", ""}}}}})}});
+          break;
+        case ParseEvent::Kind::kToolArguments:
+          out.push_back({{"tool_calls", json::array({{{"index", e.index},
+                                                      {"function", {{"arguments", e.text}}}}})}});
+          break;
+        case ParseEvent::Kind::kToolCallEnd:
+          if (ids_.count(e.index)) ledger_->Remember(ids_[e.index], e.text);
+          break;
+        case ParseEvent::Kind::kWarning:
+          spdlog::warn("model output: {}", e.text);
+          break;
+      }
+    }
+    return out;
+  }
+
+  ChatOutputParser parser_;
+  ToolCallLedger* ledger_;
+  std::map<int, std::string> ids_;
+};
+
+std::string FinishReason(const GenerationEvent& done, bool called_tools) {
+  return done.finish_reason == "stop" && called_tools ? "tool_calls" : done.finish_reason;
+}
+
+}  // namespace
+
+void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) const {
+  engine::Engine* eng = engine();
+  if (eng == nullptr || eng->tokenizer() == nullptr) {
+    return WriteError(res, 503, "unavailable_error",
+                      "no model with a tokenizer is loaded yet; see /health");
+  }
+  json body;
+  if (!ParseJsonBody(req, res, &body)) return;
+  const ojson ordered = ojson::parse(req.body);
+  ChatRequest cr;
+  if (auto e = ParseChat(body, ordered, model_.id, *eng, &ledger_, &cr)) {
+    return WriteError(res, e->status, e->type, e->message);
+  }
+  const std::string id = NewId("chatcmpl-");
+  std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, res);
+  if (!g) return;
+  const int64_t created = static_cast<int64_t>(std::time(nullptr));
+  const engine::Tokenizer* tok = eng->tokenizer();
+  auto assembler = std::make_shared<Assembler>(cr.options.thinking, &ledger_);
+  const bool logprobs = cr.logprobs;
+
+  if (cr.stream) {
+    auto chunk = [id, created, model = model_.id, usage = cr.include_usage](
+                     const json& delta, const json& lp, const json& finish) {
+      json c = {
+          {"id", id},
+          {"object", "chat.completion.chunk"},
+          {"created", created},
+          {"model", model},
+          {"choices",
+           json::array(
+               {{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}}})}};
+      if (usage) c["usage"] = nullptr;
+      return c;
+    };
+    auto opened = std::make_shared<bool>(false);
+    ServeStream(res, g, [=, usage = cr.include_usage](const GenerationEvent& e, std::string* out) {
+      if (!*opened) {
+        *opened = true;
+        *out += SseEvent(chunk({{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
+      }
+      if (e.kind == GenerationEvent::Kind::kToken) {
+        std::vector<json> deltas = assembler->Feed(e.text);
+        json lp = nullptr;
+        if (logprobs) {
+          lp = {{"content", json::array({TokenLogprobs(tok, e)})}};
+          if (deltas.empty()) deltas.push_back(json::object());
+        }
+        for (size_t i = 0; i < deltas.size(); ++i) {
+          *out += SseEvent(chunk(deltas[i], i == 0 ? lp : json(), nullptr));
+        }
+        return;
+      }
+      for (const json& d : assembler->Finish()) *out += SseEvent(chunk(d, nullptr, nullptr));
+      *out += SseEvent(chunk(json::object(), nullptr, FinishReason(e, assembler->called_tools())));
+      if (usage) {
+        json u = chunk(json::object(), nullptr, nullptr);
+        u["choices"] = json::array();
+        u["usage"] = ChatUsage(e);
+        *out += SseEvent(u);
+      }
+    });
+    return;
+  }
+
+  struct State {
+    std::string content;
+    std::string reasoning;
+    json tool_calls = json::array();
+    json logprobs = json::array();
+  };
+  auto st = std::make_shared<State>();
+  auto absorb = [st](const std::vector<json>& deltas) {
+    for (const json& d : deltas) {
+      if (d.contains("content")) st->content += d["content"].get<std::string>();
+      if (d.contains("reasoning_content"))
+        st->reasoning += d["reasoning_content"].get<std::string>();
+      if (!d.contains("tool_calls")) continue;
+      const json& call = d["tool_calls"][0];
+      if (call.contains("id")) {
+        st->tool_calls.push_back(
+            {{"id", call["id"]},
+             {"type", "function"},
+             {"function", {{"name", call["function"]["name"]}, {"arguments", ""}}}});
+      } else if (!st->tool_calls.empty()) {
+        std::string args = st->tool_calls.back()["function"]["arguments"];
+        st->tool_calls.back()["function"]["arguments"] =
+            args + call["function"]["arguments"].get<std::string>();
+      }
+    }
+  };
+  ServeWhole(
+      res, g,
+      [=](const GenerationEvent& e) {
+        absorb(assembler->Feed(e.text));
+        if (logprobs) st->logprobs.push_back(TokenLogprobs(tok, e));
+      },
+      [=, model = model_.id](const GenerationEvent& done) {
+        absorb(assembler->Finish());
+        json message = {{"role", "assistant"}};
+        message["content"] =
+            st->content.empty() && !st->tool_calls.empty() ? json() : json(st->content);
+        if (!st->reasoning.empty()) message["reasoning_content"] = st->reasoning;
+        if (!st->tool_calls.empty()) message["tool_calls"] = st->tool_calls;
+        return json{
+            {"id", id},
+            {"object", "chat.completion"},
+            {"created", created},
+            {"model", model},
+            {"choices",
+             json::array({{{"index", 0},
+                           {"message", message},
+                           {"logprobs", logprobs ? json{{"content", st->logprobs}} : json()},
+                           {"finish_reason", FinishReason(done, assembler->called_tools())}}})},
+            {"usage", ChatUsage(done)}};
+      });
+}
+
+}  // namespace flashd::api
