@@ -35,6 +35,17 @@ std::optional<FieldError> Invalid(std::string message) {
   return FieldError{400, "invalid_request_error", std::move(message)};
 }
 
+// The first message when it is a system (or developer) message, else a new empty system message
+// put first: where the encoder expects tools and the response format.
+ojson& SystemMessage(ojson* messages) {
+  const ojson& first = (*messages)[0];
+  const bool system_first = first.is_object() && first.contains("role") &&
+                            (first["role"] == "system" || first["role"] == "developer");
+  if (!system_first)
+    messages->insert(messages->begin(), ojson{{"role", "system"}, {"content", ""}});
+  return (*messages)[0];
+}
+
 // Fills `out`; `ordered` is the same body with its keys in the client's order (tool schemas are
 // rendered in that order).
 std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
@@ -46,7 +57,6 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
   }
   ojson messages = ordered["messages"];
 
-  // Tools go with the first system (or developer) message, as the model's encoder expects.
   std::string tool_choice = "auto";
   if (Present(body, "tool_choice")) {
     if (!body["tool_choice"].is_string() ||
@@ -58,13 +68,7 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
   if (Present(body, "tools")) {
     if (!body["tools"].is_array()) return Invalid("tools: expected an array");
     if (tool_choice != "none" && !body["tools"].empty()) {
-      const ojson& first = messages[0];
-      const bool system_first = first.is_object() && first.contains("role") &&
-                                (first["role"] == "system" || first["role"] == "developer");
-      if (!system_first) {
-        messages.insert(messages.begin(), ojson{{"role", "system"}, {"content", ""}});
-      }
-      messages[0]["tools"] = ordered["tools"];
+      SystemMessage(&messages)["tools"] = ordered["tools"];
     }
   }
   if (Present(body, "response_format")) {
@@ -72,9 +76,13 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
     if (!f.is_object() || !f.contains("type") || !f["type"].is_string()) {
       return Invalid("response_format: expected {\"type\": ...}");
     }
-    if (f["type"] != "text") {
-      return Invalid("response_format: only \"text\" is supported so far");
+    if (f["type"] != "text" && f["type"] != "json_object" && f["type"] != "json_schema") {
+      return Invalid("response_format.type: expected text, json_object or json_schema");
     }
+    // Rendered into the system prompt, as the model was trained; the output is not constrained
+    // by a grammar.
+    if (f["type"] != "text")
+      SystemMessage(&messages)["response_format"] = ordered["response_format"];
   }
 
   // Thinking: OpenAI's reasoning_effort, or DeepSeek's {"thinking": {"type": "enabled"}}.

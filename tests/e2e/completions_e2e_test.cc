@@ -287,13 +287,26 @@ BOOST_AUTO_TEST_CASE(chat_stream_folds_into_the_whole_message) {
       BOOST_TEST(w["usage"]["prompt_cache_miss_tokens"] == w["usage"]["prompt_tokens"]);
     }
   }
+  // A response format is rendered into the prompt (a system message is made for it).
+  auto plain = c->Post("/v1/chat/completions",
+                       R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})",
+                       "application/json");
+  auto formatted = c->Post(
+      "/v1/chat/completions",
+      R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "response_format": {"type": "json_object"}})",
+      "application/json");
+  BOOST_REQUIRE(plain);
+  BOOST_REQUIRE(formatted);
+  BOOST_REQUIRE_MESSAGE(formatted->status == 200, formatted->body);
+  BOOST_TEST(json::parse(formatted->body)["usage"]["prompt_tokens"].get<int>() >
+             json::parse(plain->body)["usage"]["prompt_tokens"].get<int>() + 10);
   const std::vector<std::pair<std::string, std::string>> bad = {
       {R"({"messages": []})", "messages"},
       {R"({"messages": [{"role": "bogus", "content": "x"}]})", "messages[0].role"},
       {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
        "tool_choice"},
-      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}})",
-       "response_format"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}})",
+       "response_format.type"},
       {R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", "top_logprobs"},
       {R"({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "maybe"}})",
        "thinking"},
