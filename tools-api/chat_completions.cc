@@ -29,6 +29,9 @@ struct ChatRequest {
   bool stream = false;
   bool include_usage = false;
   bool logprobs = false;
+  // Output written for the model before it starts (a forced tool-call opening); part of the
+  // prompt, and parsed as the start of the output.
+  std::string forced;
 };
 
 std::optional<FieldError> Invalid(std::string message) {
@@ -57,13 +60,42 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
   }
   ojson messages = ordered["messages"];
 
+  // tool_choice: "auto", "none", "required", or {"type": "function", "function": {"name": N}}.
+  // The last two are kept by writing the opening of the model's tool-call block for it.
   std::string tool_choice = "auto";
+  std::string forced_name;
   if (Present(body, "tool_choice")) {
-    if (!body["tool_choice"].is_string() ||
-        (body["tool_choice"] != "auto" && body["tool_choice"] != "none")) {
-      return Invalid("tool_choice: only \"auto\" and \"none\" are supported so far");
+    const json& c = body["tool_choice"];
+    if (c.is_string() && (c == "auto" || c == "none" || c == "required")) {
+      tool_choice = c.get<std::string>();
+    } else if (c.is_object() && c.value("type", "") == "function" && c.contains("function") &&
+               c["function"].is_object() && c["function"].contains("name") &&
+               c["function"]["name"].is_string()) {
+      tool_choice = "named";
+      forced_name = c["function"]["name"].get<std::string>();
+    } else {
+      return Invalid(
+          "tool_choice: expected \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+          "\"function\": {\"name\": ...}}");
     }
-    tool_choice = body["tool_choice"].get<std::string>();
+  }
+  if (tool_choice == "required" || tool_choice == "named") {
+    if (!Present(body, "tools") || !body["tools"].is_array() || body["tools"].empty()) {
+      return Invalid("tool_choice: \"" + tool_choice + "\" needs tools");
+    }
+    bool known = tool_choice == "required";
+    for (const json& t : body["tools"]) {
+      if (t.is_object() && t.contains("function") && t["function"].is_object() &&
+          t["function"].value("name", "") == forced_name) {
+        known = true;
+      }
+    }
+    if (!known) return Invalid("tool_choice.function.name: no tool named \"" + forced_name + "\"");
+    if (forced_name.find_first_of("\"<>\\\n") != std::string::npos) {
+      return Invalid("tool_choice.function.name: not a valid tool name");
+    }
+    out->forced = "\n\n<｜DSML｜ calls>\n";
+    if (tool_choice == "named") out->forced += "<｜DSML｜ invoke name=\"" + forced_name + "\">\n";
   }
   if (Present(body, "tools")) {
     if (!body["tools"].is_array()) return Invalid("tools: expected an array");
@@ -104,9 +136,18 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
     }
   }
 
+  if (!out->forced.empty() && out->options.thinking) {
+    return Invalid("tool_choice: \"" + tool_choice +
+                   "\" is not available in thinking mode; use \"auto\" or turn thinking off");
+  }
+
   StatusOr<RenderedPrompt> prompt = RenderChat(messages, out->options, ledger);
   if (!prompt.ok()) return Invalid(prompt.status().message());
   out->gen.prompt = eng.tokenizer()->EncodeWithPlainRanges(prompt->text, prompt->untrusted);
+  if (!out->forced.empty()) {
+    std::vector<int32_t> forced = eng.tokenizer()->Encode(out->forced);
+    out->gen.prompt.insert(out->gen.prompt.end(), forced.begin(), forced.end());
+  }
 
   engine::SamplingParams& p = out->gen.sampling;
   const int64_t context = eng.config().max_position_embeddings;
@@ -227,6 +268,7 @@ void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) c
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   const engine::Tokenizer* tok = eng->tokenizer();
   auto assembler = std::make_shared<Assembler>(cr.options.thinking, &ledger_);
+  const std::vector<json> opening = assembler->Feed(cr.forced);
   const bool logprobs = cr.logprobs;
 
   if (cr.stream) {
@@ -248,6 +290,7 @@ void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) c
       if (!*opened) {
         *opened = true;
         *out += SseEvent(chunk({{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
+        for (const json& d : opening) *out += SseEvent(chunk(d, nullptr, nullptr));
       }
       if (e.kind == GenerationEvent::Kind::kToken) {
         std::vector<json> deltas = assembler->Feed(e.text);
@@ -299,6 +342,7 @@ void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) c
       }
     }
   };
+  absorb(opening);
   ServeWhole(
       res, g,
       [=](const GenerationEvent& e) {

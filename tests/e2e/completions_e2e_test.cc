@@ -287,6 +287,31 @@ BOOST_AUTO_TEST_CASE(chat_stream_folds_into_the_whole_message) {
       BOOST_TEST(w["usage"]["prompt_cache_miss_tokens"] == w["usage"]["prompt_tokens"]);
     }
   }
+  // A named tool choice: the call is opened for the model, so the reply calls that tool.
+  json named = {{"messages", {{{"role", "user"}, {"content", "Where am I?"}}}},
+                {"tools",
+                 {{{"type", "function"},
+                   {"function", {{"name", "pwd"}, {"parameters", {{"type", "object"}}}}}},
+                  {{"type", "function"},
+                   {"function", {{"name", "ls"}, {"parameters", {{"type", "object"}}}}}}}},
+                {"tool_choice", {{"type", "function"}, {"function", {{"name", "ls"}}}}},
+                {"max_tokens", 6},
+                {"seed", 1}};
+  auto forced = c->Post("/v1/chat/completions", named.dump(), "application/json");
+  BOOST_REQUIRE(forced);
+  BOOST_REQUIRE_MESSAGE(forced->status == 200, forced->body);
+  const json fm = json::parse(forced->body)["choices"][0]["message"];
+  BOOST_REQUIRE_MESSAGE(fm.contains("tool_calls") && !fm["tool_calls"].empty(), fm.dump());
+  BOOST_TEST(fm["tool_calls"][0]["function"]["name"] == "ls");
+  named["stream"] = true;
+  auto forced_stream = c->Post("/v1/chat/completions", named.dump(), "application/json");
+  BOOST_REQUIRE(forced_stream);
+  json forced_usage;
+  const json fs = FoldChatStream(forced_stream->body, &forced_usage);
+  BOOST_REQUIRE(!fs["tool_calls"].empty());
+  BOOST_TEST(fs["tool_calls"][0]["name"] == "ls");
+  BOOST_TEST(fs["tool_calls"][0]["arguments"] == fm["tool_calls"][0]["function"]["arguments"]);
+
   // A response format is rendered into the prompt (a system message is made for it).
   auto plain = c->Post("/v1/chat/completions",
                        R"({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})",
@@ -304,7 +329,13 @@ BOOST_AUTO_TEST_CASE(chat_stream_folds_into_the_whole_message) {
       {R"({"messages": []})", "messages"},
       {R"({"messages": [{"role": "bogus", "content": "x"}]})", "messages[0].role"},
       {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
+       "needs tools"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes"})",
        "tool_choice"},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "ls"}}], "tool_choice": {"type": "function", "function": {"name": "rm"}}})",
+       "no tool named \"rm\""},
+      {R"({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "ls"}}], "tool_choice": "required", "reasoning_effort": "high"})",
+       "thinking mode"},
       {R"({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}})",
        "response_format.type"},
       {R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})", "top_logprobs"},

@@ -131,6 +131,13 @@ def exercise_chat(client, name):
         reasoning = thinking.choices[0].message.model_extra.get("reasoning_content")
     check(bool(reasoning), name + ": thinking mode returns reasoning_content")
 
+    named = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, max_tokens=6, seed=3,
+        tool_choice={"type": "function", "function": {"name": "read_file"}})
+    calls = named.choices[0].message.tool_calls or []
+    check(len(calls) >= 1 and calls[0].function.name == "read_file" and calls[0].id.startswith("call_"),
+          name + ": a named tool_choice makes the reply call that tool")
+
     # A tool-call round trip: the call and its result go back as history.
     history = messages + [
         {"role": "assistant", "content": None, "tool_calls": [
