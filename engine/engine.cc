@@ -10,6 +10,7 @@
 namespace flashd::engine {
 
 void EventQueue::Push(GenerationEvent event) {
+  event.time = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(mu_);
     events_.push_back(std::move(event));

@@ -61,7 +61,8 @@ struct GenerationEvent {
   Status error;
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
-  int64_t step = 0;  // The engine step that produced the event.
+  int64_t step = 0;                            // The engine step that produced the event.
+  std::chrono::steady_clock::time_point time;  // When it was queued.
 };
 
 // The one queue between the engine thread and a request's consumer; it hides every mutex.

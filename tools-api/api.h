@@ -83,7 +83,7 @@ class Api {
   const Config config_;
   const ServedModel model_;
   Router router_;
-  Metrics metrics_;
+  mutable Metrics metrics_;  // Thread-safe itself.
   mutable std::mutex mu_;
   Phase phase_ = Phase::kStarting;                      // Guarded by mu_.
   std::string reason_ = "starting";                     // Guarded by mu_.

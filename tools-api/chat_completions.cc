@@ -7,6 +7,7 @@
 // bytes the model wrote.
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <ctime>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -250,6 +251,7 @@ std::string FinishReason(const GenerationEvent& done, bool called_tools) {
 }  // namespace
 
 void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) const {
+  const auto arrived = std::chrono::steady_clock::now();
   engine::Engine* eng = engine();
   if (eng == nullptr || eng->tokenizer() == nullptr) {
     return WriteError(res, 503, "unavailable_error",
@@ -263,7 +265,7 @@ void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) c
     return WriteError(res, e->status, e->type, e->message);
   }
   const std::string id = NewId("chatcmpl-");
-  std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, res);
+  std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   const engine::Tokenizer* tok = eng->tokenizer();

@@ -151,6 +151,7 @@ class Logprobs {
 }  // namespace
 
 void Api::Completions(const httplib::Request& req, httplib::Response& res) const {
+  const auto arrived = std::chrono::steady_clock::now();
   engine::Engine* eng = engine();
   if (eng == nullptr) {
     return WriteError(res, 503, "unavailable_error", "the model is not loaded yet; see /health");
@@ -163,7 +164,7 @@ void Api::Completions(const httplib::Request& req, httplib::Response& res) const
   }
   const bool want_logprobs = cr.gen.sampling.logprobs > 0;
   const std::string id = NewId("cmpl-");
-  std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, res);
+  std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   const engine::Tokenizer* tok = eng->tokenizer();

@@ -15,6 +15,16 @@ constexpr size_t kMaxStops = 16;
 
 using namespace std::chrono_literals;
 
+void Generation::Saw(const GenerationEvent& token) {
+  if (token.token.token < 0 || metrics == nullptr) return;
+  if (!last_token) {
+    metrics->ObserveTimeToFirstToken(std::chrono::duration<double>(token.time - arrived).count());
+  } else {
+    metrics->ObserveInterToken(std::chrono::duration<double>(token.time - *last_token).count());
+  }
+  last_token = token.time;
+}
+
 void Generation::Release() {
   if (finished) return;
   spdlog::info("generation {}: client gone, cancelled", id);
@@ -244,6 +254,7 @@ void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAp
             continue;
           }
           done = e->kind == GenerationEvent::Kind::kDone;
+          if (e->kind == GenerationEvent::Kind::kToken) g->Saw(*e);
           if (done && e->finish_reason == "error") {
             const int status = HttpStatusFor(e->error);
             out += SseEvent(
@@ -285,7 +296,10 @@ void ServeWhole(httplib::Response& res, std::shared_ptr<Generation> g,
       [g, on_token, body](size_t, httplib::DataSink& sink) {
         std::optional<GenerationEvent> e = g->Next(250ms);
         while (e && e->kind != GenerationEvent::Kind::kDone) {
-          if (e->kind == GenerationEvent::Kind::kToken) on_token(*e);
+          if (e->kind == GenerationEvent::Kind::kToken) {
+            g->Saw(*e);
+            on_token(*e);
+          }
           e = g->queue->Pop(0ms);
         }
         if (!e) {
@@ -314,7 +328,9 @@ void ServeWhole(httplib::Response& res, std::shared_ptr<Generation> g,
 // or the end), so that refusals, which the engine makes at once, still answer 4xx. Returns null
 // after writing that 4xx.
 std::shared_ptr<Generation> Start(engine::Engine* eng, engine::GenerationRequest request,
-                                  const std::string& id, httplib::Response& res) {
+                                  const std::string& id, Metrics* metrics,
+                                  std::chrono::steady_clock::time_point arrived,
+                                  httplib::Response& res) {
   auto [handle, queue] = eng->Submit(std::move(request));
   std::optional<GenerationEvent> first;
   while (!first) first = queue->Pop(250ms);
@@ -325,6 +341,8 @@ std::shared_ptr<Generation> Start(engine::Engine* eng, engine::GenerationRequest
   }
   auto g = std::make_shared<Generation>();
   g->Bind(eng, handle, queue, std::move(*first), id);
+  g->metrics = metrics;
+  g->arrived = arrived;
   return g;
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "engine/engine.h"
+#include "tools-api/metrics.h"
 
 namespace flashd::api::gen {
 
@@ -69,6 +70,12 @@ struct Generation {
   std::string id;
   bool finished = false;  // The response is complete.
   std::chrono::steady_clock::time_point last_write = std::chrono::steady_clock::now();
+  Metrics* metrics = nullptr;
+  std::chrono::steady_clock::time_point arrived;  // When the request reached the handler.
+  std::optional<std::chrono::steady_clock::time_point> last_token;
+
+  // Records a token's latency in the metrics.
+  void Saw(const GenerationEvent& token);
 
   void Bind(engine::Engine* e, engine::Engine::Handle h, std::shared_ptr<engine::EventQueue> q,
             GenerationEvent first, std::string response_id) {
@@ -110,6 +117,8 @@ void ServeWhole(httplib::Response& res, std::shared_ptr<Generation> g,
 // or the end), so that refusals, which the engine makes at once, still answer 4xx. Returns null
 // after writing that 4xx.
 std::shared_ptr<Generation> Start(engine::Engine* eng, engine::GenerationRequest request,
-                                  const std::string& id, httplib::Response& res);
+                                  const std::string& id, Metrics* metrics,
+                                  std::chrono::steady_clock::time_point arrived,
+                                  httplib::Response& res);
 
 }  // namespace flashd::api::gen

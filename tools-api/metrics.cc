@@ -1,5 +1,6 @@
 #include "tools-api/metrics.h"
 
+#include <array>
 #include <cstdio>
 
 namespace flashd::api {
@@ -21,7 +22,49 @@ std::string EscapeLabel(const std::string& v) {
   return out;
 }
 
+// Upper bounds of the latency buckets, in seconds; a last bucket takes the rest (+Inf).
+constexpr std::array<double, 13> kBounds = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                            1,     2.5,  5,     10,   30,  60};
+
 }  // namespace
+
+void Metrics::Histogram::Observe(double v) {
+  size_t b = 0;
+  while (b < kBounds.size() && v > kBounds[b]) ++b;
+  counts[b] += 1;
+  count += 1;
+  sum += v;
+}
+
+void Metrics::Histogram::Render(const char* name, const char* help, std::string* out) const {
+  char line[256];
+  *out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " histogram\n";
+  uint64_t cumulative = 0;
+  for (size_t b = 0; b <= kBounds.size(); ++b) {
+    cumulative += counts[b];
+    if (b < kBounds.size()) {
+      std::snprintf(line, sizeof line, "%s_bucket{le=\"%g\"} %llu\n", name, kBounds[b],
+                    static_cast<unsigned long long>(cumulative));
+    } else {
+      std::snprintf(line, sizeof line, "%s_bucket{le=\"+Inf\"} %llu\n", name,
+                    static_cast<unsigned long long>(cumulative));
+    }
+    *out += line;
+  }
+  std::snprintf(line, sizeof line, "%s_sum %.6f\n%s_count %llu\n", name, sum, name,
+                static_cast<unsigned long long>(count));
+  *out += line;
+}
+
+void Metrics::ObserveTimeToFirstToken(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ttft_.Observe(seconds);
+}
+
+void Metrics::ObserveInterToken(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  inter_token_.Observe(seconds);
+}
 
 Metrics::Metrics() : start_(std::chrono::steady_clock::now()) {}
 
@@ -58,6 +101,10 @@ std::string Metrics::Render() const {
     out += "flashd_http_request_seconds_total{route=\"" + EscapeLabel(key.first) + "\",status=\"" +
            std::to_string(key.second) + "\"} " + line + "\n";
   }
+  ttft_.Render("flashd_time_to_first_token_seconds",
+               "From a generation request's arrival to its first token.", &out);
+  inter_token_.Render("flashd_inter_token_seconds", "Between consecutive tokens of one generation.",
+                      &out);
   return out;
 }
 

@@ -359,6 +359,32 @@ BOOST_AUTO_TEST_CASE(chat_stream_folds_into_the_whole_message) {
   BOOST_TEST(d.Stop(SIGTERM) == 0);
 }
 
+BOOST_AUTO_TEST_CASE(metrics_time_first_tokens_and_the_gaps_between_tokens) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  auto c = TcpClient(d);
+  BOOST_TEST(Metric(*c, "flashd_time_to_first_token_seconds_count") == 0);
+  // Two generations of 8 tokens each, one whole and one streamed: 2 first tokens, 14 gaps.
+  for (bool stream : {false, true}) {
+    json req = {{"prompt", "x"}, {"max_tokens", 8}, {"ignore_eos", true}, {"stream", stream}};
+    auto r = c->Post("/v1/completions", req.dump(), "application/json");
+    BOOST_REQUIRE(r);
+    BOOST_REQUIRE(r->status == 200);
+  }
+  BOOST_TEST(Metric(*c, "flashd_time_to_first_token_seconds_count") == 2);
+  BOOST_TEST(Metric(*c, "flashd_inter_token_seconds_count") == 14);
+  BOOST_TEST(Metric(*c, "flashd_time_to_first_token_seconds_sum") > 0);
+  auto m = c->Get("/metrics");
+  BOOST_REQUIRE(m);
+  BOOST_TEST(m->body.find("flashd_inter_token_seconds_bucket{le=\"+Inf\"} 14") !=
+             std::string::npos);
+  BOOST_TEST(m->body.find("# TYPE flashd_time_to_first_token_seconds histogram") !=
+             std::string::npos);
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
 BOOST_AUTO_TEST_CASE(bad_requests_get_400s_naming_the_field_and_nothing_is_lost) {
   TempDir tmp;
   DaemonProcess d({tmp.path(), "", {}, {}});
