@@ -55,57 +55,53 @@ const ByteLevel& Bytes() {
   return b;
 }
 
+// What a UTF-8 lead byte promises: the character's length (0: not a lead byte) and the range
+// its second byte must fall in (narrower than 80..BF after E0, ED, F0 and F4).
+struct LeadByte {
+  size_t length = 0;
+  uint8_t lo = 0x80, hi = 0xBF;
+};
+
+LeadByte ClassifyLead(uint8_t c) {
+  LeadByte l;
+  if (c < 0x80) {
+    l.length = 1;
+  } else if (c >= 0xC2 && c <= 0xDF) {
+    l.length = 2;
+  } else if (c >= 0xE0 && c <= 0xEF) {
+    l.length = 3;
+    if (c == 0xE0) l.lo = 0xA0;
+    if (c == 0xED) l.hi = 0x9F;
+  } else if (c >= 0xF0 && c <= 0xF4) {
+    l.length = 4;
+    if (c == 0xF0) l.lo = 0x90;
+    if (c == 0xF4) l.hi = 0x8F;
+  }
+  return l;
+}
+
+// How many bytes after the lead at s[i] continue its character correctly (at most length - 1).
+size_t ContinuationBytes(std::string_view s, size_t i, const LeadByte& l) {
+  size_t k = 1;
+  for (; k < l.length && i + k < s.size(); ++k) {
+    const uint8_t d = static_cast<uint8_t>(s[i + k]);
+    if (k == 1 ? (d < l.lo || d > l.hi) : (d < 0x80 || d > 0xBF)) break;
+  }
+  return k - 1;
+}
+
 // Length of the valid UTF-8 character at s[i], or 0 if the bytes there are not one.
 size_t ValidCharLength(std::string_view s, size_t i) {
-  const auto b = [&](size_t k) { return static_cast<uint8_t>(s[k]); };
-  const uint8_t c = b(i);
-  if (c < 0x80) return 1;
-  size_t n;
-  uint8_t lo = 0x80, hi = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else {
-    return 0;
-  }
-  if (i + 1 >= s.size() || b(i + 1) < lo || b(i + 1) > hi) return 0;
-  for (size_t k = 2; k < n; ++k) {
-    if (i + k >= s.size() || b(i + k) < 0x80 || b(i + k) > 0xBF) return 0;
-  }
-  return n;
+  const LeadByte l = ClassifyLead(static_cast<uint8_t>(s[i]));
+  if (l.length == 0) return 0;
+  return ContinuationBytes(s, i, l) == l.length - 1 ? l.length : 0;
 }
 
 // Bytes a maximal invalid subpart at s[i] spans (the Unicode recommendation for U+FFFD).
 size_t InvalidSpan(std::string_view s, size_t i) {
-  const uint8_t c = static_cast<uint8_t>(s[i]);
-  size_t n = 0;
-  uint8_t lo = 0x80, hi = 0xBF;
-  if (c >= 0xC2 && c <= 0xDF) {
-    n = 2;
-  } else if (c >= 0xE0 && c <= 0xEF) {
-    n = 3;
-    if (c == 0xE0) lo = 0xA0;
-    if (c == 0xED) hi = 0x9F;
-  } else if (c >= 0xF0 && c <= 0xF4) {
-    n = 4;
-    if (c == 0xF0) lo = 0x90;
-    if (c == 0xF4) hi = 0x8F;
-  } else {
-    return 1;
-  }
-  size_t k = 1;
-  for (; k < n && i + k < s.size(); ++k) {
-    const uint8_t d = static_cast<uint8_t>(s[i + k]);
-    if (k == 1 ? (d < lo || d > hi) : (d < 0x80 || d > 0xBF)) break;
-  }
-  return k;
+  const LeadByte l = ClassifyLead(static_cast<uint8_t>(s[i]));
+  if (l.length < 2) return 1;
+  return 1 + ContinuationBytes(s, i, l);
 }
 
 std::atomic<uint64_t> next_instance{1};
