@@ -38,10 +38,6 @@ std::vector<std::pair<std::string, std::unique_ptr<httplib::Client>>> Clients(
   return out;
 }
 
-bool Contains(const std::string& s, const std::string& needle) {
-  return s.find(needle) != std::string::npos;
-}
-
 // Polls /health until the model load has failed (status "error") or 30 s pass; the last body.
 json WaitForFailedLoad(httplib::Client& c) {
   json h;
@@ -141,14 +137,9 @@ BOOST_AUTO_TEST_CASE(flashctl_reports_status_over_the_socket_and_tcp) {
   BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
   BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
   auto run = [](const std::string& args) {
-    std::string cmd = std::string(FLASHD_SOURCE_DIR) + "/clients/flashctl " + args + " 2>&1";
-    FILE* p = ::popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[1024];
-    size_t n;
-    while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-    int status = ::pclose(p);
-    return std::make_pair(WEXITSTATUS(status), out);
+    CommandResult r =
+        RunCommand(std::string(FLASHD_SOURCE_DIR) + "/clients/flashctl " + args + " 2>&1");
+    return std::make_pair(r.code, r.out);
   };
   auto [code, out] = run("--socket " + d.socket_path() + " status");
   BOOST_TEST(code == 0, out);
@@ -480,29 +471,18 @@ BOOST_AUTO_TEST_CASE(truncated_shard_is_reported_by_health_naming_the_file) {
 }
 
 BOOST_AUTO_TEST_CASE(version_and_help) {
-  std::string cmd = std::string(FLASHD_BINARY) + " version";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  BOOST_REQUIRE(p);
-  char buf[256] = {};
-  size_t n = std::fread(buf, 1, sizeof buf - 1, p);
-  BOOST_TEST(::pclose(p) == 0);
-  BOOST_TEST(Contains(std::string(buf, n), "flashd 0."));
+  CommandResult version = RunCommand(std::string(FLASHD_BINARY) + " version");
+  BOOST_TEST(version.code == 0);
+  BOOST_TEST(Contains(version.out, "flashd 0."));
 
-  cmd = std::string(FLASHD_BINARY) + " serve --help";
-  p = ::popen(cmd.c_str(), "r");
-  BOOST_REQUIRE(p);
-  std::string help;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) help.append(buf, n);
-  BOOST_TEST(::pclose(p) == 0);
+  CommandResult help = RunCommand(std::string(FLASHD_BINARY) + " serve --help");
+  BOOST_TEST(help.code == 0);
   for (const char* var : {"FLASHD_LISTEN", "FLASHD_SOCKET", "FLASHD_STATE_DIR", "FLASHD_MODEL_DIR",
                           "FLASHD_LOG_LEVEL", "--config"}) {
-    BOOST_TEST(Contains(help, var), var);
+    BOOST_TEST(Contains(help.out, var), var);
   }
 
-  cmd = std::string(FLASHD_BINARY) + " frobnicate 2>/dev/null";
-  p = ::popen(cmd.c_str(), "r");
-  int status = ::pclose(p);
-  BOOST_TEST(WEXITSTATUS(status) == 2);
+  BOOST_TEST(RunCommand(std::string(FLASHD_BINARY) + " frobnicate 2>/dev/null").code == 2);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

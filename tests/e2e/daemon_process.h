@@ -20,6 +20,16 @@ namespace flashd::testing {
 // daemon a test starts.
 const std::string& SharedTinyModelDir();
 
+// True when `s` contains `part`.
+bool Contains(const std::string& s, const std::string& part);
+
+// What a shell command printed on stdout and its exit code (add "2>&1" to capture stderr too).
+struct CommandResult {
+  int code = -1;
+  std::string out;
+};
+CommandResult RunCommand(const std::string& command);
+
 // Polls GET /health until it answers 200 or `timeout` passes; returns the last status.
 int WaitHealthy(const std::string& host, int port,
                 std::chrono::seconds timeout = std::chrono::seconds(60));

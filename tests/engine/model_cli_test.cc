@@ -12,27 +12,15 @@
 
 namespace {
 
+using flashd::testing::Contains;
 using flashd::testing::TempDir;
 using nlohmann::json;
 
-struct Run {
-  int code;
-  std::string out;
-};
+using Run = flashd::testing::CommandResult;
 
+// The flashd binary with `args`, stdout and stderr together.
 Run Flashd(const std::string& args) {
-  std::string cmd = std::string(FLASHD_BINARY) + " " + args + " 2>&1";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  int status = ::pclose(p);
-  return {WEXITSTATUS(status), out};
-}
-
-bool Contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
+  return flashd::testing::RunCommand(std::string(FLASHD_BINARY) + " " + args + " 2>&1");
 }
 
 const std::string kReleased = FLASHD_TEST_DATA_DIR "/deepseek-v4.1-flash/config.json";
@@ -41,12 +29,9 @@ BOOST_AUTO_TEST_SUITE(model_cli)
 
 BOOST_AUTO_TEST_CASE(model_info_json_for_the_released_config) {
   std::string cmd = std::string(FLASHD_BINARY) + " model-info " + kReleased + " --json";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  BOOST_REQUIRE(WEXITSTATUS(::pclose(p)) == 0);
+  const Run run = flashd::testing::RunCommand(cmd);
+  BOOST_REQUIRE(run.code == 0);
+  const std::string& out = run.out;
   json j = json::parse(out);  // stdout holds the JSON object and nothing else.
   for (const char* key : {"kv_bytes_per_token", "params_backbone", "params_engram", "params_dspark",
                           "params_vision", "params_active_prefill", "params_active_decode"}) {
@@ -80,12 +65,9 @@ BOOST_AUTO_TEST_CASE(model_info_reports_engram_classes_of_the_v4_tokenizer) {
   Run mk = Flashd("mkmodel " + dir + " --tokenizer " + tokenizer_dir + " --set hidden_size=64");
   BOOST_REQUIRE_MESSAGE(mk.code == 0, mk.out);
   std::string cmd = std::string(FLASHD_BINARY) + " model-info " + dir + " --json 2>/dev/null";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
-  BOOST_REQUIRE(WEXITSTATUS(::pclose(p)) == 0);
+  const Run run = flashd::testing::RunCommand(cmd);
+  BOOST_REQUIRE(run.code == 0);
+  const std::string& out = run.out;
   json j = json::parse(out);
   // DeepSeek's V4 tokenizer normalises to the 99,092 classes the released config declares.
   BOOST_TEST(j["engram_tokenizer_classes"].get<int64_t>() == 99092);

@@ -12,11 +12,8 @@ namespace flashd::engine {
 namespace {
 
 namespace fs = std::filesystem;
+using flashd::testing::Contains;
 using flashd::testing::TempDir;
-
-bool Contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 // A raw safetensors file: length prefix, header text, data bytes.
 void WriteRaw(const fs::path& path, const std::string& header, const std::string& data) {

@@ -16,11 +16,8 @@ namespace flashd::engine {
 namespace {
 
 namespace fs = std::filesystem;
+using flashd::testing::Contains;
 using flashd::testing::TempDir;
-
-bool Contains(const std::string& s, const std::string& part) {
-  return s.find(part) != std::string::npos;
-}
 
 int MkModel(const fs::path& dir, const std::string& extra) {
   std::string cmd = std::string(FLASHD_BINARY) + " mkmodel " + dir.string() +
