@@ -142,20 +142,6 @@ void Daemon::LoadModel() {
   } else {
     spdlog::warn("model {} has no tokenizer.json: /tokenize and generation are unavailable", dir);
   }
-  api_->SetEngineStats([raw = engine_.get()] {
-    engine::Engine::Stats s = raw->stats();
-    api::EngineMetrics m;
-    m.running = s.running;
-    m.waiting = s.waiting;
-    m.memory_reserved_bytes = s.memory_reserved_bytes;
-    m.memory_budget_bytes = s.memory_budget_bytes;
-    m.steps = s.steps;
-    m.tokens_generated = s.tokens_generated;
-    m.prompt_tokens = s.prompt_tokens_processed;
-    m.pool_used_bytes = s.pool_used_bytes;
-    m.pool_capacity_bytes = s.pool_capacity_bytes;
-    return m;
-  });
   api_->SetEngine(engine_.get());
   api_->SetPhase(api::Phase::kReady, "");
   sd_notify(0, "STATUS=serving; model loaded");

@@ -41,13 +41,8 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               [this](const auto& req, auto& res, const PathParams&) { Models(req, res); });
   router_.Add("GET", "/metrics", [this](const auto&, auto& res, const PathParams&) {
     std::string text = metrics_.Render();
-    std::function<EngineMetrics()> source;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      source = engine_stats_;
-    }
-    if (source) {
-      const EngineMetrics e = source();
+    if (const engine::Engine* eng = engine()) {
+      const engine::Engine::Stats e = eng->stats();
       auto gauge = [&](const char* name, const char* help, const char* type, uint64_t v) {
         text += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type +
                 "\n" + name + " " + std::to_string(v) + "\n";
@@ -66,7 +61,7 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
       gauge("flashd_engine_generated_tokens_total", "Tokens generated.", "counter",
             e.tokens_generated);
       gauge("flashd_engine_prompt_tokens_total", "Prompt tokens prefilled.", "counter",
-            e.prompt_tokens);
+            e.prompt_tokens_processed);
     }
     res.set_content(text, "text/plain; version=0.0.4");
   });
@@ -115,11 +110,6 @@ void Api::Models(const httplib::Request&, httplib::Response& res) const {
 void Api::SetTokenizer(std::shared_ptr<const engine::Tokenizer> tokenizer) {
   std::lock_guard<std::mutex> lock(mu_);
   tokenizer_ = std::move(tokenizer);
-}
-
-void Api::SetEngineStats(std::function<EngineMetrics()> source) {
-  std::lock_guard<std::mutex> lock(mu_);
-  engine_stats_ = std::move(source);
 }
 
 void Api::SetEngine(engine::Engine* engine) {

@@ -30,19 +30,6 @@ struct ServedModel {
 
 enum class Phase { kStarting, kLoading, kReady, kFailed, kStopping };
 
-// The engine's counters, as /metrics reports them.
-struct EngineMetrics {
-  int64_t running = 0;
-  int64_t waiting = 0;
-  uint64_t memory_reserved_bytes = 0;
-  uint64_t memory_budget_bytes = 0;
-  int64_t steps = 0;
-  int64_t tokens_generated = 0;
-  int64_t prompt_tokens = 0;
-  uint64_t pool_used_bytes = 0;
-  uint64_t pool_capacity_bytes = 0;
-};
-
 class Api {
  public:
   Api(const Config& config, ServedModel model);
@@ -62,11 +49,9 @@ class Api {
 
   // Thread-safe. Until a tokenizer is set, /tokenize and /detokenize answer 503.
   void SetTokenizer(std::shared_ptr<const engine::Tokenizer> tokenizer);
-  // Thread-safe. /metrics includes what `source` returns once it is set.
-  void SetEngineStats(std::function<EngineMetrics()> source);
   std::shared_ptr<const engine::Tokenizer> tokenizer() const;
-  // Thread-safe. Until an engine is set, generation routes answer 503. REQUIRES: the engine
-  // outlives every listener this Api is installed on.
+  // Thread-safe. Until an engine is set, generation routes answer 503 and /metrics has no engine
+  // gauges. REQUIRES: the engine outlives every listener this Api is installed on.
   void SetEngine(engine::Engine* engine);
   engine::Engine* engine() const;
 
@@ -88,7 +73,6 @@ class Api {
   Phase phase_ = Phase::kStarting;                      // Guarded by mu_.
   std::string reason_ = "starting";                     // Guarded by mu_.
   std::shared_ptr<const engine::Tokenizer> tokenizer_;  // Guarded by mu_.
-  std::function<EngineMetrics()> engine_stats_;         // Guarded by mu_.
   engine::Engine* engine_ = nullptr;                    // Guarded by mu_.
   mutable ToolCallLedger ledger_;                       // Thread-safe itself.
 };
