@@ -135,9 +135,6 @@ void Daemon::LoadModel() {
   }
   engine_ = std::move(*engine);
   if (engine_->tokenizer() != nullptr) {
-    // The API shares the engine's tokenizer; the engine outlives the listeners.
-    api_->SetTokenizer(
-        std::shared_ptr<const engine::Tokenizer>(std::shared_ptr<void>(), engine_->tokenizer()));
     spdlog::info("tokenizer: {} ids", engine_->tokenizer()->size());
   } else {
     spdlog::warn("model {} has no tokenizer.json: /tokenize and generation are unavailable", dir);

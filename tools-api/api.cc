@@ -107,11 +107,6 @@ void Api::Models(const httplib::Request&, httplib::Response& res) const {
   res.set_content(body.dump(), "application/json");
 }
 
-void Api::SetTokenizer(std::shared_ptr<const engine::Tokenizer> tokenizer) {
-  std::lock_guard<std::mutex> lock(mu_);
-  tokenizer_ = std::move(tokenizer);
-}
-
 void Api::SetEngine(engine::Engine* engine) {
   std::lock_guard<std::mutex> lock(mu_);
   engine_ = engine;
@@ -122,9 +117,9 @@ engine::Engine* Api::engine() const {
   return engine_;
 }
 
-std::shared_ptr<const engine::Tokenizer> Api::tokenizer() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return tokenizer_;
+const engine::Tokenizer* Api::tokenizer() const {
+  const engine::Engine* eng = engine();
+  return eng != nullptr ? eng->tokenizer() : nullptr;
 }
 
 void Api::Tokenize(const httplib::Request& req, httplib::Response& res) const {

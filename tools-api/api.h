@@ -47,13 +47,13 @@ class Api {
 
   Metrics& metrics() { return metrics_; }
 
-  // Thread-safe. Until a tokenizer is set, /tokenize and /detokenize answer 503.
-  void SetTokenizer(std::shared_ptr<const engine::Tokenizer> tokenizer);
-  std::shared_ptr<const engine::Tokenizer> tokenizer() const;
   // Thread-safe. Until an engine is set, generation routes answer 503 and /metrics has no engine
   // gauges. REQUIRES: the engine outlives every listener this Api is installed on.
   void SetEngine(engine::Engine* engine);
   engine::Engine* engine() const;
+  // The engine's tokenizer, or null (no engine yet, or a model without tokenizer.json): then
+  // /tokenize and /detokenize answer 503.
+  const engine::Tokenizer* tokenizer() const;
 
  private:
   void Health(const httplib::Request& req, httplib::Response& res) const;
@@ -70,11 +70,10 @@ class Api {
   Router router_;
   mutable Metrics metrics_;  // Thread-safe itself.
   mutable std::mutex mu_;
-  Phase phase_ = Phase::kStarting;                      // Guarded by mu_.
-  std::string reason_ = "starting";                     // Guarded by mu_.
-  std::shared_ptr<const engine::Tokenizer> tokenizer_;  // Guarded by mu_.
-  engine::Engine* engine_ = nullptr;                    // Guarded by mu_.
-  mutable ToolCallLedger ledger_;                       // Thread-safe itself.
+  Phase phase_ = Phase::kStarting;    // Guarded by mu_.
+  std::string reason_ = "starting";   // Guarded by mu_.
+  engine::Engine* engine_ = nullptr;  // Guarded by mu_.
+  mutable ToolCallLedger ledger_;     // Thread-safe itself.
 };
 
 }  // namespace flashd::api
