@@ -1,0 +1,592 @@
+#include "cache/block_store.h"
+
+#include <rocksdb/file_checksum.h>
+#include <rocksdb/options.h>
+#include <rocksdb/write_batch.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+
+namespace flashd::cache {
+namespace {
+
+constexpr char kMagic[4] = {'F', 'L', 'K', 'B'};
+// magic, format version, token count, CRC32C, parent key, payload size.
+constexpr size_t kHeaderBytes = 4 + 4 + 4 + 4 + 16 + 8;
+constexpr size_t kCrcOffset = 12;
+// kind, parent key, depth, bytes, last use.
+constexpr size_t kMetaBytes = 1 + 16 + 4 + 8 + 8;
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+template <typename T>
+void PutRaw(std::string* out, T v) {
+  char b[sizeof(T)];
+  std::memcpy(b, &v, sizeof(T));  // Little-endian hosts only (x86-64, arm64); see formats.md.
+  out->append(b, sizeof(T));
+}
+
+template <typename T>
+T Get(std::string_view in, size_t offset) {
+  T v;
+  std::memcpy(&v, in.data() + offset, sizeof(T));
+  return v;
+}
+
+BlockKey KeyFromBytes(std::string_view b) {
+  BlockKey k;
+  for (int i = 0; i < 8; ++i) {
+    k.hi = (k.hi << 8) | static_cast<uint8_t>(b[i]);
+    k.lo = (k.lo << 8) | static_cast<uint8_t>(b[8 + i]);
+  }
+  return k;
+}
+
+std::string MetaValue(BlockStore::Kind kind, const BlockKey& parent, uint32_t depth, uint64_t bytes,
+                      int64_t last_used) {
+  std::string v;
+  v.push_back(static_cast<char>(kind));
+  v += parent.ToBytes();
+  PutRaw<uint32_t>(&v, depth);
+  PutRaw<uint64_t>(&v, bytes);
+  PutRaw<int64_t>(&v, last_used);
+  return v;
+}
+
+int64_t OrderDepth(BlockStore::Kind kind, uint32_t depth) {
+  // A snapshot goes before the block it hangs from, deeper blocks before shallower ones.
+  return 2 * static_cast<int64_t>(depth) + (kind == BlockStore::Kind::kSnapshot ? 1 : 0);
+}
+
+}  // namespace
+
+uint32_t Crc32c(std::string_view bytes, uint32_t crc) {
+  // RocksDB's generator is the maintained, hardware-accelerated CRC32C; its result is the
+  // big-endian encoding of the checksum. `crc` chains by hashing it in front.
+  static const std::shared_ptr<rocksdb::FileChecksumGenFactory> factory =
+      rocksdb::GetFileChecksumGenCrc32cFactory();
+  std::unique_ptr<rocksdb::FileChecksumGenerator> gen =
+      factory->CreateFileChecksumGenerator(rocksdb::FileChecksumGenContext());
+  if (crc != 0) {
+    char seed[4];
+    std::memcpy(seed, &crc, 4);
+    gen->Update(seed, 4);
+  }
+  gen->Update(bytes.data(), bytes.size());
+  gen->Finalize();
+  const std::string c = gen->GetChecksum();
+  uint32_t v = 0;
+  for (char ch : c) v = (v << 8) | static_cast<uint8_t>(ch);
+  return v;
+}
+
+bool BlockStore::OrderLess::operator()(const Order& a, const Order& b) const {
+  if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) < std::get<0>(b);
+  if (std::get<1>(a) != std::get<1>(b)) return std::get<1>(a) > std::get<1>(b);
+  const BlockKey &x = std::get<2>(a), &y = std::get<2>(b);
+  return x.hi != y.hi ? x.hi < y.hi : x.lo < y.lo;
+}
+
+BlockStore::BlockStore(StoreOptions options) : options_(std::move(options)) {}
+
+StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions& options) {
+  std::error_code ec;
+  std::filesystem::create_directories(options.dir, ec);
+  if (ec) return IoError("cache: cannot create " + options.dir + ": " + ec.message());
+  std::unique_ptr<BlockStore> store(new BlockStore(options));
+  rocksdb::Options o;
+  o.create_if_missing = true;
+  o.create_missing_column_families = true;
+  o.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+  o.keep_log_file_num = 2;
+  o.max_background_jobs = 2;
+  rocksdb::ColumnFamilyOptions blocks;
+  // Payloads are FP4/FP8 codes: compression gains little and costs restore speed.
+  blocks.compression = rocksdb::kNoCompression;
+  blocks.write_buffer_size = 64 << 20;
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+      {rocksdb::kDefaultColumnFamilyName, rocksdb::ColumnFamilyOptions()},
+      {"blocks", blocks},
+      {"snapshots", blocks},
+      {"meta", rocksdb::ColumnFamilyOptions()},
+  };
+  rocksdb::DB* db = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(o, options.dir, cfs, &store->families_, &db);
+  if (!s.ok()) return IoError("cache: cannot open RocksDB at " + options.dir + ": " + s.ToString());
+  store->db_.reset(db);
+  FLASHD_RETURN_IF_ERROR(store->Load());
+  store->writer_ = std::thread([raw = store.get()] { raw->WriterLoop(); });
+  return store;
+}
+
+BlockStore::~BlockStore() {
+  if (writer_.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      stopping_ = true;
+    }
+    queue_cv_.notify_all();
+    writer_.join();
+  }
+  if (db_) {
+    for (auto* h : families_) db_->DestroyColumnFamilyHandle(h);
+    db_->Close();
+  }
+}
+
+rocksdb::ColumnFamilyHandle* BlockStore::Family(Kind kind) const {
+  return kind == Kind::kBlock ? families_[1] : families_[2];
+}
+
+Status BlockStore::Load() {
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), families_[3]));
+  std::lock_guard<std::mutex> lock(mu_);
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const std::string_view k(it->key().data(), it->key().size());
+    const std::string_view v(it->value().data(), it->value().size());
+    if (k.size() != 16 || v.size() != kMetaBytes || (v[0] != 1 && v[0] != 2)) {
+      spdlog::warn("cache: ignoring a malformed meta row");
+      continue;
+    }
+    Entry e;
+    e.kind = static_cast<Kind>(v[0]);
+    e.parent = KeyFromBytes(v.substr(1, 16));
+    e.depth = Get<uint32_t>(v, 17);
+    e.bytes = Get<uint64_t>(v, 21);
+    e.last_used_ms = Get<int64_t>(v, 29);
+    index_[KeyFromBytes(k)] = e;
+  }
+  if (!it->status().ok()) return IoError("cache: reading the index: " + it->status().ToString());
+  // Entries whose parent is gone can never be reached again: collect them, and their children.
+  std::unordered_map<BlockKey, std::vector<BlockKey>, BlockKeyHash> children;
+  for (auto& [key, e] : index_) {
+    if (!e.parent.IsRoot()) children[e.parent].push_back(key);
+  }
+  std::vector<BlockKey> orphans;
+  for (auto& [key, e] : index_) {
+    if (!e.parent.IsRoot() && !index_.count(e.parent)) orphans.push_back(key);
+  }
+  rocksdb::WriteBatch batch;
+  size_t collected = 0;
+  while (!orphans.empty()) {
+    const BlockKey k = orphans.back();
+    orphans.pop_back();
+    auto found = index_.find(k);
+    if (found == index_.end()) continue;
+    batch.Delete(Family(found->second.kind), k.ToBytes());
+    batch.Delete(families_[3], k.ToBytes());
+    index_.erase(found);
+    ++collected;
+    for (const BlockKey& c : children[k]) orphans.push_back(c);
+  }
+  if (collected > 0) {
+    spdlog::warn("cache: collected {} entries whose prefix was gone", collected);
+    db_->Write(rocksdb::WriteOptions(), &batch);
+  }
+  for (auto& [key, e] : index_) {
+    if (auto p = index_.find(e.parent); p != index_.end()) p->second.children += 1;
+    if (e.kind == Kind::kSnapshot) snapshots_[e.parent].push_back(key);
+    order_.insert({e.last_used_ms, OrderDepth(e.kind, e.depth), key});
+    stats_.disk_bytes += e.bytes;
+    (e.kind == Kind::kBlock ? stats_.blocks : stats_.snapshots) += 1;
+  }
+  stats_.entries = index_.size();
+  return Status::Ok();
+}
+
+void BlockStore::Put(Kind kind, const BlockKey& key, const BlockKey& parent, uint32_t depth,
+                     std::span<const int32_t> tokens, std::string payload) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (index_.count(key)) return;
+  }
+  Op op{kind,
+        key,
+        parent,
+        depth,
+        std::vector<int32_t>(tokens.begin(), tokens.end()),
+        std::move(payload)};
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    queue_.push_back(std::move(op));
+  }
+  queue_cv_.notify_one();
+}
+
+void BlockStore::Flush() {
+  std::unique_lock<std::mutex> lock(queue_mu_);
+  idle_cv_.wait(lock, [&] { return queue_.empty() && !busy_; });
+}
+
+void BlockStore::WriterLoop() {
+  for (;;) {
+    std::vector<Op> ops;
+    {
+      std::unique_lock<std::mutex> lock(queue_mu_);
+      queue_cv_.wait_for(lock, std::chrono::seconds(1),
+                         [&] { return stopping_ || !queue_.empty(); });
+      while (!queue_.empty() && ops.size() < 256) {
+        ops.push_back(std::move(queue_.front()));
+        queue_.pop_front();
+      }
+      if (ops.empty() && stopping_) break;
+      busy_ = true;
+    }
+    Apply(ops);
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      busy_ = false;
+    }
+    idle_cv_.notify_all();
+  }
+}
+
+void BlockStore::Apply(std::vector<Op>& ops) {
+  const int64_t now = NowMs();
+  for (Op& op : ops) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (index_.count(op.key)) continue;
+      if (stats_.degraded) {
+        stats_.writes_dropped += 1;
+        continue;
+      }
+    }
+    std::string value;
+    value.reserve(kHeaderBytes + op.tokens.size() * 4 + op.payload.size());
+    value.append(kMagic, 4);
+    PutRaw<uint32_t>(&value, kFormatVersion);
+    PutRaw<uint32_t>(&value, static_cast<uint32_t>(op.tokens.size()));
+    PutRaw<uint32_t>(&value, 0);  // CRC, filled in below.
+    value += op.parent.ToBytes();
+    PutRaw<uint64_t>(&value, op.payload.size());
+    value.append(reinterpret_cast<const char*>(op.tokens.data()), op.tokens.size() * 4);
+    value += op.payload;
+    const std::string key_bytes = op.key.ToBytes();
+    // The key is covered too: a value under the wrong key fails the check.
+    const uint32_t crc = Crc32c(value, Crc32c(key_bytes));
+    std::memcpy(&value[kCrcOffset], &crc, 4);
+
+    rocksdb::WriteBatch batch;
+    batch.Put(Family(op.kind), key_bytes, value);
+    batch.Put(families_[3], key_bytes, MetaValue(op.kind, op.parent, op.depth, value.size(), now));
+    rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &batch);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!s.ok()) {
+      stats_.write_failures += 1;
+      stats_.degraded = true;
+      stats_.degraded_reason = s.ToString();
+      spdlog::error("cache: write failed, no more entries are written: {}", s.ToString());
+      continue;
+    }
+    Entry e;
+    e.kind = op.kind;
+    e.parent = op.parent;
+    e.bytes = value.size();
+    e.depth = op.depth;
+    e.last_used_ms = now;
+    index_[op.key] = e;
+    order_.insert({now, OrderDepth(e.kind, e.depth), op.key});
+    if (!op.parent.IsRoot()) {
+      auto p = index_.find(op.parent);
+      if (p != index_.end()) p->second.children += 1;
+    }
+    if (op.kind == Kind::kSnapshot) snapshots_[op.parent].push_back(op.key);
+    stats_.entries = index_.size();
+    stats_.disk_bytes += e.bytes;
+    stats_.bytes_written += e.bytes;
+    (op.kind == Kind::kBlock ? stats_.blocks : stats_.snapshots) += 1;
+    RamInsertLocked(op.key, op.payload);
+  }
+  // Quota, TTL and last-use rows.
+  rocksdb::WriteBatch batch;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t expire = options_.ttl_seconds > 0 ? now - options_.ttl_seconds * 1000 : 0;
+    EvictLocked(options_.disk_quota_bytes, expire);
+    for (const BlockKey& k : touched_) {
+      auto found = index_.find(k);
+      if (found == index_.end()) continue;
+      const Entry& e = found->second;
+      batch.Put(families_[3], k.ToBytes(),
+                MetaValue(e.kind, e.parent, e.depth, e.bytes, e.last_used_ms));
+    }
+    touched_.clear();
+  }
+  if (batch.Count() > 0) db_->Write(rocksdb::WriteOptions(), &batch);
+}
+
+void BlockStore::EvictLocked(uint64_t target_bytes, int64_t expire_before_ms) {
+  // Walk from the least recently used; only leaves go, so a prefix never loses its middle.
+  // Parents freed by an eviction are older than where the walk is and are taken first.
+  std::set<Order, OrderLess> freed;
+  auto it = order_.begin();
+  rocksdb::WriteBatch batch;
+  while (true) {
+    while (it != order_.end()) {
+      const Entry& e = index_.at(std::get<2>(*it));
+      if (e.children == 0 && e.pins == 0) break;
+      ++it;
+    }
+    const bool from_freed =
+        !freed.empty() && (it == order_.end() || OrderLess()(*freed.begin(), *it));
+    if (!from_freed && it == order_.end()) break;
+    const Order* next = from_freed ? &*freed.begin() : &*it;
+    const bool over_quota = stats_.disk_bytes > target_bytes;
+    const bool expired = expire_before_ms > 0 && std::get<0>(*next) < expire_before_ms;
+    if (!over_quota && !expired) break;
+    const BlockKey key = std::get<2>(*next);
+    const BlockKey parent = index_.at(key).parent;
+    if (from_freed) {
+      freed.erase(freed.begin());
+    } else {
+      ++it;
+    }
+    RemoveLocked(key, &batch);
+    (over_quota ? stats_.evictions : stats_.expirations) += 1;
+    auto p = index_.find(parent);
+    if (p != index_.end() && p->second.children == 0 && p->second.pins == 0) {
+      const Order po{p->second.last_used_ms, OrderDepth(p->second.kind, p->second.depth), parent};
+      if (it == order_.end() || OrderLess()(po, *it)) freed.insert(po);
+    }
+  }
+  if (batch.Count() > 0) db_->Write(rocksdb::WriteOptions(), &batch);
+}
+
+void BlockStore::RemoveLocked(const BlockKey& key, rocksdb::WriteBatch* batch) {
+  auto found = index_.find(key);
+  if (found == index_.end()) return;
+  const Entry e = found->second;
+  const std::string k = key.ToBytes();
+  batch->Delete(Family(e.kind), k);
+  batch->Delete(families_[3], k);
+  order_.erase({e.last_used_ms, OrderDepth(e.kind, e.depth), key});
+  index_.erase(found);
+  if (!e.parent.IsRoot()) {
+    auto p = index_.find(e.parent);
+    if (p != index_.end()) p->second.children -= 1;
+  }
+  if (e.kind == Kind::kSnapshot) {
+    auto& v = snapshots_[e.parent];
+    v.erase(std::remove(v.begin(), v.end(), key), v.end());
+    if (v.empty()) snapshots_.erase(e.parent);
+  }
+  RamEraseLocked(key);
+  stats_.entries = index_.size();
+  stats_.disk_bytes -= e.bytes;
+  (e.kind == Kind::kBlock ? stats_.blocks : stats_.snapshots) -= 1;
+}
+
+void BlockStore::RamInsertLocked(const BlockKey& key, const std::string& payload) {
+  if (payload.size() > options_.ram_bytes) return;
+  RamEraseLocked(key);
+  ram_.emplace_front(key, payload);
+  ram_index_[key] = ram_.begin();
+  stats_.ram_bytes += payload.size();
+  while (stats_.ram_bytes > options_.ram_bytes && !ram_.empty()) {
+    stats_.ram_bytes -= ram_.back().second.size();
+    ram_index_.erase(ram_.back().first);
+    ram_.pop_back();
+  }
+}
+
+void BlockStore::RamEraseLocked(const BlockKey& key) {
+  auto found = ram_index_.find(key);
+  if (found == ram_index_.end()) return;
+  stats_.ram_bytes -= found->second->second.size();
+  ram_.erase(found->second);
+  ram_index_.erase(found);
+}
+
+void BlockStore::Touch(const BlockKey& key, int64_t now_ms) {
+  auto found = index_.find(key);
+  if (found == index_.end()) return;
+  Entry& e = found->second;
+  if (e.last_used_ms == now_ms) return;
+  order_.erase({e.last_used_ms, OrderDepth(e.kind, e.depth), key});
+  e.last_used_ms = now_ms;
+  order_.insert({now_ms, OrderDepth(e.kind, e.depth), key});
+  touched_.push_back(key);
+}
+
+size_t BlockStore::PresentPrefix(std::span<const BlockKey> chain) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  while (n < chain.size() && index_.count(chain[n])) ++n;
+  return n;
+}
+
+bool BlockStore::Contains(const BlockKey& key) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return index_.count(key) > 0;
+}
+
+std::optional<std::string> BlockStore::Verify(std::string_view value, const BlockKey& key,
+                                              std::span<const int32_t> tokens) const {
+  if (value.size() < kHeaderBytes || std::memcmp(value.data(), kMagic, 4) != 0 ||
+      Get<uint32_t>(value, 4) != kFormatVersion || Get<uint32_t>(value, 8) != tokens.size()) {
+    return std::nullopt;
+  }
+  const uint64_t payload = Get<uint64_t>(value, 32);
+  if (value.size() != kHeaderBytes + tokens.size() * 4 + payload) return std::nullopt;
+  std::string copy(value);
+  std::memset(&copy[kCrcOffset], 0, 4);
+  if (Crc32c(copy, Crc32c(key.ToBytes())) != Get<uint32_t>(value, kCrcOffset)) return std::nullopt;
+  if (std::memcmp(value.data() + kHeaderBytes, tokens.data(), tokens.size() * 4) != 0) {
+    return std::nullopt;
+  }
+  return std::string(value.substr(kHeaderBytes + tokens.size() * 4));
+}
+
+void BlockStore::DropCorrupt(Kind kind, const BlockKey& key) {
+  spdlog::error("cache: entry {} failed its check; deleted, not used", key.ToHex());
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.corruptions += 1;
+  rocksdb::WriteBatch batch;
+  if (index_.count(key)) {
+    RemoveLocked(key, &batch);
+  } else {
+    batch.Delete(Family(kind), key.ToBytes());
+  }
+  db_->Write(rocksdb::WriteOptions(), &batch);
+}
+
+std::vector<std::optional<std::string>> BlockStore::ReadBlocks(
+    std::span<const BlockKey> keys, std::span<const std::span<const int32_t>> tokens) {
+  std::vector<std::optional<std::string>> out(keys.size());
+  std::vector<size_t> misses;
+  const int64_t now = NowMs();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto r = ram_index_.find(keys[i]);
+      if (r == ram_index_.end()) {
+        misses.push_back(i);
+        continue;
+      }
+      ram_.splice(ram_.begin(), ram_, r->second);
+      out[i] = r->second->second;
+      stats_.bytes_read_ram += out[i]->size();
+      Touch(keys[i], now);
+    }
+  }
+  if (misses.empty()) return out;
+  std::vector<std::string> key_bytes(misses.size());
+  std::vector<rocksdb::Slice> slices(misses.size());
+  for (size_t j = 0; j < misses.size(); ++j) {
+    key_bytes[j] = keys[misses[j]].ToBytes();
+    slices[j] = key_bytes[j];
+  }
+  std::vector<rocksdb::PinnableSlice> values(misses.size());
+  std::vector<rocksdb::Status> statuses(misses.size());
+  db_->MultiGet(rocksdb::ReadOptions(), families_[1], slices.size(), slices.data(), values.data(),
+                statuses.data());
+  for (size_t j = 0; j < misses.size(); ++j) {
+    const size_t i = misses[j];
+    if (!statuses[j].ok()) continue;
+    const std::string_view v(values[j].data(), values[j].size());
+    std::optional<std::string> payload = Verify(v, keys[i], tokens[i]);
+    if (!payload) {
+      DropCorrupt(Kind::kBlock, keys[i]);
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.bytes_read_disk += v.size();
+    Touch(keys[i], now);
+    RamInsertLocked(keys[i], *payload);
+    out[i] = std::move(payload);
+  }
+  return out;
+}
+
+std::vector<BlockStore::SnapshotRef> BlockStore::SnapshotsUnder(const BlockKey& parent) const {
+  std::vector<BlockKey> keys;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = snapshots_.find(parent);
+    if (found == snapshots_.end()) return {};
+    keys = found->second;
+  }
+  std::vector<SnapshotRef> out;
+  for (const BlockKey& k : keys) {
+    std::string v;
+    if (!db_->Get(rocksdb::ReadOptions(), families_[2], k.ToBytes(), &v).ok()) continue;
+    if (v.size() < kHeaderBytes) continue;
+    const uint32_t n = Get<uint32_t>(v, 8);
+    if (v.size() < kHeaderBytes + n * 4ull) continue;
+    SnapshotRef ref{k, std::vector<int32_t>(n)};
+    std::memcpy(ref.tail.data(), v.data() + kHeaderBytes, n * 4ull);
+    out.push_back(std::move(ref));
+  }
+  return out;
+}
+
+std::optional<std::string> BlockStore::ReadSnapshot(const BlockKey& key,
+                                                    std::span<const int32_t> tail) {
+  std::string v;
+  if (!db_->Get(rocksdb::ReadOptions(), families_[2], key.ToBytes(), &v).ok()) return std::nullopt;
+  std::optional<std::string> payload = Verify(v, key, tail);
+  if (!payload) {
+    DropCorrupt(Kind::kSnapshot, key);
+    return std::nullopt;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.bytes_read_disk += v.size();
+  Touch(key, NowMs());
+  return payload;
+}
+
+void BlockStore::Pin(std::span<const BlockKey> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const BlockKey& k : keys) {
+    auto found = index_.find(k);
+    if (found == index_.end()) continue;
+    if (found->second.pins++ == 0) stats_.pinned += 1;
+  }
+}
+
+void BlockStore::Unpin(std::span<const BlockKey> keys) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const BlockKey& k : keys) {
+    auto found = index_.find(k);
+    if (found == index_.end() || found->second.pins == 0) continue;
+    if (--found->second.pins == 0) stats_.pinned -= 1;
+  }
+}
+
+void BlockStore::Erase(const BlockKey& key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  rocksdb::WriteBatch batch;
+  RemoveLocked(key, &batch);
+  db_->Write(rocksdb::WriteOptions(), &batch);
+}
+
+BlockStore::Stats BlockStore::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+std::optional<std::string> BlockStore::RawValue(Kind kind, const BlockKey& key) const {
+  std::string v;
+  if (!db_->Get(rocksdb::ReadOptions(), Family(kind), key.ToBytes(), &v).ok()) return std::nullopt;
+  return v;
+}
+
+Status BlockStore::OverwriteRawValue(Kind kind, const BlockKey& key, std::string_view value) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    RamEraseLocked(key);
+  }
+  rocksdb::Status s = db_->Put(rocksdb::WriteOptions(), Family(kind), key.ToBytes(),
+                               rocksdb::Slice(value.data(), value.size()));
+  return s.ok() ? Status::Ok() : IoError(s.ToString());
+}
+
+}  // namespace flashd::cache

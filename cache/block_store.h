@@ -1,0 +1,186 @@
+// BlockStore: the persistent tier of the prefix cache, RocksDB on disk plus a RAM LRU in front.
+//
+// Two kinds of entry, each addressed by a BlockKey:
+//   - blocks: one full cache block of a prefix (its token ids and the engine's bytes for them);
+//     the parent is the block before it, so the keys of a prompt form a chain from the root.
+//   - snapshots: the bounded state of a sequence at a position inside or at the end of a block
+//     (the tail tokens after the parent block and the engine's state bytes for them).
+// Column families: "blocks", "snapshots" and "meta" (parent, size, depth and last use of every
+// entry, read at start-up to rebuild the index without reading the payloads). An entry and its
+// meta row are written in one atomic batch, so a crash never leaves one without the other.
+//
+// Every value carries a header (magic, format version, token count, parent key, payload size,
+// CRC32C over all of it); a read checks the CRC and that the stored tokens are the expected ones.
+// A bad value is a miss: it is deleted, counted, and never returned.
+//
+// Writes are asynchronous: Put*() queue the entry for one writer thread and return at once, so
+// the engine never waits for the disk. Entries already stored are not written again, which is
+// what stores a shared prefix once. After each write the disk quota is enforced: least recently
+// used first, a parent only after all its descendants (no orphaned tails), pinned entries never.
+// Entries idle longer than the TTL (when set) go the same way. A failed write (disk full) stops
+// all further writes: the store is then "degraded", reads keep working.
+//
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <rocksdb/db.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "cache/block_key.h"
+#include "config/status.h"
+
+namespace flashd::cache {
+
+struct BlockKeyHash {
+  size_t operator()(const BlockKey& k) const { return static_cast<size_t>(k.lo ^ (k.hi * 31)); }
+};
+
+// CRC32C (Castagnoli) of `bytes`, extending `crc`; computed by RocksDB's implementation.
+uint32_t Crc32c(std::string_view bytes, uint32_t crc = 0);
+
+struct StoreOptions {
+  std::string dir;  // The RocksDB directory; created when missing.
+  uint64_t ram_bytes = 256ull << 20;
+  uint64_t disk_quota_bytes = 16ull << 30;
+  int64_t ttl_seconds = 0;  // 0: entries never expire by age.
+};
+
+class BlockStore {
+ public:
+  enum class Kind : uint8_t { kBlock = 1, kSnapshot = 2 };
+  static constexpr uint32_t kFormatVersion = 1;
+
+  static StatusOr<std::unique_ptr<BlockStore>> Open(const StoreOptions& options);
+  ~BlockStore();  // Writes what is queued, then closes.
+
+  // Queues an entry for writing (nothing happens if the key is stored already). `depth` is the
+  // number of blocks before it plus one (a snapshot: its parent block's depth).
+  void Put(Kind kind, const BlockKey& key, const BlockKey& parent, uint32_t depth,
+           std::span<const int32_t> tokens, std::string payload);
+  // Waits until every queued write has been applied (or dropped because the store is degraded).
+  void Flush();
+
+  // How many leading keys of `chain` are stored.
+  size_t PresentPrefix(std::span<const BlockKey> chain) const;
+  bool Contains(const BlockKey& key) const;
+
+  // The payloads of `keys` (blocks; RAM first, the rest with one RocksDB MultiGet), each checked
+  // against the tokens it must hold. A missing or bad entry gives nullopt. Hits become the most
+  // recently used.
+  std::vector<std::optional<std::string>> ReadBlocks(
+      std::span<const BlockKey> keys, std::span<const std::span<const int32_t>> tokens);
+
+  // The snapshots whose parent block is `parent`, with their tail tokens.
+  struct SnapshotRef {
+    BlockKey key;
+    std::vector<int32_t> tail;
+  };
+  std::vector<SnapshotRef> SnapshotsUnder(const BlockKey& parent) const;
+  std::optional<std::string> ReadSnapshot(const BlockKey& key, std::span<const int32_t> tail);
+
+  // Pins keep entries (and, for a chain, all of it) from eviction; counted, so pins nest.
+  void Pin(std::span<const BlockKey> keys);
+  void Unpin(std::span<const BlockKey> keys);
+
+  // Removes entries that no longer belong (tests, and start-up reconciliation of the catalog).
+  void Erase(const BlockKey& key);
+
+  struct Stats {
+    uint64_t entries = 0;
+    uint64_t blocks = 0;
+    uint64_t snapshots = 0;
+    uint64_t disk_bytes = 0;  // Payloads, tokens and headers of every stored entry.
+    uint64_t ram_bytes = 0;
+    uint64_t pinned = 0;
+    uint64_t bytes_written = 0;
+    uint64_t bytes_read_disk = 0;
+    uint64_t bytes_read_ram = 0;
+    uint64_t evictions = 0;
+    uint64_t expirations = 0;
+    uint64_t corruptions = 0;
+    uint64_t write_failures = 0;
+    uint64_t writes_dropped = 0;
+    bool degraded = false;
+    std::string degraded_reason;
+  };
+  Stats stats() const;
+  const std::string& dir() const { return options_.dir; }
+
+  // Test hooks: the raw value as stored, and overwriting it (to simulate corruption).
+  std::optional<std::string> RawValue(Kind kind, const BlockKey& key) const;
+  Status OverwriteRawValue(Kind kind, const BlockKey& key, std::string_view value);
+
+ private:
+  struct Entry {
+    Kind kind = Kind::kBlock;
+    BlockKey parent;
+    uint64_t bytes = 0;
+    uint32_t depth = 0;
+    int64_t last_used_ms = 0;
+    int children = 0;
+    int pins = 0;
+  };
+  struct Op {
+    Kind kind;
+    BlockKey key, parent;
+    uint32_t depth;
+    std::vector<int32_t> tokens;
+    std::string payload;
+  };
+  // Eviction order: oldest first, and at equal age the deepest first.
+  using Order = std::tuple<int64_t, int64_t, BlockKey>;
+  struct OrderLess {
+    bool operator()(const Order& a, const Order& b) const;
+  };
+
+  explicit BlockStore(StoreOptions options);
+  Status Load();
+  void WriterLoop();
+  void Apply(std::vector<Op>& ops);
+  void Touch(const BlockKey& key, int64_t now_ms);  // Requires mu_.
+  void EvictLocked(uint64_t target_bytes, int64_t expire_before_ms);
+  void RemoveLocked(const BlockKey& key, rocksdb::WriteBatch* batch);
+  void RamInsertLocked(const BlockKey& key, const std::string& payload);
+  void RamEraseLocked(const BlockKey& key);
+  rocksdb::ColumnFamilyHandle* Family(Kind kind) const;
+  std::optional<std::string> Verify(std::string_view value, const BlockKey& key,
+                                    std::span<const int32_t> tokens) const;
+  void DropCorrupt(Kind kind, const BlockKey& key);
+
+  StoreOptions options_;
+  std::unique_ptr<rocksdb::DB> db_;
+  std::vector<rocksdb::ColumnFamilyHandle*> families_;  // default, blocks, snapshots, meta
+
+  mutable std::mutex mu_;
+  std::unordered_map<BlockKey, Entry, BlockKeyHash> index_;                      // Guarded.
+  std::set<Order, OrderLess> order_;                                             // Guarded.
+  std::unordered_map<BlockKey, std::vector<BlockKey>, BlockKeyHash> snapshots_;  // parent ->
+  std::list<std::pair<BlockKey, std::string>> ram_;                              // MRU first.
+  std::unordered_map<BlockKey, std::list<std::pair<BlockKey, std::string>>::iterator, BlockKeyHash>
+      ram_index_;
+  std::vector<BlockKey> touched_;  // Last-use changes not yet written to meta.
+  Stats stats_;                    // Guarded.
+
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_, idle_cv_;
+  std::deque<Op> queue_;  // Guarded by queue_mu_.
+  bool busy_ = false;     // Guarded by queue_mu_: the writer holds ops not yet applied.
+  bool stopping_ = false;
+  std::thread writer_;
+};
+
+}  // namespace flashd::cache

@@ -1,0 +1,67 @@
+// Catalog: the prefix cache's named things, in SQLite (`catalog.db` in the state directory).
+//
+// Tables: tenants, pins (named prefixes never evicted while pinned: tool sets, system prompts,
+// repository digests), sessions (a conversation's head: token count and the keys its state is
+// stored under), usage counters per tenant. The schema is versioned with PRAGMA user_version and
+// migrated forward on open; a catalog written by a newer flashd is refused, not guessed at.
+// Rows only ever point at entries the block store has already written.
+//
+// Thread-safety: every method may be called from any thread (one connection, serialised).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "cache/block_key.h"
+#include "config/status.h"
+
+struct sqlite3;
+
+namespace flashd::cache {
+
+class Catalog {
+ public:
+  static constexpr int kSchemaVersion = 1;
+
+  static StatusOr<std::unique_ptr<Catalog>> Open(const std::string& path);
+  ~Catalog();
+
+  int schema_version() const;
+
+  struct Pin {
+    std::string tenant;
+    std::string name;
+    std::vector<BlockKey> chain;  // Every block of the pinned prefix, root first.
+    BlockKey snapshot;            // The state at its end (root when none).
+    int64_t tokens = 0;
+    int64_t created = 0;  // Unix seconds.
+  };
+  Status PutPin(const Pin& pin);  // Replaces a pin of the same tenant and name.
+  std::vector<Pin> Pins() const;
+  std::optional<Pin> FindPin(const std::string& tenant, const std::string& name) const;
+  Status DeletePin(const std::string& tenant, const std::string& name);
+
+  struct Usage {
+    int64_t requests = 0;
+    int64_t prompt_tokens = 0;
+    int64_t cached_tokens = 0;
+    int64_t completion_tokens = 0;
+  };
+  Status AddUsage(const std::string& tenant, const Usage& delta);
+  Usage UsageOf(const std::string& tenant) const;
+
+ private:
+  Catalog() = default;
+  Status Exec(const std::string& sql);
+  Status Migrate();
+
+  mutable std::mutex mu_;
+  sqlite3* db_ = nullptr;
+  std::string path_;
+};
+
+}  // namespace flashd::cache

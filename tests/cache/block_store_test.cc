@@ -1,0 +1,301 @@
+// BlockStore and Catalog against a real RocksDB and SQLite in a temporary directory.
+#include "cache/block_store.h"
+
+#include <sqlite3.h>
+
+#include <boost/test/unit_test.hpp>
+#include <numeric>
+#include <thread>
+
+#include "cache/catalog.h"
+#include "tests/e2e/daemon_process.h"
+
+namespace flashd::cache {
+namespace {
+
+using flashd::testing::TempDir;
+using Kind = BlockStore::Kind;
+
+const KeyContext kContext{HashBytes("model"), 1, "tenant"};
+
+// A chain of `n` blocks of 4 tokens each, starting at token `first`.
+struct Chain {
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<BlockKey> keys;
+  Chain(int n, int32_t first, BlockKey parent = {}) {
+    for (int i = 0; i < n; ++i) {
+      std::vector<int32_t> t(4);
+      std::iota(t.begin(), t.end(), first + 4 * i);
+      parent = ChainBlockKey(parent, t, kContext);
+      tokens.push_back(t);
+      keys.push_back(parent);
+    }
+  }
+  std::vector<std::span<const int32_t>> spans() const {
+    return std::vector<std::span<const int32_t>>(tokens.begin(), tokens.end());
+  }
+};
+
+std::string PayloadFor(const BlockKey& k, size_t bytes) {
+  std::string p(bytes, '\0');
+  for (size_t i = 0; i < bytes; ++i) p[i] = static_cast<char>((k.lo >> (i % 8)) + i);
+  return p;
+}
+
+void PutChain(BlockStore& store, const Chain& c, size_t bytes, uint32_t depth0 = 0,
+              BlockKey parent = {}) {
+  for (size_t i = 0; i < c.keys.size(); ++i) {
+    store.Put(Kind::kBlock, c.keys[i], i == 0 ? parent : c.keys[i - 1],
+              depth0 + static_cast<uint32_t>(i) + 1, c.tokens[i], PayloadFor(c.keys[i], bytes));
+  }
+  store.Flush();
+}
+
+std::unique_ptr<BlockStore> OpenStore(const std::filesystem::path& dir, uint64_t quota = 1 << 30,
+                                      int64_t ttl = 0, uint64_t ram = 1 << 20) {
+  StoreOptions o;
+  o.dir = (dir / "cache").string();
+  o.disk_quota_bytes = quota;
+  o.ttl_seconds = ttl;
+  o.ram_bytes = ram;
+  auto store = BlockStore::Open(o);
+  BOOST_REQUIRE_MESSAGE(store.ok(), store.status().ToString());
+  return std::move(store).value();
+}
+
+BOOST_AUTO_TEST_SUITE(block_store)
+
+BOOST_AUTO_TEST_CASE(crc32c_is_castagnoli) {
+  // The check value of CRC-32C (iSCSI), and the RFC 3720 all-zero vector.
+  BOOST_TEST(Crc32c("123456789") == 0xE3069283u);
+  BOOST_TEST(Crc32c(std::string(32, '\0')) == 0x8A9136AAu);
+  BOOST_TEST(Crc32c("123456789") != Crc32c("123456788"));
+}
+
+BOOST_AUTO_TEST_CASE(round_trip_survives_a_restart) {
+  TempDir dir;
+  Chain c(5, 100);
+  {
+    auto store = OpenStore(dir.path());
+    PutChain(*store, c, 1000);
+    BOOST_TEST(store->PresentPrefix(c.keys) == 5u);
+    BOOST_TEST(store->stats().blocks == 5u);
+  }
+  auto store = OpenStore(dir.path());  // RAM tier empty: everything comes from disk.
+  BOOST_TEST(store->PresentPrefix(c.keys) == 5u);
+  auto got = store->ReadBlocks(c.keys, c.spans());
+  for (size_t i = 0; i < 5; ++i) {
+    BOOST_REQUIRE(got[i].has_value());
+    BOOST_TEST(*got[i] == PayloadFor(c.keys[i], 1000));
+  }
+  BOOST_TEST(store->stats().bytes_read_disk > 5000u);
+  // Read again: now from RAM.
+  const uint64_t disk = store->stats().bytes_read_disk;
+  got = store->ReadBlocks(c.keys, c.spans());
+  BOOST_TEST(store->stats().bytes_read_disk == disk);
+  BOOST_TEST(store->stats().bytes_read_ram == 5000u);
+}
+
+BOOST_AUTO_TEST_CASE(a_shared_prefix_is_stored_once) {
+  TempDir dir;
+  auto store = OpenStore(dir.path());
+  Chain common(10, 0);
+  Chain a(2, 1000, common.keys.back()), b(3, 2000, common.keys.back());
+  PutChain(*store, common, 500);
+  PutChain(*store, a, 500, 10, common.keys.back());
+  const uint64_t written = store->stats().bytes_written;
+  PutChain(*store, common, 500);  // The second conversation writes its whole prefix again...
+  PutChain(*store, b, 500, 10, common.keys.back());
+  // ...and only its own three blocks are added.
+  BOOST_TEST(store->stats().blocks == 15u);
+  BOOST_TEST(store->stats().bytes_written - written == 3 * (written / 12));
+}
+
+BOOST_AUTO_TEST_CASE(a_corrupt_block_is_a_counted_miss_and_deleted) {
+  TempDir dir;
+  Chain c(3, 7);
+  {
+    auto store = OpenStore(dir.path());
+    PutChain(*store, c, 256);
+    std::string v = *store->RawValue(Kind::kBlock, c.keys[1]);
+    v[v.size() - 10] ^= 0x20;  // One bit in the payload.
+    BOOST_REQUIRE(store->OverwriteRawValue(Kind::kBlock, c.keys[1], v).ok());
+  }
+  auto store = OpenStore(dir.path());
+  auto got = store->ReadBlocks(c.keys, c.spans());
+  BOOST_TEST(got[0].has_value());
+  BOOST_TEST(!got[1].has_value());
+  BOOST_TEST(store->stats().corruptions == 1u);
+  BOOST_TEST(!store->Contains(c.keys[1]));
+  BOOST_TEST(!store->RawValue(Kind::kBlock, c.keys[1]).has_value());
+  BOOST_TEST(store->PresentPrefix(c.keys) == 1u);
+}
+
+BOOST_AUTO_TEST_CASE(wrong_tokens_or_a_moved_value_are_misses) {
+  TempDir dir;
+  auto store = OpenStore(dir.path(), 1 << 30, 0, /*ram=*/0);
+  Chain c(2, 40);
+  PutChain(*store, c, 128);
+  const std::string first_value = *store->RawValue(Kind::kBlock, c.keys[0]);
+  // A valid value copied under another key fails the CRC (the key is covered).
+  BOOST_REQUIRE(store->OverwriteRawValue(Kind::kBlock, c.keys[1], first_value).ok());
+  std::vector<std::span<const int32_t>> first = {c.tokens[0]};
+  BOOST_TEST(!store->ReadBlocks(std::span(c.keys).subspan(1, 1), first)[0].has_value());
+  // The block under key 0 holds other tokens than the caller expects.
+  std::vector<int32_t> other = {1, 2, 3, 4};
+  std::vector<std::span<const int32_t>> spans = {other};
+  BOOST_TEST(!store->ReadBlocks(std::span(c.keys).first(1), spans)[0].has_value());
+  BOOST_TEST(store->stats().corruptions == 2u);
+  BOOST_TEST(store->stats().entries == 0u);
+}
+
+BOOST_AUTO_TEST_CASE(quota_evicts_least_recent_leaves_first_and_respects_pins) {
+  TempDir dir;
+  Chain pinned(6, 0), old_chain(6, 1000), new_chain(6, 2000);
+  uint64_t entry_bytes = 0;
+  {
+    auto store = OpenStore(dir.path());
+    PutChain(*store, pinned, 1000);
+    entry_bytes = store->stats().disk_bytes / 6;
+  }
+  // Room for 14 entries: the pinned 6, then two more chains of 6.
+  auto store = OpenStore(dir.path(), 14 * entry_bytes);
+  store->Pin(pinned.keys);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  PutChain(*store, old_chain, 1000);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  PutChain(*store, new_chain, 1000);
+  const auto s = store->stats();
+  BOOST_TEST(s.disk_bytes <= 14 * entry_bytes);
+  BOOST_TEST(s.evictions == 4u);
+  // The pinned chain is whole, the newest chain whole, the old one lost its tail only.
+  BOOST_TEST(store->PresentPrefix(pinned.keys) == 6u);
+  BOOST_TEST(store->PresentPrefix(new_chain.keys) == 6u);
+  BOOST_TEST(store->PresentPrefix(old_chain.keys) == 2u);
+  for (size_t i = 2; i < 6; ++i) BOOST_TEST(!store->Contains(old_chain.keys[i]));
+  // Unpinned, the pinned chain is the oldest and goes first when room is needed.
+  store->Unpin(pinned.keys);
+  Chain more(2, 3000);
+  PutChain(*store, more, 1000);
+  BOOST_TEST(store->PresentPrefix(pinned.keys) == 4u);
+  BOOST_TEST(store->PresentPrefix(new_chain.keys) == 6u);
+}
+
+BOOST_AUTO_TEST_CASE(reading_a_chain_makes_it_recent) {
+  TempDir dir;
+  Chain a(4, 0), b(4, 100), c(4, 200);
+  uint64_t entry_bytes = 0;
+  {
+    auto store = OpenStore(dir.path());
+    PutChain(*store, a, 500);
+    entry_bytes = store->stats().disk_bytes / 4;
+  }
+  auto store = OpenStore(dir.path(), 8 * entry_bytes);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  PutChain(*store, b, 500);
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  store->ReadBlocks(a.keys, a.spans());  // a is now more recent than b.
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  PutChain(*store, c, 500);
+  BOOST_TEST(store->PresentPrefix(a.keys) == 4u);
+  BOOST_TEST(store->PresentPrefix(b.keys) == 0u);
+  BOOST_TEST(store->PresentPrefix(c.keys) == 4u);
+}
+
+BOOST_AUTO_TEST_CASE(ttl_expires_idle_entries) {
+  TempDir dir;
+  auto store = OpenStore(dir.path(), 1 << 30, /*ttl=*/1);
+  Chain c(3, 0);
+  PutChain(*store, c, 100);
+  BOOST_TEST(store->stats().entries == 3u);
+  // The writer sweeps once a second; after the TTL everything idle is gone.
+  for (int i = 0; i < 50 && store->stats().entries > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  BOOST_TEST(store->stats().entries == 0u);
+  BOOST_TEST(store->stats().expirations == 3u);
+}
+
+BOOST_AUTO_TEST_CASE(unreachable_entries_are_collected_at_start) {
+  TempDir dir;
+  Chain c(5, 0);
+  {
+    auto store = OpenStore(dir.path());
+    PutChain(*store, c, 100);
+    store->Erase(c.keys[2]);  // The middle goes; 3 and 4 can never be reached again.
+    BOOST_TEST(store->stats().entries == 4u);
+  }
+  auto store = OpenStore(dir.path());
+  BOOST_TEST(store->stats().entries == 2u);
+  BOOST_TEST(!store->RawValue(Kind::kBlock, c.keys[4]).has_value());
+}
+
+BOOST_AUTO_TEST_CASE(snapshots_hang_from_their_block) {
+  TempDir dir;
+  Chain c(2, 0);
+  auto store = OpenStore(dir.path());
+  PutChain(*store, c, 100);
+  std::vector<int32_t> tail = {8, 9};
+  const BlockKey snap = ChainBlockKey(c.keys[1], tail, kContext);
+  store->Put(Kind::kSnapshot, snap, c.keys[1], 2, tail, "state bytes");
+  store->Flush();
+  auto refs = store->SnapshotsUnder(c.keys[1]);
+  BOOST_REQUIRE(refs.size() == 1u);
+  BOOST_TEST(refs[0].key.ToHex() == snap.ToHex());
+  BOOST_TEST(refs[0].tail == tail);
+  BOOST_TEST(*store->ReadSnapshot(snap, tail) == "state bytes");
+  std::vector<int32_t> wrong = {8, 10};
+  BOOST_TEST(!store->ReadSnapshot(snap, wrong).has_value());
+  BOOST_TEST(store->SnapshotsUnder(c.keys[0]).empty());
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+BOOST_AUTO_TEST_SUITE(catalog)
+
+BOOST_AUTO_TEST_CASE(migrates_and_keeps_pins_and_usage) {
+  TempDir dir;
+  const std::string path = (dir.path() / "catalog.db").string();
+  Chain c(3, 0);
+  {
+    auto cat = Catalog::Open(path);
+    BOOST_REQUIRE_MESSAGE(cat.ok(), cat.status().ToString());
+    BOOST_TEST((*cat)->schema_version() == Catalog::kSchemaVersion);
+    Catalog::Pin p{"alice", "tools", c.keys, c.keys[2], 12, 0};
+    BOOST_TEST((*cat)->PutPin(p).ok());
+    BOOST_TEST((*cat)->AddUsage("alice", {1, 100, 64, 5}).ok());
+    BOOST_TEST((*cat)->AddUsage("alice", {1, 50, 0, 7}).ok());
+  }
+  auto cat = Catalog::Open(path);
+  BOOST_REQUIRE(cat.ok());
+  auto pin = (*cat)->FindPin("alice", "tools");
+  BOOST_REQUIRE(pin.has_value());
+  BOOST_TEST((pin->chain == c.keys));
+  BOOST_TEST(pin->snapshot.ToHex() == c.keys[2].ToHex());
+  BOOST_TEST(pin->tokens == 12);
+  BOOST_TEST(!(*cat)->FindPin("bob", "tools").has_value());
+  const auto u = (*cat)->UsageOf("alice");
+  BOOST_TEST(u.requests == 2);
+  BOOST_TEST(u.prompt_tokens == 150);
+  BOOST_TEST(u.cached_tokens == 64);
+  BOOST_TEST(u.completion_tokens == 12);
+  BOOST_TEST((*cat)->DeletePin("alice", "tools").ok());
+  BOOST_TEST((*cat)->DeletePin("alice", "tools").code() == StatusCode::kNotFound);
+}
+
+BOOST_AUTO_TEST_CASE(a_newer_schema_is_refused) {
+  TempDir dir;
+  const std::string path = (dir.path() / "catalog.db").string();
+  sqlite3* db = nullptr;
+  BOOST_REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+  BOOST_REQUIRE(sqlite3_exec(db, "PRAGMA user_version=99", nullptr, nullptr, nullptr) == 0);
+  sqlite3_close(db);
+  auto cat = Catalog::Open(path);
+  BOOST_REQUIRE(!cat.ok());
+  BOOST_TEST(cat.status().message().find("schema version 99") != std::string::npos);
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace flashd::cache
