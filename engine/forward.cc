@@ -520,6 +520,10 @@ Status CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, siz
     for (size_t g = 0; g < groups.size(); ++g) {
       float* latent = &latents[g * hd];
       const int64_t rope_pos = groups[g] * ratio;  // A group stands for its first token.
+      if (rope_pos + ratio <= st->frozen_tokens) {
+        src.entries += 1;  // Restored from the cache: final already.
+        continue;
+      }
       StatusOr<uint8_t*> row = st->MutableRow(l, src.entries);
       if (!row.ok()) return row.status();
       uint8_t* kv_row = *row;
@@ -697,15 +701,53 @@ const ModelConfig& CpuForward::config() const { return impl_->c; }
 const std::shared_ptr<KvPool>& CpuForward::pool() const { return impl_->pool; }
 
 StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<KvPool> pool,
-                                        std::shared_ptr<const KvBlockLayout> layout);
+                                        std::shared_ptr<const KvBlockLayout> layout,
+                                        std::vector<int32_t> leading_blocks);
 
-StatusOr<SequenceState> CpuForward::Restore(std::string_view snapshot) const {
-  FLASHD_ASSIGN_OR_RETURN(SequenceState s, RestoreSequence(snapshot, impl_->pool, impl_->layout));
+StatusOr<SequenceState> CpuForward::Restore(std::string_view snapshot,
+                                            std::vector<int32_t> leading_blocks) const {
+  FLASHD_ASSIGN_OR_RETURN(
+      SequenceState s,
+      RestoreSequence(snapshot, impl_->pool, impl_->layout, std::move(leading_blocks)));
   if (s.rings.size() != static_cast<size_t>(impl_->c.num_hidden_layers) ||
       s.sources.size() != static_cast<size_t>(impl_->c.num_hidden_layers)) {
     return DataLoss("sequence snapshot: made for a model with another number of layers");
   }
   return s;
+}
+
+StatusOr<SequenceState> CpuForward::ResumeAt(int64_t position,
+                                             std::span<const int32_t> tokens_before,
+                                             std::vector<int32_t> blocks) const {
+  SequenceState s = NewSequence();
+  s.blocks = std::move(blocks);  // Owned from here, whatever happens below.
+  const int64_t block = impl_->layout->block_tokens;
+  if (position < 0 || position % block != 0 ||
+      static_cast<int64_t>(s.blocks.size()) * block < position) {
+    return InvalidArgument("resume: position " + std::to_string(position) + " with " +
+                           std::to_string(s.blocks.size()) + " blocks");
+  }
+  s.position = position;
+  s.frozen_tokens = static_cast<int64_t>(s.blocks.size()) * block;
+  for (int l = 0; l < impl_->c.num_hidden_layers; ++l) {
+    const LayerPlan& p = impl_->c.layers[l];
+    if (p.is_kv_source) s.sources[l].entries = position / p.compress_ratio;
+  }
+  if (impl_->engram) {
+    const size_t keep = static_cast<size_t>(impl_->engram->history());
+    const size_t from = tokens_before.size() > keep ? tokens_before.size() - keep : 0;
+    for (size_t i = from; i < tokens_before.size(); ++i) {
+      s.engram_classes.push_back(impl_->engram->ClassOf(tokens_before[i]));
+    }
+  }
+  return s;
+}
+
+int64_t CpuForward::ExactReplayTokens() const {
+  const ModelConfig& c = impl_->c;
+  const int64_t block = impl_->layout->block_tokens;
+  const int64_t reach = static_cast<int64_t>(c.num_hidden_layers) * (c.sliding_window - 1) + 1;
+  return (reach + block - 1) / block * block;
 }
 
 int64_t CpuForward::engram_classes() const {

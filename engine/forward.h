@@ -56,6 +56,9 @@ struct SequenceState {
   std::shared_ptr<KvPool> pool;
   std::shared_ptr<const KvBlockLayout> layout;
   std::vector<int32_t> blocks;  // Token positions [64 b, 64 b + 64) live in blocks[b].
+  // Compressed entries of groups that end at or before this position are final (restored from
+  // the prefix cache): the forward pass neither recomputes nor overwrites them.
+  int64_t frozen_tokens = 0;
 
   // Row `entry` of KV source `layer`: the FP4 KV row followed by its index-key row.
   const uint8_t* Row(int layer, int64_t entry) const;
@@ -64,8 +67,9 @@ struct SequenceState {
   StatusOr<uint8_t*> MutableRow(int layer, int64_t entry);
 
   // A versioned binary snapshot of everything above (format in docs/formats.md); restore with
-  // CpuForward::Restore.
-  std::string Serialize() const;
+  // CpuForward::Restore. Blocks before `first_block` are left out: the prefix cache stores those
+  // once, as blocks shared by every snapshot that extends them.
+  std::string Serialize(size_t first_block = 0) const;
 };
 
 // What a forward call can report besides logits, for tests against the reference.
@@ -120,8 +124,22 @@ class CpuForward {
 
   const ModelConfig& config() const;
   SequenceState NewSequence() const;
-  // Reads a snapshot written by SequenceState::Serialize into this model's pool.
-  StatusOr<SequenceState> Restore(std::string_view snapshot) const;
+  // Reads a snapshot written by SequenceState::Serialize into this model's pool. A snapshot
+  // written without its first blocks needs them in `leading_blocks`: pool blocks holding their
+  // bytes, whose one reference each the state takes over (also on failure).
+  StatusOr<SequenceState> Restore(std::string_view snapshot,
+                                  std::vector<int32_t> leading_blocks = {}) const;
+  // A sequence at `position` (a multiple of 64) whose compressed KV for every earlier position is
+  // already in `blocks` (taken over as above) but whose bounded state is unknown: its window
+  // rings start empty and `tokens_before` (the whole prefix, or at least its last few tokens)
+  // give the Engram history. Running the ExactReplayTokens() tokens before the blocks' end
+  // again from such a state rebuilds the bounded state bit for bit (frozen_tokens keeps the
+  // replay from touching the restored entries); what it yields before that point is not exact.
+  StatusOr<SequenceState> ResumeAt(int64_t position, std::span<const int32_t> tokens_before,
+                                   std::vector<int32_t> blocks) const;
+  // Tokens a replay needs: each layer's window reaches sliding_window - 1 tokens back, so after
+  // layers x (window - 1) tokens every layer's state is exact; rounded up to whole blocks.
+  int64_t ExactReplayTokens() const;
   // The pool new sequences take their KV blocks from (unbounded until a capacity is set).
   const std::shared_ptr<KvPool>& pool() const;
 

@@ -8,7 +8,7 @@ namespace flashd::engine {
 namespace {
 
 constexpr char kMagic[4] = {'F', 'L', 'S', 'Q'};
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 
 class Writer {
  public:
@@ -66,6 +66,7 @@ SequenceState& SequenceState::operator=(SequenceState&& o) noexcept {
   pool = std::move(o.pool);
   layout = std::move(o.layout);
   blocks = std::move(o.blocks);
+  frozen_tokens = o.frozen_tokens;
   o.blocks.clear();
   o.pool.reset();
   return *this;
@@ -86,6 +87,7 @@ SequenceState SequenceState::Fork() const {
   s.pool = pool;
   s.layout = layout;
   s.blocks = blocks;
+  s.frozen_tokens = frozen_tokens;
   for (int32_t b : s.blocks) pool->Ref(b);
   return s;
 }
@@ -122,7 +124,8 @@ StatusOr<uint8_t*> SequenceState::MutableRow(int layer, int64_t entry) {
          static_cast<size_t>(within) * (src.kv_row + src.key_row);
 }
 
-std::string SequenceState::Serialize() const {
+std::string SequenceState::Serialize(size_t first_block) const {
+  first_block = std::min(first_block, blocks.size());
   Writer w;
   w.Raw(kMagic, 4);
   w.U32(kVersion);
@@ -139,15 +142,25 @@ std::string SequenceState::Serialize() const {
     w.I64(s.entries);
   }
   w.Vec(engram_classes);
+  w.I64(frozen_tokens);
   w.I64(static_cast<int64_t>(layout ? layout->block_bytes : 0));
-  w.I64(static_cast<int64_t>(blocks.size()));
-  for (int32_t b : blocks) w.Raw(pool->data(b), pool->block_bytes());
+  w.I64(static_cast<int64_t>(first_block));
+  w.I64(static_cast<int64_t>(blocks.size() - first_block));
+  for (size_t b = first_block; b < blocks.size(); ++b) {
+    w.Raw(pool->data(blocks[b]), pool->block_bytes());
+  }
   return w.out;
 }
 
 // Reads a snapshot into blocks of `pool`; used by CpuForward::Restore.
 StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<KvPool> pool,
-                                        std::shared_ptr<const KvBlockLayout> layout) {
+                                        std::shared_ptr<const KvBlockLayout> layout,
+                                        std::vector<int32_t> leading_blocks) {
+  // The state owns the leading blocks from here on, so every failure below gives them back.
+  SequenceState s;
+  s.pool = pool;
+  s.layout = layout;
+  s.blocks = std::move(leading_blocks);
   Reader r(bytes);
   char magic[4];
   uint32_t version = 0;
@@ -158,9 +171,6 @@ StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<
     return DataLoss("sequence snapshot: format version " + std::to_string(version) +
                     ", this build reads version " + std::to_string(kVersion));
   }
-  SequenceState s;
-  s.pool = pool;
-  s.layout = layout;
   int64_t n = 0;
   bool ok = r.I64(&s.position) && r.I64(&n) && n >= 0 && n < (1 << 20);
   if (ok) s.rings.resize(static_cast<size_t>(n));
@@ -173,12 +183,17 @@ StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<
     SequenceState::Source& src = s.sources[i];
     ok = r.Vec(&src.kv_partial) && r.Vec(&src.score_partial) && r.I64(&src.entries);
   }
-  int64_t block_bytes = 0, count = 0;
-  ok = ok && r.Vec(&s.engram_classes) && r.I64(&block_bytes) && r.I64(&count) && count >= 0;
+  int64_t block_bytes = 0, first = 0, count = 0;
+  ok = ok && r.Vec(&s.engram_classes) && r.I64(&s.frozen_tokens) && r.I64(&block_bytes) &&
+       r.I64(&first) && r.I64(&count) && count >= 0;
   if (!ok) return DataLoss("sequence snapshot: truncated or corrupt");
   if (static_cast<size_t>(block_bytes) != layout->block_bytes) {
     return DataLoss("sequence snapshot: blocks of " + std::to_string(block_bytes) +
                     " bytes, this model's are " + std::to_string(layout->block_bytes));
+  }
+  if (static_cast<size_t>(first) != s.blocks.size()) {
+    return DataLoss("sequence snapshot: starts at block " + std::to_string(first) + ", given " +
+                    std::to_string(s.blocks.size()) + " leading blocks");
   }
   for (int64_t b = 0; b < count; ++b) {
     const int32_t id = pool->Allocate();

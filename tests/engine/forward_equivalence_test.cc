@@ -84,6 +84,70 @@ BOOST_AUTO_TEST_CASE(snapshot_restore_continue_equals_uninterrupted) {
   BOOST_TEST(BitEqual(resumed, uninterrupted));
 }
 
+// Pool blocks holding copies of the first `count` blocks of `from` (what the prefix cache does
+// with the bytes it read back).
+std::vector<int32_t> CopyBlocks(const SequenceState& from, size_t count) {
+  KvPool& pool = *Forward().pool();
+  std::vector<int32_t> ids;
+  for (size_t b = 0; b < count; ++b) {
+    const int32_t id = pool.Allocate();
+    BOOST_REQUIRE(id >= 0);
+    std::memcpy(pool.data(id), pool.data(from.blocks[b]), pool.block_bytes());
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+BOOST_AUTO_TEST_CASE(snapshot_without_its_leading_blocks_restores_with_them) {
+  const std::vector<int32_t> prompt = Tokens(150, 31), more = Tokens(20, 32);
+  SequenceState a = Forward().NewSequence();
+  std::vector<float> logits;
+  BOOST_REQUIRE(Forward().Forward(&a, prompt, &logits).ok());
+  const std::string snapshot = a.Serialize(/*first_block=*/2);  // Blocks 0 and 1 left out.
+  BOOST_TEST(snapshot.size() + 2 * Forward().pool()->block_bytes() < a.Serialize().size() + 64);
+  std::vector<float> uninterrupted = RunChunked(more, {1}, &a);
+
+  BOOST_TEST(!Forward().Restore(snapshot).ok());  // Without them it is refused.
+  auto restored = Forward().Restore(snapshot, CopyBlocks(a, 2));
+  BOOST_REQUIRE_MESSAGE(restored.ok(), restored.status().ToString());
+  BOOST_TEST(BitEqual(RunChunked(more, {1}, &*restored), uninterrupted));
+}
+
+// The cache's hit between snapshots: the blocks up to P are restored, the bounded state is
+// rebuilt by running ExactReplayTokens() tokens before P again.
+BOOST_AUTO_TEST_CASE(replaying_before_restored_blocks_is_exact) {
+  const int64_t R = Forward().ExactReplayTokens();
+  // 10 layers, window 8: every layer reaches 7 tokens back, 71 in all, rounded to 2 blocks.
+  BOOST_TEST(R == 128);
+  const int64_t P = 256;
+  const std::vector<int32_t> tokens = Tokens(300, 41);
+  SequenceState whole = Forward().NewSequence();
+  std::vector<float> all = RunChunked(tokens, {300}, &whole);
+  const size_t vocab = all.size() / tokens.size();
+  const std::vector<float> after_p(all.begin() + P * vocab, all.end());
+
+  auto replay_from = [&](int64_t start, std::vector<float>* logits) {
+    auto s = Forward().ResumeAt(start, std::span(tokens).first(start),
+                                CopyBlocks(whole, static_cast<size_t>(P / 64)));
+    BOOST_REQUIRE_MESSAGE(s.ok(), s.status().ToString());
+    std::vector<int32_t> rest(tokens.begin() + start, tokens.end());
+    std::vector<float> got = RunChunked(rest, {37}, &*s);
+    logits->assign(got.begin() + (P - start) * vocab, got.end());
+    return std::move(*s);
+  };
+  std::vector<float> replayed;
+  SequenceState resumed = replay_from(P - R, &replayed);
+  BOOST_TEST(BitEqual(replayed, after_p));
+  resumed.frozen_tokens = 0;
+  BOOST_TEST((resumed.Serialize() == whole.Serialize()), "state after the replay");
+  // The replay length matters: one block (64 < 71 tokens) or none at all is not exact.
+  std::vector<float> short_replay, unreplayed;
+  replay_from(P - 64, &short_replay);
+  replay_from(P, &unreplayed);
+  BOOST_TEST(!BitEqual(short_replay, after_p));
+  BOOST_TEST(!BitEqual(unreplayed, after_p));
+}
+
 BOOST_AUTO_TEST_CASE(forks_share_blocks_until_they_diverge) {
   const KvPool& pool = *Forward().pool();
   const size_t baseline = pool.used_blocks();
