@@ -3,9 +3,12 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
+#include <sstream>
 
 namespace flashd::engine {
 
@@ -40,7 +43,40 @@ struct Engine::Sequence {
   std::string pending_text;  // Decoded text held back while it could start a stop string.
   int64_t last_reported_position = -1;
   bool done = false;
+  // Prefix cache.
+  std::vector<int32_t> fed;            // Every token run so far: prompt, then generated.
+  std::vector<cache::BlockKey> chain;  // Keys of its full blocks, in order.
+  struct Restore {
+    enum class Kind { kNone, kSnapshot, kReplay } kind = Kind::kNone;
+    int64_t start = 0;                // Position the sequence resumes at.
+    std::vector<std::string> blocks;  // Leading blocks' bytes.
+    std::string snapshot;
+    double seconds = 0;
+  } restore;
+  int64_t cached_tokens = 0;
 };
+
+namespace {
+
+// Config, shard headers, and 4 KiB from each end of the first and last tensors: equal for a
+// copy of the same checkpoint anywhere, different for other weights with the same shapes.
+cache::BlockKey Fingerprint(const Model& model) {
+  std::string bytes;
+  std::ifstream config(std::filesystem::path(model.dir()) / "config.json", std::ios::binary);
+  bytes.append(std::istreambuf_iterator<char>(config), std::istreambuf_iterator<char>());
+  for (const auto& f : model.checkpoint().files()) bytes += f->header();
+  const auto& tensors = model.checkpoint().tensors();
+  for (const TensorView* t : {tensors.empty() ? nullptr : tensors.begin()->second,
+                              tensors.empty() ? nullptr : tensors.rbegin()->second}) {
+    if (t == nullptr || t->data == nullptr) continue;
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(t->nbytes, 4096));
+    bytes.append(reinterpret_cast<const char*>(t->data), n);
+    bytes.append(reinterpret_cast<const char*>(t->data + t->nbytes - n), n);
+  }
+  return cache::HashBytes(bytes);
+}
+
+}  // namespace
 
 Engine::Engine(EngineOptions options) : options_(std::move(options)) {}
 
@@ -66,7 +102,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     pool.set_capacity_blocks(
         std::max<uint64_t>(1, options.memory_budget_bytes / pool.block_bytes()));
   }
+  e->fingerprint_ = Fingerprint(*e->model_);
   e->thread_ = std::thread([raw = e.get()] { raw->Loop(); });
+  if (options.cache) e->loader_ = std::thread([raw = e.get()] { raw->LoaderLoop(); });
   return e;
 }
 
@@ -76,6 +114,8 @@ Engine::~Engine() {
     stopping_ = true;
   }
   cv_.notify_all();
+  loader_cv_.notify_all();
+  if (loader_.joinable()) loader_.join();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -129,9 +169,206 @@ std::pair<Engine::Handle, std::shared_ptr<EventQueue>> Engine::Submit(Generation
     queue->Push(std::move(e));
     return {handle, queue};
   }
+  if (options_.cache) {
+    // The loader finds and reads what the cache holds for it, off the engine thread.
+    loading_.insert(handle);
+    lookups_.push_back(std::move(seq));
+    loader_cv_.notify_one();
+    return {handle, queue};
+  }
   incoming_.push_back(std::move(seq));
   cv_.notify_all();
   return {handle, queue};
+}
+
+void Engine::LoaderLoop() {
+  for (;;) {
+    std::unique_ptr<Sequence> s;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      loader_cv_.wait(lock, [&] { return stopping_ || !lookups_.empty(); });
+      if (stopping_) {
+        for (auto& q : lookups_) Finish(*q, "cancelled");
+        lookups_.clear();
+        return;
+      }
+      s = std::move(lookups_.front());
+      lookups_.pop_front();
+    }
+    PlanRestore(*s);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      loading_.erase(s->handle);
+      if (cancel_after_load_.erase(s->handle)) {
+        Finish(*s, "cancelled");
+        continue;
+      }
+      incoming_.push_back(std::move(s));
+    }
+    cv_.notify_all();
+  }
+}
+
+cache::KeyContext Engine::KeyContextFor(const Sequence& s, bool snapshot) const {
+  // Snapshots hash under their own format number, so no snapshot key can equal a block key.
+  return cache::KeyContext{fingerprint_, kCacheFormat | (snapshot ? 0x80000000u : 0u),
+                           s.request.tenant};
+}
+
+void Engine::PlanRestore(Sequence& s) {
+  const auto t0 = std::chrono::steady_clock::now();
+  cache::BlockStore& store = *options_.cache;
+  const std::vector<int32_t>& prompt = s.request.prompt;
+  const int64_t B = forward_->pool()->block_bytes() > 0 ? 64 : 0;
+  if (B == 0 || prompt.size() < 2) return;
+  // At least the last prompt token is always run: its logits give the first output token.
+  const int64_t usable = static_cast<int64_t>(prompt.size()) - 1;
+  const cache::KeyContext ctx = KeyContextFor(s, false);
+  const cache::KeyContext snap_ctx = KeyContextFor(s, true);
+  std::vector<cache::BlockKey> keys;
+  cache::BlockKey parent;
+  for (int64_t j = 0; (j + 1) * B <= usable; ++j) {
+    parent = cache::ChainBlockKey(parent, std::span(prompt).subspan(j * B, B), ctx);
+    keys.push_back(parent);
+  }
+  size_t have = store.PresentPrefix(keys);
+  const int64_t replay = forward_->ExactReplayTokens();
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    Sequence::Restore plan;
+    // The deepest snapshot along the stored chain whose tail the prompt continues.
+    int64_t snap_at = -1;
+    size_t snap_blocks = 0;
+    cache::BlockKey snap_key;
+    std::vector<int32_t> snap_tail;
+    for (size_t j = have + 1; j-- > 0 && snap_at < 0;) {
+      const cache::BlockKey under = j == 0 ? cache::BlockKey{} : keys[j - 1];
+      for (auto& ref : store.SnapshotsUnder(under)) {
+        const int64_t at = static_cast<int64_t>(j) * B + static_cast<int64_t>(ref.tail.size());
+        if (at > usable || at <= snap_at) continue;
+        if (!std::equal(ref.tail.begin(), ref.tail.end(), prompt.begin() + j * B)) continue;
+        if (!(cache::ChainBlockKey(under, ref.tail, snap_ctx) == ref.key)) continue;
+        snap_at = at;
+        snap_blocks = j;
+        snap_key = ref.key;
+        snap_tail = ref.tail;
+      }
+    }
+    const int64_t replay_start = static_cast<int64_t>(have) * B - replay;
+    size_t read = 0;
+    if (snap_at > 0 && snap_at >= replay_start) {
+      plan.kind = Sequence::Restore::Kind::kSnapshot;
+      plan.start = snap_at;
+      read = snap_blocks;
+    } else if (replay_start > 0) {
+      plan.kind = Sequence::Restore::Kind::kReplay;
+      plan.start = replay_start;
+      read = have;
+    } else {
+      break;
+    }
+    std::vector<std::span<const int32_t>> spans;
+    for (size_t j = 0; j < read; ++j) spans.push_back(std::span(prompt).subspan(j * B, B));
+    auto got = store.ReadBlocks(std::span(keys).first(read), spans);
+    size_t ok = 0;
+    while (ok < read && got[ok].has_value()) ++ok;
+    if (ok < read) {
+      have = ok;  // A block went missing or failed its check: plan again with less.
+      continue;
+    }
+    if (plan.kind == Sequence::Restore::Kind::kSnapshot) {
+      std::optional<std::string> snap = store.ReadSnapshot(snap_key, snap_tail);
+      if (!snap) continue;  // Dropped as corrupt; the next plan cannot pick it again.
+      plan.snapshot = std::move(*snap);
+    }
+    for (auto& b : got) plan.blocks.push_back(std::move(*b));
+    s.chain.assign(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(read));
+    s.restore = std::move(plan);
+    break;
+  }
+  s.restore.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void Engine::ApplyRestore(Sequence& s) {
+  using Kind = Sequence::Restore::Kind;
+  Sequence::Restore plan = std::move(s.restore);
+  s.restore = {};
+  s.fed.clear();
+  if (plan.kind == Kind::kNone) {
+    s.chain.clear();
+    return;
+  }
+  KvPool& pool = *forward_->pool();
+  std::vector<int32_t> ids;
+  bool ok = true;
+  for (const std::string& bytes : plan.blocks) {
+    const int32_t id = bytes.size() == pool.block_bytes() ? pool.Allocate() : -1;
+    if (id < 0) {
+      ok = false;
+      break;
+    }
+    std::memcpy(pool.data(id), bytes.data(), bytes.size());
+    ids.push_back(id);
+  }
+  StatusOr<SequenceState> state = Internal("not restored");
+  if (!ok) {
+    for (int32_t id : ids) pool.Unref(id);
+  } else if (plan.kind == Kind::kSnapshot) {
+    state = forward_->Restore(plan.snapshot, std::move(ids));
+  } else {
+    const std::span<const int32_t> before = std::span(s.request.prompt).first(plan.start);
+    state = forward_->ResumeAt(plan.start, before, std::move(ids));
+  }
+  if (!ok || !state.ok() || state->position != plan.start) {
+    spdlog::warn("prefix cache: restore failed, prefilling instead: {}",
+                 state.ok() ? "position mismatch" : state.status().ToString());
+    s.chain.clear();
+    return;
+  }
+  s.state = std::move(*state);
+  s.prompt_done = static_cast<size_t>(plan.start);
+  s.fed.assign(s.request.prompt.begin(), s.request.prompt.begin() + plan.start);
+  s.cached_tokens = plan.start;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (plan.kind == Kind::kSnapshot) {
+    stats_.cache_snapshot_hits += 1;
+  } else {
+    stats_.cache_replay_hits += 1;
+    stats_.cache_replayed_tokens += static_cast<int64_t>(s.chain.size()) * 64 - plan.start;
+  }
+  stats_.cache_restore_seconds += plan.seconds;
+}
+
+void Engine::StoreNewBlocks(Sequence& s) {
+  if (!options_.cache) return;
+  const int64_t B = 64;
+  const cache::KeyContext ctx = KeyContextFor(s, false);
+  const KvPool& pool = *forward_->pool();
+  while ((static_cast<int64_t>(s.chain.size()) + 1) * B <= s.state.position) {
+    const size_t j = s.chain.size();
+    const cache::BlockKey parent = j == 0 ? cache::BlockKey{} : s.chain[j - 1];
+    const std::span<const int32_t> tokens = std::span(s.fed).subspan(j * B, B);
+    const cache::BlockKey key = cache::ChainBlockKey(parent, tokens, ctx);
+    s.chain.push_back(key);
+    if (options_.cache->Contains(key)) continue;
+    const uint8_t* bytes = pool.data(s.state.blocks[j]);
+    options_.cache->Put(cache::BlockStore::Kind::kBlock, key, parent, static_cast<uint32_t>(j + 1),
+                        tokens,
+                        std::string(reinterpret_cast<const char*>(bytes), pool.block_bytes()));
+  }
+}
+
+void Engine::SaveSnapshot(Sequence& s) {
+  if (!options_.cache || s.state.position == 0) return;
+  StoreNewBlocks(s);
+  const int64_t B = 64;
+  const size_t c = s.chain.size();
+  const cache::BlockKey parent = c == 0 ? cache::BlockKey{} : s.chain[c - 1];
+  const std::span<const int32_t> tail =
+      std::span(s.fed).subspan(c * B, static_cast<size_t>(s.state.position) - c * B);
+  const cache::BlockKey key = cache::ChainBlockKey(parent, tail, KeyContextFor(s, true));
+  if (options_.cache->Contains(key)) return;
+  options_.cache->Put(cache::BlockStore::Kind::kSnapshot, key, parent, static_cast<uint32_t>(c),
+                      tail, s.state.Serialize(c));
 }
 
 uint64_t Engine::MemoryNeed(const GenerationRequest& r) const {
@@ -154,7 +391,9 @@ void Engine::Finish(Sequence& s, const std::string& reason, Status error) {
   e.error = std::move(error);
   e.prompt_tokens = static_cast<int64_t>(s.request.prompt.size());
   e.completion_tokens = s.generated;
+  e.cached_tokens = s.cached_tokens;
   e.step = step_;
+  if (reason == "stop" || reason == "length") SaveSnapshot(s);
   if (reason != "stop" && !s.pending_text.empty()) {
     // Held-back text that turned out not to be a stop string is delivered before the end.
     GenerationEvent t;
@@ -200,6 +439,12 @@ bool Engine::Step() {
   for (auto& s : running_) reserved += s->reserved;
 
   // Cancellations: waiting ones simply leave; running ones free what they hold.
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Handle h : cancels) {
+      if (loading_.count(h)) cancel_after_load_.insert(h);
+    }
+  }
   for (Handle h : cancels) {
     for (auto& s : waiting_) {
       if (s->handle == h) Finish(*s, "cancelled");
@@ -224,6 +469,13 @@ bool Engine::Step() {
     s.reserved = need;
     reserved += need;
     s.state = forward_->NewSequence();
+    if (options_.cache) {
+      ApplyRestore(s);
+      std::lock_guard<std::mutex> lock(mu_);
+      stats_.cache_lookups += 1;
+      stats_.cache_hit_tokens += s.cached_tokens;
+      stats_.cache_miss_tokens += static_cast<int64_t>(s.request.prompt.size()) - s.cached_tokens;
+    }
     s.sampler = std::make_unique<Sampler>(s.request.sampling, s.request.prompt);
     if (tokenizer_) s.decoder = std::make_unique<StreamDecoder>(tokenizer_.get());
     running_.push_back(std::move(*it));
@@ -299,10 +551,15 @@ bool Engine::Step() {
       for (size_t i = 0; i < owners.size(); ++i) {
         Sequence& q = *owners[i];
         const bool was_prefill = q.prompt_done < q.request.prompt.size();
+        if (options_.cache) {
+          q.fed.insert(q.fed.end(), inputs[i].begin(), inputs[i].end());
+          StoreNewBlocks(q);
+        }
         if (was_prefill) {
           q.prompt_done += inputs[i].size();
           prompt_tokens += static_cast<int64_t>(inputs[i].size());
           if (q.prompt_done < q.request.prompt.size()) continue;  // More prompt next step.
+          SaveSnapshot(q);
         }
         SampledToken t = q.sampler->Sample(logits[i]);
         q.generated += 1;

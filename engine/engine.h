@@ -18,10 +18,13 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "cache/block_key.h"
+#include "cache/block_store.h"
 #include "config/status.h"
 #include "engine/forward.h"
 #include "engine/model.h"
@@ -39,12 +42,17 @@ struct EngineOptions {
   // bounded state. A request that needs more than this alone is refused.
   uint64_t memory_budget_bytes = 1ull << 30;
   int threads = 0;  // Forward-pass threads; 0: all cores.
+  // The persistent prefix cache (none: every prompt is prefilled). Prompts resume from the
+  // longest stored prefix: a snapshot of the state there (no recomputation), or the stored
+  // blocks plus an exact replay of the tokens before their end (CpuForward::ResumeAt). Full
+  // blocks are written as they complete, a snapshot at the end of every prompt and generation.
+  std::shared_ptr<cache::BlockStore> cache;
 };
 
 struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
-  std::string tenant = "default";
+  std::string tenant = "default";  // Also the prefix cache's namespace: tenants never share.
 };
 
 struct GenerationEvent {
@@ -61,7 +69,8 @@ struct GenerationEvent {
   Status error;
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
-  int64_t step = 0;                            // The engine step that produced the event.
+  int64_t cached_tokens = 0;  // Prompt tokens restored from the prefix cache, not recomputed.
+  int64_t step = 0;           // The engine step that produced the event.
   std::chrono::steady_clock::time_point time;  // When it was queued.
 };
 
@@ -101,16 +110,39 @@ class Engine {
     int64_t prompt_tokens_processed = 0;
     uint64_t pool_used_bytes = 0;  // KV blocks in use (shared blocks counted once).
     uint64_t pool_capacity_bytes = 0;
+    // The prefix cache, counted per request.
+    int64_t cache_lookups = 0;
+    int64_t cache_hit_tokens = 0;   // Restored, not recomputed.
+    int64_t cache_miss_tokens = 0;  // Prefilled (including replayed tokens).
+    int64_t cache_snapshot_hits = 0;
+    int64_t cache_replay_hits = 0;
+    int64_t cache_replayed_tokens = 0;
+    double cache_restore_seconds = 0;  // Reading and checking restored bytes.
   };
   Stats stats() const;
   const ModelConfig& config() const;
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
+  const cache::BlockStore* cache() const { return options_.cache.get(); }
+  // What the prefix cache's keys cover besides tokens and tenant: the model's config.json, every
+  // shard's header and a sample of its first and last tensor bytes, and the cache format.
+  const cache::BlockKey& model_fingerprint() const { return fingerprint_; }
+  static constexpr uint32_t kCacheFormat = 1;
+  // Tokens a restore from blocks alone runs again (CpuForward::ExactReplayTokens).
+  int64_t exact_replay_tokens() const { return forward_->ExactReplayTokens(); }
 
  private:
   struct Sequence;
   explicit Engine(EngineOptions options);
   void Loop();
-  bool Step();  // One scheduling round; false when there was nothing to do.
+  void LoaderLoop();
+  bool Step();
+  // Prefix cache: what to restore (loader thread), restoring it at admission, and writing.
+  void PlanRestore(Sequence& s);
+  void ApplyRestore(Sequence& s);
+  void StoreNewBlocks(Sequence& s);
+  void SaveSnapshot(Sequence& s);
+  cache::KeyContext KeyContextFor(const Sequence& s, bool snapshot)
+      const;  // One scheduling round; false when there was nothing to do.
   void Finish(Sequence& s, const std::string& reason, Status error = Status::Ok());
   // KV for the prompt and max_tokens, plus the bounded per-sequence state.
   uint64_t MemoryNeed(const GenerationRequest& request) const;
@@ -121,14 +153,19 @@ class Engine {
   std::unique_ptr<Tokenizer> tokenizer_;
   uint64_t per_token_bytes_ = 0;
   uint64_t per_sequence_bytes_ = 0;
+  cache::BlockKey fingerprint_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;                           // Guarded by mu_.
   Handle next_handle_ = 1;                          // Guarded by mu_.
   std::deque<std::unique_ptr<Sequence>> incoming_;  // Guarded by mu_.
-  std::vector<Handle> cancels_;                     // Guarded by mu_.
-  Stats stats_;                                     // Guarded by mu_.
+  std::deque<std::unique_ptr<Sequence>> lookups_;   // Guarded by mu_: for the loader.
+  std::set<Handle> loading_;                        // Guarded by mu_: with the loader now.
+  std::set<Handle> cancel_after_load_;              // Guarded by mu_.
+  std::condition_variable loader_cv_;
+  std::vector<Handle> cancels_;  // Guarded by mu_.
+  Stats stats_;                  // Guarded by mu_.
 
   // Engine-thread state.
   std::deque<std::unique_ptr<Sequence>> waiting_;
@@ -136,6 +173,7 @@ class Engine {
   size_t tenant_turn_ = 0;
   int64_t step_ = 0;
   std::thread thread_;
+  std::thread loader_;
 };
 
 }  // namespace flashd::engine

@@ -706,9 +706,8 @@ StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<
 
 StatusOr<SequenceState> CpuForward::Restore(std::string_view snapshot,
                                             std::vector<int32_t> leading_blocks) const {
-  FLASHD_ASSIGN_OR_RETURN(
-      SequenceState s,
-      RestoreSequence(snapshot, impl_->pool, impl_->layout, std::move(leading_blocks)));
+  FLASHD_ASSIGN_OR_RETURN(SequenceState s, RestoreSequence(snapshot, impl_->pool, impl_->layout,
+                                                           std::move(leading_blocks)));
   if (s.rings.size() != static_cast<size_t>(impl_->c.num_hidden_layers) ||
       s.sources.size() != static_cast<size_t>(impl_->c.num_hidden_layers)) {
     return DataLoss("sequence snapshot: made for a model with another number of layers");
