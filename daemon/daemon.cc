@@ -125,6 +125,13 @@ void Daemon::LoadModel() {
   options.max_running = config_.engine.max_running;
   options.memory_budget_bytes = config_.engine.memory_budget_bytes;
   options.threads = config_.engine.threads;
+  options.block_tokens = config_.cache.block_tokens;
+  if (Status s = OpenCache(); !s.ok()) {
+    // Serving without the cache beats not serving: every prompt is prefilled, /health says so.
+    spdlog::error("prefix cache unavailable, prefilling every prompt: {}", s.message());
+    cache_error_ = s.message();
+  }
+  options.cache = cache_;
   auto engine = engine::Engine::Open(options);
   if (!engine.ok()) {
     // The daemon stays up so that the operator can read why from /health and the log.
@@ -143,6 +150,34 @@ void Daemon::LoadModel() {
   api_->SetPhase(api::Phase::kReady, "");
   sd_notify(0, "STATUS=serving; model loaded");
   load_finished_ = true;
+}
+
+Status Daemon::OpenCache() {
+  cache::StoreOptions o;
+  o.dir = (std::filesystem::path(config_.state_dir) / "cache").string();
+  o.ram_bytes = config_.cache.ram_bytes;
+  o.disk_quota_bytes = config_.cache.disk_quota_bytes;
+  o.ttl_seconds = config_.cache.ttl_seconds;
+  FLASHD_ASSIGN_OR_RETURN(auto store, cache::BlockStore::Open(o));
+  FLASHD_ASSIGN_OR_RETURN(
+      catalog_,
+      cache::Catalog::Open((std::filesystem::path(config_.state_dir) / "catalog.db").string()));
+  // Start-up reconciliation: a pin whose blocks are gone (evicted before it was pinned, or lost)
+  // is dropped; the rest are pinned again.
+  for (const cache::Catalog::Pin& pin : catalog_->Pins()) {
+    if (store->PresentPrefix(pin.chain) == pin.chain.size()) {
+      store->Pin(pin.chain);
+    } else {
+      spdlog::warn("cache pin '{}' of tenant '{}' lost its blocks; dropped", pin.name, pin.tenant);
+      (void)catalog_->DeletePin(pin.tenant, pin.name);
+    }
+  }
+  const cache::BlockStore::Stats st = store->stats();
+  spdlog::info("prefix cache {}: {} blocks, {} snapshots, {:.1f} MiB on disk (quota {:.1f} MiB)",
+               o.dir, st.blocks, st.snapshots, st.disk_bytes / 1048576.0,
+               o.disk_quota_bytes / 1048576.0);
+  cache_ = std::shared_ptr<cache::BlockStore>(std::move(store));
+  return Status::Ok();
 }
 
 void Daemon::WritePidFile() {

@@ -14,6 +14,8 @@
 #include <thread>
 #include <vector>
 
+#include "cache/block_store.h"
+#include "cache/catalog.h"
 #include "config/config.h"
 #include "config/status.h"
 #include "engine/engine.h"
@@ -42,6 +44,8 @@ class Daemon {
   // Runs on loader_: writes the embedded default model if needed, then loads the model and
   // reports the outcome through the API's phase.
   void LoadModel();
+  // Opens the prefix cache (state_dir/cache) and its catalog (state_dir/catalog.db).
+  Status OpenCache();
 
   const Config config_;
   std::unique_ptr<api::Api> api_;
@@ -51,6 +55,9 @@ class Daemon {
   std::thread loader_;
   std::atomic<bool> load_finished_{false};
   // Written by loader_ before load_finished_ is set; read by the metrics hook after that.
+  std::shared_ptr<cache::BlockStore> cache_;
+  std::unique_ptr<cache::Catalog> catalog_;
+  std::string cache_error_;
   std::unique_ptr<engine::Engine> engine_;
   int tcp_port_ = -1;
   bool own_socket_file_ = false;

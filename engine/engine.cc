@@ -58,10 +58,11 @@ struct Engine::Sequence {
 
 namespace {
 
-// Config, shard headers, and 4 KiB from each end of the first and last tensors: equal for a
-// copy of the same checkpoint anywhere, different for other weights with the same shapes.
-cache::BlockKey Fingerprint(const Model& model) {
-  std::string bytes;
+// The block size, config, shard headers, and 4 KiB from each end of the first and last tensors:
+// equal for a copy of the same checkpoint anywhere, different for other weights with the same
+// shapes.
+cache::BlockKey Fingerprint(const Model& model, int64_t block_tokens) {
+  std::string bytes = "block_tokens=" + std::to_string(block_tokens) + "\n";
   std::ifstream config(std::filesystem::path(model.dir()) / "config.json", std::ios::binary);
   bytes.append(std::istreambuf_iterator<char>(config), std::istreambuf_iterator<char>());
   for (const auto& f : model.checkpoint().files()) bytes += f->header();
@@ -86,7 +87,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   }
   std::unique_ptr<Engine> e(new Engine(options));
   FLASHD_ASSIGN_OR_RETURN(e->model_, Model::Load(options.model_dir));
-  FLASHD_ASSIGN_OR_RETURN(e->forward_, CpuForward::Create(*e->model_));
+  FLASHD_ASSIGN_OR_RETURN(e->forward_, CpuForward::Create(*e->model_, "", options.block_tokens));
   const std::string tokenizer =
       (std::filesystem::path(options.model_dir) / "tokenizer.json").string();
   if (std::filesystem::exists(tokenizer)) {
@@ -102,7 +103,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     pool.set_capacity_blocks(
         std::max<uint64_t>(1, options.memory_budget_bytes / pool.block_bytes()));
   }
-  e->fingerprint_ = Fingerprint(*e->model_);
+  e->fingerprint_ = Fingerprint(*e->model_, options.block_tokens);
   e->thread_ = std::thread([raw = e.get()] { raw->Loop(); });
   if (options.cache) e->loader_ = std::thread([raw = e.get()] { raw->LoaderLoop(); });
   return e;
@@ -219,7 +220,7 @@ void Engine::PlanRestore(Sequence& s) {
   const auto t0 = std::chrono::steady_clock::now();
   cache::BlockStore& store = *options_.cache;
   const std::vector<int32_t>& prompt = s.request.prompt;
-  const int64_t B = forward_->pool()->block_bytes() > 0 ? 64 : 0;
+  const int64_t B = forward_->pool()->block_bytes() > 0 ? forward_->block_tokens() : 0;
   if (B == 0 || prompt.size() < 2) return;
   // At least the last prompt token is always run: its logits give the first output token.
   const int64_t usable = static_cast<int64_t>(prompt.size()) - 1;
@@ -333,14 +334,15 @@ void Engine::ApplyRestore(Sequence& s) {
     stats_.cache_snapshot_hits += 1;
   } else {
     stats_.cache_replay_hits += 1;
-    stats_.cache_replayed_tokens += static_cast<int64_t>(s.chain.size()) * 64 - plan.start;
+    stats_.cache_replayed_tokens +=
+        static_cast<int64_t>(s.chain.size()) * forward_->block_tokens() - plan.start;
   }
   stats_.cache_restore_seconds += plan.seconds;
 }
 
 void Engine::StoreNewBlocks(Sequence& s) {
   if (!options_.cache) return;
-  const int64_t B = 64;
+  const int64_t B = forward_->block_tokens();
   const cache::KeyContext ctx = KeyContextFor(s, false);
   const KvPool& pool = *forward_->pool();
   while ((static_cast<int64_t>(s.chain.size()) + 1) * B <= s.state.position) {
@@ -360,7 +362,7 @@ void Engine::StoreNewBlocks(Sequence& s) {
 void Engine::SaveSnapshot(Sequence& s) {
   if (!options_.cache || s.state.position == 0) return;
   StoreNewBlocks(s);
-  const int64_t B = 64;
+  const int64_t B = forward_->block_tokens();
   const size_t c = s.chain.size();
   const cache::BlockKey parent = c == 0 ? cache::BlockKey{} : s.chain[c - 1];
   const std::span<const int32_t> tail =

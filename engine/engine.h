@@ -41,7 +41,8 @@ struct EngineOptions {
   // Memory for admitted sequences: their compressed KV for prompt + max_tokens, and their
   // bounded state. A request that needs more than this alone is refused.
   uint64_t memory_budget_bytes = 1ull << 30;
-  int threads = 0;  // Forward-pass threads; 0: all cores.
+  int threads = 0;            // Forward-pass threads; 0: all cores.
+  int64_t block_tokens = 64;  // KV pool and prefix cache block; every compress ratio divides it.
   // The persistent prefix cache (none: every prompt is prefilled). Prompts resume from the
   // longest stored prefix: a snapshot of the state there (no recomputation), or the stored
   // blocks plus an exact replay of the tokens before their end (CpuForward::ResumeAt). Full

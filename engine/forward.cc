@@ -226,6 +226,7 @@ struct CpuForward::Impl {
   std::vector<float> embed, head, final_norm;
   std::unique_ptr<EngramHasher> engram;
   std::shared_ptr<const KvBlockLayout> layout;
+  int64_t block_tokens = 64;
   std::shared_ptr<KvPool> pool;
 
   Status Prepare(const Model& m, const std::string& tokenizer_json);
@@ -336,7 +337,7 @@ Status CpuForward::Impl::Prepare(const Model& m, const std::string& tokenizer_js
       L.freqs = RopeFreqs(static_cast<int>(c.qk_rope_head_dim), 0, c.rope_theta, 1, 0, 0);
     }
   }
-  FLASHD_ASSIGN_OR_RETURN(KvBlockLayout block_layout, KvBlockLayout::For(c));
+  FLASHD_ASSIGN_OR_RETURN(KvBlockLayout block_layout, KvBlockLayout::For(c, block_tokens));
   layout = std::make_shared<const KvBlockLayout>(std::move(block_layout));
   pool = std::make_shared<KvPool>(layout->block_bytes, std::numeric_limits<size_t>::max());
   if (!c.engram_layer_ids.empty()) {
@@ -690,13 +691,16 @@ CpuForward::CpuForward(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CpuForward::~CpuForward() = default;
 
 StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const Model& model,
-                                                         const std::string& tokenizer_json) {
+                                                         const std::string& tokenizer_json,
+                                                         int64_t block_tokens) {
   auto impl = std::make_unique<Impl>();
+  impl->block_tokens = block_tokens;
   FLASHD_RETURN_IF_ERROR(impl->Prepare(model, tokenizer_json));
   return std::unique_ptr<CpuForward>(new CpuForward(std::move(impl)));
 }
 
 const ModelConfig& CpuForward::config() const { return impl_->c; }
+int64_t CpuForward::block_tokens() const { return impl_->layout->block_tokens; }
 
 const std::shared_ptr<KvPool>& CpuForward::pool() const { return impl_->pool; }
 

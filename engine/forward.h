@@ -118,8 +118,11 @@ class CpuForward {
  public:
   // Prepares the model's weights for the CPU (decodes BF16 matrices, keeps FP8/FP4 mapped).
   // `tokenizer_json` is needed for Engram; "" means the model directory's own tokenizer.json.
+  // `block_tokens` is the KV pool's block, which is also the prefix cache's block.
   static StatusOr<std::unique_ptr<CpuForward>> Create(const Model& model,
-                                                      const std::string& tokenizer_json = "");
+                                                      const std::string& tokenizer_json = "",
+                                                      int64_t block_tokens = 64);
+  int64_t block_tokens() const;
   ~CpuForward();
 
   const ModelConfig& config() const;

@@ -62,6 +62,48 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
             e.tokens_generated);
       gauge("flashd_engine_prompt_tokens_total", "Prompt tokens prefilled.", "counter",
             e.prompt_tokens_processed);
+      if (const cache::BlockStore* store = eng->cache()) {
+        const cache::BlockStore::Stats c = store->stats();
+        gauge("flashd_prefix_cache_lookups_total", "Prompts looked up in the prefix cache.",
+              "counter", e.cache_lookups);
+        gauge("flashd_prefix_cache_hit_tokens_total", "Prompt tokens restored, not computed.",
+              "counter", e.cache_hit_tokens);
+        gauge("flashd_prefix_cache_miss_tokens_total", "Prompt tokens computed (replays included).",
+              "counter", e.cache_miss_tokens);
+        gauge("flashd_prefix_cache_snapshot_hits_total", "Restores from a state snapshot.",
+              "counter", e.cache_snapshot_hits);
+        gauge("flashd_prefix_cache_replay_hits_total", "Restores from blocks plus a replay.",
+              "counter", e.cache_replay_hits);
+        gauge("flashd_prefix_cache_replayed_tokens_total", "Tokens run again by replays.",
+              "counter", e.cache_replayed_tokens);
+        text +=
+            "# HELP flashd_prefix_cache_restore_seconds_total Time finding, reading and "
+            "checking restored entries.\n# TYPE flashd_prefix_cache_restore_seconds_total "
+            "counter\nflashd_prefix_cache_restore_seconds_total " +
+            std::to_string(e.cache_restore_seconds) + "\n";
+        gauge("flashd_prefix_cache_blocks", "Blocks stored on disk.", "gauge", c.blocks);
+        gauge("flashd_prefix_cache_snapshots", "State snapshots stored on disk.", "gauge",
+              c.snapshots);
+        gauge("flashd_prefix_cache_disk_bytes", "Bytes of stored entries.", "gauge", c.disk_bytes);
+        gauge("flashd_prefix_cache_ram_bytes", "Bytes in the RAM tier.", "gauge", c.ram_bytes);
+        gauge("flashd_prefix_cache_pinned_entries", "Entries kept by pins.", "gauge", c.pinned);
+        gauge("flashd_prefix_cache_written_bytes_total", "Bytes written.", "counter",
+              c.bytes_written);
+        gauge("flashd_prefix_cache_read_disk_bytes_total", "Bytes read from disk.", "counter",
+              c.bytes_read_disk);
+        gauge("flashd_prefix_cache_read_ram_bytes_total", "Bytes read from the RAM tier.",
+              "counter", c.bytes_read_ram);
+        gauge("flashd_prefix_cache_evictions_total", "Entries evicted for the disk quota.",
+              "counter", c.evictions);
+        gauge("flashd_prefix_cache_expirations_total", "Entries expired by cache.ttl_seconds.",
+              "counter", c.expirations);
+        gauge("flashd_prefix_cache_corruptions_total",
+              "Entries that failed their check (deleted, never used).", "counter", c.corruptions);
+        gauge("flashd_prefix_cache_write_failures_total", "Writes that failed.", "counter",
+              c.write_failures);
+        gauge("flashd_prefix_cache_degraded", "1 when writes have stopped (disk full or failing).",
+              "gauge", c.degraded ? 1 : 0);
+      }
     }
     res.set_content(text, "text/plain; version=0.0.4");
   });
@@ -92,6 +134,20 @@ void Api::Health(const httplib::Request&, httplib::Response& res) const {
   if (phase_ != Phase::kReady) {
     body["reason"] = reason_;
     res.status = 503;
+  } else if (engine_ != nullptr) {
+    // The prefix cache failing degrades the service but does not stop it: still 200.
+    const cache::BlockStore* store = engine_->cache();
+    if (store == nullptr) {
+      body["status"] = "degraded";
+      body["reason"] = "the prefix cache could not be opened (see the log): prompts are prefilled";
+      body["cache"] = {{"status", "off"}};
+    } else if (const auto c = store->stats(); c.degraded) {
+      body["status"] = "degraded";
+      body["reason"] = "prefix cache writes stopped: " + c.degraded_reason;
+      body["cache"] = {{"status", "degraded"}};
+    } else {
+      body["cache"] = {{"status", "ok"}, {"blocks", c.blocks}, {"disk_bytes", c.disk_bytes}};
+    }
   }
   res.set_content(body.dump(), "application/json");
 }

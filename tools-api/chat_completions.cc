@@ -172,10 +172,10 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
 
 json ChatUsage(const GenerationEvent& done) {
   json u = Usage(done);
-  // No prefix is reused yet: every prompt token is computed.
-  u["prompt_tokens_details"] = {{"cached_tokens", 0}};
-  u["prompt_cache_hit_tokens"] = 0;
-  u["prompt_cache_miss_tokens"] = done.prompt_tokens;
+  // OpenAI's and DeepSeek's names for the prompt tokens the prefix cache restored.
+  u["prompt_tokens_details"] = {{"cached_tokens", done.cached_tokens}};
+  u["prompt_cache_hit_tokens"] = done.cached_tokens;
+  u["prompt_cache_miss_tokens"] = done.prompt_tokens - done.cached_tokens;
   return u;
 }
 

@@ -223,7 +223,8 @@ std::string Dump(const json& j) {
 json Usage(const GenerationEvent& done) {
   return {{"prompt_tokens", done.prompt_tokens},
           {"completion_tokens", done.completion_tokens},
-          {"total_tokens", done.prompt_tokens + done.completion_tokens}};
+          {"total_tokens", done.prompt_tokens + done.completion_tokens},
+          {"prompt_tokens_details", {{"cached_tokens", done.cached_tokens}}}};
 }
 
 using StreamAppend = std::function<void(const GenerationEvent&, std::string*)>;

@@ -284,7 +284,11 @@ BOOST_AUTO_TEST_CASE(chat_stream_folds_into_the_whole_message) {
         BOOST_TEST(folded["tool_calls"][i]["arguments"] == calls[i]["function"]["arguments"]);
       }
       BOOST_TEST(usage["completion_tokens"] == w["usage"]["completion_tokens"]);
-      BOOST_TEST(w["usage"]["prompt_cache_miss_tokens"] == w["usage"]["prompt_tokens"]);
+      const json& u = w["usage"];
+      BOOST_TEST(u["prompt_cache_hit_tokens"].get<int>() +
+                     u["prompt_cache_miss_tokens"].get<int>() ==
+                 u["prompt_tokens"].get<int>());
+      BOOST_TEST(u["prompt_tokens_details"]["cached_tokens"] == u["prompt_cache_hit_tokens"]);
     }
   }
   // A named tool choice: the call is opened for the model, so the reply calls that tool.

@@ -116,7 +116,9 @@ def exercise_chat(client, name):
     check(msg.role == "assistant", name + ": assistant message")
     check(whole.choices[0].finish_reason in ("length", "stop", "tool_calls"), name + ": chat finish_reason")
     check(whole.usage.prompt_tokens > 100, name + ": the tool schema is part of the prompt")
-    check(whole.usage.prompt_tokens_details.cached_tokens == 0, name + ": cached_tokens reported")
+    cached = whole.usage.prompt_tokens_details.cached_tokens
+    check(0 <= cached < whole.usage.prompt_tokens, name + ": cached_tokens reported")
+    check(whole.usage.model_extra["prompt_cache_hit_tokens"] == cached, name + ": DeepSeek's hit count")
 
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **req))
     check(chunks[0].choices[0].delta.role == "assistant", name + ": the stream opens with the role")
@@ -146,6 +148,9 @@ def exercise_chat(client, name):
     ]
     after = client.chat.completions.create(model=MODEL, messages=history, tools=tools, max_tokens=4, seed=1)
     check(after.usage.prompt_tokens > whole.usage.prompt_tokens, name + ": tool results extend the prompt")
+    # The second turn resumes where the first prompt ended: at least that much is cached.
+    check(after.usage.prompt_tokens_details.cached_tokens >= whole.usage.prompt_tokens,
+          name + ": the second turn reports the first turn's prompt as cached")
 
     try:
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "x"}], max_tokens=4)
