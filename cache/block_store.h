@@ -6,7 +6,9 @@
 //   - snapshots: the bounded state of a sequence at a position inside or at the end of a block
 //     (the tail tokens after the parent block and the engine's state bytes for them).
 // Column families: "blocks", "snapshots" and "meta" (parent, size, depth and last use of every
-// entry, read at start-up to rebuild the index without reading the payloads). An entry and its
+// entry, read at start-up to rebuild the index without reading the payloads). A block's value is
+// stored under (its chain's first block, its depth, its key), so that the blocks of a chain are
+// neighbours on disk and a restore reads them sequentially. An entry and its
 // meta row are written in one atomic batch, so a crash never leaves one without the other.
 //
 // Every value carries a header (magic, format version, token count, parent key, payload size,
@@ -49,8 +51,8 @@ struct BlockKeyHash {
   size_t operator()(const BlockKey& k) const { return static_cast<size_t>(k.lo ^ (k.hi * 31)); }
 };
 
-// CRC32C (Castagnoli) of `bytes`, extending `crc`; computed by RocksDB's implementation.
-uint32_t Crc32c(std::string_view bytes, uint32_t crc = 0);
+// CRC32C (Castagnoli) of `bytes`, computed by RocksDB's implementation.
+uint32_t Crc32c(std::string_view bytes);
 
 struct StoreOptions {
   std::string dir;  // The RocksDB directory; created when missing.
@@ -103,7 +105,8 @@ class BlockStore {
     uint64_t entries = 0;
     uint64_t blocks = 0;
     uint64_t snapshots = 0;
-    uint64_t disk_bytes = 0;  // Payloads, tokens and headers of every stored entry.
+    uint64_t disk_bytes = 0;      // Payloads, tokens and headers of every stored entry.
+    uint64_t snapshot_bytes = 0;  // The snapshots' share of disk_bytes.
     uint64_t ram_bytes = 0;
     uint64_t pinned = 0;
     uint64_t bytes_written = 0;
@@ -133,6 +136,7 @@ class BlockStore {
     int64_t last_used_ms = 0;
     int children = 0;
     int pins = 0;
+    BlockKey root;  // A block's chain's first block (the data key's prefix).
   };
   struct Op {
     Kind kind;
@@ -157,6 +161,7 @@ class BlockStore {
   void RamInsertLocked(const BlockKey& key, const std::string& payload);
   void RamEraseLocked(const BlockKey& key);
   rocksdb::ColumnFamilyHandle* Family(Kind kind) const;
+  std::string DataKey(const BlockKey& key, const Entry& e) const;
   std::optional<std::string> Verify(std::string_view value, const BlockKey& key,
                                     std::span<const int32_t> tokens) const;
   void DropCorrupt(Kind kind, const BlockKey& key);

@@ -574,6 +574,8 @@ bool Engine::Step() {
         e.kind = GenerationEvent::Kind::kToken;
         e.token = t;
         e.step = step_;
+        e.prompt_tokens = static_cast<int64_t>(q.request.prompt.size());
+        e.cached_tokens = q.cached_tokens;
         bool stop_string = false;
         if (q.decoder && !stop_token) {
           q.pending_text += q.decoder->Push(t.token);

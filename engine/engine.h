@@ -70,8 +70,9 @@ struct GenerationEvent {
   Status error;
   int64_t prompt_tokens = 0;
   int64_t completion_tokens = 0;
-  int64_t cached_tokens = 0;  // Prompt tokens restored from the prefix cache, not recomputed.
-  int64_t step = 0;           // The engine step that produced the event.
+  // Prompt tokens restored from the prefix cache, not recomputed (tokens and the end carry it).
+  int64_t cached_tokens = 0;
+  int64_t step = 0;                            // The engine step that produced the event.
   std::chrono::steady_clock::time_point time;  // When it was queued.
 };
 

@@ -115,6 +115,10 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               [this](const auto& req, auto& res, const PathParams&) { Completions(req, res); });
   router_.Add("POST", "/v1/chat/completions",
               [this](const auto& req, auto& res, const PathParams&) { ChatCompletions(req, res); });
+  router_.Add("POST", "/v1/messages",
+              [this](const auto& req, auto& res, const PathParams&) { Messages(req, res); });
+  router_.Add("POST", "/v1/messages/count_tokens",
+              [this](const auto& req, auto& res, const PathParams&) { CountTokens(req, res); });
 }
 
 void Api::SetPhase(Phase phase, std::string reason) {

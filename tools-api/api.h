@@ -6,6 +6,7 @@
 
 #include <httplib.h>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <mutex>
@@ -64,6 +65,11 @@ class Api {
   void Completions(const httplib::Request& req, httplib::Response& res) const;
   // POST /v1/chat/completions (OpenAI): tools-api/chat_completions.cc.
   void ChatCompletions(const httplib::Request& req, httplib::Response& res) const;
+  // messages.cc: Anthropic's Messages API.
+  void Messages(const httplib::Request& req, httplib::Response& res) const;
+  void MessagesImpl(const httplib::Request& req, httplib::Response& res,
+                    std::chrono::steady_clock::time_point arrived) const;
+  void CountTokens(const httplib::Request& req, httplib::Response& res) const;
 
   const Config config_;
   const ServedModel model_;

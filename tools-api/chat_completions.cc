@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tools-api/api.h"
+#include "tools-api/chat_common.h"
 #include "tools-api/chat_format.h"
 #include "tools-api/chat_parser.h"
 #include "tools-api/generation.h"
@@ -24,24 +25,17 @@ using namespace gen;
 
 constexpr int kDefaultMaxTokens = 4096;
 
-struct ChatRequest {
-  engine::GenerationRequest gen;
-  ChatOptions options;
-  bool stream = false;
-  bool include_usage = false;
-  bool logprobs = false;
-  // Output written for the model before it starts (a forced tool-call opening); part of the
-  // prompt, and parsed as the start of the output.
-  std::string forced;
-};
+}  // namespace
 
-std::optional<FieldError> Invalid(std::string message) {
+namespace chat {
+
+static std::optional<FieldError> Invalid(std::string message) {
   return FieldError{400, "invalid_request_error", std::move(message)};
 }
 
 // The first message when it is a system (or developer) message, else a new empty system message
 // put first: where the encoder expects tools and the response format.
-ojson& SystemMessage(ojson* messages) {
+static ojson& SystemMessage(ojson* messages) {
   const ojson& first = (*messages)[0];
   const bool system_first = first.is_object() && first.contains("role") &&
                             (first["role"] == "system" || first["role"] == "developer");
@@ -180,7 +174,7 @@ json ChatUsage(const GenerationEvent& done) {
 }
 
 // OpenAI's chat logprobs entry for one token.
-json TokenLogprobs(const engine::Tokenizer* tok, const GenerationEvent& e) {
+static json TokenLogprobs(const engine::Tokenizer* tok, const GenerationEvent& e) {
   auto entry = [tok](int32_t id, float logprob) {
     const int32_t one[1] = {id};
     const std::string raw = tok->Decode(one);
@@ -195,60 +189,46 @@ json TokenLogprobs(const engine::Tokenizer* tok, const GenerationEvent& e) {
   return item;
 }
 
-// The model's output as OpenAI deltas, one token at a time.
-class Assembler {
- public:
-  Assembler(bool thinking, ToolCallLedger* ledger) : parser_(thinking), ledger_(ledger) {}
-
-  // The deltas this text completes, in order.
-  std::vector<json> Feed(const std::string& text) { return Deltas(parser_.Feed(text)); }
-  std::vector<json> Finish() { return Deltas(parser_.Finish()); }
-  bool called_tools() const { return !ids_.empty(); }
-
- private:
-  std::vector<json> Deltas(const std::vector<ParseEvent>& events) {
-    std::vector<json> out;
-    for (const ParseEvent& e : events) {
-      switch (e.kind) {
-        case ParseEvent::Kind::kReasoning:
-          out.push_back({{"reasoning_content", e.text}});
-          break;
-        case ParseEvent::Kind::kContent:
-          out.push_back({{"content", e.text}});
-          break;
-        case ParseEvent::Kind::kToolCallStart:
-          ids_[e.index] = e.id;
-          out.push_back({{"tool_calls",
-                          json::array({{{"index", e.index},
-                                        {"id", e.id},
-                                        {"type", "function"},
-                                        {"function", {{"name", e.text}, {"arguments", ""}}}}})}});
-          break;
-        case ParseEvent::Kind::kToolArguments:
-          out.push_back({{"tool_calls", json::array({{{"index", e.index},
-                                                      {"function", {{"arguments", e.text}}}}})}});
-          break;
-        case ParseEvent::Kind::kToolCallEnd:
-          if (ids_.count(e.index)) ledger_->Remember(ids_[e.index], e.text);
-          break;
-        case ParseEvent::Kind::kWarning:
-          spdlog::warn("model output: {}", e.text);
-          break;
-      }
-    }
-    return out;
-  }
-
-  ChatOutputParser parser_;
-  ToolCallLedger* ledger_;
-  std::map<int, std::string> ids_;
-};
-
 std::string FinishReason(const GenerationEvent& done, bool called_tools) {
   return done.finish_reason == "stop" && called_tools ? "tool_calls" : done.finish_reason;
 }
 
-}  // namespace
+std::vector<json> Assembler::Deltas(const std::vector<ParseEvent>& events) {
+  std::vector<json> out;
+  for (const ParseEvent& e : events) {
+    switch (e.kind) {
+      case ParseEvent::Kind::kReasoning:
+        out.push_back({{"reasoning_content", e.text}});
+        break;
+      case ParseEvent::Kind::kContent:
+        out.push_back({{"content", e.text}});
+        break;
+      case ParseEvent::Kind::kToolCallStart:
+        ids_[e.index] = e.id;
+        out.push_back(
+            {{"tool_calls", json::array({{{"index", e.index},
+                                          {"id", e.id},
+                                          {"type", "function"},
+                                          {"function", {{"name", e.text}, {"arguments", ""}}}}})}});
+        break;
+      case ParseEvent::Kind::kToolArguments:
+        out.push_back({{"tool_calls", json::array({{{"index", e.index},
+                                                    {"function", {{"arguments", e.text}}}}})}});
+        break;
+      case ParseEvent::Kind::kToolCallEnd:
+        if (ids_.count(e.index)) ledger_->Remember(ids_[e.index], e.text);
+        break;
+      case ParseEvent::Kind::kWarning:
+        spdlog::warn("model output: {}", e.text);
+        break;
+    }
+  }
+  return out;
+}
+
+}  // namespace chat
+
+using namespace chat;
 
 void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) const {
   const auto arrived = std::chrono::steady_clock::now();

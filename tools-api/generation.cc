@@ -232,11 +232,20 @@ using StreamAppend = std::function<void(const GenerationEvent&, std::string*)>;
 // Streams `g` as server-sent events. `append` writes the "data:" events of a token and of a normal
 // end; queue places and silence become comment lines, an error an error event, and the stream
 // closes with "data: [DONE]".
-void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAppend append) {
+StreamStyle OpenAiStreamStyle() {
+  StreamStyle s;
+  s.error = [](int status, const std::string& message) {
+    return SseEvent({{"error", {{"type", ErrorTypeFor(status)}, {"message", message}}}});
+  };
+  return s;
+}
+
+void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAppend append,
+                 StreamStyle style) {
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      [g, append](size_t, httplib::DataSink& sink) {
+      [g, append, style](size_t, httplib::DataSink& sink) {
         std::optional<GenerationEvent> e = g->Next(250ms);
         if (!e) {
           // A comment line each second of silence (a long prefill, a wait for memory): clients
@@ -244,34 +253,34 @@ void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAp
           const auto now = std::chrono::steady_clock::now();
           if (now - g->last_write < 1s) return true;
           g->last_write = now;
-          return sink.write(": keep-alive\n\n", 14);
+          return sink.write(style.keep_alive.data(), style.keep_alive.size());
         }
         std::string out;
         bool done = false;
         // This event and what else is ready, in one write.
         for (; e && !done; e = done ? std::nullopt : g->queue->Pop(0ms)) {
           if (e->kind == GenerationEvent::Kind::kQueued) {
-            out += ": queued at position " + std::to_string(e->queue_position) + "\n\n";
+            out += style.queue_comments
+                       ? ": queued at position " + std::to_string(e->queue_position) + "\n\n"
+                       : style.keep_alive;
             continue;
           }
           done = e->kind == GenerationEvent::Kind::kDone;
           if (e->kind == GenerationEvent::Kind::kToken) g->Saw(*e);
           if (done && e->finish_reason == "error") {
-            const int status = HttpStatusFor(e->error);
-            out += SseEvent(
-                {{"error", {{"type", ErrorTypeFor(status)}, {"message", e->error.message()}}}});
+            out += style.error(HttpStatusFor(e->error), e->error.message());
           } else {
             try {
               append(*e, &out);
             } catch (const std::exception& ex) {
               // A formatting bug must not leave the client waiting: end the stream with an error.
               spdlog::error("generation {}: {}", g->id, ex.what());
-              out += SseEvent({{"error", {{"type", "internal_error"}, {"message", ex.what()}}}});
+              out += style.error(500, ex.what());
               done = true;
               g->engine->Cancel(g->handle);
             }
           }
-          if (done) out += "data: [DONE]\n\n";
+          if (done) out += style.trailer;
         }
         if (out.empty()) return true;  // (An empty write would end the chunked body.)
         g->last_write = std::chrono::steady_clock::now();

@@ -100,10 +100,21 @@ struct Generation {
 
 using StreamAppend = std::function<void(const GenerationEvent&, std::string*)>;
 
-// Streams `g` as server-sent events. `append` writes the "data:" events of a token and of a normal
-// end; queue places and silence become comment lines, an error an error event, and the stream
-// closes with "data: [DONE]".
-void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAppend append);
+// How a route's event stream spells what every stream has.
+struct StreamStyle {
+  std::string keep_alive = ": keep-alive\n\n";  // Each second of silence.
+  bool queue_comments = true;                   // ": queued at position N" while waiting.
+  // The event ending a stream in error.
+  std::function<std::string(int status, const std::string& message)> error;
+  std::string trailer = "data: [DONE]\n\n";  // After the last event.
+};
+// OpenAI's: comment lines, {"error": {...}} and a closing "data: [DONE]".
+StreamStyle OpenAiStreamStyle();
+
+// Streams `g` as server-sent events. `append` writes the events of a token and of a normal end;
+// silence and queue places become keep-alives, an error the style's error event.
+void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAppend append,
+                 StreamStyle style = OpenAiStreamStyle());
 
 // Sends `g` as one JSON body: `on_token` sees every token, `body` makes the response from the
 // final event. It is sent chunked, led by a space every second while the generation runs: JSON

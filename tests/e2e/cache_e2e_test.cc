@@ -113,6 +113,13 @@ BOOST_AUTO_TEST_CASE(a_restarted_daemon_resumes_exactly) {
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_hit_tokens_total") == 700);
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_snapshot_hits_total") == 1);
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_corruptions_total") == 0);
+  // flashctl reads the same counters.
+  const CommandResult stats =
+      RunCommand(std::string(FLASHD_SOURCE_DIR) + "/clients/flashctl --url " +
+                 "http://127.0.0.1:" + std::to_string(d.port()) + " cache stats 2>&1");
+  BOOST_TEST(stats.code == 0, stats.out);
+  BOOST_TEST(Contains(stats.out, "hit_tokens_total 700\n"), stats.out);
+  BOOST_TEST(Contains(stats.out, "snapshot_hits_total 1\n"), stats.out);
 }
 
 // kill -9 at random moments while prompts are being prefilled and their blocks written; after

@@ -1,0 +1,63 @@
+// What the chat-shaped routes share (/v1/chat/completions, /v1/messages): an OpenAI chat body
+// parsed into a generation request, and the model's output assembled into OpenAI-style deltas.
+// Internal to tools-api.
+#pragma once
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/engine.h"
+#include "tools-api/chat_format.h"
+#include "tools-api/chat_parser.h"
+#include "tools-api/generation.h"
+
+namespace flashd::api::chat {
+
+using gen::FieldError;
+using nlohmann::json;
+
+struct ChatRequest {
+  engine::GenerationRequest gen;
+  ChatOptions options;
+  bool stream = false;
+  bool include_usage = false;
+  bool logprobs = false;
+  // Output written for the model before it starts (a forced tool-call opening); part of the
+  // prompt, and parsed as the start of the output.
+  std::string forced;
+};
+
+// Fills `out` from an OpenAI chat body; `ordered` is the same body with its keys in the client's
+// order (tool schemas are rendered in that order). Errors name the field.
+std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
+                                    const std::string& model_id, const engine::Engine& eng,
+                                    const ToolCallLedger* ledger, ChatRequest* out);
+
+// OpenAI usage plus the prefix cache's counts under OpenAI's and DeepSeek's names.
+json ChatUsage(const engine::GenerationEvent& done);
+
+// "tool_calls" when a normal stop follows tool calls, else the engine's reason.
+std::string FinishReason(const engine::GenerationEvent& done, bool called_tools);
+
+// The model's output as OpenAI deltas ({"content"}, {"reasoning_content"}, {"tool_calls"}), one
+// piece of text at a time; every finished tool call is remembered in the ledger under its id.
+class Assembler {
+ public:
+  Assembler(bool thinking, ToolCallLedger* ledger) : parser_(thinking), ledger_(ledger) {}
+
+  std::vector<json> Feed(const std::string& text) { return Deltas(parser_.Feed(text)); }
+  std::vector<json> Finish() { return Deltas(parser_.Finish()); }
+  bool called_tools() const { return !ids_.empty(); }
+
+ private:
+  std::vector<json> Deltas(const std::vector<ParseEvent>& events);
+
+  ChatOutputParser parser_;
+  ToolCallLedger* ledger_;
+  std::map<int, std::string> ids_;
+};
+
+}  // namespace flashd::api::chat
