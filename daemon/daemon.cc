@@ -132,6 +132,7 @@ void Daemon::LoadModel() {
     cache_error_ = s.message();
   }
   options.cache = cache_;
+  api_->SetCatalog(catalog_.get());
   auto engine = engine::Engine::Open(options);
   if (!engine.ok()) {
     // The daemon stays up so that the operator can read why from /health and the log.
@@ -167,6 +168,7 @@ Status Daemon::OpenCache() {
   for (const cache::Catalog::Pin& pin : catalog_->Pins()) {
     if (store->PresentPrefix(pin.chain) == pin.chain.size()) {
       store->Pin(pin.chain);
+      store->Pin(std::span(&pin.snapshot, 1));
     } else {
       spdlog::warn("cache pin '{}' of tenant '{}' lost its blocks; dropped", pin.name, pin.tenant);
       (void)catalog_->DeletePin(pin.tenant, pin.name);

@@ -216,6 +216,22 @@ cache::KeyContext Engine::KeyContextFor(const Sequence& s, bool snapshot) const 
                            s.request.tenant};
 }
 
+Engine::PrefixKeys Engine::KeysFor(std::span<const int32_t> tokens,
+                                   const std::string& tenant) const {
+  const cache::KeyContext ctx{fingerprint_, kCacheFormat, tenant};
+  const cache::KeyContext snap{fingerprint_, kCacheFormat | 0x80000000u, tenant};
+  const size_t B = static_cast<size_t>(forward_->block_tokens());
+  PrefixKeys k;
+  cache::BlockKey parent;
+  size_t j = 0;
+  for (; (j + 1) * B <= tokens.size(); ++j) {
+    parent = cache::ChainBlockKey(parent, tokens.subspan(j * B, B), ctx);
+    k.blocks.push_back(parent);
+  }
+  k.snapshot = cache::ChainBlockKey(parent, tokens.subspan(j * B), snap);
+  return k;
+}
+
 void Engine::PlanRestore(Sequence& s) {
   const auto t0 = std::chrono::steady_clock::now();
   cache::BlockStore& store = *options_.cache;

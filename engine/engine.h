@@ -19,6 +19,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -129,6 +130,13 @@ class Engine {
   // shard's header and a sample of its first and last tensor bytes, and the cache format.
   const cache::BlockKey& model_fingerprint() const { return fingerprint_; }
   static constexpr uint32_t kCacheFormat = 1;
+  // The prefix cache's keys for `tokens` of `tenant`: every full block, and the snapshot at the
+  // end (what a prompt of exactly these tokens leaves behind).
+  struct PrefixKeys {
+    std::vector<cache::BlockKey> blocks;
+    cache::BlockKey snapshot;
+  };
+  PrefixKeys KeysFor(std::span<const int32_t> tokens, const std::string& tenant) const;
   // Tokens a restore from blocks alone runs again (CpuForward::ExactReplayTokens).
   int64_t exact_replay_tokens() const { return forward_->ExactReplayTokens(); }
 

@@ -119,6 +119,14 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               [this](const auto& req, auto& res, const PathParams&) { Messages(req, res); });
   router_.Add("POST", "/v1/messages/count_tokens",
               [this](const auto& req, auto& res, const PathParams&) { CountTokens(req, res); });
+  router_.Add("GET", "/v1/cache",
+              [this](const auto& req, auto& res, const PathParams&) { CacheStats(req, res); });
+  router_.Add("POST", "/v1/cache/pins",
+              [this](const auto& req, auto& res, const PathParams&) { CreatePin(req, res); });
+  router_.Add("DELETE", "/v1/cache/pins/{name}",
+              [this](const auto& req, auto& res, const PathParams& p) {
+                DeletePin(req, res, p.at("name"));
+              });
 }
 
 void Api::SetPhase(Phase phase, std::string reason) {
@@ -166,6 +174,8 @@ void Api::Models(const httplib::Request&, httplib::Response& res) const {
   nlohmann::json body = {{"object", "list"}, {"data", nlohmann::json::array({entry})}};
   res.set_content(body.dump(), "application/json");
 }
+
+std::string Api::TenantOf(const httplib::Request&) const { return "default"; }
 
 void Api::SetEngine(engine::Engine* engine) {
   std::lock_guard<std::mutex> lock(mu_);

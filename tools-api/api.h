@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 
+#include "cache/catalog.h"
 #include "config/config.h"
 #include "engine/engine.h"
 #include "engine/tokenizer.h"
@@ -52,6 +53,8 @@ class Api {
   // gauges. REQUIRES: the engine outlives every listener this Api is installed on.
   void SetEngine(engine::Engine* engine);
   engine::Engine* engine() const;
+  // The prefix cache's catalog (pins); null when the cache is off. Set before serving.
+  void SetCatalog(cache::Catalog* catalog) { catalog_ = catalog; }
   // The engine's tokenizer, or null (no engine yet, or a model without tokenizer.json): then
   // /tokenize and /detokenize answer 503.
   const engine::Tokenizer* tokenizer() const;
@@ -70,11 +73,19 @@ class Api {
   void MessagesImpl(const httplib::Request& req, httplib::Response& res,
                     std::chrono::steady_clock::time_point arrived) const;
   void CountTokens(const httplib::Request& req, httplib::Response& res) const;
+  // cache_routes.cc: GET /v1/cache, POST /v1/cache/pins, DELETE /v1/cache/pins/{name}.
+  void CacheStats(const httplib::Request& req, httplib::Response& res) const;
+  void CreatePin(const httplib::Request& req, httplib::Response& res) const;
+  void DeletePin(const httplib::Request& req, httplib::Response& res,
+                 const std::string& name) const;
+  // The tenant a request acts for: its prefix-cache namespace and the owner of its pins.
+  std::string TenantOf(const httplib::Request& req) const;
 
   const Config config_;
   const ServedModel model_;
   Router router_;
   mutable Metrics metrics_;  // Thread-safe itself.
+  cache::Catalog* catalog_ = nullptr;
   mutable std::mutex mu_;
   Phase phase_ = Phase::kStarting;    // Guarded by mu_.
   std::string reason_ = "starting";   // Guarded by mu_.

@@ -159,6 +159,71 @@ BOOST_AUTO_TEST_CASE(kill_9_at_random_moments_loses_nothing_committed_and_serves
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_corruptions_total") == 0);
 }
 
+json Get(httplib::Client& c, const std::string& path) {
+  auto r = c.Get(path);
+  BOOST_REQUIRE(r);
+  BOOST_REQUIRE_MESSAGE(r->status == 200, r->body);
+  return json::parse(r->body);
+}
+
+// A pinned prefix stays whole while the disk quota evicts everything else, survives a restart,
+// and goes when unpinned.
+BOOST_AUTO_TEST_CASE(pins_survive_the_quota_and_restarts) {
+  TempDir tmp;
+  const std::string config =
+      "server:\n  shutdown_grace_seconds: 5\ncache:\n  disk_quota_bytes: 600KiB\n";
+  std::string text;
+  for (int i = 0; i < 120; ++i) text += "tool number " + std::to_string(i) + " reads a file; ";
+  std::vector<int> pinned_ids;
+  {
+    DaemonProcess d({tmp.path(), config, {}, {}});
+    BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+    auto c = Client(d);
+    auto pin = c->Post("/v1/cache/pins", json{{"name", "tools"}, {"text", text}}.dump(),
+                       "application/json");
+    BOOST_REQUIRE(pin);
+    BOOST_REQUIRE_MESSAGE(pin->status == 201, pin->body);
+    const json p = json::parse(pin->body);
+    BOOST_TEST(p["blocks"].get<int>() >= 8);
+    auto tok = c->Post("/tokenize", json{{"text", text}}.dump(), "application/json");
+    pinned_ids = json::parse(tok->body)["tokens"].get<std::vector<int>>();
+    BOOST_TEST(static_cast<int>(pinned_ids.size()) == p["tokens"].get<int>());
+    // Other prompts, several times the quota.
+    for (int i = 0; i < 8; ++i) BOOST_REQUIRE(Ask(*c, Ids(700, 50 + i), 2).status == 200);
+    json stats;
+    for (int i = 0; i < 50; ++i) {
+      stats = Get(*c, "/v1/cache");
+      if (stats["disk_bytes"].get<uint64_t>() <= 600 * 1024) break;
+      std::this_thread::sleep_for(100ms);
+    }
+    BOOST_TEST(stats["evictions"].get<int>() > 0, stats.dump());
+    BOOST_TEST(stats["disk_bytes"].get<uint64_t>() <= 600u * 1024, stats.dump());
+    BOOST_TEST(stats["pins"][0]["name"] == "tools");
+    // The pinned prefix is restored whole: its end state was pinned too.
+    const Answer hit = Ask(*c, Concat(pinned_ids, Ids(30, 99)));
+    BOOST_TEST(hit.cached == static_cast<int64_t>(pinned_ids.size()), hit.raw);
+    BOOST_TEST(d.Stop(SIGTERM) == 0);
+  }
+  DaemonProcess d({tmp.path(), config, {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  auto c = Client(d);
+  BOOST_TEST(Get(*c, "/v1/cache")["pins"].size() == 1u);
+  const Answer again = Ask(*c, Concat(pinned_ids, Ids(30, 98)));
+  BOOST_TEST(again.cached == static_cast<int64_t>(pinned_ids.size()), again.raw);
+  auto del = c->Delete("/v1/cache/pins/tools");
+  BOOST_REQUIRE(del);
+  BOOST_TEST(del->status == 200, del->body);
+  BOOST_TEST(c->Delete("/v1/cache/pins/tools")->status == 404);
+  BOOST_TEST(Get(*c, "/v1/cache")["pins"].empty());
+  // Bad pins are refused, naming the field.
+  auto bad =
+      c->Post("/v1/cache/pins", json{{"name", "a b"}, {"text", "x"}}.dump(), "application/json");
+  BOOST_TEST(bad->status == 400);
+  BOOST_TEST(Contains(bad->body, "name"), bad->body);
+  auto none = c->Post("/v1/cache/pins", json{{"name", "x"}}.dump(), "application/json");
+  BOOST_TEST(none->status == 400);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 }  // namespace
