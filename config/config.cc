@@ -170,7 +170,8 @@ const std::vector<Field>& Schema() {
 }
 
 const std::set<std::string>& Sections() {
-  static const std::set<std::string> sections = {"server", "model", "log", "engine", "cache"};
+  static const std::set<std::string> sections = {"server", "model", "log",
+                                                 "engine", "cache", "auth"};
   return sections;
 }
 
@@ -190,6 +191,7 @@ std::string KnownKeysUnder(const std::string& prefix) {
     names.insert(rest.substr(0, rest.find('.')));
   };
   for (const Field& f : Schema()) take(f.key);
+  take("auth.keys");
   if (prefix.empty()) {
     for (const std::string& s : Sections()) take(s);
   }
@@ -210,6 +212,37 @@ struct Walker {
     return InvalidArgument(At(node) + ": " + key + ": " + what);
   }
 
+  // auth.keys: a mapping of tenant names to API keys.
+  Status WalkKeys(const YAML::Node& at, const YAML::Node& value) {
+    if (value.IsNull()) return Status::Ok();
+    if (!value.IsMap()) return Error(at, "auth.keys", "expected a mapping of tenant: key");
+    std::set<std::string> seen_keys;
+    for (const auto& kv : value) {
+      if (!kv.first.IsScalar() || !kv.second.IsScalar()) {
+        return Error(kv.first, "auth.keys", "expected tenant: key, both plain strings");
+      }
+      const std::string tenant = kv.first.Scalar(), key = kv.second.Scalar();
+      const std::string where = "auth.keys." + tenant;
+      if (tenant.empty() || tenant.size() > 64 ||
+          tenant.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                                   "0123456789-_.") != std::string::npos) {
+        return Error(kv.first, where, "a tenant name is 1-64 letters, digits, '-', '_' or '.'");
+      }
+      if (config->auth.keys.count(tenant)) return Error(kv.first, where, "tenant appears twice");
+      if (key.size() < 16) {
+        return Error(kv.first, where,
+                     "expected a key of at least 16 characters (the value is not shown)");
+      }
+      if (!seen_keys.insert(key).second) {
+        return Error(kv.first, where, "the same key is given to two tenants");
+      }
+      config->auth.keys[tenant] = key;
+      config->origin[where] = At(kv.first);
+    }
+    config->origin["auth.keys"] = At(at);
+    return Status::Ok();
+  }
+
   Status WalkMap(const YAML::Node& map, const std::string& prefix) {
     std::set<std::string> seen;
     for (const auto& kv : map) {
@@ -225,6 +258,10 @@ struct Walker {
         if (value.IsNull()) continue;
         if (!value.IsMap()) return Error(kv.first, key, "expected a mapping of keys");
         FLASHD_RETURN_IF_ERROR(WalkMap(value, key + "."));
+        continue;
+      }
+      if (key == "auth.keys") {
+        FLASHD_RETURN_IF_ERROR(WalkKeys(kv.first, value));
         continue;
       }
       const Field* field = FindField(key);
@@ -385,6 +422,14 @@ Status ApplyEnvironment(Config* config, const EnvLookup& env) {
     return InvalidArgument(
         "server.listen and server.socket are both empty: at least one listener "
         "is required");
+  }
+  // Anyone who can reach a non-loopback address could use the model and read the cache.
+  const std::string& host = config->server.listen_host;
+  const bool loopback =
+      host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
+  if (config->server.listen_enabled && !loopback && config->auth.keys.empty()) {
+    return InvalidArgument(config->Where("server.listen") + ": \"" + host +
+                           "\" is not a loopback address; serving it needs API keys in auth.keys");
   }
   return Status::Ok();
 }

@@ -59,6 +59,12 @@ struct CacheConfig {
   int64_t ttl_seconds = 0;  // 0: blocks never expire by age.
 };
 
+struct AuthConfig {
+  // Tenant name -> API key. Empty: no keys; every request is the tenant "default", and the TCP
+  // listener must be on a loopback address.
+  std::map<std::string, std::string> keys;
+};
+
 struct Config {
   ServerConfig server;
   std::string state_dir = "./var/state";
@@ -66,6 +72,7 @@ struct Config {
   LogConfig log;
   EngineConfig engine;
   CacheConfig cache;
+  AuthConfig auth;
 
   // Where each dotted key got its value: "FILE:LINE", "environment FLASHD_X", or absent for the
   // built-in default. Used to point later errors (e.g. an unwritable state_dir) at their source.

@@ -175,7 +175,38 @@ void Api::Models(const httplib::Request&, httplib::Response& res) const {
   res.set_content(body.dump(), "application/json");
 }
 
-std::string Api::TenantOf(const httplib::Request&) const { return "default"; }
+std::optional<std::string> Api::PresentedKey(const httplib::Request& req) {
+  const std::string auth = req.get_header_value("Authorization");
+  if (auth.rfind("Bearer ", 0) == 0) return auth.substr(7);
+  if (req.has_header("x-api-key")) return req.get_header_value("x-api-key");
+  return std::nullopt;
+}
+
+std::optional<std::string> Api::TenantForKey(const std::string& presented) const {
+  // Every configured key is compared, each in time that depends only on the lengths, so the
+  // time taken says nothing about how much of a key was right or which tenant's it was.
+  const std::string* found = nullptr;
+  for (const auto& [tenant, key] : config_.auth.keys) {
+    unsigned diff = presented.size() == key.size() ? 0u : 1u;
+    const size_t n = std::max(presented.size(), key.size());
+    for (size_t i = 0; i < n; ++i) {
+      const unsigned char a = i < presented.size() ? presented[i] : 0;
+      const unsigned char b = i < key.size() ? key[i] : 0;
+      diff |= static_cast<unsigned>(a ^ b);
+    }
+    if (diff == 0) found = &tenant;
+  }
+  if (found == nullptr) return std::nullopt;
+  return *found;
+}
+
+std::string Api::TenantOf(const httplib::Request& req) const {
+  if (config_.auth.keys.empty()) return "default";
+  if (std::optional<std::string> key = PresentedKey(req)) {
+    if (std::optional<std::string> tenant = TenantForKey(*key)) return *tenant;
+  }
+  return "local";  // A socket user without a key (TCP without one never gets here).
+}
 
 void Api::SetEngine(engine::Engine* engine) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -240,12 +271,35 @@ void Api::Install(httplib::Server* server, const std::string& listener) {
   router_.Install(server);
   server->set_payload_max_length(config_.server.max_request_bytes);
 
-  server->set_pre_routing_handler([this](const httplib::Request&, httplib::Response&) {
-    request_clock.active = true;
-    request_clock.start = std::chrono::steady_clock::now();
-    metrics_.RequestStarted();
-    return httplib::Server::HandlerResponse::Unhandled;
-  });
+  server->set_pre_routing_handler(
+      [this, listener](const httplib::Request& req, httplib::Response& res) {
+        request_clock.active = true;
+        request_clock.start = std::chrono::steady_clock::now();
+        metrics_.RequestStarted();
+        // API keys, when configured: a wrong key is refused everywhere; no key is refused on TCP
+        // (the socket's file permissions admit its users, who are the tenant "local").
+        if (!config_.auth.keys.empty() && req.path != "/health") {
+          const std::optional<std::string> key = PresentedKey(req);
+          const bool ok = key ? TenantForKey(*key).has_value() : listener != "tcp";
+          if (!ok) {
+            const std::string what =
+                key ? "the API key is not valid"
+                    : "an API key is required (Authorization: Bearer KEY or x-api-key: KEY)";
+            if (req.path.rfind("/v1/messages", 0) == 0) {
+              res.status = 401;
+              res.set_content(
+                  nlohmann::json{{"type", "error"},
+                                 {"error", {{"type", "authentication_error"}, {"message", what}}}}
+                      .dump(),
+                  "application/json");
+            } else {
+              WriteError(res, 401, "authentication_error", what);
+            }
+            return httplib::Server::HandlerResponse::Handled;
+          }
+        }
+        return httplib::Server::HandlerResponse::Unhandled;
+      });
 
   // Errors httplib detects before routing (bad request line, body too large) still get our JSON.
   server->set_error_handler([](const httplib::Request& req, httplib::Response& res) {

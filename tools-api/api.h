@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 
 #include "cache/catalog.h"
@@ -80,6 +81,9 @@ class Api {
                  const std::string& name) const;
   // The tenant a request acts for: its prefix-cache namespace and the owner of its pins.
   std::string TenantOf(const httplib::Request& req) const;
+  static std::optional<std::string> PresentedKey(const httplib::Request& req);
+  // The tenant whose key this is; compared in constant time, never logged.
+  std::optional<std::string> TenantForKey(const std::string& presented) const;
 
   const Config config_;
   const ServedModel model_;

@@ -245,6 +245,7 @@ void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) c
     return WriteError(res, e->status, e->type, e->message);
   }
   const std::string id = NewId("chatcmpl-");
+  cr.gen.tenant = TenantOf(req);
   std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));

@@ -439,6 +439,7 @@ void Api::MessagesImpl(const httplib::Request& req, httplib::Response& res,
     return WriteError(res, e->status, e->type, e->message);
   }
   const std::string id = NewId("msg_");
+  cr.gen.tenant = TenantOf(req);
   std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
   if (!g) return;
   auto assembler = std::make_shared<Assembler>(cr.options.thinking, &ledger_);

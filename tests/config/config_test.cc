@@ -150,7 +150,9 @@ BOOST_AUTO_TEST_CASE(no_listener_at_all_is_an_error) {
 }
 
 BOOST_AUTO_TEST_CASE(environment_overrides_the_file) {
-  StatusOr<Config> c = Parse("server:\n  listen: \"127.0.0.1:1000\"\nlog:\n  level: warn\n");
+  StatusOr<Config> c = Parse(
+      "server:\n  listen: \"127.0.0.1:1000\"\nlog:\n  level: warn\nauth:\n  keys:\n"
+      "    alice: 0123456789abcdef0123\n");
   BOOST_REQUIRE(c.ok());
   Status s = ApplyEnvironment(&*c, FakeEnv({{"FLASHD_LISTEN", "0.0.0.0:0"},
                                             {"FLASHD_SOCKET", "/tmp/a.sock"},
@@ -165,6 +167,40 @@ BOOST_AUTO_TEST_CASE(environment_overrides_the_file) {
   BOOST_TEST(c->model.dir == "/m");
   BOOST_TEST(c->log.level == "debug");
   BOOST_TEST(c->Where("log.level") == "environment FLASHD_LOG_LEVEL: log.level");
+}
+
+BOOST_AUTO_TEST_CASE(api_keys_map_tenants) {
+  StatusOr<Config> c =
+      Parse("auth:\n  keys:\n    alice: alice-key-0123456789\n    bob: bob-key-0123456789ab\n");
+  BOOST_REQUIRE_MESSAGE(c.ok(), c.status().ToString());
+  BOOST_TEST(c->auth.keys.size() == 2u);
+  BOOST_TEST(c->auth.keys.at("bob") == "bob-key-0123456789ab");
+  BOOST_TEST(c->Where("auth.keys.bob") == "test.yaml:4: auth.keys.bob");
+  std::string shortkey = ErrorOf("auth:\n  keys:\n    alice: short\n");
+  BOOST_TEST(Contains(shortkey, "test.yaml:3: auth.keys.alice: expected a key of at least 16"),
+             shortkey);
+  BOOST_TEST(!Contains(shortkey, "short\""), "the key itself is never shown: " + shortkey);
+  std::string same =
+      ErrorOf("auth:\n  keys:\n    a: 0123456789abcdef0\n    b: 0123456789abcdef0\n");
+  BOOST_TEST(Contains(same, "auth.keys.b: the same key is given to two tenants"), same);
+  std::string bad_tenant = ErrorOf("auth:\n  keys:\n    \"a b\": 0123456789abcdef0\n");
+  BOOST_TEST(Contains(bad_tenant, "tenant name"), bad_tenant);
+  std::string unknown = ErrorOf("auth:\n  users: 1\n");
+  BOOST_TEST(Contains(unknown, "expected one of: keys"), unknown);
+}
+
+BOOST_AUTO_TEST_CASE(a_public_address_needs_api_keys) {
+  StatusOr<Config> c = Parse("server:\n  listen: \"0.0.0.0:8741\"\n");
+  BOOST_REQUIRE(c.ok());
+  Status s = ApplyEnvironment(&*c, FakeEnv({}));
+  BOOST_TEST(Contains(s.message(), "test.yaml:2: server.listen: \"0.0.0.0\" is not a loopback"),
+             s.message());
+  StatusOr<Config> keyed =
+      Parse("server:\n  listen: \"0.0.0.0:8741\"\nauth:\n  keys:\n    t: 0123456789abcdef0\n");
+  BOOST_REQUIRE(keyed.ok());
+  BOOST_TEST(ApplyEnvironment(&*keyed, FakeEnv({})).ok());
+  StatusOr<Config> local = Parse("server:\n  listen: \"127.0.0.2:8741\"\n");
+  BOOST_TEST(ApplyEnvironment(&*local, FakeEnv({})).ok());
 }
 
 BOOST_AUTO_TEST_CASE(bad_environment_value_names_the_variable) {

@@ -3,6 +3,7 @@
 // never saw the prompt before.
 #include <httplib.h>
 #include <signal.h>
+#include <sys/socket.h>
 
 #include <boost/test/unit_test.hpp>
 #include <chrono>
@@ -222,6 +223,54 @@ BOOST_AUTO_TEST_CASE(pins_survive_the_quota_and_restarts) {
   BOOST_TEST(Contains(bad->body, "name"), bad->body);
   auto none = c->Post("/v1/cache/pins", json{{"name", "x"}}.dump(), "application/json");
   BOOST_TEST(none->status == 400);
+}
+
+// API keys name tenants; a tenant never reads another's cache; keys are required on TCP.
+BOOST_AUTO_TEST_CASE(tenants_are_isolated_and_keys_are_checked) {
+  TempDir tmp;
+  const std::string alice = "alice-key-0123456789", bob = "bob-key-0123456789ab";
+  const std::string config =
+      "server:\n  shutdown_grace_seconds: 5\nauth:\n  keys:\n    alice: " + alice +
+      "\n    bob: " + bob + "\n";
+  DaemonProcess d({tmp.path(), config, {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  auto as = [&](const std::string& key) {
+    auto c = Client(d);
+    if (!key.empty()) c->set_default_headers({{"Authorization", "Bearer " + key}});
+    return c;
+  };
+  const std::vector<int> p = Ids(400, 7), longer = Concat(p, Ids(20, 8));
+  BOOST_TEST(Ask(*as(""), p).status == 401);
+  const Answer wrong = Ask(*as("alice-key-0123456780"), p);
+  BOOST_TEST(wrong.status == 401);
+  BOOST_TEST(Contains(wrong.raw, "authentication_error"), wrong.raw);
+  BOOST_TEST(as("")->Get("/health")->status == 200);
+  BOOST_TEST(Ask(*as(alice), p).status == 200);
+  BOOST_TEST(Ask(*as(bob), longer).cached == 0);  // Bob's identical prefix: nothing from Alice.
+  BOOST_TEST(Ask(*as(alice), longer).cached == 400);
+  // x-api-key works as well (the Anthropic SDKs send it).
+  auto x = Client(d);
+  x->set_default_headers({{"x-api-key", bob}});
+  BOOST_TEST(Ask(*x, Concat(longer, Ids(5, 9))).cached == 420);  // Bob's own earlier prompt.
+  // The socket admits its users without a key, as the tenant "local".
+  auto u = std::make_unique<httplib::Client>(d.socket_path());
+  u->set_address_family(AF_UNIX);
+  u->set_read_timeout(300);
+  const Answer local = Ask(*u, longer);
+  BOOST_TEST(local.status == 200);
+  BOOST_TEST(local.cached == 0);
+  BOOST_TEST(Get(*as(alice), "/v1/cache")["tenant"] == "alice");
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+  BOOST_TEST(!Contains(d.log(), alice), "a key was logged");
+  BOOST_TEST(!Contains(d.log(), bob), "a key was logged");
+}
+
+BOOST_AUTO_TEST_CASE(a_public_address_without_keys_refuses_to_start) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {{"FLASHD_LISTEN", "0.0.0.0:0"}}, {}});
+  BOOST_TEST(!d.Start());
+  BOOST_TEST(d.Wait() == 2);
+  BOOST_TEST(Contains(d.log(), "is not a loopback address; serving it needs API keys"), d.log());
 }
 
 BOOST_AUTO_TEST_SUITE_END()
