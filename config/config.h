@@ -28,7 +28,7 @@ struct ServerConfig {
   uint32_t socket_mode = 0660;
   std::string socket_group;  // Empty: keep the daemon's group.
   std::string pid_file = "./var/run/flashd.pid";
-  int http_threads = 16;            // Worker threads per listener; each open stream holds one.
+  int http_threads = 16;            // Ready workers per listener; more start while all are busy.
   int shutdown_grace_seconds = 10;  // How long in-flight responses may finish on SIGTERM.
   uint64_t max_request_bytes = 64ull << 20;
 };

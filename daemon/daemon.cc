@@ -15,6 +15,7 @@
 #include <fstream>
 #include <mutex>
 
+#include "daemon/task_queue.h"
 #include "daemon/unix_socket.h"
 #include "engine/tokenizer.h"
 
@@ -37,8 +38,9 @@ api::ServedModel DescribeModel(const Config& config) {
 
 std::unique_ptr<httplib::Server> MakeServer(const Config& config) {
   auto server = std::make_unique<httplib::Server>();
-  const int threads = config.server.http_threads;
-  server->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  const size_t threads = static_cast<size_t>(config.server.http_threads);
+  // Streams hold their worker; more workers start while none is idle (task_queue.h).
+  server->new_task_queue = [threads] { return new ElasticTaskQueue(threads, 4096); };
   server->set_keep_alive_max_count(1000);
   return server;
 }

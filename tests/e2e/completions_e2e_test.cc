@@ -495,6 +495,46 @@ BOOST_AUTO_TEST_CASE(a_client_that_goes_away_cancels_its_generation) {
   BOOST_TEST(d.Stop(SIGTERM) == 0);
 }
 
+// 64 open streams on a daemon that keeps only 2 ready workers: every stream is served at once
+// and /health still answers at once.
+BOOST_AUTO_TEST_CASE(open_streams_do_not_block_other_requests) {
+  TempDir tmp;
+  DaemonProcess d(
+      {tmp.path(), "server:\n  http_threads: 2\n  shutdown_grace_seconds: 5\n", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+  json body = {{"prompt", "open"}, {"max_tokens", 100000}, {"ignore_eos", true}, {"stream", true}};
+  std::vector<int> fds;
+  for (int i = 0; i < 64; ++i) {
+    fds.push_back(SendRaw(d.port(), body.dump()));
+    BOOST_REQUIRE(fds.back() >= 0);
+  }
+  // Every stream starts: each gets its first event (they are not waiting for a worker).
+  for (int fd : fds) {
+    timeval tv{30, 0};
+    ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    std::string got;
+    char buf[4096];
+    while (got.find("data: ") == std::string::npos) {
+      const ssize_t n = ::read(fd, buf, sizeof buf);
+      if (n <= 0) break;
+      got.append(buf, static_cast<size_t>(n));
+    }
+    BOOST_REQUIRE_MESSAGE(got.find("data: ") != std::string::npos, "a stream got no event");
+  }
+  httplib::Client h("127.0.0.1", d.port());
+  h.set_connection_timeout(5);
+  h.set_read_timeout(5);
+  auto health = h.Get("/health");
+  BOOST_REQUIRE(health);
+  BOOST_TEST(health->status == 200);
+  auto c = TcpClient(d);
+  BOOST_TEST(Metric(*c, "flashd_engine_running") == 64);
+  for (int fd : fds) ::close(fd);
+  BOOST_TEST(WaitIdle(*c, 60s));
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
 // Reads and drops what arrives on a socket until Close() (or destruction) hangs up.
 class SocketReader {
  public:
