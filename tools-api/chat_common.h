@@ -25,6 +25,7 @@ struct ChatRequest {
   bool stream = false;
   bool include_usage = false;
   bool logprobs = false;
+  bool parallel_tool_calls = true;  // false: only the first tool call of a reply is returned.
   // Output written for the model before it starts (a forced tool-call opening); part of the
   // prompt, and parsed as the start of the output.
   std::string forced;
@@ -46,7 +47,8 @@ std::string FinishReason(const engine::GenerationEvent& done, bool called_tools)
 // piece of text at a time; every finished tool call is remembered in the ledger under its id.
 class Assembler {
  public:
-  Assembler(bool thinking, ToolCallLedger* ledger) : parser_(thinking), ledger_(ledger) {}
+  Assembler(bool thinking, ToolCallLedger* ledger, bool parallel_tool_calls = true)
+      : parser_(thinking), ledger_(ledger), parallel_(parallel_tool_calls) {}
 
   std::vector<json> Feed(const std::string& text) { return Deltas(parser_.Feed(text)); }
   std::vector<json> Finish() { return Deltas(parser_.Finish()); }
@@ -57,6 +59,7 @@ class Assembler {
 
   ChatOutputParser parser_;
   ToolCallLedger* ledger_;
+  bool parallel_;
   std::map<int, std::string> ids_;
 };
 

@@ -151,6 +151,7 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
       static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kDefaultMaxTokens, room)));
   if (auto e = ParseSampling(body, eng, default_max, &p)) return e;
   if (auto e = GetBool(body, "logprobs", &out->logprobs)) return e;
+  if (auto e = GetBool(body, "parallel_tool_calls", &out->parallel_tool_calls)) return e;
   int64_t top = 0;
   if (auto e = GetInt(body, "top_logprobs", 0, 20, &top)) return e;
   if (top > 0 && !out->logprobs) return Invalid("top_logprobs: needs \"logprobs\": true");
@@ -196,6 +197,17 @@ std::string FinishReason(const GenerationEvent& done, bool called_tools) {
 std::vector<json> Assembler::Deltas(const std::vector<ParseEvent>& events) {
   std::vector<json> out;
   for (const ParseEvent& e : events) {
+    const bool call_event = e.kind == ParseEvent::Kind::kToolCallStart ||
+                            e.kind == ParseEvent::Kind::kToolArguments ||
+                            e.kind == ParseEvent::Kind::kToolCallEnd;
+    if (!parallel_ && call_event && e.index > 0) {
+      // parallel_tool_calls: false. The model wrote more than one call; only the first is
+      // returned (and remembered), as if it had stopped there.
+      if (e.kind == ParseEvent::Kind::kToolCallStart) {
+        spdlog::info("parallel_tool_calls is false: dropping tool call {}", e.index);
+      }
+      continue;
+    }
     switch (e.kind) {
       case ParseEvent::Kind::kReasoning:
         out.push_back({{"reasoning_content", e.text}});
@@ -250,7 +262,8 @@ void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) c
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   const engine::Tokenizer* tok = eng->tokenizer();
-  auto assembler = std::make_shared<Assembler>(cr.options.thinking, &ledger_);
+  auto assembler =
+      std::make_shared<Assembler>(cr.options.thinking, &ledger_, cr.parallel_tool_calls);
   const std::vector<json> opening = assembler->Feed(cr.forced);
   const bool logprobs = cr.logprobs;
 

@@ -209,6 +209,7 @@ std::optional<FieldError> ToChat(const ojson& in, bool need_max_tokens, ojson* o
           "tool_choice: expected {\"type\": \"auto\" | \"any\" | \"none\"} or "
           "{\"type\": \"tool\", \"name\": ...}");
     }
+    if (c.value("disable_parallel_tool_use", false)) chat["parallel_tool_calls"] = false;
   }
   if (in.contains("thinking") && !in["thinking"].is_null()) {
     const ojson& t = in["thinking"];
@@ -442,7 +443,8 @@ void Api::MessagesImpl(const httplib::Request& req, httplib::Response& res,
   cr.gen.tenant = TenantOf(req);
   std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
   if (!g) return;
-  auto assembler = std::make_shared<Assembler>(cr.options.thinking, &ledger_);
+  auto assembler =
+      std::make_shared<Assembler>(cr.options.thinking, &ledger_, cr.parallel_tool_calls);
   const std::vector<json> opening = assembler->Feed(cr.forced);
   auto blocks = std::make_shared<Blocks>();
   const std::string model = model_.id;

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "tools-api/chat_common.h"
 #include "tools-api/chat_format.h"
 
 namespace flashd::api {
@@ -142,6 +143,37 @@ BOOST_AUTO_TEST_CASE(malformed_output_becomes_text_with_a_warning) {
   Parsed r = Parse("thinking hard <｜", true, 2);
   BOOST_TEST(r.reasoning == "thinking hard <｜");
   BOOST_TEST(!r.warnings.empty());
+}
+
+// parallel_tool_calls: false keeps the first call of a reply that makes two.
+BOOST_AUTO_TEST_CASE(one_call_only_when_parallel_calls_are_off) {
+  const ojson messages = ojson::parse(R"([
+    {"role": "user", "content": "go"},
+    {"role": "assistant", "content": "", "tool_calls": [
+      {"id": "call_a", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}},
+      {"id": "call_b", "type": "function", "function": {"name": "g", "arguments": "{\"y\": 2}"}}]}
+  ])");
+  auto rendered = RenderChat(messages, ChatOptions{});
+  BOOST_REQUIRE(rendered.ok());
+  const std::string& text = rendered->text;
+  const size_t from = text.find("\n\n<｜DSML｜ calls>");
+  BOOST_REQUIRE(from != std::string::npos);
+  const std::string output = text.substr(from);  // What the model wrote for the two calls.
+  for (bool parallel : {true, false}) {
+    ToolCallLedger ledger;
+    chat::Assembler a(false, &ledger, parallel);
+    std::vector<nlohmann::json> deltas = a.Feed(output);
+    for (auto& d : a.Finish()) deltas.push_back(d);
+    std::vector<std::string> names;
+    for (const auto& d : deltas) {
+      if (d.contains("tool_calls") && d["tool_calls"][0].contains("id")) {
+        names.push_back(d["tool_calls"][0]["function"]["name"]);
+      }
+    }
+    BOOST_TEST(names.size() == (parallel ? 2u : 1u), "parallel " << parallel);
+    BOOST_TEST(names[0] == "f");
+    BOOST_TEST(ledger.size() == (parallel ? 2u : 1u));
+  }
 }
 
 BOOST_AUTO_TEST_SUITE_END()
