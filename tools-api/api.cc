@@ -119,6 +119,8 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               [this](const auto& req, auto& res, const PathParams&) { Messages(req, res); });
   router_.Add("POST", "/v1/messages/count_tokens",
               [this](const auto& req, auto& res, const PathParams&) { CountTokens(req, res); });
+  router_.Add("POST", "/v1/responses",
+              [this](const auto& req, auto& res, const PathParams&) { Responses(req, res); });
   router_.Add("GET", "/v1/cache",
               [this](const auto& req, auto& res, const PathParams&) { CacheStats(req, res); });
   router_.Add("POST", "/v1/cache/pins",

@@ -74,6 +74,8 @@ class Api {
   void MessagesImpl(const httplib::Request& req, httplib::Response& res,
                     std::chrono::steady_clock::time_point arrived) const;
   void CountTokens(const httplib::Request& req, httplib::Response& res) const;
+  // responses.cc: OpenAI's Responses API.
+  void Responses(const httplib::Request& req, httplib::Response& res) const;
   // cache_routes.cc: GET /v1/cache, POST /v1/cache/pins, DELETE /v1/cache/pins/{name}.
   void CacheStats(const httplib::Request& req, httplib::Response& res) const;
   void CreatePin(const httplib::Request& req, httplib::Response& res) const;

@@ -116,6 +116,55 @@ def exercise_chat(client, name):
         check("messages[0].role" in str(e), name + ": a bad message names messages[0].role")
 
 
+def exercise_responses(client, name):
+    tools = [{"type": "function", "name": "shell", "description": "Run a command",
+              "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                             "required": ["cmd"]}}]
+    req = dict(model=MODEL, instructions="You are a coding agent.", input="List the files.",
+               tools=tools, max_output_tokens=12, temperature=0)
+    whole = client.responses.create(**req)
+    check(whole.object == "response" and whole.id.startswith("resp_"), name + ": a response")
+    check(whole.status in ("completed", "incomplete"), name + ": response status")
+    if whole.status == "incomplete":
+        check(whole.incomplete_details.reason == "max_output_tokens", name + ": incomplete reason")
+    check(whole.usage.input_tokens > 50, name + ": the tools are part of the prompt")
+
+    events = list(client.responses.create(stream=True, **req))
+    kinds = [e.type for e in events]
+    check(kinds[0] == "response.created" and kinds[1] == "response.in_progress",
+          name + ": the stream opens with created, in_progress")
+    check(kinds[-1] in ("response.completed", "response.incomplete"), name + ": the stream's end")
+    check([e.sequence_number for e in events] == list(range(len(events))),
+          name + ": sequence numbers count up from 0")
+    final = events[-1].response
+    def content(output):  # Ids are fresh in every response.
+        return [{k: v for k, v in o.model_dump().items() if k not in ("id", "call_id")} for o in output]
+    check(content(final.output) == content(whole.output),
+          name + ": the stream's output equals the whole response's")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    check(text == whole.output_text, name + ": output_text deltas add up")
+    check(final.usage.input_tokens_details.cached_tokens > 0, name + ": the repeat is cached")
+
+    # A function call, then its output sent back: the round trip Codex makes.
+    forced = client.responses.create(model=MODEL, input="Run ls.", tools=tools, max_output_tokens=16,
+                                     temperature=0, tool_choice={"type": "function", "name": "shell"})
+    calls = [o for o in forced.output if o.type == "function_call"]
+    check(len(calls) >= 1 and calls[0].name == "shell" and calls[0].call_id.startswith("call_"),
+          name + ": a forced function_call item")
+    # (Random weights rarely finish the arguments within 16 tokens; send back a complete call.)
+    call = dict(calls[0].model_dump(), arguments='{"cmd": "ls"}')
+    history = [{"role": "user", "content": "Run ls."}, call,
+               {"type": "function_call_output", "call_id": calls[0].call_id, "output": "a.txt"}]
+    after = client.responses.create(model=MODEL, input=history, tools=tools, max_output_tokens=4,
+                                    temperature=0)
+    check(after.usage.input_tokens > forced.usage.input_tokens, name + ": the output extends the input")
+    try:
+        client.responses.create(model=MODEL, input="x", previous_response_id="resp_x")
+        check(False, name + ": previous_response_id must be refused")
+    except openai.BadRequestError as e:
+        check("previous_response_id" in str(e), name + ": previous_response_id is named")
+
+
 def main():
     binary, tokenizer_dir = sys.argv[1], sys.argv[2]
     with tempfile.TemporaryDirectory() as work:
@@ -126,6 +175,7 @@ def main():
             wait_ready(url)
             over_tcp = exercise(tcp, "tcp")
             exercise_chat(tcp, "tcp")
+            exercise_responses(tcp, "tcp")
             uds = openai.OpenAI(
                 base_url="http://flashd/v1/",
                 api_key="unused",
@@ -134,6 +184,7 @@ def main():
             )
             over_unix = exercise(uds, "unix")
             exercise_chat(uds, "unix")
+            exercise_responses(uds, "unix")
             check(over_tcp == over_unix, "both listeners serve the same generations")
         finally:
             proc.send_signal(signal.SIGTERM)
