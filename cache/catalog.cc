@@ -196,6 +196,76 @@ Status Catalog::DeletePin(const std::string& tenant, const std::string& name) {
   return Status::Ok();
 }
 
+Status Catalog::PutSession(const Session& x) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stmt s(db_,
+         "INSERT OR REPLACE INTO sessions (id, tenant, title, created, last_used, tokens, body) "
+         "VALUES (?, ?, ?, ?, ?, ?, ?)");
+  if (!s.ok()) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
+  s.Text(1, x.id);
+  s.Text(2, x.tenant);
+  s.Text(3, x.title);
+  s.Int(4, x.created ? x.created : NowSeconds());
+  s.Int(5, x.last_used ? x.last_used : NowSeconds());
+  s.Int(6, x.tokens);
+  s.Text(7, x.body);
+  if (s.Step() != SQLITE_DONE) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
+  return Status::Ok();
+}
+
+namespace {
+
+Catalog::Session SessionFrom(sqlite3_stmt* st) {
+  auto text = [st](int i) {
+    const unsigned char* t = sqlite3_column_text(st, i);
+    return t ? std::string(reinterpret_cast<const char*>(t)) : std::string();
+  };
+  Catalog::Session x;
+  x.id = text(0);
+  x.tenant = text(1);
+  x.title = text(2);
+  x.created = sqlite3_column_int64(st, 3);
+  x.last_used = sqlite3_column_int64(st, 4);
+  x.tokens = sqlite3_column_int64(st, 5);
+  x.body = text(6);
+  return x;
+}
+
+}  // namespace
+
+std::optional<Catalog::Session> Catalog::FindSession(const std::string& tenant,
+                                                     const std::string& id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stmt s(db_,
+         "SELECT id, tenant, title, created, last_used, tokens, body FROM sessions "
+         "WHERE tenant = ? AND id = ?");
+  s.Text(1, tenant);
+  s.Text(2, id);
+  if (s.ok() && s.Step() == SQLITE_ROW) return SessionFrom(s.get());
+  return std::nullopt;
+}
+
+std::vector<Catalog::Session> Catalog::Sessions(const std::string& tenant) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Session> out;
+  Stmt s(db_,
+         "SELECT id, tenant, title, created, last_used, tokens, body FROM sessions "
+         "WHERE tenant = ? ORDER BY last_used DESC, id");
+  s.Text(1, tenant);
+  while (s.ok() && s.Step() == SQLITE_ROW) out.push_back(SessionFrom(s.get()));
+  return out;
+}
+
+Status Catalog::DeleteSession(const std::string& tenant, const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stmt s(db_, "DELETE FROM sessions WHERE tenant = ? AND id = ?");
+  s.Text(1, tenant);
+  s.Text(2, id);
+  if (s.Step() != SQLITE_DONE) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
+  if (sqlite3_changes(db_) == 0) return NotFound("session '" + id + "' does not exist");
+  return Status::Ok();
+}
+
 Status Catalog::AddUsage(const std::string& tenant, const Usage& d) {
   std::lock_guard<std::mutex> lock(mu_);
   Stmt s(db_,

@@ -45,6 +45,22 @@ class Catalog {
   std::optional<Pin> FindPin(const std::string& tenant, const std::string& name) const;
   Status DeletePin(const std::string& tenant, const std::string& name);
 
+  // A conversation kept by the daemon; `body` is the route layer's JSON (messages, tools,
+  // settings, turn boundaries), stored as given.
+  struct Session {
+    std::string id;
+    std::string tenant;
+    std::string title;
+    int64_t created = 0;  // Unix seconds.
+    int64_t last_used = 0;
+    int64_t tokens = 0;  // Of its last turn: prompt plus output.
+    std::string body;
+  };
+  Status PutSession(const Session& s);  // Insert or replace.
+  std::optional<Session> FindSession(const std::string& tenant, const std::string& id) const;
+  std::vector<Session> Sessions(const std::string& tenant) const;  // Most recently used first.
+  Status DeleteSession(const std::string& tenant, const std::string& id);
+
   struct Usage {
     int64_t requests = 0;
     int64_t prompt_tokens = 0;

@@ -137,6 +137,9 @@ class Engine {
     cache::BlockKey snapshot;
   };
   PrefixKeys KeysFor(std::span<const int32_t> tokens, const std::string& tenant) const;
+  // Bytes of one KV block (the prefix cache's unit).
+  size_t block_bytes() const { return forward_->pool()->block_bytes(); }
+  int64_t block_tokens() const { return forward_->block_tokens(); }
   // Tokens a restore from blocks alone runs again (CpuForward::ExactReplayTokens).
   int64_t exact_replay_tokens() const { return forward_->ExactReplayTokens(); }
 

@@ -121,6 +121,25 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               [this](const auto& req, auto& res, const PathParams&) { CountTokens(req, res); });
   router_.Add("POST", "/v1/responses",
               [this](const auto& req, auto& res, const PathParams&) { Responses(req, res); });
+  router_.Add("POST", "/v1/sessions",
+              [this](const auto& req, auto& res, const PathParams&) { CreateSession(req, res); });
+  router_.Add("GET", "/v1/sessions",
+              [this](const auto& req, auto& res, const PathParams&) { ListSessions(req, res); });
+  router_.Add("GET", "/v1/sessions/{id}", [this](const auto& req, auto& res, const PathParams& p) {
+    GetSession(req, res, p.at("id"));
+  });
+  router_.Add("DELETE", "/v1/sessions/{id}",
+              [this](const auto& req, auto& res, const PathParams& p) {
+                DeleteSession(req, res, p.at("id"));
+              });
+  router_.Add("POST", "/v1/sessions/{id}/turns",
+              [this](const auto& req, auto& res, const PathParams& p) {
+                SessionTurn(req, res, p.at("id"));
+              });
+  router_.Add("POST", "/v1/sessions/{id}/fork",
+              [this](const auto& req, auto& res, const PathParams& p) {
+                ForkSession(req, res, p.at("id"));
+              });
   router_.Add("GET", "/v1/cache",
               [this](const auto& req, auto& res, const PathParams&) { CacheStats(req, res); });
   router_.Add("POST", "/v1/cache/pins",

@@ -69,11 +69,28 @@ class Api {
   void Completions(const httplib::Request& req, httplib::Response& res) const;
   // POST /v1/chat/completions (OpenAI): tools-api/chat_completions.cc.
   void ChatCompletions(const httplib::Request& req, httplib::Response& res) const;
+  // Serves an OpenAI chat body for `tenant`; `on_done`, when set, gets the assistant message as
+  // a client would send it back, and the final event, when the generation ends normally.
+  using ChatDone =
+      std::function<void(const nlohmann::json& message, const engine::GenerationEvent& done)>;
+  void ServeChat(const nlohmann::json& body, const ojson& ordered, const std::string& tenant,
+                 std::chrono::steady_clock::time_point arrived, httplib::Response& res,
+                 ChatDone on_done) const;
   // messages.cc: Anthropic's Messages API.
   void Messages(const httplib::Request& req, httplib::Response& res) const;
   void MessagesImpl(const httplib::Request& req, httplib::Response& res,
                     std::chrono::steady_clock::time_point arrived) const;
   void CountTokens(const httplib::Request& req, httplib::Response& res) const;
+  // sessions.cc: flashd sessions.
+  void CreateSession(const httplib::Request& req, httplib::Response& res) const;
+  void SessionTurn(const httplib::Request& req, httplib::Response& res,
+                   const std::string& id) const;
+  void ForkSession(const httplib::Request& req, httplib::Response& res,
+                   const std::string& id) const;
+  void ListSessions(const httplib::Request& req, httplib::Response& res) const;
+  void GetSession(const httplib::Request& req, httplib::Response& res, const std::string& id) const;
+  void DeleteSession(const httplib::Request& req, httplib::Response& res,
+                     const std::string& id) const;
   // responses.cc: OpenAI's Responses API.
   void Responses(const httplib::Request& req, httplib::Response& res) const;
   // cache_routes.cc: GET /v1/cache, POST /v1/cache/pins, DELETE /v1/cache/pins/{name}.
@@ -81,6 +98,9 @@ class Api {
   void CreatePin(const httplib::Request& req, httplib::Response& res) const;
   void DeletePin(const httplib::Request& req, httplib::Response& res,
                  const std::string& name) const;
+  // Prefills `tokens` for `tenant` and pins its blocks and end state under `name`.
+  Status PinTokens(const std::vector<int32_t>& tokens, const std::string& tenant,
+                   const std::string& name, size_t* blocks) const;
   // The tenant a request acts for: its prefix-cache namespace and the owner of its pins.
   std::string TenantOf(const httplib::Request& req) const;
   static std::optional<std::string> PresentedKey(const httplib::Request& req);

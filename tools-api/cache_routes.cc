@@ -83,8 +83,7 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
   if (eng == nullptr || eng->tokenizer() == nullptr) {
     return WriteError(res, 503, "unavailable_error", "the model is not loaded yet; see /health");
   }
-  cache::BlockStore* store = const_cast<cache::BlockStore*>(eng->cache());
-  if (store == nullptr || catalog_ == nullptr) {
+  if (eng->cache() == nullptr || catalog_ == nullptr) {
     return WriteError(res, 503, "unavailable_error", "the prefix cache is off; see the log");
   }
   json body;
@@ -136,8 +135,30 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
   }
   if (tokens.empty()) return WriteError(res, 400, "invalid_request_error", "the prefix is empty");
 
-  // Prefill it like a prompt; the engine stores its blocks and its end state.
   const std::string tenant = TenantOf(req);
+  size_t blocks = 0;
+  if (Status st = PinTokens(tokens, tenant, name, &blocks); !st.ok()) {
+    const int status = st.code() == StatusCode::kResourceExhausted ? 507 : HttpStatusFor(st);
+    return WriteError(res, status, status == 507 ? "storage_error" : ErrorTypeFor(status),
+                      st.message());
+  }
+  res.status = 201;
+  res.set_content(json{{"object", "cache.pin"},
+                       {"name", name},
+                       {"tokens", tokens.size()},
+                       {"blocks", blocks},
+                       {"tenant", tenant}}
+                      .dump(),
+                  "application/json");
+}
+
+Status Api::PinTokens(const std::vector<int32_t>& tokens, const std::string& tenant,
+                      const std::string& name, size_t* blocks) const {
+  engine::Engine* eng = engine();
+  cache::BlockStore* store =
+      eng == nullptr ? nullptr : const_cast<cache::BlockStore*>(eng->cache());
+  if (store == nullptr || catalog_ == nullptr) return Unavailable("the prefix cache is off");
+  // Prefill it like a prompt; the engine stores its blocks and its end state.
   engine::GenerationRequest g;
   g.prompt = tokens;
   g.tenant = tenant;
@@ -147,17 +168,13 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
   for (;;) {
     std::optional<engine::GenerationEvent> e = queue->Pop(std::chrono::hours(24));
     if (!e || e->kind != engine::GenerationEvent::Kind::kDone) continue;
-    if (e->finish_reason == "error") {
-      const int status = HttpStatusFor(e->error);
-      return WriteError(res, status, ErrorTypeFor(status), e->error.message());
-    }
+    if (e->finish_reason == "error") return e->error;
     break;
   }
   store->Flush();
   const engine::Engine::PrefixKeys keys = eng->KeysFor(tokens, tenant);
   if (store->PresentPrefix(keys.blocks) != keys.blocks.size()) {
-    return WriteError(res, 507, "storage_error",
-                      "the prefix could not be stored (cache degraded or over its quota)");
+    return ResourceExhausted("the prefix could not be stored (cache degraded or over its quota)");
   }
   // A pin of the same name is replaced: unpin the old one's entries.
   if (auto old = catalog_->FindPin(tenant, name)) {
@@ -171,18 +188,12 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
   if (Status s = catalog_->PutPin(pin); !s.ok()) {
     store->Unpin(keys.blocks);
     store->Unpin(std::span(&keys.snapshot, 1));
-    return WriteError(res, 500, "internal_error", s.message());
+    return s;
   }
   spdlog::info("cache pin '{}' of tenant '{}': {} tokens, {} blocks", name, tenant, tokens.size(),
                keys.blocks.size());
-  res.status = 201;
-  res.set_content(json{{"object", "cache.pin"},
-                       {"name", name},
-                       {"tokens", tokens.size()},
-                       {"blocks", keys.blocks.size()},
-                       {"tenant", tenant}}
-                      .dump(),
-                  "application/json");
+  *blocks = keys.blocks.size();
+  return Status::Ok();
 }
 
 void Api::DeletePin(const httplib::Request& req, httplib::Response& res,

@@ -244,20 +244,25 @@ using namespace chat;
 
 void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) const {
   const auto arrived = std::chrono::steady_clock::now();
+  json body;
+  if (!ParseJsonBody(req, res, &body)) return;
+  ServeChat(body, ojson::parse(req.body), TenantOf(req), arrived, res, nullptr);
+}
+
+void Api::ServeChat(const json& body, const ojson& ordered, const std::string& tenant,
+                    std::chrono::steady_clock::time_point arrived, httplib::Response& res,
+                    ChatDone on_done) const {
   engine::Engine* eng = engine();
   if (eng == nullptr || eng->tokenizer() == nullptr) {
     return WriteError(res, 503, "unavailable_error",
                       "no model with a tokenizer is loaded yet; see /health");
   }
-  json body;
-  if (!ParseJsonBody(req, res, &body)) return;
-  const ojson ordered = ojson::parse(req.body);
   ChatRequest cr;
   if (auto e = ParseChat(body, ordered, model_.id, *eng, &ledger_, &cr)) {
     return WriteError(res, e->status, e->type, e->message);
   }
   const std::string id = NewId("chatcmpl-");
-  cr.gen.tenant = TenantOf(req);
+  cr.gen.tenant = tenant;
   std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
@@ -266,52 +271,6 @@ void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) c
       std::make_shared<Assembler>(cr.options.thinking, &ledger_, cr.parallel_tool_calls);
   const std::vector<json> opening = assembler->Feed(cr.forced);
   const bool logprobs = cr.logprobs;
-
-  if (cr.stream) {
-    auto chunk = [id, created, model = model_.id, usage = cr.include_usage](
-                     const json& delta, const json& lp, const json& finish) {
-      json c = {
-          {"id", id},
-          {"object", "chat.completion.chunk"},
-          {"created", created},
-          {"model", model},
-          {"choices",
-           json::array(
-               {{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}}})}};
-      if (usage) c["usage"] = nullptr;
-      return c;
-    };
-    auto opened = std::make_shared<bool>(false);
-    ServeStream(res, g, [=, usage = cr.include_usage](const GenerationEvent& e, std::string* out) {
-      if (!*opened) {
-        *opened = true;
-        *out += SseEvent(chunk({{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
-        for (const json& d : opening) *out += SseEvent(chunk(d, nullptr, nullptr));
-      }
-      if (e.kind == GenerationEvent::Kind::kToken) {
-        std::vector<json> deltas = assembler->Feed(e.text);
-        json lp = nullptr;
-        if (logprobs) {
-          lp = {{"content", json::array({TokenLogprobs(tok, e)})}};
-          if (deltas.empty()) deltas.push_back(json::object());
-        }
-        for (size_t i = 0; i < deltas.size(); ++i) {
-          *out += SseEvent(chunk(deltas[i], i == 0 ? lp : json(), nullptr));
-        }
-        return;
-      }
-      for (const json& d : assembler->Finish()) *out += SseEvent(chunk(d, nullptr, nullptr));
-      *out += SseEvent(chunk(json::object(), nullptr, FinishReason(e, assembler->called_tools())));
-      if (usage) {
-        json u = chunk(json::object(), nullptr, nullptr);
-        u["choices"] = json::array();
-        u["usage"] = ChatUsage(e);
-        *out += SseEvent(u);
-      }
-    });
-    return;
-  }
-
   struct State {
     std::string content;
     std::string reasoning;
@@ -339,6 +298,65 @@ void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) c
     }
   };
   absorb(opening);
+  // The assistant message, as a client would send it back.
+  auto message_of = [st]() {
+    json message = {{"role", "assistant"}};
+    message["content"] =
+        st->content.empty() && !st->tool_calls.empty() ? json() : json(st->content);
+    if (!st->reasoning.empty()) message["reasoning_content"] = st->reasoning;
+    if (!st->tool_calls.empty()) message["tool_calls"] = st->tool_calls;
+    return message;
+  };
+
+  if (cr.stream) {
+    auto chunk = [id, created, model = model_.id, usage = cr.include_usage](
+                     const json& delta, const json& lp, const json& finish) {
+      json c = {
+          {"id", id},
+          {"object", "chat.completion.chunk"},
+          {"created", created},
+          {"model", model},
+          {"choices",
+           json::array(
+               {{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}}})}};
+      if (usage) c["usage"] = nullptr;
+      return c;
+    };
+    auto opened = std::make_shared<bool>(false);
+    ServeStream(res, g, [=, usage = cr.include_usage](const GenerationEvent& e, std::string* out) {
+      if (!*opened) {
+        *opened = true;
+        *out += SseEvent(chunk({{"role", "assistant"}, {"content", ""}}, nullptr, nullptr));
+        for (const json& d : opening) *out += SseEvent(chunk(d, nullptr, nullptr));
+      }
+      if (e.kind == GenerationEvent::Kind::kToken) {
+        std::vector<json> deltas = assembler->Feed(e.text);
+        absorb(deltas);
+        json lp = nullptr;
+        if (logprobs) {
+          lp = {{"content", json::array({TokenLogprobs(tok, e)})}};
+          if (deltas.empty()) deltas.push_back(json::object());
+        }
+        for (size_t i = 0; i < deltas.size(); ++i) {
+          *out += SseEvent(chunk(deltas[i], i == 0 ? lp : json(), nullptr));
+        }
+        return;
+      }
+      const std::vector<json> last = assembler->Finish();
+      absorb(last);
+      for (const json& d : last) *out += SseEvent(chunk(d, nullptr, nullptr));
+      *out += SseEvent(chunk(json::object(), nullptr, FinishReason(e, assembler->called_tools())));
+      if (on_done) on_done(message_of(), e);
+      if (usage) {
+        json u = chunk(json::object(), nullptr, nullptr);
+        u["choices"] = json::array();
+        u["usage"] = ChatUsage(e);
+        *out += SseEvent(u);
+      }
+    });
+    return;
+  }
+
   ServeWhole(
       res, g,
       [=](const GenerationEvent& e) {
@@ -347,11 +365,8 @@ void Api::ChatCompletions(const httplib::Request& req, httplib::Response& res) c
       },
       [=, model = model_.id](const GenerationEvent& done) {
         absorb(assembler->Finish());
-        json message = {{"role", "assistant"}};
-        message["content"] =
-            st->content.empty() && !st->tool_calls.empty() ? json() : json(st->content);
-        if (!st->reasoning.empty()) message["reasoning_content"] = st->reasoning;
-        if (!st->tool_calls.empty()) message["tool_calls"] = st->tool_calls;
+        const json message = message_of();
+        if (on_done) on_done(message, done);
         return json{
             {"id", id},
             {"object", "chat.completion"},

@@ -265,6 +265,81 @@ BOOST_AUTO_TEST_CASE(tenants_are_isolated_and_keys_are_checked) {
   BOOST_TEST(!Contains(d.log(), bob), "a key was logged");
 }
 
+json Post(httplib::Client& c, const std::string& path, const json& body, int want) {
+  auto r = c.Post(path, body.dump(), "application/json");
+  BOOST_REQUIRE(r);
+  BOOST_REQUIRE_MESSAGE(r->status == want, path << ": " << r->status << " " << r->body);
+  return json::parse(r->body);
+}
+
+// Sessions: the client sends only what is new; each turn resumes the previous one from the
+// cache; sessions survive a restart; a fork shares its origin's prefix.
+BOOST_AUTO_TEST_CASE(sessions_keep_the_conversation_across_turns_restarts_and_forks) {
+  TempDir tmp;
+  std::string id;
+  json turn1, turn2;
+  const json settings = {{"temperature", 0}, {"max_tokens", 6}};
+  {
+    DaemonProcess d({tmp.path(), "", {}, {}});
+    BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+    auto c = Client(d);
+    const json created = Post(
+        *c, "/v1/sessions",
+        {{"title", "refactor"},
+         {"system", "You are a coding agent working on a C++ daemon."},
+         {"tools",
+          json::array(
+              {{{"type", "function"},
+                {"function", {{"name", "read_file"}, {"parameters", {{"type", "object"}}}}}}})},
+         {"settings", settings}},
+        201);
+    id = created["id"];
+    BOOST_TEST(id.rfind("sess_", 0) == 0u);
+    turn1 = Post(*c, "/v1/sessions/" + id + "/turns",
+                 {{"messages", {{{"role", "user"}, {"content", "Read main.cc"}}}}}, 200);
+    BOOST_TEST(turn1["object"] == "chat.completion");
+    turn2 = Post(*c, "/v1/sessions/" + id + "/turns",
+                 {{"messages", {{{"role", "user"}, {"content", "And now util.cc"}}}}}, 200);
+    // Everything up to the end of turn 1's prompt came from the cache.
+    BOOST_TEST(turn2["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>() >=
+                   turn1["usage"]["prompt_tokens"].get<int>(),
+               turn2["usage"].dump());
+    BOOST_TEST(d.Stop(SIGTERM) == 0);
+  }
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  auto c = Client(d);
+  const json got = Get(*c, "/v1/sessions/" + id);
+  BOOST_TEST(got["turns"] == 2);
+  BOOST_TEST(got["conversation"].size() == 4u);  // Two user messages, two replies.
+  BOOST_TEST(got["conversation"][1]["role"] == "assistant");
+  BOOST_TEST(got["cached_tokens"].get<int>() > 0, got.dump());
+  const json turn3 = Post(*c, "/v1/sessions/" + id + "/turns",
+                          {{"messages", {{{"role", "user"}, {"content", "Thanks"}}}}}, 200);
+  BOOST_TEST(turn3["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>() >=
+                 turn2["usage"]["prompt_tokens"].get<int>(),
+             turn3["usage"].dump());
+  // A fork after turn 1 continues from there, sharing that prefix.
+  const json fork = Post(*c, "/v1/sessions/" + id + "/fork", {{"turn", 1}}, 201);
+  BOOST_TEST(fork["turns"] == 1);
+  const json branch = Post(*c, "/v1/sessions/" + fork["id"].get<std::string>() + "/turns",
+                           {{"messages", {{{"role", "user"}, {"content", "Other idea"}}}}}, 200);
+  BOOST_TEST(branch["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>() >=
+                 turn1["usage"]["prompt_tokens"].get<int>(),
+             branch["usage"].dump());
+  BOOST_TEST(Get(*c, "/v1/sessions")["data"].size() == 2u);
+  BOOST_TEST(Get(*c, "/v1/sessions/" + id)["turns"] == 3);
+  // Errors name what is wrong; deleting leaves the other session.
+  Post(*c, "/v1/sessions/" + id + "/turns", {{"messages", json::array()}}, 400);
+  Post(*c, "/v1/sessions/sess_nope/turns", {{"messages", {{{"role", "user"}, {"content", "x"}}}}},
+       404);
+  Post(*c, "/v1/sessions/" + id + "/fork", {{"turn", 9}}, 400);
+  Post(*c, "/v1/sessions", {{"settings", {{"colour", 1}}}}, 400);
+  BOOST_TEST(c->Delete("/v1/sessions/" + id)->status == 200);
+  BOOST_TEST(c->Get("/v1/sessions/" + id)->status == 404);
+  BOOST_TEST(Get(*c, "/v1/sessions")["data"].size() == 1u);
+}
+
 BOOST_AUTO_TEST_CASE(a_public_address_without_keys_refuses_to_start) {
   TempDir tmp;
   DaemonProcess d({tmp.path(), "", {{"FLASHD_LISTEN", "0.0.0.0:0"}}, {}});
