@@ -14,9 +14,14 @@ ElasticTaskQueue::ElasticTaskQueue(size_t core, size_t max)
 ElasticTaskQueue::~ElasticTaskQueue() { shutdown(); }
 
 void ElasticTaskQueue::Spawn(bool core) {
+  for (size_t slot : left_) {
+    workers_[slot].join();  // It has returned: nothing left for it to lock.
+    workers_.erase(slot);
+  }
+  left_.clear();
   threads_ += 1;
-  // Detached: a worker that leaves must not wait to be joined; shutdown() waits on the count.
-  std::thread([this, core] { Work(core); }).detach();
+  const size_t slot = next_slot_++;
+  workers_[slot] = std::thread([this, core, slot] { Work(core, slot); });
 }
 
 void ElasticTaskQueue::enqueue(std::function<void()> fn) {
@@ -26,7 +31,7 @@ void ElasticTaskQueue::enqueue(std::function<void()> fn) {
   work_cv_.notify_one();
 }
 
-void ElasticTaskQueue::Work(bool core) {
+void ElasticTaskQueue::Work(bool core, size_t slot) {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
     idle_ += 1;
@@ -48,6 +53,7 @@ void ElasticTaskQueue::Work(bool core) {
     lock.lock();
   }
   threads_ -= 1;
+  left_.push_back(slot);
   gone_cv_.notify_all();
 }
 
@@ -56,6 +62,11 @@ void ElasticTaskQueue::shutdown() {
   stopping_ = true;
   work_cv_.notify_all();
   gone_cv_.wait(lock, [&] { return threads_ == 0; });
+  std::map<size_t, std::thread> workers;
+  workers.swap(workers_);
+  left_.clear();
+  lock.unlock();
+  for (auto& [slot, t] : workers) t.join();
 }
 
 size_t ElasticTaskQueue::threads() const {

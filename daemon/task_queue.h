@@ -11,7 +11,10 @@
 #include <cstddef>
 #include <deque>
 #include <functional>
+#include <map>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 namespace flashd::daemon {
 
@@ -28,7 +31,7 @@ class ElasticTaskQueue : public httplib::TaskQueue {
 
  private:
   void Spawn(bool core);  // Requires mu_.
-  void Work(bool core);
+  void Work(bool core, size_t slot);
 
   const size_t core_, max_;
   mutable std::mutex mu_;
@@ -37,6 +40,11 @@ class ElasticTaskQueue : public httplib::TaskQueue {
   size_t threads_ = 0;                      // Guarded by mu_.
   size_t idle_ = 0;                         // Guarded by mu_.
   bool stopping_ = false;                   // Guarded by mu_.
+  // Every worker's thread, joined when it has left (a later Spawn) or at shutdown: a thread is
+  // never left running against a destroyed queue.
+  std::map<size_t, std::thread> workers_;  // Guarded by mu_.
+  std::vector<size_t> left_;               // Guarded by mu_: workers that have returned.
+  size_t next_slot_ = 0;                   // Guarded by mu_.
 };
 
 }  // namespace flashd::daemon
