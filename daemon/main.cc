@@ -127,6 +127,9 @@ int Serve(const std::vector<std::string>& args) {
 
   // A client that disconnects mid-response must not kill the daemon.
   ::signal(SIGPIPE, SIG_IGN);
+  // A file-size limit must fail a write (the prefix cache then stops writing and serving goes
+  // on), not kill the daemon.
+  ::signal(SIGXFSZ, SIG_IGN);
   auto daemon = daemon::Daemon::Start(*config);
   if (!daemon.ok()) {
     spdlog::error("{}", daemon.status().message());

@@ -340,6 +340,31 @@ BOOST_AUTO_TEST_CASE(sessions_keep_the_conversation_across_turns_restarts_and_fo
   BOOST_TEST(Get(*c, "/v1/sessions")["data"].size() == 1u);
 }
 
+// Disk full, as a file-size limit on the daemon: cache writes fail and stop, /health says
+// degraded, and requests are still answered, exactly.
+BOOST_AUTO_TEST_CASE(a_full_disk_degrades_the_cache_but_serving_goes_on) {
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  d.set_wrapper({"/usr/bin/prlimit", "--fsize=" + std::to_string(1 << 20)});
+  BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  auto c = Client(d);
+  // More KV than a megabyte: the write-ahead log reaches the limit.
+  for (int i = 0; i < 8 && Get(*c, "/health")["status"] != "degraded"; ++i) {
+    BOOST_REQUIRE(Ask(*c, Ids(1200, 200 + i), 2).status == 200);
+    for (int j = 0; j < 20 && Metric(*c, "flashd_prefix_cache_degraded") != 1; ++j) {
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  auto health = c->Get("/health");
+  BOOST_TEST(health->status == 200);  // Degraded, not down.
+  BOOST_TEST(Contains(health->body, "\"status\":\"degraded\""), health->body);
+  BOOST_TEST(Metric(*c, "flashd_prefix_cache_write_failures_total") >= 1);
+  const std::vector<int> p = Ids(300, 300);
+  const Answer a = Ask(*c, p);
+  BOOST_TEST(Same(a, Fresh(p)), a.raw);
+  BOOST_TEST(Contains(d.log(), "no more entries are written"), d.log());
+}
+
 BOOST_AUTO_TEST_CASE(a_public_address_without_keys_refuses_to_start) {
   TempDir tmp;
   DaemonProcess d({tmp.path(), "", {{"FLASHD_LISTEN", "0.0.0.0:0"}}, {}});

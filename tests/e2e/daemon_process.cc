@@ -110,7 +110,9 @@ bool DaemonProcess::Start(std::chrono::seconds timeout) {
   for (const auto& [k, v] : options_.env) env[k] = v;
   options_.env = env;
 
-  std::vector<std::string> args = {FLASHD_BINARY, "serve"};
+  std::vector<std::string> args = wrapper_;
+  args.push_back(FLASHD_BINARY);
+  args.push_back("serve");
   std::string config = options_.config_yaml;
   if (config.empty()) {
     config = "server:\n  pid_file: " + pid_file() + "\n  shutdown_grace_seconds: 5\n";

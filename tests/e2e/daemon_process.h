@@ -68,6 +68,9 @@ class DaemonProcess {
   // Waits for an exit that the process makes by itself (after a failed start).
   int Wait(std::chrono::seconds timeout = std::chrono::seconds(30));
 
+  // A command the binary runs under, e.g. {"/usr/bin/prlimit", "--fsize=1000000"}.
+  void set_wrapper(std::vector<std::string> wrapper) { wrapper_ = std::move(wrapper); }
+
   pid_t pid() const { return pid_; }
   int port() const { return port_; }
   std::string socket_path() const;
@@ -77,6 +80,7 @@ class DaemonProcess {
 
  private:
   Options options_;
+  std::vector<std::string> wrapper_;
   pid_t pid_ = -1;
   int stdout_fd_ = -1;
   int port_ = -1;
