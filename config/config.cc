@@ -192,6 +192,7 @@ std::string KnownKeysUnder(const std::string& prefix) {
   };
   for (const Field& f : Schema()) take(f.key);
   take("auth.keys");
+  take("auth.groups");
   if (prefix.empty()) {
     for (const std::string& s : Sections()) take(s);
   }
@@ -243,6 +244,31 @@ struct Walker {
     return Status::Ok();
   }
 
+  // auth.groups: a mapping of group names to lists of tenants.
+  Status WalkGroups(const YAML::Node& at, const YAML::Node& value) {
+    if (value.IsNull()) return Status::Ok();
+    if (!value.IsMap()) return Error(at, "auth.groups", "expected a mapping of group: [tenants]");
+    for (const auto& kv : value) {
+      const std::string group = kv.first.IsScalar() ? kv.first.Scalar() : "";
+      const std::string where = "auth.groups." + group;
+      if (group.empty() || group.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRS"
+                                                   "TUVWXYZ0123456789-_.") != std::string::npos) {
+        return Error(kv.first, where, "a group name is letters, digits, '-', '_' or '.'");
+      }
+      if (!kv.second.IsSequence()) return Error(kv.first, where, "expected a list of tenants");
+      std::vector<std::string> members;
+      for (const auto& m : kv.second) {
+        if (!m.IsScalar() || m.Scalar().empty()) {
+          return Error(kv.first, where, "expected a list of tenant names");
+        }
+        members.push_back(m.Scalar());
+      }
+      config->auth.groups[group] = members;
+      config->origin[where] = At(kv.first);
+    }
+    return Status::Ok();
+  }
+
   Status WalkMap(const YAML::Node& map, const std::string& prefix) {
     std::set<std::string> seen;
     for (const auto& kv : map) {
@@ -262,6 +288,10 @@ struct Walker {
       }
       if (key == "auth.keys") {
         FLASHD_RETURN_IF_ERROR(WalkKeys(kv.first, value));
+        continue;
+      }
+      if (key == "auth.groups") {
+        FLASHD_RETURN_IF_ERROR(WalkGroups(kv.first, value));
         continue;
       }
       const Field* field = FindField(key);

@@ -13,6 +13,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "config/status.h"
 
@@ -63,6 +64,9 @@ struct AuthConfig {
   // Tenant name -> API key. Empty: no keys; every request is the tenant "default", and the TCP
   // listener must be on a loopback address.
   std::map<std::string, std::string> keys;
+  // Group name -> member tenants. A member can publish a prefix to its group (a pin with
+  // "group"), and every member's requests may start from the group's published prefixes.
+  std::map<std::string, std::vector<std::string>> groups;
 };
 
 struct Config {

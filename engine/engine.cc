@@ -242,13 +242,46 @@ void Engine::PlanRestore(Sequence& s) {
   const int64_t usable = static_cast<int64_t>(prompt.size()) - 1;
   const cache::KeyContext ctx = KeyContextFor(s, false);
   const cache::KeyContext snap_ctx = KeyContextFor(s, true);
+  // The chain of the prompt's full blocks: the tenant's own, or a prefix published to a group
+  // the tenant belongs to, continued in the tenant's namespace; whichever holds more.
   std::vector<cache::BlockKey> keys;
-  cache::BlockKey parent;
-  for (int64_t j = 0; (j + 1) * B <= usable; ++j) {
-    parent = cache::ChainBlockKey(parent, std::span(prompt).subspan(j * B, B), ctx);
-    keys.push_back(parent);
+  size_t have = 0;
+  cache::KeyContext shared_snap_ctx = snap_ctx;
+  auto candidate = [&](const cache::KeyContext* shared) {
+    std::vector<cache::BlockKey> k;
+    cache::BlockKey parent;
+    size_t j = 0;
+    if (shared != nullptr) {
+      std::vector<cache::BlockKey> g;
+      for (; static_cast<int64_t>(j + 1) * B <= usable; ++j) {
+        parent = cache::ChainBlockKey(parent, std::span(prompt).subspan(j * B, B), *shared);
+        g.push_back(parent);
+      }
+      const size_t present = store.PresentPrefix(g);
+      if (present == 0) return;
+      k.assign(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(present));
+      parent = k.back();
+      j = present;
+    }
+    for (; static_cast<int64_t>(j + 1) * B <= usable; ++j) {
+      parent = cache::ChainBlockKey(parent, std::span(prompt).subspan(j * B, B), ctx);
+      k.push_back(parent);
+    }
+    const size_t n = store.PresentPrefix(k);
+    if (keys.empty() || n > have) {
+      keys = std::move(k);
+      have = n;
+      if (shared != nullptr) {
+        shared_snap_ctx = *shared;
+        shared_snap_ctx.format_version |= 0x80000000u;
+      }
+    }
+  };
+  candidate(nullptr);
+  for (const std::string& ns : s.request.shared_namespaces) {
+    const cache::KeyContext shared{fingerprint_, kCacheFormat, ns};
+    candidate(&shared);
   }
-  size_t have = store.PresentPrefix(keys);
   const int64_t replay = forward_->ExactReplayTokens();
   for (int attempt = 0; attempt < 3; ++attempt) {
     Sequence::Restore plan;
@@ -263,7 +296,10 @@ void Engine::PlanRestore(Sequence& s) {
         const int64_t at = static_cast<int64_t>(j) * B + static_cast<int64_t>(ref.tail.size());
         if (at > usable || at <= snap_at) continue;
         if (!std::equal(ref.tail.begin(), ref.tail.end(), prompt.begin() + j * B)) continue;
-        if (!(cache::ChainBlockKey(under, ref.tail, snap_ctx) == ref.key)) continue;
+        if (!(cache::ChainBlockKey(under, ref.tail, snap_ctx) == ref.key) &&
+            !(cache::ChainBlockKey(under, ref.tail, shared_snap_ctx) == ref.key)) {
+          continue;
+        }
         snap_at = at;
         snap_blocks = j;
         snap_key = ref.key;

@@ -55,6 +55,9 @@ struct GenerationRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   std::string tenant = "default";  // Also the prefix cache's namespace: tenants never share.
+  // Namespaces whose stored prefixes this request may also start from (prefixes published to a
+  // group the tenant belongs to); what it stores itself stays in the tenant's namespace.
+  std::vector<std::string> shared_namespaces;
 };
 
 struct GenerationEvent {

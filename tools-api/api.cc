@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
@@ -219,6 +220,20 @@ std::optional<std::string> Api::TenantForKey(const std::string& presented) const
   }
   if (found == nullptr) return std::nullopt;
   return *found;
+}
+
+std::vector<std::string> Api::GroupsOf(const std::string& tenant) const {
+  std::vector<std::string> out;
+  for (const auto& [group, members] : config_.auth.groups) {
+    if (std::find(members.begin(), members.end(), tenant) != members.end()) out.push_back(group);
+  }
+  return out;
+}
+
+std::vector<std::string> Api::SharedNamespacesOf(const std::string& tenant) const {
+  std::vector<std::string> out;
+  for (const std::string& g : GroupsOf(tenant)) out.push_back("group:" + g);
+  return out;
 }
 
 std::string Api::TenantOf(const httplib::Request& req) const {

@@ -104,6 +104,9 @@ class Api {
   // The tenant a request acts for: its prefix-cache namespace and the owner of its pins.
   std::string TenantOf(const httplib::Request& req) const;
   static std::optional<std::string> PresentedKey(const httplib::Request& req);
+  // auth.groups the tenant belongs to, and their cache namespaces ("group:NAME").
+  std::vector<std::string> GroupsOf(const std::string& tenant) const;
+  std::vector<std::string> SharedNamespacesOf(const std::string& tenant) const;
   // The tenant whose key this is; compared in constant time, never logged.
   std::optional<std::string> TenantForKey(const std::string& presented) const;
 

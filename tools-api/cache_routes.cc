@@ -8,6 +8,7 @@
 // and snapshot are pinned and the pin is recorded in the catalog, which survives restarts.
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 
 #include "tools-api/api.h"
@@ -45,10 +46,17 @@ void Api::CacheStats(const httplib::Request& req, httplib::Response& res) const 
   const engine::Engine::Stats e = eng->stats();
   const std::string tenant = TenantOf(req);
   json pins = json::array();
+  const std::vector<std::string> groups = GroupsOf(tenant);
   if (catalog_ != nullptr) {
     for (const cache::Catalog::Pin& p : catalog_->Pins()) {
-      if (p.tenant != tenant) continue;
+      json group = nullptr;  // Null: the tenant's own; else the group it is published to.
+      if (p.tenant != tenant) {
+        const std::string g = p.tenant.rfind("group:", 0) == 0 ? p.tenant.substr(6) : "";
+        if (g.empty() || std::find(groups.begin(), groups.end(), g) == groups.end()) continue;
+        group = g;
+      }
       pins.push_back({{"name", p.name},
+                      {"group", group},
                       {"tokens", p.tokens},
                       {"blocks", p.chain.size()},
                       {"created", p.created}});
@@ -57,7 +65,7 @@ void Api::CacheStats(const httplib::Request& req, httplib::Response& res) const 
   json body = {
       {"object", "cache"},
       {"tenant", tenant},
-      {"shared_with_other_tenants", false},
+      {"groups", groups},
       {"block_tokens", config_.cache.block_tokens},
       {"blocks", c.blocks},
       {"snapshots", c.snapshots},
@@ -135,7 +143,19 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
   }
   if (tokens.empty()) return WriteError(res, 400, "invalid_request_error", "the prefix is empty");
 
-  const std::string tenant = TenantOf(req);
+  std::string tenant = TenantOf(req);
+  json group = nullptr;
+  if (body.contains("group")) {
+    // Published to a group: stored in the group's namespace, read by every member.
+    const std::vector<std::string> groups = GroupsOf(tenant);
+    if (!body["group"].is_string() ||
+        std::find(groups.begin(), groups.end(), body["group"].get<std::string>()) == groups.end()) {
+      return WriteError(res, 403, "permission_error",
+                        "group: tenant '" + tenant + "' is not a member of that group");
+    }
+    group = body["group"];
+    tenant = "group:" + body["group"].get<std::string>();
+  }
   size_t blocks = 0;
   if (Status st = PinTokens(tokens, tenant, name, &blocks); !st.ok()) {
     const int status = st.code() == StatusCode::kResourceExhausted ? 507 : HttpStatusFor(st);
@@ -147,7 +167,7 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
                        {"name", name},
                        {"tokens", tokens.size()},
                        {"blocks", blocks},
-                       {"tenant", tenant}}
+                       {"group", group}}
                       .dump(),
                   "application/json");
 }
@@ -204,7 +224,16 @@ void Api::DeletePin(const httplib::Request& req, httplib::Response& res,
   if (store == nullptr || catalog_ == nullptr) {
     return WriteError(res, 503, "unavailable_error", "the prefix cache is off; see the log");
   }
-  const std::string tenant = TenantOf(req);
+  std::string tenant = TenantOf(req);
+  if (req.has_param("group")) {
+    const std::string g = req.get_param_value("group");
+    const std::vector<std::string> groups = GroupsOf(tenant);
+    if (std::find(groups.begin(), groups.end(), g) == groups.end()) {
+      return WriteError(res, 403, "permission_error",
+                        "group: tenant '" + tenant + "' is not a member of that group");
+    }
+    tenant = "group:" + g;
+  }
   std::optional<cache::Catalog::Pin> pin = catalog_->FindPin(tenant, name);
   if (!pin) return WriteError(res, 404, "not_found_error", "pin '" + name + "' does not exist");
   if (Status s = catalog_->DeletePin(tenant, name); !s.ok()) {

@@ -263,6 +263,7 @@ void Api::ServeChat(const json& body, const ojson& ordered, const std::string& t
   }
   const std::string id = NewId("chatcmpl-");
   cr.gen.tenant = tenant;
+  cr.gen.shared_namespaces = SharedNamespacesOf(tenant);
   std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));

@@ -390,6 +390,7 @@ void Api::Responses(const httplib::Request& req, httplib::Response& res) const {
   }
   const std::string id = NewId("resp_");
   cr.gen.tenant = TenantOf(req);
+  cr.gen.shared_namespaces = SharedNamespacesOf(cr.gen.tenant);
   std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
   if (!g) return;
   auto assembler =

@@ -189,6 +189,14 @@ BOOST_AUTO_TEST_CASE(api_keys_map_tenants) {
   BOOST_TEST(Contains(unknown, "expected one of: keys"), unknown);
 }
 
+BOOST_AUTO_TEST_CASE(groups_list_their_tenants) {
+  StatusOr<Config> c = Parse("auth:\n  groups:\n    team: [alice, bob]\n");
+  BOOST_REQUIRE_MESSAGE(c.ok(), c.status().ToString());
+  BOOST_TEST((c->auth.groups.at("team") == std::vector<std::string>{"alice", "bob"}));
+  std::string m = ErrorOf("auth:\n  groups:\n    team: alice\n");
+  BOOST_TEST(Contains(m, "test.yaml:3: auth.groups.team: expected a list of tenants"), m);
+}
+
 BOOST_AUTO_TEST_CASE(a_public_address_needs_api_keys) {
   StatusOr<Config> c = Parse("server:\n  listen: \"0.0.0.0:8741\"\n");
   BOOST_REQUIRE(c.ok());

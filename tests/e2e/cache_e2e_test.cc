@@ -340,6 +340,44 @@ BOOST_AUTO_TEST_CASE(sessions_keep_the_conversation_across_turns_restarts_and_fo
   BOOST_TEST(Get(*c, "/v1/sessions")["data"].size() == 1u);
 }
 
+// A prefix published to a group serves its members, and only them.
+BOOST_AUTO_TEST_CASE(a_prefix_published_to_a_group_is_shared_with_its_members_only) {
+  TempDir tmp;
+  const std::string alice = "alice-key-0123456789", bob = "bob-key-0123456789ab",
+                    carol = "carol-key-0123456789";
+  const std::string config =
+      "server:\n  shutdown_grace_seconds: 5\nauth:\n  keys:\n    alice: " + alice +
+      "\n    bob: " + bob + "\n    carol: " + carol + "\n  groups:\n    team: [alice, bob]\n";
+  DaemonProcess d({tmp.path(), config, {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  auto as = [&](const std::string& key) {
+    auto c = Client(d);
+    c->set_default_headers({{"Authorization", "Bearer " + key}});
+    return c;
+  };
+  std::string text;
+  for (int i = 0; i < 60; ++i) text += "shared tool " + std::to_string(i) + " does a thing; ";
+  const json pin = Post(*as(alice), "/v1/cache/pins",
+                        {{"name", "team-tools"}, {"text", text}, {"group", "team"}}, 201);
+  BOOST_TEST(pin["group"] == "team");
+  auto tok = as(alice)->Post("/tokenize", json{{"text", text}}.dump(), "application/json");
+  const std::vector<int> ids = json::parse(tok->body)["tokens"].get<std::vector<int>>();
+  const std::vector<int> prompt = Concat(ids, Ids(20, 5));
+  // Bob never sent it, and starts from the group's copy; Carol is no member.
+  BOOST_TEST(Ask(*as(bob), prompt).cached == static_cast<int64_t>(ids.size()));
+  BOOST_TEST(Ask(*as(carol), prompt).cached == 0);
+  auto denied = as(carol)->Post("/v1/cache/pins",
+                                json{{"name", "x"}, {"text", text}, {"group", "team"}}.dump(),
+                                "application/json");
+  BOOST_TEST(denied->status == 403);
+  const json bobs = Get(*as(bob), "/v1/cache");
+  BOOST_TEST(bobs["groups"] == json::array({"team"}));
+  BOOST_REQUIRE(bobs["pins"].size() == 1u);
+  BOOST_TEST(bobs["pins"][0]["group"] == "team");
+  BOOST_TEST(Get(*as(carol), "/v1/cache")["pins"].empty());
+  BOOST_TEST(as(bob)->Delete("/v1/cache/pins/team-tools?group=team")->status == 200);
+}
+
 // Disk full, as a file-size limit on the daemon: cache writes fail and stop, /health says
 // degraded, and requests are still answered, exactly.
 BOOST_AUTO_TEST_CASE(a_full_disk_degrades_the_cache_but_serving_goes_on) {
