@@ -268,6 +268,12 @@ Status Catalog::DeleteSession(const std::string& tenant, const std::string& id) 
 
 Status Catalog::AddUsage(const std::string& tenant, const Usage& d) {
   std::lock_guard<std::mutex> lock(mu_);
+  {
+    Stmt t(db_, "INSERT OR IGNORE INTO tenants (name, created) VALUES (?, ?)");
+    t.Text(1, tenant);
+    t.Int(2, NowSeconds());
+    if (t.Step() != SQLITE_DONE) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
+  }
   Stmt s(db_,
          "INSERT INTO usage (tenant, requests, prompt_tokens, cached_tokens, completion_tokens) "
          "VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(tenant) DO UPDATE SET "
@@ -281,6 +287,16 @@ Status Catalog::AddUsage(const std::string& tenant, const Usage& d) {
   s.Int(5, d.completion_tokens);
   if (s.Step() != SQLITE_DONE) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
   return Status::Ok();
+}
+
+std::vector<std::string> Catalog::Tenants() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::string> out;
+  Stmt s(db_, "SELECT name FROM tenants ORDER BY name");
+  while (s.ok() && s.Step() == SQLITE_ROW) {
+    out.push_back(reinterpret_cast<const char*>(sqlite3_column_text(s.get(), 0)));
+  }
+  return out;
 }
 
 Catalog::Usage Catalog::UsageOf(const std::string& tenant) const {

@@ -67,7 +67,9 @@ class Catalog {
     int64_t cached_tokens = 0;
     int64_t completion_tokens = 0;
   };
+  // Adds to the tenant's counters (and records the tenant when it is new).
   Status AddUsage(const std::string& tenant, const Usage& delta);
+  std::vector<std::string> Tenants() const;
   Usage UsageOf(const std::string& tenant) const;
 
  private:

@@ -222,6 +222,18 @@ std::optional<std::string> Api::TenantForKey(const std::string& presented) const
   return *found;
 }
 
+std::function<void(const engine::GenerationEvent&)> Api::UsageRecorder(
+    const std::string& tenant) const {
+  cache::Catalog* catalog = catalog_;
+  if (catalog == nullptr) return nullptr;
+  return [catalog, tenant](const engine::GenerationEvent& done) {
+    if (done.finish_reason == "error") return;
+    Status s = catalog->AddUsage(
+        tenant, {1, done.prompt_tokens, done.cached_tokens, done.completion_tokens});
+    if (!s.ok()) spdlog::warn("usage of tenant {} not recorded: {}", tenant, s.message());
+  };
+}
+
 std::vector<std::string> Api::GroupsOf(const std::string& tenant) const {
   std::vector<std::string> out;
   for (const auto& [group, members] : config_.auth.groups) {

@@ -101,6 +101,9 @@ class Api {
   // Prefills `tokens` for `tenant` and pins its blocks and end state under `name`.
   Status PinTokens(const std::vector<int32_t>& tokens, const std::string& tenant,
                    const std::string& name, size_t* blocks) const;
+  // Adds a finished generation to its tenant's usage counters in the catalog.
+  std::function<void(const engine::GenerationEvent&)> UsageRecorder(
+      const std::string& tenant) const;
   // The tenant a request acts for: its prefix-cache namespace and the owner of its pins.
   std::string TenantOf(const httplib::Request& req) const;
   static std::optional<std::string> PresentedKey(const httplib::Request& req);

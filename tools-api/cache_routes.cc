@@ -83,6 +83,14 @@ void Api::CacheStats(const httplib::Request& req, httplib::Response& res) const 
       {"pins", pins},
   };
   if (c.degraded) body["degraded_reason"] = c.degraded_reason;
+  if (catalog_ != nullptr) {
+    // This tenant's counters since the catalog was created (they survive restarts).
+    const cache::Catalog::Usage u = catalog_->UsageOf(tenant);
+    body["usage"] = {{"requests", u.requests},
+                     {"prompt_tokens", u.prompt_tokens},
+                     {"cached_tokens", u.cached_tokens},
+                     {"completion_tokens", u.completion_tokens}};
+  }
   res.set_content(body.dump(), "application/json");
 }
 

@@ -264,7 +264,9 @@ void Api::ServeChat(const json& body, const ojson& ordered, const std::string& t
   const std::string id = NewId("chatcmpl-");
   cr.gen.tenant = tenant;
   cr.gen.shared_namespaces = SharedNamespacesOf(tenant);
-  std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
+  const std::string who = cr.gen.tenant;
+  std::shared_ptr<Generation> g =
+      Start(eng, std::move(cr.gen), id, &metrics_, arrived, res, UsageRecorder(who));
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   const engine::Tokenizer* tok = eng->tokenizer();

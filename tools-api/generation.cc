@@ -266,6 +266,7 @@ void ServeStream(httplib::Response& res, std::shared_ptr<Generation> g, StreamAp
             continue;
           }
           done = e->kind == GenerationEvent::Kind::kDone;
+          if (done && g->on_end) g->on_end(*e);
           if (e->kind == GenerationEvent::Kind::kToken) g->Saw(*e);
           if (done && e->finish_reason == "error") {
             out += style.error(HttpStatusFor(e->error), e->error.message());
@@ -325,6 +326,7 @@ void ServeWhole(httplib::Response& res, std::shared_ptr<Generation> g,
         } else {
           out = body(*e);
         }
+        if (g->on_end) g->on_end(*e);
         g->finished = true;
         const std::string text = Dump(out);
         if (!sink.write(text.data(), text.size())) return false;
@@ -340,7 +342,8 @@ void ServeWhole(httplib::Response& res, std::shared_ptr<Generation> g,
 std::shared_ptr<Generation> Start(engine::Engine* eng, engine::GenerationRequest request,
                                   const std::string& id, Metrics* metrics,
                                   std::chrono::steady_clock::time_point arrived,
-                                  httplib::Response& res) {
+                                  httplib::Response& res,
+                                  std::function<void(const GenerationEvent&)> on_end) {
   auto [handle, queue] = eng->Submit(std::move(request));
   std::optional<GenerationEvent> first;
   while (!first) first = queue->Pop(250ms);
@@ -353,6 +356,7 @@ std::shared_ptr<Generation> Start(engine::Engine* eng, engine::GenerationRequest
   g->Bind(eng, handle, queue, std::move(*first), id);
   g->metrics = metrics;
   g->arrived = arrived;
+  g->on_end = std::move(on_end);
   return g;
 }
 

@@ -73,6 +73,8 @@ struct Generation {
   Metrics* metrics = nullptr;
   std::chrono::steady_clock::time_point arrived;  // When the request reached the handler.
   std::optional<std::chrono::steady_clock::time_point> last_token;
+  // Sees the final event of a generation that ended (not one whose client went away).
+  std::function<void(const GenerationEvent&)> on_end;
 
   // Records a token's latency in the metrics.
   void Saw(const GenerationEvent& token);
@@ -130,6 +132,7 @@ void ServeWhole(httplib::Response& res, std::shared_ptr<Generation> g,
 std::shared_ptr<Generation> Start(engine::Engine* eng, engine::GenerationRequest request,
                                   const std::string& id, Metrics* metrics,
                                   std::chrono::steady_clock::time_point arrived,
-                                  httplib::Response& res);
+                                  httplib::Response& res,
+                                  std::function<void(const GenerationEvent&)> on_end = nullptr);
 
 }  // namespace flashd::api::gen

@@ -391,7 +391,9 @@ void Api::Responses(const httplib::Request& req, httplib::Response& res) const {
   const std::string id = NewId("resp_");
   cr.gen.tenant = TenantOf(req);
   cr.gen.shared_namespaces = SharedNamespacesOf(cr.gen.tenant);
-  std::shared_ptr<Generation> g = Start(eng, std::move(cr.gen), id, &metrics_, arrived, res);
+  const std::string who = cr.gen.tenant;
+  std::shared_ptr<Generation> g =
+      Start(eng, std::move(cr.gen), id, &metrics_, arrived, res, UsageRecorder(who));
   if (!g) return;
   auto assembler =
       std::make_shared<Assembler>(cr.options.thinking, &ledger_, cr.parallel_tool_calls);

@@ -279,6 +279,7 @@ BOOST_AUTO_TEST_CASE(migrates_and_keeps_pins_and_usage) {
   BOOST_TEST(u.prompt_tokens == 150);
   BOOST_TEST(u.cached_tokens == 64);
   BOOST_TEST(u.completion_tokens == 12);
+  BOOST_TEST((*cat)->Tenants() == std::vector<std::string>{"alice"});
   BOOST_TEST((*cat)->DeletePin("alice", "tools").ok());
   BOOST_TEST((*cat)->DeletePin("alice", "tools").code() == StatusCode::kNotFound);
 }

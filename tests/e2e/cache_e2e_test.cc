@@ -259,7 +259,12 @@ BOOST_AUTO_TEST_CASE(tenants_are_isolated_and_keys_are_checked) {
   const Answer local = Ask(*u, longer);
   BOOST_TEST(local.status == 200);
   BOOST_TEST(local.cached == 0);
-  BOOST_TEST(Get(*as(alice), "/v1/cache")["tenant"] == "alice");
+  const json alice_cache = Get(*as(alice), "/v1/cache");
+  BOOST_TEST(alice_cache["tenant"] == "alice");
+  // Alice's usage: two answered requests, 820 prompt tokens, 400 of them from the cache.
+  BOOST_TEST(alice_cache["usage"]["requests"] == 2, alice_cache.dump());
+  BOOST_TEST(alice_cache["usage"]["prompt_tokens"] == 820);
+  BOOST_TEST(alice_cache["usage"]["cached_tokens"] == 400);
   BOOST_TEST(d.Stop(SIGTERM) == 0);
   BOOST_TEST(!Contains(d.log(), alice), "a key was logged");
   BOOST_TEST(!Contains(d.log(), bob), "a key was logged");
