@@ -229,6 +229,10 @@ struct Walker {
                                    "0123456789-_.") != std::string::npos) {
         return Error(kv.first, where, "a tenant name is 1-64 letters, digits, '-', '_' or '.'");
       }
+      if (tenant == "default" || tenant == "local" || tenant.rfind("uid-", 0) == 0) {
+        return Error(kv.first, where,
+                     "\"default\", \"local\" and \"uid-...\" are the daemon's own tenant names");
+      }
       if (config->auth.keys.count(tenant)) return Error(kv.first, where, "tenant appears twice");
       if (key.size() < 16) {
         return Error(kv.first, where,

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <mutex>
 
+#include "daemon/peer_server.h"
 #include "daemon/task_queue.h"
 #include "daemon/unix_socket.h"
 #include "engine/tokenizer.h"
@@ -36,8 +37,8 @@ api::ServedModel DescribeModel(const Config& config) {
   return m;
 }
 
-std::unique_ptr<httplib::Server> MakeServer(const Config& config) {
-  auto server = std::make_unique<httplib::Server>();
+std::unique_ptr<httplib::Server> MakeServer(const Config& config, bool unix_socket = false) {
+  auto server = unix_socket ? MakeUnixServer() : std::make_unique<httplib::Server>();
   const size_t threads = static_cast<size_t>(config.server.http_threads);
   // Streams hold their worker; more workers start while none is idle (task_queue.h).
   server->new_task_queue = [threads] { return new ElasticTaskQueue(threads, 4096); };
@@ -89,7 +90,7 @@ Status Daemon::Bind() {
   }
 
   if (!sc.socket_path.empty()) {
-    unix_ = MakeServer(config_);
+    unix_ = MakeServer(config_, /*unix_socket=*/true);
     unix_->set_address_family(AF_UNIX);
     api_->Install(unix_.get(), "unix");
     // Nobody may connect between bind() and chmod(): create the file with no access at all.

@@ -9,7 +9,7 @@ packages=(
   librocksdb-dev libyaml-cpp-dev libcpp-httplib-dev libuv1-dev libxxhash-dev
   nlohmann-json3-dev libspdlog-dev libsqlite3-dev libboost-test-dev
   libpcre2-dev libutf8proc-dev liburing-dev libsystemd-dev
-  python3 python3-venv python3-pip clang-format
+  python3 python3-venv python3-pip clang-format util-linux
 )
 # HIP adds about 650 MB and is only needed to build the AMD backend.
 if [[ "${1:-}" == "--with-hip" ]]; then

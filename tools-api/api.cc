@@ -248,12 +248,20 @@ std::vector<std::string> Api::SharedNamespacesOf(const std::string& tenant) cons
   return out;
 }
 
+Peer& CurrentPeer() {
+  thread_local Peer peer;
+  return peer;
+}
+
 std::string Api::TenantOf(const httplib::Request& req) const {
-  if (config_.auth.keys.empty()) return "default";
-  if (std::optional<std::string> key = PresentedKey(req)) {
-    if (std::optional<std::string> tenant = TenantForKey(*key)) return *tenant;
+  if (!config_.auth.keys.empty()) {
+    if (std::optional<std::string> key = PresentedKey(req)) {
+      if (std::optional<std::string> tenant = TenantForKey(*key)) return *tenant;
+    }
   }
-  return "local";  // A socket user without a key (TCP without one never gets here).
+  // On the socket, without a key: the connecting user.
+  if (const Peer& peer = CurrentPeer(); peer.known) return "uid-" + std::to_string(peer.uid);
+  return config_.auth.keys.empty() ? "default" : "local";
 }
 
 void Api::SetEngine(engine::Engine* engine) {
@@ -325,7 +333,7 @@ void Api::Install(httplib::Server* server, const std::string& listener) {
         request_clock.start = std::chrono::steady_clock::now();
         metrics_.RequestStarted();
         // API keys, when configured: a wrong key is refused everywhere; no key is refused on TCP
-        // (the socket's file permissions admit its users, who are the tenant "local").
+        // (the socket's file permissions admit its users, each its own tenant "uid-N").
         if (!config_.auth.keys.empty() && req.path != "/health") {
           const std::optional<std::string> key = PresentedKey(req);
           const bool ok = key ? TenantForKey(*key).has_value() : listener != "tcp";

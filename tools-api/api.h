@@ -23,6 +23,15 @@
 
 namespace flashd::api {
 
+// Who is on the other end of the connection being served, when the listener knows (the Unix
+// socket reads SO_PEERCRED); per handling thread.
+struct Peer {
+  bool known = false;
+  uint32_t uid = 0;
+  int32_t pid = 0;
+};
+Peer& CurrentPeer();
+
 // What /v1/models reports about the served model.
 struct ServedModel {
   std::string id;

@@ -4,9 +4,12 @@
 #include <httplib.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <boost/test/unit_test.hpp>
 #include <chrono>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
@@ -252,13 +255,14 @@ BOOST_AUTO_TEST_CASE(tenants_are_isolated_and_keys_are_checked) {
   auto x = Client(d);
   x->set_default_headers({{"x-api-key", bob}});
   BOOST_TEST(Ask(*x, Concat(longer, Ids(5, 9))).cached == 420);  // Bob's own earlier prompt.
-  // The socket admits its users without a key, as the tenant "local".
+  // The socket admits its users without a key, each user (SO_PEERCRED) its own tenant.
   auto u = std::make_unique<httplib::Client>(d.socket_path());
   u->set_address_family(AF_UNIX);
   u->set_read_timeout(300);
   const Answer local = Ask(*u, longer);
   BOOST_TEST(local.status == 200);
   BOOST_TEST(local.cached == 0);
+  BOOST_TEST(Get(*u, "/v1/cache")["tenant"] == "uid-" + std::to_string(::geteuid()));
   const json alice_cache = Get(*as(alice), "/v1/cache");
   BOOST_TEST(alice_cache["tenant"] == "alice");
   // Alice's usage: two answered requests, 820 prompt tokens, 400 of them from the cache.
@@ -343,6 +347,39 @@ BOOST_AUTO_TEST_CASE(sessions_keep_the_conversation_across_turns_restarts_and_fo
   BOOST_TEST(c->Delete("/v1/sessions/" + id)->status == 200);
   BOOST_TEST(c->Get("/v1/sessions/" + id)->status == 404);
   BOOST_TEST(Get(*c, "/v1/sessions")["data"].size() == 1u);
+}
+
+// Over the socket, the connecting user names the tenant: another user's identical prompt finds
+// nothing of the first one's. (Needs root to connect as a second user.)
+BOOST_AUTO_TEST_CASE(socket_users_are_tenants_by_uid) {
+  TempDir tmp;
+  DaemonProcess d(
+      {tmp.path(), "server:\n  socket_mode: \"0666\"\n  shutdown_grace_seconds: 5\n", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  auto u = std::make_unique<httplib::Client>(d.socket_path());
+  u->set_address_family(AF_UNIX);
+  u->set_read_timeout(300);
+  const std::vector<int> p = Ids(300, 21), longer = Concat(p, Ids(10, 22));
+  BOOST_TEST(Ask(*u, p).cached == 0);
+  BOOST_TEST(Ask(*u, longer).cached == 300);
+  BOOST_TEST(Get(*u, "/v1/cache")["tenant"] == "uid-" + std::to_string(::geteuid()));
+  if (::geteuid() != 0) {
+    BOOST_TEST_MESSAGE("not root: cannot connect as a second user; that half is skipped");
+    return;
+  }
+  std::filesystem::permissions(tmp.path(), std::filesystem::perms::all);
+  std::filesystem::permissions(std::filesystem::path(d.socket_path()).parent_path(),
+                               std::filesystem::perms::all);
+  const std::filesystem::path body = tmp.path() / "body.json";
+  std::ofstream(body) << json{{"prompt", longer}, {"max_tokens", 2}, {"temperature", 0}}.dump();
+  std::filesystem::permissions(body, std::filesystem::perms::all);
+  const CommandResult r = RunCommand(
+      "setpriv --reuid=65534 --regid=65534 --clear-groups curl -s "
+      "--unix-socket " +
+      d.socket_path() + " http://flashd/v1/completions -d @" + body.string());
+  BOOST_REQUIRE_MESSAGE(r.code == 0, r.out);
+  const json other = json::parse(r.out);
+  BOOST_TEST(other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r.out);
 }
 
 // A prefix published to a group serves its members, and only them.
