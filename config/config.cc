@@ -93,6 +93,10 @@ const std::vector<Field>& Schema() {
        [](const std::string& t, Config* c) {
          return SetInt(t, 0, 3600, &c->server.shutdown_grace_seconds);
        }},
+      {"server.max_messages", "an integer in [1, 1000000]",
+       [](const std::string& t, Config* c) {
+         return SetInt(t, 1, 1000000, &c->server.max_messages);
+       }},
       {"server.max_request_bytes", "a size such as 67108864 or \"64MiB\" (at least 1KiB)",
        [](const std::string& t, Config* c) {
          FLASHD_ASSIGN_OR_RETURN(uint64_t v, ParseByteSize(t));

@@ -32,6 +32,7 @@ struct ServerConfig {
   int http_threads = 16;            // Ready workers per listener; more start while all are busy.
   int shutdown_grace_seconds = 10;  // How long in-flight responses may finish on SIGTERM.
   uint64_t max_request_bytes = 64ull << 20;
+  int max_messages = 10000;  // Messages (or input items) in one request.
 };
 
 struct ModelConfig {

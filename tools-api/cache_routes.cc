@@ -143,6 +143,7 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
     json chat_body = {{"messages", body["messages"]}};
     if (body.contains("tools")) chat_body["tools"] = body["tools"];
     chat::ChatRequest cr;
+    cr.max_messages = static_cast<size_t>(config_.server.max_messages);
     const ojson ordered = ojson::parse(chat_body.dump());
     if (auto e = chat::ParseChat(chat_body, ordered, model_.id, *eng, &ledger_, &cr)) {
       return WriteError(res, e->status, e->type, e->message);

@@ -20,6 +20,7 @@ using gen::FieldError;
 using nlohmann::json;
 
 struct ChatRequest {
+  size_t max_messages = 10000;  // Set by the caller (server.max_messages) before ParseChat.
   engine::GenerationRequest gen;
   ChatOptions options;
   bool stream = false;

@@ -54,6 +54,10 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
     return Invalid("messages: expected a non-empty array");
   }
   ojson messages = ordered["messages"];
+  if (messages.size() > out->max_messages) {
+    return Invalid("messages: " + std::to_string(messages.size()) + " messages, more than " +
+                   std::to_string(out->max_messages) + " (server.max_messages)");
+  }
 
   // tool_choice: "auto", "none", "required", or {"type": "function", "function": {"name": N}}.
   // The last two are kept by writing the opening of the model's tool-call block for it.
@@ -258,6 +262,7 @@ void Api::ServeChat(const json& body, const ojson& ordered, const std::string& t
                       "no model with a tokenizer is loaded yet; see /health");
   }
   ChatRequest cr;
+  cr.max_messages = static_cast<size_t>(config_.server.max_messages);
   if (auto e = ParseChat(body, ordered, model_.id, *eng, &ledger_, &cr)) {
     return WriteError(res, e->status, e->type, e->message);
   }

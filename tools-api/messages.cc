@@ -435,6 +435,7 @@ void Api::MessagesImpl(const httplib::Request& req, httplib::Response& res,
     return WriteError(res, e->status, e->type, e->message);
   }
   ChatRequest cr;
+  cr.max_messages = static_cast<size_t>(config_.server.max_messages);
   if (auto e = chat::ParseChat(json::parse(chat_body.dump()), chat_body, model_.id, *eng, &ledger_,
                                &cr)) {
     return WriteError(res, e->status, e->type, e->message);
@@ -524,6 +525,7 @@ void Api::CountTokens(const httplib::Request& req, httplib::Response& res) const
   const ojson ordered = ojson::parse(req.body);
   ojson chat_body;
   ChatRequest cr;
+  cr.max_messages = static_cast<size_t>(config_.server.max_messages);
   std::optional<FieldError> e = ToChat(ordered, /*need_max_tokens=*/false, &chat_body);
   if (!e) {
     e = chat::ParseChat(json::parse(chat_body.dump()), chat_body, model_.id, *eng, &ledger_, &cr);

@@ -384,6 +384,7 @@ void Api::Responses(const httplib::Request& req, httplib::Response& res) const {
   ojson chat_body;
   if (auto e = ToChat(ordered, &chat_body)) return WriteError(res, e->status, e->type, e->message);
   ChatRequest cr;
+  cr.max_messages = static_cast<size_t>(config_.server.max_messages);
   if (auto e = chat::ParseChat(json::parse(chat_body.dump()), chat_body, model_.id, *eng, &ledger_,
                                &cr)) {
     return WriteError(res, e->status, e->type, e->message);

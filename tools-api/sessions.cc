@@ -127,6 +127,7 @@ void Api::CreateSession(const httplib::Request& req, httplib::Response& res) con
   if (eng != nullptr && eng->tokenizer() != nullptr) {
     const ojson probe = ChatBody(body, ojson::array({{{"role", "user"}, {"content", "x"}}}), {});
     chat::ChatRequest cr;
+    cr.max_messages = static_cast<size_t>(config_.server.max_messages);
     if (auto e =
             chat::ParseChat(json::parse(probe.dump()), probe, model_.id, *eng, &ledger_, &cr)) {
       return WriteError(res, e->status, e->type, e->message);
@@ -146,6 +147,7 @@ void Api::CreateSession(const httplib::Request& req, httplib::Response& res) con
       return WriteError(res, 400, "invalid_request_error", "pin: the session has no system prompt");
     }
     chat::ChatRequest cr;
+    cr.max_messages = static_cast<size_t>(config_.server.max_messages);
     if (auto e =
             chat::ParseChat(json::parse(fixed.dump()), fixed, model_.id, *eng, &ledger_, &cr)) {
       return WriteError(res, e->status, e->type, e->message);
@@ -279,6 +281,7 @@ void Api::GetSession(const httplib::Request& req, httplib::Response& res,
       !s["messages"].empty()) {
     const ojson body = ChatBody(s, ojson::array(), {});
     chat::ChatRequest cr;
+    cr.max_messages = static_cast<size_t>(config_.server.max_messages);
     if (!chat::ParseChat(json::parse(body.dump()), body, model_.id, *eng, &ledger_, &cr)) {
       const engine::Engine::PrefixKeys keys = eng->KeysFor(cr.gen.prompt, tenant);
       const size_t present = eng->cache()->PresentPrefix(keys.blocks);

@@ -425,6 +425,16 @@ BOOST_AUTO_TEST_CASE(bad_requests_get_400s_naming_the_field_and_nothing_is_lost)
                  e.dump());
     }
   }
+  // The chat routes: too many messages, and malformed JSON with the error's position.
+  json many = {{"messages", json::array()}};
+  for (int i = 0; i < 10001; ++i) many["messages"].push_back({{"role", "user"}, {"content", "x"}});
+  auto too_many = c->Post("/v1/chat/completions", many.dump(), "application/json");
+  BOOST_TEST(too_many->status == 400);
+  BOOST_TEST(Contains(too_many->body, "10001 messages, more than 10000 (server.max_messages)"),
+             too_many->body);
+  auto broken = c->Post("/v1/chat/completions", R"({"messages": [})", "application/json");
+  BOOST_TEST(broken->status == 400);
+  BOOST_TEST(Contains(broken->body, "column 15"), broken->body);
   // A request that can never fit the memory budget is refused, naming the limit.
   TempDir tmp2;
   const std::string small_config = "server:\n  pid_file: " + (tmp2.path() / "flashd.pid").string() +
