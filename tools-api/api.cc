@@ -6,6 +6,8 @@
 #include <chrono>
 #include <nlohmann/json.hpp>
 
+#include "tools-api/generation.h"
+
 namespace flashd::api {
 namespace {
 
@@ -220,6 +222,17 @@ std::optional<std::string> Api::TenantForKey(const std::string& presented) const
   }
   if (found == nullptr) return std::nullopt;
   return *found;
+}
+
+std::shared_ptr<gen::Generation> Api::StartGeneration(engine::Engine* eng,
+                                                      engine::GenerationRequest request,
+                                                      const std::string& tenant,
+                                                      const std::string& id,
+                                                      std::chrono::steady_clock::time_point arrived,
+                                                      httplib::Response& res) const {
+  request.tenant = tenant;
+  request.shared_namespaces = SharedNamespacesOf(tenant);
+  return gen::Start(eng, std::move(request), id, &metrics_, arrived, res, UsageRecorder(tenant));
 }
 
 std::function<void(const engine::GenerationEvent&)> Api::UsageRecorder(

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -22,6 +23,10 @@
 #include "tools-api/router.h"
 
 namespace flashd::api {
+
+namespace gen {
+struct Generation;
+}
 
 // Who is on the other end of the connection being served, when the listener knows (the Unix
 // socket reads SO_PEERCRED); per handling thread.
@@ -92,6 +97,10 @@ class Api {
   void CountTokens(const httplib::Request& req, httplib::Response& res) const;
   // sessions.cc: flashd sessions.
   void CreateSession(const httplib::Request& req, httplib::Response& res) const;
+  // The tenant's session `id`, or nullopt after answering 503 (no catalog) or 404.
+  std::optional<cache::Catalog::Session> FindSessionOrAnswer(const std::string& tenant,
+                                                             const std::string& id,
+                                                             httplib::Response& res) const;
   void SessionTurn(const httplib::Request& req, httplib::Response& res,
                    const std::string& id) const;
   void ForkSession(const httplib::Request& req, httplib::Response& res,
@@ -110,6 +119,13 @@ class Api {
   // Prefills `tokens` for `tenant` and pins its blocks and end state under `name`.
   Status PinTokens(const std::vector<int32_t>& tokens, const std::string& tenant,
                    const std::string& name, size_t* blocks) const;
+  // Submits `request` for `tenant` (its cache namespace, the groups it may read, its usage
+  // counters) and waits for the engine's first word; null after answering a refusal.
+  std::shared_ptr<gen::Generation> StartGeneration(engine::Engine* eng,
+                                                   engine::GenerationRequest request,
+                                                   const std::string& tenant, const std::string& id,
+                                                   std::chrono::steady_clock::time_point arrived,
+                                                   httplib::Response& res) const;
   // Adds a finished generation to its tenant's usage counters in the catalog.
   std::function<void(const engine::GenerationEvent&)> UsageRecorder(
       const std::string& tenant) const;

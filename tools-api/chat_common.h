@@ -38,6 +38,11 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
                                     const std::string& model_id, const engine::Engine& eng,
                                     const ToolCallLedger* ledger, ChatRequest* out);
 
+// ParseChat for an ordered body (one another API was translated into, or a stored session).
+std::optional<FieldError> ParseChatBody(const ojson& body, const std::string& model_id,
+                                        const engine::Engine& eng, const ToolCallLedger* ledger,
+                                        ChatRequest* out);
+
 // OpenAI usage plus the prefix cache's counts under OpenAI's and DeepSeek's names.
 json ChatUsage(const engine::GenerationEvent& done);
 

@@ -169,6 +169,12 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
   return std::nullopt;
 }
 
+std::optional<FieldError> ParseChatBody(const ojson& body, const std::string& model_id,
+                                        const engine::Engine& eng, const ToolCallLedger* ledger,
+                                        ChatRequest* out) {
+  return ParseChat(json::parse(body.dump()), body, model_id, eng, ledger, out);
+}
+
 json ChatUsage(const GenerationEvent& done) {
   json u = Usage(done);
   // OpenAI's and DeepSeek's names for the prompt tokens the prefix cache restored.
@@ -267,11 +273,7 @@ void Api::ServeChat(const json& body, const ojson& ordered, const std::string& t
     return WriteError(res, e->status, e->type, e->message);
   }
   const std::string id = NewId("chatcmpl-");
-  cr.gen.tenant = tenant;
-  cr.gen.shared_namespaces = SharedNamespacesOf(tenant);
-  const std::string who = cr.gen.tenant;
-  std::shared_ptr<Generation> g =
-      Start(eng, std::move(cr.gen), id, &metrics_, arrived, res, UsageRecorder(who));
+  std::shared_ptr<Generation> g = StartGeneration(eng, std::move(cr.gen), tenant, id, arrived, res);
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   const engine::Tokenizer* tok = eng->tokenizer();

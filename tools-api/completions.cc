@@ -164,11 +164,8 @@ void Api::Completions(const httplib::Request& req, httplib::Response& res) const
   }
   const bool want_logprobs = cr.gen.sampling.logprobs > 0;
   const std::string id = NewId("cmpl-");
-  cr.gen.tenant = TenantOf(req);
-  cr.gen.shared_namespaces = SharedNamespacesOf(cr.gen.tenant);
-  const std::string who = cr.gen.tenant;
   std::shared_ptr<Generation> g =
-      Start(eng, std::move(cr.gen), id, &metrics_, arrived, res, UsageRecorder(who));
+      StartGeneration(eng, std::move(cr.gen), TenantOf(req), id, arrived, res);
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
   const engine::Tokenizer* tok = eng->tokenizer();

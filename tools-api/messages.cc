@@ -436,16 +436,12 @@ void Api::MessagesImpl(const httplib::Request& req, httplib::Response& res,
   }
   ChatRequest cr;
   cr.max_messages = static_cast<size_t>(config_.server.max_messages);
-  if (auto e = chat::ParseChat(json::parse(chat_body.dump()), chat_body, model_.id, *eng, &ledger_,
-                               &cr)) {
+  if (auto e = chat::ParseChatBody(chat_body, model_.id, *eng, &ledger_, &cr)) {
     return WriteError(res, e->status, e->type, e->message);
   }
   const std::string id = NewId("msg_");
-  cr.gen.tenant = TenantOf(req);
-  cr.gen.shared_namespaces = SharedNamespacesOf(cr.gen.tenant);
-  const std::string who = cr.gen.tenant;
   std::shared_ptr<Generation> g =
-      Start(eng, std::move(cr.gen), id, &metrics_, arrived, res, UsageRecorder(who));
+      StartGeneration(eng, std::move(cr.gen), TenantOf(req), id, arrived, res);
   if (!g) return;
   auto assembler =
       std::make_shared<Assembler>(cr.options.thinking, &ledger_, cr.parallel_tool_calls);
@@ -528,7 +524,7 @@ void Api::CountTokens(const httplib::Request& req, httplib::Response& res) const
   cr.max_messages = static_cast<size_t>(config_.server.max_messages);
   std::optional<FieldError> e = ToChat(ordered, /*need_max_tokens=*/false, &chat_body);
   if (!e) {
-    e = chat::ParseChat(json::parse(chat_body.dump()), chat_body, model_.id, *eng, &ledger_, &cr);
+    e = chat::ParseChatBody(chat_body, model_.id, *eng, &ledger_, &cr);
   }
   if (e) {
     WriteError(res, e->status, e->type, e->message);

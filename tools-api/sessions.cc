@@ -79,6 +79,18 @@ int64_t NowSeconds() { return static_cast<int64_t>(std::time(nullptr)); }
 
 }  // namespace
 
+std::optional<cache::Catalog::Session> Api::FindSessionOrAnswer(const std::string& tenant,
+                                                                const std::string& id,
+                                                                httplib::Response& res) const {
+  if (catalog_ == nullptr) {
+    WriteError(res, 503, "unavailable_error", "sessions need the catalog; see the log");
+    return std::nullopt;
+  }
+  std::optional<cache::Catalog::Session> x = catalog_->FindSession(tenant, id);
+  if (!x) WriteError(res, 404, "not_found_error", "session '" + id + "' does not exist");
+  return x;
+}
+
 void Api::CreateSession(const httplib::Request& req, httplib::Response& res) const {
   if (catalog_ == nullptr) {
     return WriteError(res, 503, "unavailable_error", "sessions need the catalog; see the log");
@@ -128,8 +140,7 @@ void Api::CreateSession(const httplib::Request& req, httplib::Response& res) con
     const ojson probe = ChatBody(body, ojson::array({{{"role", "user"}, {"content", "x"}}}), {});
     chat::ChatRequest cr;
     cr.max_messages = static_cast<size_t>(config_.server.max_messages);
-    if (auto e =
-            chat::ParseChat(json::parse(probe.dump()), probe, model_.id, *eng, &ledger_, &cr)) {
+    if (auto e = chat::ParseChatBody(probe, model_.id, *eng, &ledger_, &cr)) {
       return WriteError(res, e->status, e->type, e->message);
     }
   }
@@ -148,8 +159,7 @@ void Api::CreateSession(const httplib::Request& req, httplib::Response& res) con
     }
     chat::ChatRequest cr;
     cr.max_messages = static_cast<size_t>(config_.server.max_messages);
-    if (auto e =
-            chat::ParseChat(json::parse(fixed.dump()), fixed, model_.id, *eng, &ledger_, &cr)) {
+    if (auto e = chat::ParseChatBody(fixed, model_.id, *eng, &ledger_, &cr)) {
       return WriteError(res, e->status, e->type, e->message);
     }
     if (Status s = PinTokens(cr.gen.prompt, tenant, in["pin"], &pinned_blocks); !s.ok()) {
@@ -175,12 +185,9 @@ void Api::CreateSession(const httplib::Request& req, httplib::Response& res) con
 void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
                       const std::string& id) const {
   const auto arrived = std::chrono::steady_clock::now();
-  if (catalog_ == nullptr) {
-    return WriteError(res, 503, "unavailable_error", "sessions need the catalog; see the log");
-  }
   const std::string tenant = TenantOf(req);
-  std::optional<cache::Catalog::Session> x = catalog_->FindSession(tenant, id);
-  if (!x) return WriteError(res, 404, "not_found_error", "session '" + id + "' does not exist");
+  std::optional<cache::Catalog::Session> x = FindSessionOrAnswer(tenant, id, res);
+  if (!x) return;
   json parsed;
   if (!ParseJsonBody(req, res, &parsed)) return;
   const ojson in = ojson::parse(req.body);
@@ -215,12 +222,9 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
 
 void Api::ForkSession(const httplib::Request& req, httplib::Response& res,
                       const std::string& id) const {
-  if (catalog_ == nullptr) {
-    return WriteError(res, 503, "unavailable_error", "sessions need the catalog; see the log");
-  }
   const std::string tenant = TenantOf(req);
-  std::optional<cache::Catalog::Session> x = catalog_->FindSession(tenant, id);
-  if (!x) return WriteError(res, 404, "not_found_error", "session '" + id + "' does not exist");
+  std::optional<cache::Catalog::Session> x = FindSessionOrAnswer(tenant, id, res);
+  if (!x) return;
   json in = json::object();
   if (!req.body.empty() && !ParseJsonBody(req, res, &in)) return;
   ojson s = ojson::parse(x->body);
@@ -263,12 +267,9 @@ void Api::ListSessions(const httplib::Request& req, httplib::Response& res) cons
 
 void Api::GetSession(const httplib::Request& req, httplib::Response& res,
                      const std::string& id) const {
-  if (catalog_ == nullptr) {
-    return WriteError(res, 503, "unavailable_error", "sessions need the catalog; see the log");
-  }
   const std::string tenant = TenantOf(req);
-  std::optional<cache::Catalog::Session> x = catalog_->FindSession(tenant, id);
-  if (!x) return WriteError(res, 404, "not_found_error", "session '" + id + "' does not exist");
+  std::optional<cache::Catalog::Session> x = FindSessionOrAnswer(tenant, id, res);
+  if (!x) return;
   const ojson s = ojson::parse(x->body);
   json out = Summary(*x, s);
   out["system"] = s.contains("system") ? json::parse(s["system"].dump()) : json();
@@ -282,7 +283,7 @@ void Api::GetSession(const httplib::Request& req, httplib::Response& res,
     const ojson body = ChatBody(s, ojson::array(), {});
     chat::ChatRequest cr;
     cr.max_messages = static_cast<size_t>(config_.server.max_messages);
-    if (!chat::ParseChat(json::parse(body.dump()), body, model_.id, *eng, &ledger_, &cr)) {
+    if (!chat::ParseChatBody(body, model_.id, *eng, &ledger_, &cr)) {
       const engine::Engine::PrefixKeys keys = eng->KeysFor(cr.gen.prompt, tenant);
       const size_t present = eng->cache()->PresentPrefix(keys.blocks);
       out["conversation_tokens"] = cr.gen.prompt.size();

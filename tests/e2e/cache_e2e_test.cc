@@ -28,15 +28,6 @@ std::unique_ptr<httplib::Client> Client(const DaemonProcess& d) {
   return c;
 }
 
-double Metric(httplib::Client& c, const std::string& name) {
-  auto m = c.Get("/metrics");
-  if (!m) return -1;
-  std::smatch match;
-  const std::regex re("\n" + name + " ([0-9.e+]+)\n");
-  if (!std::regex_search(m->body, match, re)) return -1;
-  return std::stod(match[1]);
-}
-
 std::vector<int> Ids(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int> d(3, 390);

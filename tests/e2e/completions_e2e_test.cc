@@ -32,16 +32,6 @@ std::unique_ptr<httplib::Client> UnixClient(const DaemonProcess& d) {
   return c;
 }
 
-// The value of an unlabelled metric, or -1.
-double Metric(httplib::Client& c, const std::string& name) {
-  auto m = c.Get("/metrics");
-  if (!m) return -1;
-  std::smatch match;
-  const std::regex re("\n" + name + " ([0-9.e+]+)\n");
-  if (!std::regex_search(m->body, match, re)) return -1;
-  return std::stod(match[1]);
-}
-
 // Polls until the engine runs nothing and its KV pool is empty; false after `timeout`.
 bool WaitIdle(httplib::Client& c, std::chrono::seconds timeout = 20s) {
   const auto end = std::chrono::steady_clock::now() + timeout;

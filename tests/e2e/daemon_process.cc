@@ -50,6 +50,15 @@ CommandResult RunCommand(const std::string& command) {
   return r;
 }
 
+double Metric(httplib::Client& client, const std::string& name) {
+  auto m = client.Get("/metrics");
+  if (!m) return -1;
+  const std::string needle = "\n" + name + " ";
+  const size_t at = m->body.find(needle);
+  if (at == std::string::npos) return -1;
+  return std::stod(m->body.substr(at + needle.size()));
+}
+
 int WaitHealthy(const std::string& host, int port, std::chrono::seconds timeout) {
   httplib::Client client(host, port);
   auto deadline = std::chrono::steady_clock::now() + timeout;

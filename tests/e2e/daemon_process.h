@@ -5,6 +5,7 @@
 // free port chosen by the kernel, read back from the ready line), so tests can run in parallel.
 #pragma once
 
+#include <httplib.h>
 #include <sys/types.h>
 
 #include <chrono>
@@ -33,6 +34,9 @@ CommandResult RunCommand(const std::string& command);
 // Polls GET /health until it answers 200 or `timeout` passes; returns the last status.
 int WaitHealthy(const std::string& host, int port,
                 std::chrono::seconds timeout = std::chrono::seconds(60));
+
+// The value of an unlabelled metric from the client's GET /metrics, or -1.
+double Metric(httplib::Client& client, const std::string& name);
 
 // A fresh directory under the system temp dir, removed with the object.
 class TempDir {
