@@ -117,6 +117,20 @@ BOOST_AUTO_TEST_CASE(a_restarted_daemon_resumes_exactly) {
   BOOST_TEST(Contains(stats.out, "snapshot_hits_total 1\n"), stats.out);
 }
 
+json Get(httplib::Client& c, const std::string& path) {
+  auto r = c.Get(path);
+  BOOST_REQUIRE(r);
+  BOOST_REQUIRE_MESSAGE(r->status == 200, r->body);
+  return json::parse(r->body);
+}
+
+json Post(httplib::Client& c, const std::string& path, const json& body, int want) {
+  auto r = c.Post(path, body.dump(), "application/json");
+  BOOST_REQUIRE(r);
+  BOOST_REQUIRE_MESSAGE(r->status == want, path << ": " << r->status << " " << r->body);
+  return json::parse(r->body);
+}
+
 // kill -9 at random moments while prompts are being prefilled and their blocks written; after
 // every restart the daemon is healthy and a probe sharing the prefix answers exactly as a fresh
 // daemon does. Whatever the cache kept across the crashes is used, and nothing corrupt is.
@@ -127,6 +141,15 @@ BOOST_AUTO_TEST_CASE(kill_9_at_random_moments_loses_nothing_committed_and_serves
   TempDir tmp;
   std::mt19937 rng(20261130);
   int64_t most_cached = 0;
+  std::string session;
+  size_t committed = 0;  // Turns the session had when last seen.
+  const json settings = {{"temperature", 0}, {"max_tokens", 4}};
+  auto turn = [&](httplib::Client& c, int n) {
+    return c.Post(
+        "/v1/sessions/" + session + "/turns",
+        json{{"messages", {{{"role", "user"}, {"content", "step " + std::to_string(n)}}}}}.dump(),
+        "application/json");
+  };
   for (int round = 0; round < 6; ++round) {
     DaemonProcess d({tmp.path(), "", {}, {}});
     BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
@@ -134,10 +157,24 @@ BOOST_AUTO_TEST_CASE(kill_9_at_random_moments_loses_nothing_committed_and_serves
     const Answer got = Ask(*c, probe);
     BOOST_TEST(Same(got, reference), "round " << round << ": " << got.raw);
     most_cached = std::max(most_cached, got.cached);
-    // A longer prompt in flight, and the kill somewhere inside it.
+    // The session: every turn committed before a kill is there, whole, after it.
+    if (session.empty()) {
+      session =
+          Post(*c, "/v1/sessions", {{"system", "You help."}, {"settings", settings}}, 201)["id"];
+    }
+    const json seen = Get(*c, "/v1/sessions/" + session);
+    const size_t turns = seen["turns"].get<size_t>();
+    BOOST_TEST((turns == committed || turns == committed + 1), "round " << round << ": " << turns);
+    BOOST_TEST(seen["conversation"].size() == 2 * turns, seen.dump());
+    auto done = turn(*c, round);
+    BOOST_REQUIRE(done);
+    BOOST_TEST(done->status == 200, done->body);
+    committed = turns + 1;
+    // A longer prompt and another turn in flight, and the kill somewhere inside them.
     std::thread writer([&, round] {
       auto w = Client(d);
       Ask(*w, Concat(base, Ids(600, 100 + round)), 32);
+      turn(*w, 100 + round);
     });
     std::this_thread::sleep_for(std::chrono::milliseconds(rng() % 1500));
     BOOST_TEST(d.Stop(SIGKILL) == 128 + SIGKILL);
@@ -151,14 +188,10 @@ BOOST_AUTO_TEST_CASE(kill_9_at_random_moments_loses_nothing_committed_and_serves
   BOOST_TEST(Same(last, reference));
   most_cached = std::max(most_cached, last.cached);
   BOOST_TEST(most_cached > 0);
+  const json final_session = Get(*c, "/v1/sessions/" + session);
+  BOOST_TEST(final_session["turns"].get<size_t>() >= committed);
+  BOOST_TEST(final_session["conversation"].size() == 2 * final_session["turns"].get<size_t>());
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_corruptions_total") == 0);
-}
-
-json Get(httplib::Client& c, const std::string& path) {
-  auto r = c.Get(path);
-  BOOST_REQUIRE(r);
-  BOOST_REQUIRE_MESSAGE(r->status == 200, r->body);
-  return json::parse(r->body);
 }
 
 // A pinned prefix stays whole while the disk quota evicts everything else, survives a restart,
@@ -263,13 +296,6 @@ BOOST_AUTO_TEST_CASE(tenants_are_isolated_and_keys_are_checked) {
   BOOST_TEST(d.Stop(SIGTERM) == 0);
   BOOST_TEST(!Contains(d.log(), alice), "a key was logged");
   BOOST_TEST(!Contains(d.log(), bob), "a key was logged");
-}
-
-json Post(httplib::Client& c, const std::string& path, const json& body, int want) {
-  auto r = c.Post(path, body.dump(), "application/json");
-  BOOST_REQUIRE(r);
-  BOOST_REQUIRE_MESSAGE(r->status == want, path << ": " << r->status << " " << r->body);
-  return json::parse(r->body);
 }
 
 // Sessions: the client sends only what is new; each turn resumes the previous one from the
