@@ -199,8 +199,8 @@ Status Catalog::DeletePin(const std::string& tenant, const std::string& name) {
 Status Catalog::PutSession(const Session& x) {
   std::lock_guard<std::mutex> lock(mu_);
   Stmt s(db_,
-         "INSERT OR REPLACE INTO sessions (id, tenant, title, created, last_used, tokens, body) "
-         "VALUES (?, ?, ?, ?, ?, ?, ?)");
+         "INSERT OR REPLACE INTO sessions (id, tenant, title, created, last_used, tokens, body, "
+         "head_key, snapshot_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)");
   if (!s.ok()) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
   s.Text(1, x.id);
   s.Text(2, x.tenant);
@@ -209,6 +209,8 @@ Status Catalog::PutSession(const Session& x) {
   s.Int(5, x.last_used ? x.last_used : NowSeconds());
   s.Int(6, x.tokens);
   s.Text(7, x.body);
+  s.Blob(8, x.head_key.ToBytes());
+  s.Blob(9, x.snapshot_key.ToBytes());
   if (s.Step() != SQLITE_DONE) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
   return Status::Ok();
 }
@@ -228,6 +230,8 @@ Catalog::Session SessionFrom(sqlite3_stmt* st) {
   x.last_used = sqlite3_column_int64(st, 4);
   x.tokens = sqlite3_column_int64(st, 5);
   x.body = text(6);
+  if (sqlite3_column_bytes(st, 7) == 16) x.head_key = KeyFrom(sqlite3_column_blob(st, 7));
+  if (sqlite3_column_bytes(st, 8) == 16) x.snapshot_key = KeyFrom(sqlite3_column_blob(st, 8));
   return x;
 }
 
@@ -237,7 +241,8 @@ std::optional<Catalog::Session> Catalog::FindSession(const std::string& tenant,
                                                      const std::string& id) const {
   std::lock_guard<std::mutex> lock(mu_);
   Stmt s(db_,
-         "SELECT id, tenant, title, created, last_used, tokens, body FROM sessions "
+         "SELECT id, tenant, title, created, last_used, tokens, body, head_key, snapshot_key "
+         "FROM sessions "
          "WHERE tenant = ? AND id = ?");
   s.Text(1, tenant);
   s.Text(2, id);
@@ -249,9 +254,20 @@ std::vector<Catalog::Session> Catalog::Sessions(const std::string& tenant) const
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<Session> out;
   Stmt s(db_,
-         "SELECT id, tenant, title, created, last_used, tokens, body FROM sessions "
+         "SELECT id, tenant, title, created, last_used, tokens, body, head_key, snapshot_key "
+         "FROM sessions "
          "WHERE tenant = ? ORDER BY last_used DESC, id");
   s.Text(1, tenant);
+  while (s.ok() && s.Step() == SQLITE_ROW) out.push_back(SessionFrom(s.get()));
+  return out;
+}
+
+std::vector<Catalog::Session> Catalog::AllSessions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<Session> out;
+  Stmt s(db_,
+         "SELECT id, tenant, title, created, last_used, tokens, body, head_key, snapshot_key "
+         "FROM sessions ORDER BY tenant, id");
   while (s.ok() && s.Step() == SQLITE_ROW) out.push_back(SessionFrom(s.get()));
   return out;
 }

@@ -55,10 +55,15 @@ class Catalog {
     int64_t last_used = 0;
     int64_t tokens = 0;  // Of its last turn: prompt plus output.
     std::string body;
+    // Where the prefix cache holds its last turn's prompt: the last full block and the state at
+    // the prompt's end (root keys: nothing stored). Written only after the entries are.
+    BlockKey head_key;
+    BlockKey snapshot_key;
   };
   Status PutSession(const Session& s);  // Insert or replace.
   std::optional<Session> FindSession(const std::string& tenant, const std::string& id) const;
   std::vector<Session> Sessions(const std::string& tenant) const;  // Most recently used first.
+  std::vector<Session> AllSessions() const;
   Status DeleteSession(const std::string& tenant, const std::string& id);
 
   struct Usage {

@@ -177,6 +177,18 @@ Status Daemon::OpenCache() {
       (void)catalog_->DeletePin(pin.tenant, pin.name);
     }
   }
+  // Sessions stay valid without their cached prefix (a turn renders the whole conversation);
+  // a session whose recorded entries are gone gets its keys cleared.
+  size_t repaired = 0;
+  for (cache::Catalog::Session x : catalog_->AllSessions()) {
+    const bool head_ok = x.head_key.IsRoot() || store->Contains(x.head_key);
+    const bool snap_ok = x.snapshot_key.IsRoot() || store->Contains(x.snapshot_key);
+    if (head_ok && snap_ok) continue;
+    x.head_key = x.snapshot_key = cache::BlockKey{};
+    if (catalog_->PutSession(x).ok()) ++repaired;
+  }
+  if (repaired > 0)
+    spdlog::warn("{} sessions pointed at evicted cache entries; keys cleared", repaired);
   const cache::BlockStore::Stats st = store->stats();
   spdlog::info("prefix cache {}: {} blocks, {} snapshots, {:.1f} MiB on disk (quota {:.1f} MiB)",
                o.dir, st.blocks, st.snapshots, st.disk_bytes / 1048576.0,

@@ -200,13 +200,25 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
   for (const char* k : {"stream", "stream_options", "logprobs", "top_logprobs", "tool_choice"}) {
     if (in.contains(k)) body[k] = in[k];
   }
+  // Where the cache will hold this turn's prompt, recorded with the turn.
+  engine::Engine::PrefixKeys keys;
+  engine::Engine* eng = engine();
+  if (eng != nullptr && eng->tokenizer() != nullptr && eng->cache() != nullptr) {
+    chat::ChatRequest cr;
+    cr.max_messages = static_cast<size_t>(config_.server.max_messages);
+    if (!chat::ParseChatBody(body, model_.id, *eng, &ledger_, &cr)) {
+      keys = eng->KeysFor(cr.gen.prompt, tenant);
+    }
+  }
   // The reply joins the session when the generation ends normally.
   cache::Catalog* catalog = catalog_;
+  cache::BlockStore* store =
+      eng == nullptr ? nullptr : const_cast<cache::BlockStore*>(eng->cache());
   const ojson new_messages = in["messages"];
   cache::Catalog::Session row = *x;
   ServeChat(json::parse(body.dump()), body, tenant, arrived, res,
-            [catalog, row, session, new_messages](const json& message,
-                                                  const engine::GenerationEvent& done) mutable {
+            [catalog, store, keys, row, session, new_messages](
+                const json& message, const engine::GenerationEvent& done) mutable {
               ojson s = session;
               for (const ojson& m : new_messages) s["messages"].push_back(m);
               s["messages"].push_back(ojson::parse(message.dump()));
@@ -214,6 +226,15 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
               row.body = s.dump();
               row.last_used = NowSeconds();
               row.tokens = done.prompt_tokens + done.completion_tokens;
+              row.head_key = row.snapshot_key = cache::BlockKey{};
+              if (store != nullptr) {
+                // The row points only at entries already written.
+                store->Flush();
+                if (!keys.blocks.empty() && store->Contains(keys.blocks.back())) {
+                  row.head_key = keys.blocks.back();
+                }
+                if (store->Contains(keys.snapshot)) row.snapshot_key = keys.snapshot;
+              }
               if (Status st = catalog->PutSession(row); !st.ok()) {
                 spdlog::error("session {}: the turn could not be saved: {}", row.id, st.message());
               }
@@ -272,6 +293,8 @@ void Api::GetSession(const httplib::Request& req, httplib::Response& res,
   if (!x) return;
   const ojson s = ojson::parse(x->body);
   json out = Summary(*x, s);
+  out["head_key"] = x->head_key.IsRoot() ? json() : json(x->head_key.ToHex());
+  out["snapshot_key"] = x->snapshot_key.IsRoot() ? json() : json(x->snapshot_key.ToHex());
   out["system"] = s.contains("system") ? json::parse(s["system"].dump()) : json();
   out["settings"] = json::parse(s["settings"].dump());
   out["turn_ends"] = json::parse(s["turns"].dump());

@@ -280,6 +280,14 @@ BOOST_AUTO_TEST_CASE(migrates_and_keeps_pins_and_usage) {
   BOOST_TEST(u.cached_tokens == 64);
   BOOST_TEST(u.completion_tokens == 12);
   BOOST_TEST((*cat)->Tenants() == std::vector<std::string>{"alice"});
+  cache::Catalog::Session x{"sess_1", "alice", "t", 0, 0, 42, "{}", c.keys[2], c.keys[1]};
+  BOOST_TEST((*cat)->PutSession(x).ok());
+  auto back = (*cat)->FindSession("alice", "sess_1");
+  BOOST_REQUIRE(back.has_value());
+  BOOST_TEST(back->head_key.ToHex() == c.keys[2].ToHex());
+  BOOST_TEST(back->snapshot_key.ToHex() == c.keys[1].ToHex());
+  BOOST_TEST(!(*cat)->FindSession("bob", "sess_1").has_value());
+  BOOST_TEST((*cat)->AllSessions().size() == 1u);
   BOOST_TEST((*cat)->DeletePin("alice", "tools").ok());
   BOOST_TEST((*cat)->DeletePin("alice", "tools").code() == StatusCode::kNotFound);
 }

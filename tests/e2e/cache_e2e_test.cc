@@ -337,6 +337,8 @@ BOOST_AUTO_TEST_CASE(sessions_keep_the_conversation_across_turns_restarts_and_fo
   auto c = Client(d);
   const json got = Get(*c, "/v1/sessions/" + id);
   BOOST_TEST(got["turns"] == 2);
+  BOOST_TEST(got["head_key"].is_string(), got.dump());  // Its last prompt's entries, stored.
+  BOOST_TEST(got["snapshot_key"].is_string(), got.dump());
   BOOST_TEST(got["conversation"].size() == 4u);  // Two user messages, two replies.
   BOOST_TEST(got["conversation"][1]["role"] == "assistant");
   BOOST_TEST(got["cached_tokens"].get<int>() > 0, got.dump());
