@@ -401,6 +401,35 @@ BOOST_AUTO_TEST_CASE(socket_users_are_tenants_by_uid) {
   BOOST_TEST(other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r.out);
 }
 
+// Start-up reconciles the catalog with the store: with the cache lost, pins pointing at it are
+// dropped and sessions keep working with their keys cleared.
+BOOST_AUTO_TEST_CASE(rows_pointing_at_lost_entries_are_repaired_or_dropped_at_start) {
+  TempDir tmp;
+  std::string id;
+  {
+    DaemonProcess d({tmp.path(), "", {}, {}});
+    BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+    auto c = Client(d);
+    Post(*c, "/v1/cache/pins", {{"name", "p"}, {"text", std::string(400, 'a')}}, 201);
+    id = Post(*c, "/v1/sessions", {{"system", "S"}, {"settings", {{"max_tokens", 2}}}}, 201)["id"];
+    Post(*c, "/v1/sessions/" + id + "/turns",
+         {{"messages", {{{"role", "user"}, {"content", "hi"}}}}}, 200);
+    BOOST_TEST(Get(*c, "/v1/sessions/" + id)["snapshot_key"].is_string());
+    BOOST_TEST(d.Stop(SIGTERM) == 0);
+  }
+  std::filesystem::remove_all(tmp.path() / "state" / "cache");  // The disk lost the cache.
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  auto c = Client(d);
+  BOOST_TEST(Get(*c, "/v1/cache")["pins"].empty());
+  const json s = Get(*c, "/v1/sessions/" + id);
+  BOOST_TEST(s["turns"] == 1);
+  BOOST_TEST(s["snapshot_key"].is_null(), s.dump());
+  Post(*c, "/v1/sessions/" + id + "/turns",
+       {{"messages", {{{"role", "user"}, {"content", "again"}}}}}, 200);
+  BOOST_TEST(Contains(d.log(), "lost its blocks; dropped"), d.log());
+}
+
 // A prefix published to a group serves its members, and only them.
 BOOST_AUTO_TEST_CASE(a_prefix_published_to_a_group_is_shared_with_its_members_only) {
   TempDir tmp;
