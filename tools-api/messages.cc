@@ -177,14 +177,15 @@ std::optional<FieldError> ToChat(const ojson& in, bool need_max_tokens, ojson* o
     for (size_t i = 0; i < in["tools"].size(); ++i) {
       const ojson& t = in["tools"][i];
       const std::string at = "tools[" + std::to_string(i) + "]";
-      if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) {
-        return Invalid(at + ".name: required");
-      }
+      if (!t.is_object()) return Invalid(at + ": expected an object");
       if (t.contains("type") && t["type"] != "custom") {
-        return Invalid(at +
-                       ".type: server tools are not supported; define the tool with "
-                       "input_schema");
+        // A server tool (web search, code execution...): the provider runs those, and flashd
+        // has none to run. It is left out, so the rest of the request still works.
+        spdlog::info("tools[{}]: server tool type {} is not available here; left out", i,
+                     t["type"].dump());
+        continue;
       }
+      if (!t.contains("name") || !t["name"].is_string()) return Invalid(at + ".name: required");
       if (!t.contains("input_schema") || !t["input_schema"].is_object()) {
         return Invalid(at + ".input_schema: expected an object");
       }

@@ -158,8 +158,13 @@ std::optional<FieldError> ToChat(const ojson& in, ojson* out) {
     for (size_t i = 0; i < in["tools"].size(); ++i) {
       const ojson& t = in["tools"][i];
       const std::string at = "tools[" + std::to_string(i) + "]";
-      if (!t.is_object() || t.value("type", "") != "function") {
-        return Invalid(at + ".type: only \"function\" tools are supported");
+      if (!t.is_object()) return Invalid(at + ": expected an object");
+      if (t.value("type", "") != "function") {
+        // Hosted tools (web_search, file_search...) and freeform custom tools: none can run
+        // here. Left out, so that the rest of the request still works.
+        spdlog::info("tools[{}]: tool type {} is not available here; left out", i,
+                     t.contains("type") ? t["type"].dump() : "(none)");
+        continue;
       }
       if (!t.contains("name") || !t["name"].is_string()) return Invalid(at + ".name: required");
       ojson fn = {{"name", t["name"]}};

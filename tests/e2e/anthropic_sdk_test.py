@@ -76,9 +76,14 @@ def exercise(client, name):
                                      thinking={"type": "enabled", "budget_tokens": 1024})
     check(thought.content and thought.content[0].type == "thinking", name + ": a thinking block")
 
+    # A server tool flashd cannot run is left out; the prompt is the same as without it.
+    web = {"type": "web_search_20250305", "name": "web_search", "max_uses": 1}
+    with_server_tool = client.messages.count_tokens(model=MODEL, system=system(5), messages=msgs,
+                                                    tools=TOOLS + [web])
     counted = client.messages.count_tokens(model=MODEL, system=system(5), messages=msgs, tools=TOOLS)
     check(counted.input_tokens == whole.usage.input_tokens + whole.usage.cache_read_input_tokens,
           name + ": count_tokens equals the prompt the model saw")
+    check(with_server_tool.input_tokens == counted.input_tokens, name + ": a server tool is left out")
 
     try:
         client.messages.create(model=MODEL, max_tokens=4,

@@ -144,6 +144,9 @@ def exercise_responses(client, name):
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     check(text == whole.output_text, name + ": output_text deltas add up")
     check(final.usage.input_tokens_details.cached_tokens > 0, name + ": the repeat is cached")
+    # A hosted tool flashd cannot run is left out; the request still works, with the same prompt.
+    hosted = client.responses.create(**dict(req, tools=tools + [{"type": "web_search"}]))
+    check(hosted.usage.input_tokens == whole.usage.input_tokens, name + ": a hosted tool is left out")
 
     # A function call, then its output sent back: the round trip Codex makes.
     forced = client.responses.create(model=MODEL, input="Run ls.", tools=tools, max_output_tokens=16,
