@@ -3,6 +3,7 @@
 // Internal to tools-api.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -42,6 +43,15 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
 std::optional<FieldError> ParseChatBody(const ojson& body, const std::string& model_id,
                                         const engine::Engine& eng, const ToolCallLedger* ledger,
                                         ChatRequest* out);
+
+// The start of a route that speaks another API: the model must be ready and the body a JSON
+// object (into `body`); `translate` turns it into a chat body, which is parsed into `out`. On an
+// error it has answered, and returns false.
+using Translate = std::function<std::optional<FieldError>(const ojson& request, ojson* chat)>;
+bool ParseTranslated(const httplib::Request& req, httplib::Response& res, const engine::Engine* eng,
+                     const Translate& translate, const std::string& model_id,
+                     const ToolCallLedger* ledger, size_t max_messages, json* body,
+                     ChatRequest* out);
 
 // OpenAI usage plus the prefix cache's counts under OpenAI's and DeepSeek's names.
 json ChatUsage(const engine::GenerationEvent& done);

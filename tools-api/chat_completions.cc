@@ -175,6 +175,23 @@ std::optional<FieldError> ParseChatBody(const ojson& body, const std::string& mo
   return ParseChat(json::parse(body.dump()), body, model_id, eng, ledger, out);
 }
 
+bool ParseTranslated(const httplib::Request& req, httplib::Response& res, const engine::Engine* eng,
+                     const Translate& translate, const std::string& model_id,
+                     const ToolCallLedger* ledger, size_t max_messages, json* body,
+                     ChatRequest* out) {
+  if (eng == nullptr || eng->tokenizer() == nullptr) {
+    WriteError(res, 503, "unavailable_error", "the model is not loaded yet; see /health");
+    return false;
+  }
+  if (!ParseJsonBody(req, res, body)) return false;
+  ojson chat_body;
+  out->max_messages = max_messages;
+  std::optional<FieldError> e = translate(ojson::parse(req.body), &chat_body);
+  if (!e) e = ParseChatBody(chat_body, model_id, *eng, ledger, out);
+  if (e) WriteError(res, e->status, e->type, e->message);
+  return !e;
+}
+
 json ChatUsage(const GenerationEvent& done) {
   json u = Usage(done);
   // OpenAI's and DeepSeek's names for the prompt tokens the prefix cache restored.

@@ -425,20 +425,12 @@ void Api::Messages(const httplib::Request& req, httplib::Response& res) const {
 void Api::MessagesImpl(const httplib::Request& req, httplib::Response& res,
                        std::chrono::steady_clock::time_point arrived) const {
   engine::Engine* eng = engine();
-  if (eng == nullptr || eng->tokenizer() == nullptr) {
-    return WriteError(res, 503, "unavailable_error", "the model is not loaded yet; see /health");
-  }
   json body;
-  if (!ParseJsonBody(req, res, &body)) return;
-  const ojson ordered = ojson::parse(req.body);
-  ojson chat_body;
-  if (auto e = ToChat(ordered, /*need_max_tokens=*/true, &chat_body)) {
-    return WriteError(res, e->status, e->type, e->message);
-  }
   ChatRequest cr;
-  cr.max_messages = static_cast<size_t>(config_.server.max_messages);
-  if (auto e = chat::ParseChatBody(chat_body, model_.id, *eng, &ledger_, &cr)) {
-    return WriteError(res, e->status, e->type, e->message);
+  const auto translate = [](const ojson& in, ojson* out) { return ToChat(in, true, out); };
+  if (!chat::ParseTranslated(req, res, eng, translate, model_.id, &ledger_,
+                             static_cast<size_t>(config_.server.max_messages), &body, &cr)) {
+    return;
   }
   const std::string id = NewId("msg_");
   std::shared_ptr<Generation> g =
@@ -512,23 +504,11 @@ void Api::MessagesImpl(const httplib::Request& req, httplib::Response& res,
 }
 
 void Api::CountTokens(const httplib::Request& req, httplib::Response& res) const {
-  engine::Engine* eng = engine();
-  if (eng == nullptr || eng->tokenizer() == nullptr) {
-    WriteError(res, 503, "unavailable_error", "the model is not loaded yet; see /health");
-    return ToAnthropicError(res);
-  }
   json body;
-  if (!ParseJsonBody(req, res, &body)) return ToAnthropicError(res);
-  const ojson ordered = ojson::parse(req.body);
-  ojson chat_body;
   ChatRequest cr;
-  cr.max_messages = static_cast<size_t>(config_.server.max_messages);
-  std::optional<FieldError> e = ToChat(ordered, /*need_max_tokens=*/false, &chat_body);
-  if (!e) {
-    e = chat::ParseChatBody(chat_body, model_.id, *eng, &ledger_, &cr);
-  }
-  if (e) {
-    WriteError(res, e->status, e->type, e->message);
+  const auto translate = [](const ojson& in, ojson* out) { return ToChat(in, false, out); };
+  if (!chat::ParseTranslated(req, res, engine(), translate, model_.id, &ledger_,
+                             static_cast<size_t>(config_.server.max_messages), &body, &cr)) {
     return ToAnthropicError(res);
   }
   res.set_content(json{{"input_tokens", cr.gen.prompt.size()}}.dump(), "application/json");

@@ -380,18 +380,11 @@ json ResponsesUsage(const GenerationEvent& e) {
 void Api::Responses(const httplib::Request& req, httplib::Response& res) const {
   const auto arrived = std::chrono::steady_clock::now();
   engine::Engine* eng = engine();
-  if (eng == nullptr || eng->tokenizer() == nullptr) {
-    return WriteError(res, 503, "unavailable_error", "the model is not loaded yet; see /health");
-  }
   json body;
-  if (!ParseJsonBody(req, res, &body)) return;
-  const ojson ordered = ojson::parse(req.body);
-  ojson chat_body;
-  if (auto e = ToChat(ordered, &chat_body)) return WriteError(res, e->status, e->type, e->message);
   ChatRequest cr;
-  cr.max_messages = static_cast<size_t>(config_.server.max_messages);
-  if (auto e = chat::ParseChatBody(chat_body, model_.id, *eng, &ledger_, &cr)) {
-    return WriteError(res, e->status, e->type, e->message);
+  if (!chat::ParseTranslated(req, res, eng, ToChat, model_.id, &ledger_,
+                             static_cast<size_t>(config_.server.max_messages), &body, &cr)) {
+    return;
   }
   const std::string id = NewId("resp_");
   std::shared_ptr<Generation> g =
