@@ -210,25 +210,28 @@ void Engine::LoaderLoop() {
   }
 }
 
-cache::KeyContext Engine::KeyContextFor(const Sequence& s, bool snapshot) const {
+cache::KeyContext Engine::KeyContextFor(const std::string& ns, bool snapshot) const {
   // Snapshots hash under their own format number, so no snapshot key can equal a block key.
-  return cache::KeyContext{fingerprint_, kCacheFormat | (snapshot ? 0x80000000u : 0u),
-                           s.request.tenant};
+  return cache::KeyContext{fingerprint_, kCacheFormat | (snapshot ? 0x80000000u : 0u), ns};
+}
+
+void Engine::ExtendChain(std::span<const int32_t> tokens, size_t blocks,
+                         const cache::KeyContext& ctx, std::vector<cache::BlockKey>* chain) const {
+  const size_t B = static_cast<size_t>(forward_->block_tokens());
+  for (size_t j = chain->size(); j < blocks; ++j) {
+    const cache::BlockKey parent = j == 0 ? cache::BlockKey{} : (*chain)[j - 1];
+    chain->push_back(cache::ChainBlockKey(parent, tokens.subspan(j * B, B), ctx));
+  }
 }
 
 Engine::PrefixKeys Engine::KeysFor(std::span<const int32_t> tokens,
                                    const std::string& tenant) const {
-  const cache::KeyContext ctx{fingerprint_, kCacheFormat, tenant};
-  const cache::KeyContext snap{fingerprint_, kCacheFormat | 0x80000000u, tenant};
   const size_t B = static_cast<size_t>(forward_->block_tokens());
   PrefixKeys k;
-  cache::BlockKey parent;
-  size_t j = 0;
-  for (; (j + 1) * B <= tokens.size(); ++j) {
-    parent = cache::ChainBlockKey(parent, tokens.subspan(j * B, B), ctx);
-    k.blocks.push_back(parent);
-  }
-  k.snapshot = cache::ChainBlockKey(parent, tokens.subspan(j * B), snap);
+  ExtendChain(tokens, tokens.size() / B, KeyContextFor(tenant, false), &k.blocks);
+  const cache::BlockKey parent = k.blocks.empty() ? cache::BlockKey{} : k.blocks.back();
+  k.snapshot = cache::ChainBlockKey(parent, tokens.subspan(k.blocks.size() * B),
+                                    KeyContextFor(tenant, true));
   return k;
 }
 
@@ -240,47 +243,28 @@ void Engine::PlanRestore(Sequence& s) {
   if (B == 0 || prompt.size() < 2) return;
   // At least the last prompt token is always run: its logits give the first output token.
   const int64_t usable = static_cast<int64_t>(prompt.size()) - 1;
-  const cache::KeyContext ctx = KeyContextFor(s, false);
-  const cache::KeyContext snap_ctx = KeyContextFor(s, true);
+  const std::string& tenant = s.request.tenant;
+  const cache::KeyContext ctx = KeyContextFor(tenant, false);
+  const cache::KeyContext snap_ctx = KeyContextFor(tenant, true);
+  const size_t full = static_cast<size_t>(usable / B);
   // The chain of the prompt's full blocks: the tenant's own, or a prefix published to a group
   // the tenant belongs to, continued in the tenant's namespace; whichever holds more.
   std::vector<cache::BlockKey> keys;
-  size_t have = 0;
+  ExtendChain(prompt, full, ctx, &keys);
+  size_t have = store.PresentPrefix(keys);
   cache::KeyContext shared_snap_ctx = snap_ctx;
-  auto candidate = [&](const cache::KeyContext* shared) {
-    std::vector<cache::BlockKey> k;
-    cache::BlockKey parent;
-    size_t j = 0;
-    if (shared != nullptr) {
-      std::vector<cache::BlockKey> g;
-      for (; static_cast<int64_t>(j + 1) * B <= usable; ++j) {
-        parent = cache::ChainBlockKey(parent, std::span(prompt).subspan(j * B, B), *shared);
-        g.push_back(parent);
-      }
-      const size_t present = store.PresentPrefix(g);
-      if (present == 0) return;
-      k.assign(g.begin(), g.begin() + static_cast<std::ptrdiff_t>(present));
-      parent = k.back();
-      j = present;
-    }
-    for (; static_cast<int64_t>(j + 1) * B <= usable; ++j) {
-      parent = cache::ChainBlockKey(parent, std::span(prompt).subspan(j * B, B), ctx);
-      k.push_back(parent);
-    }
-    const size_t n = store.PresentPrefix(k);
-    if (keys.empty() || n > have) {
-      keys = std::move(k);
-      have = n;
-      if (shared != nullptr) {
-        shared_snap_ctx = *shared;
-        shared_snap_ctx.format_version |= 0x80000000u;
-      }
-    }
-  };
-  candidate(nullptr);
   for (const std::string& ns : s.request.shared_namespaces) {
-    const cache::KeyContext shared{fingerprint_, kCacheFormat, ns};
-    candidate(&shared);
+    std::vector<cache::BlockKey> k;
+    ExtendChain(prompt, full, KeyContextFor(ns, false), &k);
+    const size_t shared = store.PresentPrefix(k);
+    if (shared == 0) continue;
+    k.resize(shared);
+    ExtendChain(prompt, full, ctx, &k);
+    const size_t n = store.PresentPrefix(k);
+    if (n <= have) continue;
+    keys = std::move(k);
+    have = n;
+    shared_snap_ctx = KeyContextFor(ns, true);
   }
   const int64_t replay = forward_->ExactReplayTokens();
   for (int attempt = 0; attempt < 3; ++attempt) {
@@ -394,19 +378,17 @@ void Engine::ApplyRestore(Sequence& s) {
 
 void Engine::StoreNewBlocks(Sequence& s) {
   if (!options_.cache) return;
-  const int64_t B = forward_->block_tokens();
-  const cache::KeyContext ctx = KeyContextFor(s, false);
+  const size_t B = static_cast<size_t>(forward_->block_tokens());
   const KvPool& pool = *forward_->pool();
-  while ((static_cast<int64_t>(s.chain.size()) + 1) * B <= s.state.position) {
-    const size_t j = s.chain.size();
-    const cache::BlockKey parent = j == 0 ? cache::BlockKey{} : s.chain[j - 1];
-    const std::span<const int32_t> tokens = std::span(s.fed).subspan(j * B, B);
-    const cache::BlockKey key = cache::ChainBlockKey(parent, tokens, ctx);
-    s.chain.push_back(key);
-    if (options_.cache->Contains(key)) continue;
+  const size_t from = s.chain.size();
+  ExtendChain(s.fed, static_cast<size_t>(s.state.position) / B,
+              KeyContextFor(s.request.tenant, false), &s.chain);
+  for (size_t j = from; j < s.chain.size(); ++j) {
+    if (options_.cache->Contains(s.chain[j])) continue;
     const uint8_t* bytes = pool.data(s.state.blocks[j]);
-    options_.cache->Put(cache::BlockStore::Kind::kBlock, key, parent, static_cast<uint32_t>(j + 1),
-                        tokens,
+    options_.cache->Put(cache::BlockStore::Kind::kBlock, s.chain[j],
+                        j == 0 ? cache::BlockKey{} : s.chain[j - 1], static_cast<uint32_t>(j + 1),
+                        std::span(s.fed).subspan(j * B, B),
                         std::string(reinterpret_cast<const char*>(bytes), pool.block_bytes()));
   }
 }
@@ -419,7 +401,8 @@ void Engine::SaveSnapshot(Sequence& s) {
   const cache::BlockKey parent = c == 0 ? cache::BlockKey{} : s.chain[c - 1];
   const std::span<const int32_t> tail =
       std::span(s.fed).subspan(c * B, static_cast<size_t>(s.state.position) - c * B);
-  const cache::BlockKey key = cache::ChainBlockKey(parent, tail, KeyContextFor(s, true));
+  const cache::BlockKey key =
+      cache::ChainBlockKey(parent, tail, KeyContextFor(s.request.tenant, true));
   if (options_.cache->Contains(key)) return;
   options_.cache->Put(cache::BlockStore::Kind::kSnapshot, key, parent, static_cast<uint32_t>(c),
                       tail, s.state.Serialize(c));

@@ -151,14 +151,17 @@ class Engine {
   explicit Engine(EngineOptions options);
   void Loop();
   void LoaderLoop();
-  bool Step();
+  bool Step();  // One scheduling round; false when there was nothing to do.
   // Prefix cache: what to restore (loader thread), restoring it at admission, and writing.
   void PlanRestore(Sequence& s);
   void ApplyRestore(Sequence& s);
   void StoreNewBlocks(Sequence& s);
   void SaveSnapshot(Sequence& s);
-  cache::KeyContext KeyContextFor(const Sequence& s, bool snapshot)
-      const;  // One scheduling round; false when there was nothing to do.
+  // The key context of namespace `ns` (a tenant, or "group:NAME"), for blocks or snapshots.
+  cache::KeyContext KeyContextFor(const std::string& ns, bool snapshot) const;
+  // Appends to `chain` the keys of `tokens`' blocks from chain->size() up to `blocks`.
+  void ExtendChain(std::span<const int32_t> tokens, size_t blocks, const cache::KeyContext& ctx,
+                   std::vector<cache::BlockKey>* chain) const;
   void Finish(Sequence& s, const std::string& reason, Status error = Status::Ok());
   // KV for the prompt and max_tokens, plus the bounded per-sequence state.
   uint64_t MemoryNeed(const GenerationRequest& request) const;
