@@ -84,9 +84,11 @@ class Api {
   // POST /v1/chat/completions (OpenAI): tools-api/chat_completions.cc.
   void ChatCompletions(const httplib::Request& req, httplib::Response& res) const;
   // Serves an OpenAI chat body for `tenant`; `on_done`, when set, gets the assistant message as
-  // a client would send it back, and the final event, when the generation ends normally.
+  // a client would send it back, the final event, and the prefix-cache keys of the prompt, when
+  // the generation ends normally.
   using ChatDone =
-      std::function<void(const nlohmann::json& message, const engine::GenerationEvent& done)>;
+      std::function<void(const nlohmann::json& message, const engine::GenerationEvent& done,
+                         const engine::Engine::PrefixKeys& prompt_keys)>;
   void ServeChat(const nlohmann::json& body, const ojson& ordered, const std::string& tenant,
                  std::chrono::steady_clock::time_point arrived, httplib::Response& res,
                  ChatDone on_done) const;

@@ -290,6 +290,8 @@ void Api::ServeChat(const json& body, const ojson& ordered, const std::string& t
     return WriteError(res, e->status, e->type, e->message);
   }
   const std::string id = NewId("chatcmpl-");
+  engine::Engine::PrefixKeys prompt_keys;
+  if (on_done && eng->cache() != nullptr) prompt_keys = eng->KeysFor(cr.gen.prompt, tenant);
   std::shared_ptr<Generation> g = StartGeneration(eng, std::move(cr.gen), tenant, id, arrived, res);
   if (!g) return;
   const int64_t created = static_cast<int64_t>(std::time(nullptr));
@@ -373,7 +375,7 @@ void Api::ServeChat(const json& body, const ojson& ordered, const std::string& t
       absorb(last);
       for (const json& d : last) *out += SseEvent(chunk(d, nullptr, nullptr));
       *out += SseEvent(chunk(json::object(), nullptr, FinishReason(e, assembler->called_tools())));
-      if (on_done) on_done(message_of(), e);
+      if (on_done) on_done(message_of(), e, prompt_keys);
       if (usage) {
         json u = chunk(json::object(), nullptr, nullptr);
         u["choices"] = json::array();
@@ -393,7 +395,7 @@ void Api::ServeChat(const json& body, const ojson& ordered, const std::string& t
       [=, model = model_.id](const GenerationEvent& done) {
         absorb(assembler->Finish());
         const json message = message_of();
-        if (on_done) on_done(message, done);
+        if (on_done) on_done(message, done, prompt_keys);
         return json{
             {"id", id},
             {"object", "chat.completion"},

@@ -200,16 +200,7 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
   for (const char* k : {"stream", "stream_options", "logprobs", "top_logprobs", "tool_choice"}) {
     if (in.contains(k)) body[k] = in[k];
   }
-  // Where the cache will hold this turn's prompt, recorded with the turn.
-  engine::Engine::PrefixKeys keys;
   engine::Engine* eng = engine();
-  if (eng != nullptr && eng->tokenizer() != nullptr && eng->cache() != nullptr) {
-    chat::ChatRequest cr;
-    cr.max_messages = static_cast<size_t>(config_.server.max_messages);
-    if (!chat::ParseChatBody(body, model_.id, *eng, &ledger_, &cr)) {
-      keys = eng->KeysFor(cr.gen.prompt, tenant);
-    }
-  }
   // The reply joins the session when the generation ends normally.
   cache::Catalog* catalog = catalog_;
   cache::BlockStore* store =
@@ -217,8 +208,9 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
   const ojson new_messages = in["messages"];
   cache::Catalog::Session row = *x;
   ServeChat(json::parse(body.dump()), body, tenant, arrived, res,
-            [catalog, store, keys, row, session, new_messages](
-                const json& message, const engine::GenerationEvent& done) mutable {
+            [catalog, store, row, session, new_messages](
+                const json& message, const engine::GenerationEvent& done,
+                const engine::Engine::PrefixKeys& keys) mutable {
               ojson s = session;
               for (const ojson& m : new_messages) s["messages"].push_back(m);
               s["messages"].push_back(ojson::parse(message.dump()));
@@ -228,7 +220,8 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
               row.tokens = done.prompt_tokens + done.completion_tokens;
               row.head_key = row.snapshot_key = cache::BlockKey{};
               if (store != nullptr) {
-                // The row points only at entries already written.
+                // Where the cache holds this turn's prompt; the row points only at entries
+                // already written.
                 store->Flush();
                 if (!keys.blocks.empty() && store->Contains(keys.blocks.back())) {
                   row.head_key = keys.blocks.back();
