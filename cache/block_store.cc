@@ -224,7 +224,6 @@ Status BlockStore::Load() {
     if (e.kind == Kind::kSnapshot) stats_.snapshot_bytes += e.bytes;
     (e.kind == Kind::kBlock ? stats_.blocks : stats_.snapshots) += 1;
   }
-  stats_.entries = index_.size();
   return Status::Ok();
 }
 
@@ -332,7 +331,6 @@ void BlockStore::Apply(std::vector<Op>& ops) {
       if (p != index_.end()) p->second.children += 1;
     }
     if (op.kind == Kind::kSnapshot) snapshots_[op.parent].push_back(op.key);
-    stats_.entries = index_.size();
     stats_.disk_bytes += e.bytes;
     if (e.kind == Kind::kSnapshot) stats_.snapshot_bytes += e.bytes;
     stats_.bytes_written += e.bytes;
@@ -412,7 +410,6 @@ void BlockStore::RemoveLocked(const BlockKey& key, rocksdb::WriteBatch* batch) {
     if (v.empty()) snapshots_.erase(e.parent);
   }
   RamEraseLocked(key);
-  stats_.entries = index_.size();
   stats_.disk_bytes -= e.bytes;
   if (e.kind == Kind::kSnapshot) stats_.snapshot_bytes -= e.bytes;
   (e.kind == Kind::kBlock ? stats_.blocks : stats_.snapshots) -= 1;
@@ -627,7 +624,9 @@ void BlockStore::Erase(const BlockKey& key) {
 
 BlockStore::Stats BlockStore::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  Stats s = stats_;
+  s.entries = index_.size();
+  return s;
 }
 
 std::string BlockStore::DataKey(const BlockKey& key, const Entry& e) const {
