@@ -22,11 +22,7 @@ namespace {
 using nlohmann::json;
 using namespace std::chrono_literals;
 
-std::unique_ptr<httplib::Client> Client(const DaemonProcess& d) {
-  auto c = std::make_unique<httplib::Client>("127.0.0.1", d.port());
-  c->set_read_timeout(300);
-  return c;
-}
+std::unique_ptr<httplib::Client> Client(const DaemonProcess& d) { return TcpClient(d, 300); }
 
 std::vector<int> Ids(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -280,9 +276,7 @@ BOOST_AUTO_TEST_CASE(tenants_are_isolated_and_keys_are_checked) {
   x->set_default_headers({{"x-api-key", bob}});
   BOOST_TEST(Ask(*x, Concat(longer, Ids(5, 9))).cached == 420);  // Bob's own earlier prompt.
   // The socket admits its users without a key, each user (SO_PEERCRED) its own tenant.
-  auto u = std::make_unique<httplib::Client>(d.socket_path());
-  u->set_address_family(AF_UNIX);
-  u->set_read_timeout(300);
+  auto u = UnixClient(d, 300);
   const Answer local = Ask(*u, longer);
   BOOST_TEST(local.status == 200);
   BOOST_TEST(local.cached == 0);
@@ -375,9 +369,7 @@ BOOST_AUTO_TEST_CASE(socket_users_are_tenants_by_uid) {
   DaemonProcess d(
       {tmp.path(), "server:\n  socket_mode: \"0666\"\n  shutdown_grace_seconds: 5\n", {}, {}});
   BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
-  auto u = std::make_unique<httplib::Client>(d.socket_path());
-  u->set_address_family(AF_UNIX);
-  u->set_read_timeout(300);
+  auto u = UnixClient(d, 300);
   const std::vector<int> p = Ids(300, 21), longer = Concat(p, Ids(10, 22));
   BOOST_TEST(Ask(*u, p).cached == 0);
   BOOST_TEST(Ask(*u, longer).cached == 300);

@@ -19,19 +19,6 @@ namespace {
 using nlohmann::json;
 using namespace std::chrono_literals;
 
-std::unique_ptr<httplib::Client> TcpClient(const DaemonProcess& d) {
-  auto c = std::make_unique<httplib::Client>("127.0.0.1", d.port());
-  c->set_read_timeout(120);
-  return c;
-}
-
-std::unique_ptr<httplib::Client> UnixClient(const DaemonProcess& d) {
-  auto c = std::make_unique<httplib::Client>(d.socket_path());
-  c->set_address_family(AF_UNIX);
-  c->set_read_timeout(120);
-  return c;
-}
-
 // Polls until the engine runs nothing and its KV pool is empty; false after `timeout`.
 bool WaitIdle(httplib::Client& c, std::chrono::seconds timeout = 20s) {
   const auto end = std::chrono::steady_clock::now() + timeout;

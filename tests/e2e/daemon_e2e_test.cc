@@ -27,14 +27,9 @@ using nlohmann::json;
 std::vector<std::pair<std::string, std::unique_ptr<httplib::Client>>> Clients(
     const DaemonProcess& d) {
   std::vector<std::pair<std::string, std::unique_ptr<httplib::Client>>> out;
-  out.emplace_back("tcp", std::make_unique<httplib::Client>("127.0.0.1", d.port()));
-  auto unix_client = std::make_unique<httplib::Client>(d.socket_path());
-  unix_client->set_address_family(AF_UNIX);
-  out.emplace_back("unix", std::move(unix_client));
-  for (auto& [name, c] : out) {
-    c->set_connection_timeout(5);
-    c->set_read_timeout(30);
-  }
+  out.emplace_back("tcp", TcpClient(d, 30));
+  out.emplace_back("unix", UnixClient(d, 30));
+  for (auto& [name, c] : out) c->set_connection_timeout(5);
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -201,6 +202,19 @@ int DaemonProcess::Stop(int signal, std::chrono::seconds timeout) {
     Wait(std::chrono::seconds(10));
   }
   return code;
+}
+
+std::unique_ptr<httplib::Client> TcpClient(const DaemonProcess& d, int read_timeout_s) {
+  auto c = std::make_unique<httplib::Client>("127.0.0.1", d.port());
+  c->set_read_timeout(read_timeout_s);
+  return c;
+}
+
+std::unique_ptr<httplib::Client> UnixClient(const DaemonProcess& d, int read_timeout_s) {
+  auto c = std::make_unique<httplib::Client>(d.socket_path());
+  c->set_address_family(AF_UNIX);
+  c->set_read_timeout(read_timeout_s);
+  return c;
 }
 
 }  // namespace flashd::testing

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -90,5 +91,9 @@ class DaemonProcess {
   int port_ = -1;
   int exit_code_ = -1;
 };
+
+// Clients of a started daemon's TCP listener and Unix socket.
+std::unique_ptr<httplib::Client> TcpClient(const DaemonProcess& d, int read_timeout_s = 120);
+std::unique_ptr<httplib::Client> UnixClient(const DaemonProcess& d, int read_timeout_s = 120);
 
 }  // namespace flashd::testing
