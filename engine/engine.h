@@ -128,7 +128,8 @@ class Engine {
   Stats stats() const;
   const ModelConfig& config() const;
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
-  const cache::BlockStore* cache() const { return options_.cache.get(); }
+  // The prefix cache (thread-safe itself), or null.
+  cache::BlockStore* cache() const { return options_.cache.get(); }
   // What the prefix cache's keys cover besides tokens and tenant: the model's config.json, every
   // shard's header and a sample of its first and last tensor bytes, and the cache format.
   const cache::BlockKey& model_fingerprint() const { return fingerprint_; }

@@ -184,8 +184,7 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
 Status Api::PinTokens(const std::vector<int32_t>& tokens, const std::string& tenant,
                       const std::string& name, size_t* blocks) const {
   engine::Engine* eng = engine();
-  cache::BlockStore* store =
-      eng == nullptr ? nullptr : const_cast<cache::BlockStore*>(eng->cache());
+  cache::BlockStore* store = eng == nullptr ? nullptr : eng->cache();
   if (store == nullptr || catalog_ == nullptr) return Unavailable("the prefix cache is off");
   // Prefill it like a prompt; the engine stores its blocks and its end state.
   engine::GenerationRequest g;
@@ -228,8 +227,7 @@ Status Api::PinTokens(const std::vector<int32_t>& tokens, const std::string& ten
 void Api::DeletePin(const httplib::Request& req, httplib::Response& res,
                     const std::string& name) const {
   engine::Engine* eng = engine();
-  cache::BlockStore* store =
-      eng == nullptr ? nullptr : const_cast<cache::BlockStore*>(eng->cache());
+  cache::BlockStore* store = eng == nullptr ? nullptr : eng->cache();
   if (store == nullptr || catalog_ == nullptr) {
     return WriteError(res, 503, "unavailable_error", "the prefix cache is off; see the log");
   }

@@ -203,8 +203,7 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
   engine::Engine* eng = engine();
   // The reply joins the session when the generation ends normally.
   cache::Catalog* catalog = catalog_;
-  cache::BlockStore* store =
-      eng == nullptr ? nullptr : const_cast<cache::BlockStore*>(eng->cache());
+  cache::BlockStore* store = eng == nullptr ? nullptr : eng->cache();
   const ojson new_messages = in["messages"];
   cache::Catalog::Session row = *x;
   ServeChat(json::parse(body.dump()), body, tenant, arrived, res,
