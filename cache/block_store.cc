@@ -19,7 +19,7 @@ constexpr char kMagic[4] = {'F', 'L', 'K', 'B'};
 // magic, format version, token count, CRC32C, parent key, payload size.
 constexpr size_t kHeaderBytes = 4 + 4 + 4 + 4 + 16 + 8;
 constexpr size_t kCrcOffset = 12;
-// kind, parent key, depth, bytes, last use, root key.
+// kind, parent key, depth, bytes, last use, root key; then a snapshot's tail tokens.
 constexpr size_t kMetaBytes = 1 + 16 + 4 + 8 + 8 + 16;
 constexpr size_t kReadThreads = 8;
 
@@ -50,18 +50,6 @@ BlockKey KeyFromBytes(std::string_view b) {
     k.lo = (k.lo << 8) | static_cast<uint8_t>(b[8 + i]);
   }
   return k;
-}
-
-std::string MetaValue(BlockStore::Kind kind, const BlockKey& parent, uint32_t depth, uint64_t bytes,
-                      int64_t last_used, const BlockKey& root) {
-  std::string v;
-  v.push_back(static_cast<char>(kind));
-  v += parent.ToBytes();
-  PutRaw<uint32_t>(&v, depth);
-  PutRaw<uint64_t>(&v, bytes);
-  PutRaw<int64_t>(&v, last_used);
-  v += root.ToBytes();
-  return v;
 }
 
 // Where a block's value lives: its chain's first block, its depth (big-endian), then its own key.
@@ -166,6 +154,19 @@ BlockStore::~BlockStore() {
   }
 }
 
+std::string BlockStore::MetaValue(const Entry& e) {
+  std::string v;
+  v.push_back(static_cast<char>(e.kind));
+  v += e.parent.ToBytes();
+  PutRaw<uint32_t>(&v, e.depth);
+  PutRaw<uint64_t>(&v, e.bytes);
+  PutRaw<int64_t>(&v, e.last_used_ms);
+  v += e.root.ToBytes();
+  // A snapshot's tail, so that finding the snapshots that fit a prompt reads no values.
+  v.append(reinterpret_cast<const char*>(e.tail.data()), e.tail.size() * 4);
+  return v;
+}
+
 rocksdb::ColumnFamilyHandle* BlockStore::Family(Kind kind) const {
   return kind == Kind::kBlock ? families_[1] : families_[2];
 }
@@ -176,7 +177,8 @@ Status BlockStore::Load() {
   for (it->SeekToFirst(); it->Valid(); it->Next()) {
     const std::string_view k(it->key().data(), it->key().size());
     const std::string_view v(it->value().data(), it->value().size());
-    if (k.size() != 16 || v.size() != kMetaBytes || (v[0] != 1 && v[0] != 2)) {
+    if (k.size() != 16 || v.size() < kMetaBytes || (v.size() - kMetaBytes) % 4 != 0 ||
+        (v[0] != 1 && v[0] != 2)) {
       spdlog::warn("cache: ignoring a malformed meta row");
       continue;
     }
@@ -187,7 +189,9 @@ Status BlockStore::Load() {
     e.bytes = Get<uint64_t>(v, 21);
     e.last_used_ms = Get<int64_t>(v, 29);
     e.root = KeyFromBytes(v.substr(37, 16));
-    index_[KeyFromBytes(k)] = e;
+    e.tail.resize((v.size() - kMetaBytes) / 4);
+    std::memcpy(e.tail.data(), v.data() + kMetaBytes, e.tail.size() * 4);
+    index_[KeyFromBytes(k)] = std::move(e);
   }
   if (!it->status().ok()) return IoError("cache: reading the index: " + it->status().ToString());
   // Entries whose parent is gone can never be reached again: collect them, and their children.
@@ -311,10 +315,10 @@ void BlockStore::Apply(std::vector<Op>& ops) {
     e.depth = op.depth;
     e.last_used_ms = now;
     e.root = root;
+    if (op.kind == Kind::kSnapshot) e.tail = op.tokens;
     rocksdb::WriteBatch batch;
     batch.Put(Family(op.kind), DataKey(op.key, e), value);
-    batch.Put(families_[3], key_bytes,
-              MetaValue(op.kind, op.parent, op.depth, value.size(), now, root));
+    batch.Put(families_[3], key_bytes, MetaValue(e));
     rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &batch);
     std::lock_guard<std::mutex> lock(mu_);
     if (!s.ok()) {
@@ -346,9 +350,7 @@ void BlockStore::Apply(std::vector<Op>& ops) {
     for (const BlockKey& k : touched_) {
       auto found = index_.find(k);
       if (found == index_.end()) continue;
-      const Entry& e = found->second;
-      batch.Put(families_[3], k.ToBytes(),
-                MetaValue(e.kind, e.parent, e.depth, e.bytes, e.last_used_ms, e.root));
+      batch.Put(families_[3], k.ToBytes(), MetaValue(found->second));
     }
     touched_.clear();
   }
@@ -561,23 +563,13 @@ std::vector<std::optional<std::string>> BlockStore::ReadBlocks(
 }
 
 std::vector<BlockStore::SnapshotRef> BlockStore::SnapshotsUnder(const BlockKey& parent) const {
-  std::vector<BlockKey> keys;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto found = snapshots_.find(parent);
-    if (found == snapshots_.end()) return {};
-    keys = found->second;
-  }
+  std::lock_guard<std::mutex> lock(mu_);
   std::vector<SnapshotRef> out;
-  for (const BlockKey& k : keys) {
-    std::string v;
-    if (!db_->Get(rocksdb::ReadOptions(), families_[2], k.ToBytes(), &v).ok()) continue;
-    if (v.size() < kHeaderBytes) continue;
-    const uint32_t n = Get<uint32_t>(v, 8);
-    if (v.size() < kHeaderBytes + n * 4ull) continue;
-    SnapshotRef ref{k, std::vector<int32_t>(n)};
-    std::memcpy(ref.tail.data(), v.data() + kHeaderBytes, n * 4ull);
-    out.push_back(std::move(ref));
+  auto found = snapshots_.find(parent);
+  if (found == snapshots_.end()) return out;
+  for (const BlockKey& k : found->second) {
+    auto e = index_.find(k);
+    if (e != index_.end()) out.push_back({k, e->second.tail});
   }
   return out;
 }

@@ -86,7 +86,8 @@ class BlockStore {
   std::vector<std::optional<std::string>> ReadBlocks(
       std::span<const BlockKey> keys, std::span<const std::span<const int32_t>> tokens);
 
-  // The snapshots whose parent block is `parent`, with their tail tokens.
+  // The snapshots whose parent block is `parent`, with their tail tokens (from the index: no
+  // value is read).
   struct SnapshotRef {
     BlockKey key;
     std::vector<int32_t> tail;
@@ -136,7 +137,8 @@ class BlockStore {
     int64_t last_used_ms = 0;
     int children = 0;
     int pins = 0;
-    BlockKey root;  // A block's chain's first block (the data key's prefix).
+    BlockKey root;              // A block's chain's first block (the data key's prefix).
+    std::vector<int32_t> tail;  // A snapshot's tokens after its parent block.
   };
   struct Op {
     Kind kind;
@@ -162,6 +164,7 @@ class BlockStore {
   void RamEraseLocked(const BlockKey& key);
   rocksdb::ColumnFamilyHandle* Family(Kind kind) const;
   std::string DataKey(const BlockKey& key, const Entry& e) const;
+  static std::string MetaValue(const Entry& e);
   std::optional<std::string> Verify(std::string_view value, const BlockKey& key,
                                     std::span<const int32_t> tokens) const;
   void DropCorrupt(Kind kind, const BlockKey& key);
