@@ -214,6 +214,10 @@ std::string NewId(const char* prefix) {
 
 std::string SseEvent(const json& j) { return "data: " + Dump(j) + "\n\n"; }
 
+std::string SseEvent(const std::string& name, const json& j) {
+  return "event: " + name + "\n" + SseEvent(j);
+}
+
 std::string Dump(const json& j) {
   // Generated text is whole characters, but a log line must never take a response down: any
   // invalid UTF-8 that slips through becomes U+FFFD.

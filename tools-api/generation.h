@@ -56,6 +56,8 @@ std::string NewId(const char* prefix);
 
 // One server-sent event carrying `j`.
 std::string SseEvent(const json& j);
+// The same with an event name ("event: NAME"), as the Messages and Responses streams send.
+std::string SseEvent(const std::string& name, const json& j);
 // `j` as compact JSON text; invalid UTF-8 in strings becomes U+FFFD instead of throwing.
 std::string Dump(const json& j);
 

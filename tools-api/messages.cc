@@ -306,6 +306,9 @@ json AnthropicUsage(const GenerationEvent& e, int64_t output_tokens) {
 // Folds OpenAI-style deltas into Anthropic content blocks, as whole blocks or as stream events.
 class Blocks {
  public:
+  // One server-sent event of the Messages stream.
+  static std::string Event(const char* name, const json& data) { return SseEvent(name, data); }
+
   // Stream events for `deltas`.
   std::string Events(const std::vector<json>& deltas) {
     std::string out;
@@ -403,12 +406,6 @@ class Blocks {
     whole_.back()[field] = whole_.back()[field].get<std::string>() + text.get<std::string>();
   }
 
- public:
-  static std::string Event(const char* name, const json& data) {
-    return std::string("event: ") + name + "\ndata: " + Dump(data) + "\n\n";
-  }
-
- private:
   std::string current_;  // Kind of the open block, "" when none.
   int index_ = 0;
   json whole_ = json::array();

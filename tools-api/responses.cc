@@ -228,7 +228,7 @@ class Items {
   int64_t Next() { return seq_++; }
   std::string Event(json e) {
     e["sequence_number"] = Next();
-    return "event: " + e["type"].get<std::string>() + "\ndata: " + Dump(e) + "\n\n";
+    return SseEvent(e["type"].get<std::string>(), e);
   }
 
   // Events for the deltas (stream) and the items' growing state (both modes).
