@@ -46,7 +46,7 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
     std::string text = metrics_.Render();
     if (const engine::Engine* eng = engine()) {
       const engine::Engine::Stats e = eng->stats();
-      auto gauge = [&](const char* name, const char* help, const char* type, uint64_t v) {
+      auto gauge = [&](const char* name, const char* help, const char* type, auto v) {
         text += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type +
                 "\n" + name + " " + std::to_string(v) + "\n";
       };
@@ -79,11 +79,9 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               "counter", e.cache_replay_hits);
         gauge("flashd_prefix_cache_replayed_tokens_total", "Tokens run again by replays.",
               "counter", e.cache_replayed_tokens);
-        text +=
-            "# HELP flashd_prefix_cache_restore_seconds_total Time finding, reading and "
-            "checking restored entries.\n# TYPE flashd_prefix_cache_restore_seconds_total "
-            "counter\nflashd_prefix_cache_restore_seconds_total " +
-            std::to_string(e.cache_restore_seconds) + "\n";
+        gauge("flashd_prefix_cache_restore_seconds_total",
+              "Time finding, reading and checking restored entries.", "counter",
+              e.cache_restore_seconds);
         gauge("flashd_prefix_cache_blocks", "Blocks stored on disk.", "gauge", c.blocks);
         gauge("flashd_prefix_cache_snapshots", "State snapshots stored on disk.", "gauge",
               c.snapshots);
