@@ -262,14 +262,34 @@ std::vector<Catalog::Session> Catalog::Sessions(const std::string& tenant) const
   return out;
 }
 
-std::vector<Catalog::Session> Catalog::AllSessions() const {
+std::vector<Catalog::SessionKeys> Catalog::AllSessionKeys() const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::vector<Session> out;
-  Stmt s(db_,
-         "SELECT id, tenant, title, created, last_used, tokens, body, head_key, snapshot_key "
-         "FROM sessions ORDER BY tenant, id");
-  while (s.ok() && s.Step() == SQLITE_ROW) out.push_back(SessionFrom(s.get()));
+  std::vector<SessionKeys> out;
+  Stmt s(db_, "SELECT tenant, id, head_key, snapshot_key FROM sessions ORDER BY tenant, id");
+  while (s.ok() && s.Step() == SQLITE_ROW) {
+    SessionKeys k;
+    k.tenant = reinterpret_cast<const char*>(sqlite3_column_text(s.get(), 0));
+    k.id = reinterpret_cast<const char*>(sqlite3_column_text(s.get(), 1));
+    if (sqlite3_column_bytes(s.get(), 2) == 16)
+      k.head_key = KeyFrom(sqlite3_column_blob(s.get(), 2));
+    if (sqlite3_column_bytes(s.get(), 3) == 16) {
+      k.snapshot_key = KeyFrom(sqlite3_column_blob(s.get(), 3));
+    }
+    out.push_back(std::move(k));
+  }
   return out;
+}
+
+Status Catalog::ClearSessionKeys(const std::string& tenant, const std::string& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stmt s(db_, "UPDATE sessions SET head_key = ?, snapshot_key = ? WHERE tenant = ? AND id = ?");
+  const std::string root = BlockKey{}.ToBytes();
+  s.Blob(1, root);
+  s.Blob(2, root);
+  s.Text(3, tenant);
+  s.Text(4, id);
+  if (s.Step() != SQLITE_DONE) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
+  return Status::Ok();
 }
 
 Status Catalog::DeleteSession(const std::string& tenant, const std::string& id) {

@@ -63,7 +63,13 @@ class Catalog {
   Status PutSession(const Session& s);  // Insert or replace.
   std::optional<Session> FindSession(const std::string& tenant, const std::string& id) const;
   std::vector<Session> Sessions(const std::string& tenant) const;  // Most recently used first.
-  std::vector<Session> AllSessions() const;
+  // Every session's cache keys (no conversations), for start-up reconciliation.
+  struct SessionKeys {
+    std::string tenant, id;
+    BlockKey head_key, snapshot_key;
+  };
+  std::vector<SessionKeys> AllSessionKeys() const;
+  Status ClearSessionKeys(const std::string& tenant, const std::string& id);
   Status DeleteSession(const std::string& tenant, const std::string& id);
 
   struct Usage {

@@ -180,12 +180,11 @@ Status Daemon::OpenCache() {
   // Sessions stay valid without their cached prefix (a turn renders the whole conversation);
   // a session whose recorded entries are gone gets its keys cleared.
   size_t repaired = 0;
-  for (cache::Catalog::Session x : catalog_->AllSessions()) {
+  for (const cache::Catalog::SessionKeys& x : catalog_->AllSessionKeys()) {
     const bool head_ok = x.head_key.IsRoot() || store->Contains(x.head_key);
     const bool snap_ok = x.snapshot_key.IsRoot() || store->Contains(x.snapshot_key);
     if (head_ok && snap_ok) continue;
-    x.head_key = x.snapshot_key = cache::BlockKey{};
-    if (catalog_->PutSession(x).ok()) ++repaired;
+    if (catalog_->ClearSessionKeys(x.tenant, x.id).ok()) ++repaired;
   }
   if (repaired > 0)
     spdlog::warn("{} sessions pointed at evicted cache entries; keys cleared", repaired);

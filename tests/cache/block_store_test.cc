@@ -287,7 +287,14 @@ BOOST_AUTO_TEST_CASE(migrates_and_keeps_pins_and_usage) {
   BOOST_TEST(back->head_key.ToHex() == c.keys[2].ToHex());
   BOOST_TEST(back->snapshot_key.ToHex() == c.keys[1].ToHex());
   BOOST_TEST(!(*cat)->FindSession("bob", "sess_1").has_value());
-  BOOST_TEST((*cat)->AllSessions().size() == 1u);
+  const auto keys = (*cat)->AllSessionKeys();
+  BOOST_REQUIRE(keys.size() == 1u);
+  BOOST_TEST(keys[0].head_key.ToHex() == c.keys[2].ToHex());
+  BOOST_TEST((*cat)->ClearSessionKeys("alice", "sess_1").ok());
+  back = (*cat)->FindSession("alice", "sess_1");
+  BOOST_TEST(back->head_key.IsRoot());
+  BOOST_TEST(back->snapshot_key.IsRoot());
+  BOOST_TEST(back->tokens == 42);  // The rest of the row is untouched.
   BOOST_TEST((*cat)->DeletePin("alice", "tools").ok());
   BOOST_TEST((*cat)->DeletePin("alice", "tools").code() == StatusCode::kNotFound);
 }
