@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <yaml-cpp/yaml.h>
 
@@ -179,6 +180,10 @@ const std::set<std::string>& Sections() {
   return sections;
 }
 
+// Keys whose values are mappings or lists, walked by their own functions.
+constexpr const char* kListKeys[] = {"auth.keys", "auth.groups", "auth.admins",
+                                     "server.allowed_hosts", "server.cors_origins"};
+
 const Field* FindField(const std::string& key) {
   for (const Field& f : Schema()) {
     if (key == f.key) return &f;
@@ -195,8 +200,7 @@ std::string KnownKeysUnder(const std::string& prefix) {
     names.insert(rest.substr(0, rest.find('.')));
   };
   for (const Field& f : Schema()) take(f.key);
-  take("auth.keys");
-  take("auth.groups");
+  for (const char* k : kListKeys) take(k);
   if (prefix.empty()) {
     for (const std::string& s : Sections()) take(s);
   }
@@ -277,6 +281,52 @@ struct Walker {
     return Status::Ok();
   }
 
+  // A list of non-empty strings, each accepted by `valid` (which says what it expects).
+  Status WalkStrings(const YAML::Node& at, const YAML::Node& value, const std::string& key,
+                     const std::function<std::string(const std::string&)>& valid,
+                     std::vector<std::string>* out) {
+    out->clear();
+    if (value.IsNull()) return Status::Ok();
+    if (!value.IsSequence()) return Error(at, key, "expected a list");
+    for (const auto& item : value) {
+      if (!item.IsScalar() || item.Scalar().empty()) {
+        return Error(item, key, "expected a list of non-empty strings");
+      }
+      if (std::string why = valid(item.Scalar()); !why.empty()) {
+        return Error(item, key, "\"" + item.Scalar() + "\": " + why);
+      }
+      out->push_back(item.Scalar());
+    }
+    config->origin[key] = At(at);
+    return Status::Ok();
+  }
+
+  Status WalkLists(const YAML::Node& at, const YAML::Node& value, const std::string& key) {
+    if (key == "server.allowed_hosts") {
+      return WalkStrings(
+          at, value, key,
+          [](const std::string& h) -> std::string {
+            return h.find_first_of(" /:@") == std::string::npos
+                       ? ""
+                       : "expected a host name without port, scheme or path";
+          },
+          &config->server.allowed_hosts);
+    }
+    if (key == "server.cors_origins") {
+      return WalkStrings(
+          at, value, key,
+          [](const std::string& o) -> std::string {
+            const bool scheme = o.rfind("http://", 0) == 0 || o.rfind("https://", 0) == 0 ||
+                                o.find("://") != std::string::npos;
+            return scheme && o.back() != '/' ? ""
+                                             : "expected an origin such as https://app.example.com";
+          },
+          &config->server.cors_origins);
+    }
+    return WalkStrings(
+        at, value, key, [](const std::string&) { return std::string(); }, &config->auth.admins);
+  }
+
   Status WalkMap(const YAML::Node& map, const std::string& prefix) {
     std::set<std::string> seen;
     for (const auto& kv : map) {
@@ -300,6 +350,10 @@ struct Walker {
       }
       if (key == "auth.groups") {
         FLASHD_RETURN_IF_ERROR(WalkGroups(kv.first, value));
+        continue;
+      }
+      if (key == "auth.admins" || key == "server.allowed_hosts" || key == "server.cors_origins") {
+        FLASHD_RETURN_IF_ERROR(WalkLists(kv.first, value, key));
         continue;
       }
       const Field* field = FindField(key);
@@ -418,6 +472,12 @@ StatusOr<Config> ParseConfig(std::string_view yaml_text, std::string_view filena
                            ": server.listen and server.socket are both empty: at least one "
                            "listener is required");
   }
+  for (const std::string& admin : config.auth.admins) {
+    if (!config.auth.keys.count(admin)) {
+      return InvalidArgument(config.Where("auth.admins") + ": \"" + admin +
+                             "\" is not a tenant of auth.keys");
+    }
+  }
   return config;
 }
 
@@ -472,6 +532,16 @@ Status ApplyEnvironment(Config* config, const EnvLookup& env) {
   return Status::Ok();
 }
 
+std::vector<std::string> ExposedStateFiles(const Config& config) {
+  std::vector<std::string> out;
+  const std::filesystem::path state(config.state_dir);
+  for (const std::filesystem::path& p : {state, state / "cache", state / "catalog.db"}) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) == 0 && (st.st_mode & 0077) != 0) out.push_back(p.string());
+  }
+  return out;
+}
+
 namespace {
 
 Status EnsureWritableDir(const std::filesystem::path& dir, const Config& config,
@@ -500,7 +570,11 @@ Status EnsureWritableDir(const std::filesystem::path& dir, const Config& config,
 }  // namespace
 
 Status PrepareDirectories(const Config& config) {
+  // The state dir holds every tenant's conversations and cached prompts: only the daemon's user
+  // may enter one it creates.
+  const bool state_existed = std::filesystem::exists(config.state_dir);
   FLASHD_RETURN_IF_ERROR(EnsureWritableDir(config.state_dir, config, "state_dir"));
+  if (!state_existed) ::chmod(config.state_dir.c_str(), 0700);
   if (!config.server.socket_path.empty()) {
     std::filesystem::path parent = std::filesystem::path(config.server.socket_path).parent_path();
     if (!parent.empty()) FLASHD_RETURN_IF_ERROR(EnsureWritableDir(parent, config, "server.socket"));

@@ -33,6 +33,12 @@ struct ServerConfig {
   int shutdown_grace_seconds = 10;  // How long in-flight responses may finish on SIGTERM.
   uint64_t max_request_bytes = 64ull << 20;
   int max_messages = 10000;  // Messages (or input items) in one request.
+  // Host names (beside localhost, 127.0.0.1 and [::1]) a loopback TCP listener answers to; any
+  // other Host header is refused, so a web page cannot reach the daemon through DNS rebinding.
+  std::vector<std::string> allowed_hosts;
+  // Web origins ("https://app.example.com") allowed to call the API from a browser (CORS). Empty:
+  // requests that carry any other Origin header are refused.
+  std::vector<std::string> cors_origins;
 };
 
 struct ModelConfig {
@@ -68,6 +74,9 @@ struct AuthConfig {
   // Group name -> member tenants. A member can publish a prefix to its group (a pin with
   // "group"), and every member's requests may start from the group's published prefixes.
   std::map<std::string, std::vector<std::string>> groups;
+  // Tenants whose keys may read daemon-wide counters (/metrics, GET /v1/cache). The daemon's own
+  // user on the Unix socket always may; without keys, so may every TCP client (one tenant).
+  std::vector<std::string> admins;
 };
 
 struct Config {
@@ -103,6 +112,10 @@ Status ApplyEnvironment(Config* config, const EnvLookup& env);
 // Creates the state directory (and the socket's and pid file's parent directories) if needed and
 // checks that each is writable. Errors name the key and where its value came from.
 Status PrepareDirectories(const Config& config);
+
+// The state dir, its cache dir and its catalog, where they exist with any group or other
+// permission bit set (state written before the daemon created its files 0700/0600).
+std::vector<std::string> ExposedStateFiles(const Config& config);
 
 // Parsers shared by the file and the environment, exposed for tests.
 Status ParseListen(std::string_view text, std::string* host, int* port);

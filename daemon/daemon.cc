@@ -15,7 +15,7 @@
 #include <fstream>
 #include <mutex>
 
-#include "daemon/peer_server.h"
+#include "daemon/connection_server.h"
 #include "daemon/task_queue.h"
 #include "daemon/unix_socket.h"
 #include "engine/tokenizer.h"
@@ -38,7 +38,7 @@ api::ServedModel DescribeModel(const Config& config) {
 }
 
 std::unique_ptr<httplib::Server> MakeServer(const Config& config, bool unix_socket = false) {
-  auto server = unix_socket ? MakeUnixServer() : std::make_unique<httplib::Server>();
+  auto server = MakeConnectionServer(unix_socket ? Listener::kUnix : Listener::kTcp);
   const size_t threads = static_cast<size_t>(config.server.http_threads);
   // Streams hold their worker; more workers start while none is idle (task_queue.h).
   server->new_task_queue = [threads] { return new ElasticTaskQueue(threads, 4096); };

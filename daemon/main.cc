@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
+#include <sys/stat.h>
 
 #include <cstdio>
 #include <cstring>
@@ -121,9 +122,21 @@ int Serve(const std::vector<std::string>& args) {
     return kExitUsage;
   }
 
+  // Everything the daemon writes from here on (cache, catalog, generated model, pid file) is
+  // its user's alone; the socket's mode is set explicitly (server.socket_mode).
+  ::umask(0077);
+
   spdlog::set_level(spdlog::level::from_str(config->log.level));
   spdlog::info("flashd {} starting (config: {})", kVersion,
                config_path.empty() ? "built-in defaults" : config_path);
+  if (std::vector<std::string> exposed = ExposedStateFiles(*config); !exposed.empty()) {
+    std::string list;
+    for (const std::string& p : exposed) list += (list.empty() ? "" : " ") + p;
+    spdlog::warn(
+        "other users can read the daemon's state (conversations, cached prompts): {}; "
+        "restrict it with: chmod -R go-rwx {}",
+        list, config->state_dir);
+  }
 
   // A client that disconnects mid-response must not kill the daemon.
   ::signal(SIGPIPE, SIG_IGN);

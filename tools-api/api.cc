@@ -1,11 +1,14 @@
 #include "tools-api/api.h"
 
 #include <spdlog/spdlog.h>
+#include <strings.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <nlohmann/json.hpp>
 
+#include "tools-api/browser_guard.h"
 #include "tools-api/generation.h"
 
 namespace flashd::api {
@@ -42,7 +45,11 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               [this](const auto& req, auto& res, const PathParams&) { Health(req, res); });
   router_.Add("GET", "/v1/models",
               [this](const auto& req, auto& res, const PathParams&) { Models(req, res); });
-  router_.Add("GET", "/metrics", [this](const auto&, auto& res, const PathParams&) {
+  router_.Add("GET", "/v1/models/{id}", [this](const auto& req, auto& res, const PathParams& p) {
+    Model(req, res, p.at("id"));
+  });
+  router_.Add("GET", "/metrics", [this](const auto& req, auto& res, const PathParams&) {
+    if (!IsAdmin(req)) return TenantMetrics(req, res);
     std::string text = metrics_.Render();
     if (const engine::Engine* eng = engine()) {
       const engine::Engine::Stats e = eng->stats();
@@ -186,20 +193,34 @@ void Api::Health(const httplib::Request&, httplib::Response& res) const {
   res.set_content(body.dump(), "application/json");
 }
 
+nlohmann::json Api::ModelEntry() const {
+  return {{"id", model_.id},
+          {"object", "model"},
+          {"created", model_.created},
+          {"owned_by", "flashd"},
+          {"description", model_.description},
+          {"embedded_default", model_.embedded_default}};
+}
+
 void Api::Models(const httplib::Request&, httplib::Response& res) const {
-  nlohmann::json entry = {{"id", model_.id},
-                          {"object", "model"},
-                          {"created", model_.created},
-                          {"owned_by", "flashd"},
-                          {"description", model_.description},
-                          {"embedded_default", model_.embedded_default}};
-  nlohmann::json body = {{"object", "list"}, {"data", nlohmann::json::array({entry})}};
+  nlohmann::json body = {{"object", "list"}, {"data", nlohmann::json::array({ModelEntry()})}};
   res.set_content(body.dump(), "application/json");
 }
 
+void Api::Model(const httplib::Request&, httplib::Response& res, const std::string& id) const {
+  if (id != model_.id) {
+    return WriteError(res, 404, "not_found_error",
+                      "model '" + id + "' does not exist (this daemon serves '" + model_.id + "')");
+  }
+  res.set_content(ModelEntry().dump(), "application/json");
+}
+
 std::optional<std::string> Api::PresentedKey(const httplib::Request& req) {
+  // The scheme name is case-insensitive (RFC 9110); some clients send "bearer".
   const std::string auth = req.get_header_value("Authorization");
-  if (auth.rfind("Bearer ", 0) == 0) return auth.substr(7);
+  if (auth.size() > 7 && strncasecmp(auth.c_str(), "Bearer ", 7) == 0) {
+    return auth.substr(auth.find_first_not_of(' ', 7));
+  }
   if (req.has_header("x-api-key")) return req.get_header_value("x-api-key");
   return std::nullopt;
 }
@@ -262,6 +283,38 @@ std::vector<std::string> Api::SharedNamespacesOf(const std::string& tenant) cons
 Peer& CurrentPeer() {
   thread_local Peer peer;
   return peer;
+}
+
+bool Api::IsAdmin(const httplib::Request& req) const {
+  if (std::optional<std::string> key = PresentedKey(req); key && !config_.auth.keys.empty()) {
+    const std::optional<std::string> tenant = TenantForKey(*key);
+    return tenant && std::find(config_.auth.admins.begin(), config_.auth.admins.end(), *tenant) !=
+                         config_.auth.admins.end();
+  }
+  // On the socket: the daemon's own user.
+  if (const Peer& peer = CurrentPeer(); peer.known) return peer.uid == ::geteuid();
+  // Over TCP without keys every client is the one tenant "default", which may see it all.
+  return config_.auth.keys.empty();
+}
+
+void Api::TenantMetrics(const httplib::Request& req, httplib::Response& res) const {
+  // A tenant sees its own usage; daemon-wide counters would show the others' traffic.
+  const std::string tenant = TenantOf(req);
+  std::string text;
+  if (catalog_ != nullptr) {
+    const cache::Catalog::Usage u = catalog_->UsageOf(tenant);
+    const auto counter = [&](const char* name, const char* help, int64_t v) {
+      text += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " counter\n" +
+              name + "{tenant=\"" + tenant + "\"} " + std::to_string(v) + "\n";
+    };
+    counter("flashd_tenant_requests_total", "Generations of this tenant.", u.requests);
+    counter("flashd_tenant_prompt_tokens_total", "Prompt tokens of this tenant.", u.prompt_tokens);
+    counter("flashd_tenant_cached_tokens_total", "Prompt tokens restored from the cache.",
+            u.cached_tokens);
+    counter("flashd_tenant_completion_tokens_total", "Tokens generated for this tenant.",
+            u.completion_tokens);
+  }
+  res.set_content(text, "text/plain; version=0.0.4");
 }
 
 std::string Api::TenantOf(const httplib::Request& req) const {
@@ -338,11 +391,17 @@ void Api::Install(httplib::Server* server, const std::string& listener) {
   router_.Install(server);
   server->set_payload_max_length(config_.server.max_request_bytes);
 
+  auto guard = std::make_shared<BrowserGuard>(config_.server, listener == "tcp");
   server->set_pre_routing_handler(
-      [this, listener](const httplib::Request& req, httplib::Response& res) {
+      [this, listener, guard](const httplib::Request& req, httplib::Response& res) {
         request_clock.active = true;
         request_clock.start = std::chrono::steady_clock::now();
         metrics_.RequestStarted();
+        if (guard->AnswerPreflight(req, res)) return httplib::Server::HandlerResponse::Handled;
+        if (std::optional<Refusal> r = guard->Check(req, res)) {
+          WriteError(res, r->status, r->type, r->message);
+          return httplib::Server::HandlerResponse::Handled;
+        }
         // API keys, when configured: a wrong key is refused everywhere; no key is refused on TCP
         // (the socket's file permissions admit its users, each its own tenant "uid-N").
         if (!config_.auth.keys.empty() && req.path != "/health") {
@@ -387,11 +446,26 @@ void Api::Install(httplib::Server* server, const std::string& listener) {
   server->set_exception_handler(
       [](const httplib::Request& req, httplib::Response& res, std::exception_ptr ep) {
         std::string what = "unknown exception";
+        bool client_json = false;
         try {
           if (ep) std::rethrow_exception(ep);
+        } catch (const nlohmann::json::type_error& e) {
+          what = e.what();
+          client_json = true;
+        } catch (const nlohmann::json::out_of_range& e) {
+          what = e.what();
+          client_json = true;
         } catch (const std::exception& e) {
           what = e.what();
         } catch (...) {
+        }
+        if (client_json) {
+          // A field of the client's JSON had a shape no route check caught: the client's error,
+          // answered as one (routes name the field wherever they check it).
+          spdlog::warn("{} {}: unexpected JSON shape: {}", req.method, req.path, what);
+          WriteError(res, 400, "invalid_request_error",
+                     "a request field has an unexpected type or value: " + what);
+          return;
         }
         spdlog::error("{} {}: handler failed: {}", req.method, req.path, what);
         WriteError(res, 500, "internal_error", "internal error while handling " + req.path);

@@ -77,6 +77,8 @@ class Api {
  private:
   void Health(const httplib::Request& req, httplib::Response& res) const;
   void Models(const httplib::Request& req, httplib::Response& res) const;
+  void Model(const httplib::Request& req, httplib::Response& res, const std::string& id) const;
+  nlohmann::json ModelEntry() const;
   void Tokenize(const httplib::Request& req, httplib::Response& res) const;
   void Detokenize(const httplib::Request& req, httplib::Response& res) const;
   // POST /v1/completions (OpenAI): tools-api/completions.cc.
@@ -133,6 +135,11 @@ class Api {
       const std::string& tenant) const;
   // The tenant a request acts for: its prefix-cache namespace and the owner of its pins.
   std::string TenantOf(const httplib::Request& req) const;
+  // May see daemon-wide counters: an auth.admins tenant's key, the daemon's own user on the
+  // socket, or anyone on TCP when there are no keys (then TCP is one tenant).
+  bool IsAdmin(const httplib::Request& req) const;
+  // GET /metrics for a tenant that is not an administrator: its own usage counters.
+  void TenantMetrics(const httplib::Request& req, httplib::Response& res) const;
   static std::optional<std::string> PresentedKey(const httplib::Request& req);
   // auth.groups the tenant belongs to, and their cache namespaces ("group:NAME").
   std::vector<std::string> GroupsOf(const std::string& tenant) const;

@@ -63,25 +63,27 @@ void Api::CacheStats(const httplib::Request& req, httplib::Response& res) const 
     }
   }
   json body = {
-      {"object", "cache"},
-      {"tenant", tenant},
-      {"groups", groups},
-      {"block_tokens", config_.cache.block_tokens},
-      {"blocks", c.blocks},
-      {"snapshots", c.snapshots},
-      {"disk_bytes", c.disk_bytes},
-      {"disk_quota_bytes", config_.cache.disk_quota_bytes},
-      {"ram_bytes", c.ram_bytes},
-      {"pinned_entries", c.pinned},
-      {"lookups", e.cache_lookups},
-      {"hit_tokens", e.cache_hit_tokens},
-      {"miss_tokens", e.cache_miss_tokens},
-      {"evictions", c.evictions},
-      {"expirations", c.expirations},
-      {"corruptions", c.corruptions},
-      {"degraded", c.degraded},
-      {"pins", pins},
+      {"object", "cache"},      {"tenant", tenant},
+      {"groups", groups},       {"block_tokens", config_.cache.block_tokens},
+      {"degraded", c.degraded}, {"pins", pins},
   };
+  // Daemon-wide counters describe every tenant's traffic: only an administrator sees them.
+  const bool admin = IsAdmin(req);
+  body["scope"] = admin ? "daemon" : "tenant";
+  if (admin) {
+    body.update({{"blocks", c.blocks},
+                 {"snapshots", c.snapshots},
+                 {"disk_bytes", c.disk_bytes},
+                 {"disk_quota_bytes", config_.cache.disk_quota_bytes},
+                 {"ram_bytes", c.ram_bytes},
+                 {"pinned_entries", c.pinned},
+                 {"lookups", e.cache_lookups},
+                 {"hit_tokens", e.cache_hit_tokens},
+                 {"miss_tokens", e.cache_miss_tokens},
+                 {"evictions", c.evictions},
+                 {"expirations", c.expirations},
+                 {"corruptions", c.corruptions}});
+  }
   if (c.degraded) body["degraded_reason"] = c.degraded_reason;
   if (catalog_ != nullptr) {
     // This tenant's counters since the catalog was created (they survive restarts).

@@ -4,6 +4,8 @@
 #include <random>
 #include <set>
 
+#include "tools-api/json_limits.h"
+
 namespace flashd::api {
 namespace {
 
@@ -276,10 +278,9 @@ Status RenderInvokeInto(const ojson& call, const ToolCallLedger* ledger, const s
   }
   ojson args;
   if (fn.contains("arguments") && fn["arguments"].is_string()) {
-    try {
-      args = ojson::parse(fn["arguments"].get<std::string>());
-    } catch (const ojson::parse_error&) {
-      return InvalidArgument(where + ".function.arguments: not valid JSON");
+    if (std::optional<std::string> e =
+            ParseOutsideJson(fn["arguments"].get<std::string>(), &args)) {
+      return InvalidArgument(where + ".function.arguments: not valid JSON: " + *e);
     }
   } else if (fn.contains("arguments")) {
     args = fn["arguments"];

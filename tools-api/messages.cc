@@ -214,7 +214,9 @@ std::optional<FieldError> ToChat(const ojson& in, bool need_max_tokens, ojson* o
   }
   if (in.contains("thinking") && !in["thinking"].is_null()) {
     const ojson& t = in["thinking"];
-    const std::string type = t.is_object() ? t.value("type", "") : "";
+    const std::string type = t.is_object() && t.contains("type") && t["type"].is_string()
+                                 ? t["type"].get<std::string>()
+                                 : "";
     if (type != "enabled" && type != "adaptive" && type != "disabled") {
       return Invalid("thinking.type: expected \"enabled\", \"adaptive\" or \"disabled\"");
     }

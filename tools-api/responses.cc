@@ -203,7 +203,9 @@ std::optional<FieldError> ToChat(const ojson& in, ojson* out) {
   }
   if (in.contains("text") && in["text"].is_object() && in["text"].contains("format")) {
     const ojson& f = in["text"]["format"];
-    const std::string type = f.is_object() ? f.value("type", "") : "";
+    const std::string type = f.is_object() && f.contains("type") && f["type"].is_string()
+                                 ? f["type"].get<std::string>()
+                                 : "";
     if (type == "json_object") {
       chat["response_format"] = {{"type", "json_object"}};
     } else if (type == "json_schema") {

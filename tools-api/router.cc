@@ -2,6 +2,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "tools-api/json_limits.h"
+
 namespace flashd::api {
 namespace {
 
@@ -31,7 +33,10 @@ void WriteError(httplib::Response& res, int status, const std::string& type,
                 const std::string& message) {
   nlohmann::json body = {{"error", {{"type", type}, {"message", message}}}};
   res.status = status;
-  res.set_content(body.dump(), "application/json");
+  // Messages may quote the client's bytes (a path whose %-escapes decode to invalid UTF-8):
+  // those become U+FFFD, so writing an error can never throw.
+  res.set_content(body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace),
+                  "application/json");
 }
 
 void Router::Add(const std::string& method, const std::string& pattern, RouteHandler handler) {
@@ -103,11 +108,8 @@ void Router::Install(httplib::Server* server) const {
 }
 
 bool ParseJsonBody(const httplib::Request& req, httplib::Response& res, nlohmann::json* body) {
-  try {
-    *body = nlohmann::json::parse(req.body);
-  } catch (const nlohmann::json::parse_error& e) {
-    WriteError(res, 400, "invalid_request_error",
-               std::string("request body is not valid JSON: ") + e.what());
+  if (std::optional<std::string> e = ParseOutsideJson(req.body, body)) {
+    WriteError(res, 400, "invalid_request_error", "request body is not valid JSON: " + *e);
     return false;
   }
   if (!body->is_object()) {
