@@ -1,5 +1,6 @@
 #include "cache/block_store.h"
 
+#include <rocksdb/env.h>
 #include <rocksdb/file_checksum.h>
 #include <rocksdb/options.h>
 #include <rocksdb/table.h>
@@ -9,11 +10,35 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
 namespace flashd::cache {
 namespace {
+
+// RocksDB's info log, written through spdlog: warnings and errors as such, the rest at debug.
+class SpdlogLogger : public rocksdb::Logger {
+ public:
+  SpdlogLogger() : rocksdb::Logger(rocksdb::InfoLogLevel::WARN_LEVEL) {}
+  using rocksdb::Logger::Logv;
+  void Logv(const char* format, va_list ap) override {
+    Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap);
+  }
+  void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
+    if (level < GetInfoLogLevel()) return;
+    char text[1024];
+    std::vsnprintf(text, sizeof text, format, ap);
+    if (level >= rocksdb::InfoLogLevel::ERROR_LEVEL) {
+      spdlog::error("rocksdb: {}", text);
+    } else if (level == rocksdb::InfoLogLevel::WARN_LEVEL) {
+      spdlog::warn("rocksdb: {}", text);
+    } else {
+      spdlog::debug("rocksdb: {}", text);
+    }
+  }
+};
 
 constexpr char kMagic[4] = {'F', 'L', 'K', 'B'};
 // magic, format version, token count, CRC32C, parent key, payload size.
@@ -112,6 +137,9 @@ StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions& optio
   std::unique_ptr<BlockStore> store(new BlockStore(options));
   rocksdb::Options o;
   o.create_if_missing = true;
+  // RocksDB's messages go to the daemon's log, not to a LOG file beside the data: on a full disk
+  // that file's writer fails, and RocksDB's next message to it would abort the process.
+  o.info_log = std::make_shared<SpdlogLogger>();
   o.create_missing_column_families = true;
   o.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
   o.keep_log_file_num = 2;
@@ -218,7 +246,7 @@ Status BlockStore::Load() {
   }
   if (collected > 0) {
     spdlog::warn("cache: collected {} entries whose prefix was gone", collected);
-    db_->Write(rocksdb::WriteOptions(), &batch);
+    Commit(&batch);
   }
   for (auto& [key, e] : index_) {
     if (auto p = index_.find(e.parent); p != index_.end()) p->second.children += 1;
@@ -319,13 +347,11 @@ void BlockStore::Apply(std::vector<Op>& ops) {
     rocksdb::WriteBatch batch;
     batch.Put(Family(op.kind), DataKey(op.key, e), value);
     batch.Put(families_[3], key_bytes, MetaValue(e));
-    rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), &batch);
+    rocksdb::Status s = Commit(&batch);
     std::lock_guard<std::mutex> lock(mu_);
     if (!s.ok()) {
-      stats_.write_failures += 1;
       stats_.degraded = true;
       stats_.degraded_reason = s.ToString();
-      spdlog::error("cache: write failed, no more entries are written: {}", s.ToString());
       continue;
     }
     index_[op.key] = e;
@@ -354,7 +380,7 @@ void BlockStore::Apply(std::vector<Op>& ops) {
     }
     touched_.clear();
   }
-  if (batch.Count() > 0) db_->Write(rocksdb::WriteOptions(), &batch);
+  if (batch.Count() > 0) Commit(&batch);
 }
 
 void BlockStore::EvictLocked(uint64_t target_bytes, int64_t expire_before_ms) {
@@ -391,7 +417,7 @@ void BlockStore::EvictLocked(uint64_t target_bytes, int64_t expire_before_ms) {
       if (it == order_.end() || OrderLess()(po, *it)) freed.insert(po);
     }
   }
-  if (batch.Count() > 0) db_->Write(rocksdb::WriteOptions(), &batch);
+  if (batch.Count() > 0) Commit(&batch);
 }
 
 void BlockStore::RemoveLocked(const BlockKey& key, rocksdb::WriteBatch* batch) {
@@ -486,7 +512,7 @@ void BlockStore::DropCorrupt(Kind kind, const BlockKey& key) {
   } else if (kind == Kind::kSnapshot) {
     batch.Delete(Family(kind), key.ToBytes());
   }
-  db_->Write(rocksdb::WriteOptions(), &batch);
+  Commit(&batch);
 }
 
 std::vector<std::optional<std::string>> BlockStore::ReadBlocks(
@@ -611,13 +637,39 @@ void BlockStore::Erase(const BlockKey& key) {
   std::lock_guard<std::mutex> lock(mu_);
   rocksdb::WriteBatch batch;
   RemoveLocked(key, &batch);
-  db_->Write(rocksdb::WriteOptions(), &batch);
+  Commit(&batch);
+}
+
+rocksdb::Status BlockStore::Commit(rocksdb::WriteBatch* batch) {
+  if (writes_stopped_) {
+    commit_failures_ += 1;
+    return rocksdb::Status::Aborted("cache writes stopped after an earlier failure");
+  }
+  rocksdb::Status s = db_->Write(rocksdb::WriteOptions(), batch);
+  if (!s.ok()) {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (!writes_stopped_.exchange(true)) {
+      failure_ = s.ToString();
+      spdlog::error("cache: write failed, no more entries are written: {}", failure_);
+    }
+    commit_failures_ += 1;
+  }
+  return s;
 }
 
 BlockStore::Stats BlockStore::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  Stats s = stats_;
-  s.entries = index_.size();
+  Stats s;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    s = stats_;
+    s.entries = index_.size();
+  }
+  if (writes_stopped_) {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    s.degraded = true;
+    if (s.degraded_reason.empty()) s.degraded_reason = failure_;
+  }
+  s.write_failures = commit_failures_;
   return s;
 }
 
@@ -647,8 +699,9 @@ Status BlockStore::OverwriteRawValue(Kind kind, const BlockKey& key, std::string
     if (e == index_.end() || e->second.kind != kind) return NotFound("no such entry");
     data_key = DataKey(key, e->second);
   }
-  rocksdb::Status s = db_->Put(rocksdb::WriteOptions(), Family(kind), data_key,
-                               rocksdb::Slice(value.data(), value.size()));
+  rocksdb::WriteBatch batch;
+  batch.Put(Family(kind), data_key, rocksdb::Slice(value.data(), value.size()));
+  rocksdb::Status s = Commit(&batch);
   return s.ok() ? Status::Ok() : IoError(s.ToString());
 }
 

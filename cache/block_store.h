@@ -168,6 +168,10 @@ class BlockStore {
   std::optional<std::string> Verify(std::string_view value, const BlockKey& key,
                                     std::span<const int32_t> tokens) const;
   void DropCorrupt(Kind kind, const BlockKey& key);
+  // Every write to the database goes through here. After the first failure none is attempted
+  // again: RocksDB's file writer must not be called after an error it reported (a debug build
+  // aborts on it), and a failing disk gets no further load.
+  rocksdb::Status Commit(rocksdb::WriteBatch* batch);
 
   StoreOptions options_;
   std::unique_ptr<rocksdb::DB> db_;
@@ -182,6 +186,11 @@ class BlockStore {
       ram_index_;
   std::vector<BlockKey> touched_;  // Last-use changes not yet written to meta.
   Stats stats_;                    // Guarded.
+
+  std::atomic<bool> writes_stopped_{false};
+  std::atomic<uint64_t> commit_failures_{0};  // Failed or refused Commit()s.
+  mutable std::mutex failure_mu_;
+  std::string failure_;  // Guarded by failure_mu_: the first failure.
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_, idle_cv_;

@@ -69,8 +69,18 @@ Status EnsureDefaultModel(const std::string& state_dir, const std::string& token
         "will have no tokenizer, so it cannot tokenize or generate",
         tokenizer_dir);
   }
-  FLASHD_RETURN_IF_ERROR(WriteTinyModel(tmp.string(), config, options));
-  std::ofstream(tmp / ".complete") << kDefaultModelName << "\n";
+  Status written = WriteTinyModel(tmp.string(), config, options);
+  if (written.ok()) {
+    std::ofstream complete(tmp / ".complete");
+    complete << kDefaultModelName << "\n";
+    complete.close();
+    if (!complete) written = IoError("cannot write " + (tmp / ".complete").string());
+  }
+  if (!written.ok()) {
+    // A disk too small for the model must not keep a half-written copy of it.
+    fs::remove_all(tmp, ec);
+    return written;
+  }
   fs::remove_all(dir, ec);
   fs::rename(tmp, dir, ec);
   if (ec)

@@ -358,6 +358,14 @@ void Api::Tokenize(const httplib::Request& req, httplib::Response& res) const {
     }
     special = body["special"].get<bool>();
   }
+  // Tokenizing costs CPU in proportion to the text: /tokenize takes at most what the model could
+  // ever read (its longest context is about 4 MB of text), with room to spare.
+  constexpr size_t kMaxTokenizeBytes = 16u << 20;
+  if (body["text"].get_ref<const std::string&>().size() > kMaxTokenizeBytes) {
+    return WriteError(res, 413, "request_too_large_error",
+                      "text: " + std::to_string(body["text"].get_ref<const std::string&>().size()) +
+                          " bytes; /tokenize takes at most " + std::to_string(kMaxTokenizeBytes));
+  }
   std::vector<int32_t> ids = tok->Encode(body["text"].get<std::string>(), special);
   nlohmann::json out = {{"tokens", ids}, {"count", ids.size()}, {"model", model_.id}};
   res.set_content(out.dump(), "application/json");

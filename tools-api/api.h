@@ -21,6 +21,7 @@
 #include "tools-api/chat_format.h"
 #include "tools-api/metrics.h"
 #include "tools-api/router.h"
+#include "tools-api/turn_queue.h"
 
 namespace flashd::api {
 
@@ -157,6 +158,7 @@ class Api {
   std::string reason_ = "starting";   // Guarded by mu_.
   engine::Engine* engine_ = nullptr;  // Guarded by mu_.
   mutable ToolCallLedger ledger_;     // Thread-safe itself.
+  mutable TurnQueue turns_;           // Thread-safe itself; one line per tenant's session.
 };
 
 }  // namespace flashd::api

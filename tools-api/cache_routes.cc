@@ -1,9 +1,11 @@
 // The prefix cache over HTTP: GET /v1/cache (what it holds and how it is doing), POST
 // /v1/cache/pins (warm a prefix and keep it from eviction) and DELETE /v1/cache/pins/{name}.
 //
-// A pin is given as "text" (prompt text as it will start later prompts), as "messages" (and
-// "tools") rendered exactly as /v1/chat/completions renders them, or as "files" (a repository
-// digest: each file as "<file path=\"PATH\">\n" CONTENT "\n</file>\n", in the order given). The
+// A pin is tokenized exactly as the requests that should start from it: "text" as a
+// /v1/completions prompt (the beginning-of-sentence token, then the text); "messages" (and
+// "tools") as /v1/chat/completions renders them; "files" (a repository digest: each file as
+// "<file path=\"PATH\">\n" CONTENT "\n</file>\n", in the order given) as the start of the first
+// user message of a chat without a system prompt, whichever API sends it. The
 // prefix is prefilled like any prompt (so its blocks and end state are stored), then its blocks
 // and snapshot are pinned and the pin is recorded in the catalog, which survives restarts.
 #include <spdlog/spdlog.h>
@@ -123,7 +125,7 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
     if (!body["text"].is_string() || body["text"].get<std::string>().empty()) {
       return WriteError(res, 400, "invalid_request_error", "text: expected a non-empty string");
     }
-    tokens = eng->tokenizer()->Encode(body["text"].get<std::string>());
+    tokens = TextPromptTokens(*eng, body["text"].get<std::string>());
   } else if (body.contains("files")) {
     if (!body["files"].is_array() || body["files"].empty()) {
       return WriteError(res, 400, "invalid_request_error", "files: expected a non-empty array");
@@ -139,7 +141,16 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
       text += "<file path=\"" + f["path"].get<std::string>() + "\">\n" +
               f["content"].get<std::string>() + "\n</file>\n";
     }
-    tokens = eng->tokenizer()->Encode(text);
+    // The start of a first user message, in the chat template: what a chat, message, response
+    // or session turn whose first message opens with these files renders to.
+    StatusOr<RenderedPrompt> r =
+        RenderChat(ojson::array({{{"role", "user"}, {"content", text}}}), ChatOptions{}, nullptr);
+    if (!r.ok() || r->untrusted.empty()) {
+      return WriteError(res, 400, "invalid_request_error", "files: " + r.status().message());
+    }
+    const size_t end = r->untrusted.front().second;
+    tokens = eng->tokenizer()->EncodeWithPlainRanges(std::string_view(r->text).substr(0, end),
+                                                     {r->untrusted.front()});
   } else {
     // Rendered as the chat route renders it, so later chat requests start with these tokens.
     json chat_body = {{"messages", body["messages"]}};

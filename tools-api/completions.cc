@@ -78,12 +78,7 @@ std::optional<FieldError> ParseCompletion(const json& body, const std::string& m
     const std::string& s = text->get_ref<const std::string&>();
     if (s.empty()) return FieldError{400, "invalid_request_error", "prompt: empty"};
     out->echo_text = s;
-    out->gen.prompt = tok->Encode(s);
-    // Like the model's own chat format, a prompt starts with the beginning-of-sentence token.
-    const auto bos = static_cast<int32_t>(eng.config().bos_token_id);
-    if (out->gen.prompt.empty() || out->gen.prompt.front() != bos) {
-      out->gen.prompt.insert(out->gen.prompt.begin(), bos);
-    }
+    out->gen.prompt = TextPromptTokens(eng, s);
   }
 
   engine::SamplingParams& p = out->gen.sampling;

@@ -218,6 +218,13 @@ std::string SseEvent(const std::string& name, const json& j) {
   return "event: " + name + "\n" + SseEvent(j);
 }
 
+std::vector<int32_t> TextPromptTokens(const engine::Engine& eng, const std::string& text) {
+  std::vector<int32_t> ids = eng.tokenizer()->Encode(text);
+  const auto bos = static_cast<int32_t>(eng.config().bos_token_id);
+  if (ids.empty() || ids.front() != bos) ids.insert(ids.begin(), bos);
+  return ids;
+}
+
 std::string Dump(const json& j) {
   // Generated text is whole characters, but a log line must never take a response down: any
   // invalid UTF-8 that slips through becomes U+FFFD.

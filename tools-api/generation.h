@@ -63,6 +63,12 @@ std::string Dump(const json& j);
 
 json Usage(const GenerationEvent& done);
 
+// A text completion prompt's tokens: the text with added tokens recognised, led by the
+// beginning-of-sentence token as the model's own chat format is. Text pins use it too, so that
+// completions starting with a pinned text start with its tokens.
+// REQUIRES: eng.tokenizer() is not null.
+std::vector<int32_t> TextPromptTokens(const engine::Engine& eng, const std::string& text);
+
 // A submitted generation as its response's content provider sees it.
 struct Generation {
   engine::Engine* engine = nullptr;

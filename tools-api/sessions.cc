@@ -12,7 +12,9 @@
 // A turn renders the whole conversation, so the prefix cache restores everything up to the
 // previous turn (its end state is a stored snapshot) and computes only the new messages; a fork
 // shares every block with its origin. The reply is appended when the generation ends normally; a
-// turn that fails or is cancelled leaves the session as it was. Sessions survive restarts.
+// turn that fails or is cancelled leaves the session as it was. Turns sent at once on one session
+// run one after another in arrival order, each seeing the replies before it (none is dropped).
+// Sessions survive restarts.
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -186,10 +188,13 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
                       const std::string& id) const {
   const auto arrived = std::chrono::steady_clock::now();
   const std::string tenant = TenantOf(req);
-  std::optional<cache::Catalog::Session> x = FindSessionOrAnswer(tenant, id, res);
-  if (!x) return;
   json parsed;
   if (!ParseJsonBody(req, res, &parsed)) return;
+  // Turns on one session run one after another, each on the conversation the previous left; the
+  // lease goes with the reply's callback, so it is held until the turn is saved or abandoned.
+  std::shared_ptr<void> lease = turns_.Enter(tenant + "\n" + id);
+  std::optional<cache::Catalog::Session> x = FindSessionOrAnswer(tenant, id, res);
+  if (!x) return;
   const ojson in = ojson::parse(req.body);
   if (!in.contains("messages") || !in["messages"].is_array() || in["messages"].empty()) {
     return WriteError(res, 400, "invalid_request_error",
@@ -207,7 +212,7 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
   const ojson new_messages = in["messages"];
   cache::Catalog::Session row = *x;
   ServeChat(json::parse(body.dump()), body, tenant, arrived, res,
-            [catalog, store, row, session, new_messages](
+            [catalog, store, row, session, new_messages, lease](
                 const json& message, const engine::GenerationEvent& done,
                 const engine::Engine::PrefixKeys& keys) mutable {
               ojson s = session;
