@@ -186,7 +186,7 @@ BOOST_AUTO_TEST_CASE(api_keys_map_tenants) {
   std::string bad_tenant = ErrorOf("auth:\n  keys:\n    \"a b\": 0123456789abcdef0\n");
   BOOST_TEST(Contains(bad_tenant, "tenant name"), bad_tenant);
   std::string unknown = ErrorOf("auth:\n  users: 1\n");
-  BOOST_TEST(Contains(unknown, "expected one of: groups, keys"), unknown);
+  BOOST_TEST(Contains(unknown, "expected one of: admins, groups, keys"), unknown);
 }
 
 BOOST_AUTO_TEST_CASE(groups_list_their_tenants) {
@@ -195,6 +195,26 @@ BOOST_AUTO_TEST_CASE(groups_list_their_tenants) {
   BOOST_TEST((c->auth.groups.at("team") == std::vector<std::string>{"alice", "bob"}));
   std::string m = ErrorOf("auth:\n  groups:\n    team: alice\n");
   BOOST_TEST(Contains(m, "test.yaml:3: auth.groups.team: expected a list of tenants"), m);
+}
+
+BOOST_AUTO_TEST_CASE(browser_and_admin_lists_are_read_and_checked) {
+  StatusOr<Config> c =
+      Parse("server:\n  allowed_hosts: [box.lan]\n  cors_origins: [\"https://ide.example\"]\n"
+            "auth:\n  keys:\n    ops: 0123456789abcdef0\n  admins: [ops]\n");
+  BOOST_REQUIRE_MESSAGE(c.ok(), c.status().ToString());
+  BOOST_TEST((c->server.allowed_hosts == std::vector<std::string>{"box.lan"}));
+  BOOST_TEST((c->server.cors_origins == std::vector<std::string>{"https://ide.example"}));
+  BOOST_TEST((c->auth.admins == std::vector<std::string>{"ops"}));
+  std::string m = ErrorOf("server:\n  allowed_hosts: [\"box.lan:8741\"]\n");
+  BOOST_TEST(Contains(m, "test.yaml:2: server.allowed_hosts: \"box.lan:8741\": expected a host"),
+             m);
+  m = ErrorOf("server:\n  cors_origins: [ide.example]\n");
+  BOOST_TEST(Contains(m, "test.yaml:2: server.cors_origins: \"ide.example\": expected an origin"),
+             m);
+  m = ErrorOf("auth:\n  admins: [ops]\n");
+  BOOST_TEST(Contains(m, "test.yaml:2: auth.admins: \"ops\" is not a tenant of auth.keys"), m);
+  m = ErrorOf("server:\n  allowed_hosts: box.lan\n");
+  BOOST_TEST(Contains(m, "test.yaml:2: server.allowed_hosts: expected a list"), m);
 }
 
 BOOST_AUTO_TEST_CASE(a_public_address_needs_api_keys) {
