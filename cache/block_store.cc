@@ -1,5 +1,6 @@
 #include "cache/block_store.h"
 
+#include <rocksdb/db.h>
 #include <rocksdb/env.h>
 #include <rocksdb/file_checksum.h>
 #include <rocksdb/options.h>
@@ -44,6 +45,7 @@ constexpr char kMagic[4] = {'F', 'L', 'K', 'B'};
 // magic, format version, token count, CRC32C, parent key, payload size.
 constexpr size_t kHeaderBytes = 4 + 4 + 4 + 4 + 16 + 8;
 constexpr size_t kCrcOffset = 12;
+static_assert(kCrcOffset == BlockStore::kChecksumOffset);
 // kind, parent key, depth, bytes, last use, root key; then a snapshot's tail tokens.
 constexpr size_t kMetaBytes = 1 + 16 + 4 + 8 + 8 + 16;
 constexpr size_t kReadThreads = 8;
@@ -160,6 +162,17 @@ StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions& optio
   };
   rocksdb::DB* db = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(o, options.dir, cfs, &store->families_, &db);
+  if (s.IsCorruption()) {
+    // Damaged files (a bad sector, a bit flip): salvage every readable entry instead of losing
+    // the whole cache. RepairDB keeps what passes RocksDB's own checks and moves the rest to
+    // lost/; each entry still passes our CRC before use.
+    spdlog::error("cache: {} is damaged ({}); repairing it, unreadable entries are dropped",
+                  options.dir, s.ToString());
+    store->families_.clear();
+    const rocksdb::Status repaired = rocksdb::RepairDB(options.dir, o, cfs);
+    if (!repaired.ok()) spdlog::error("cache: repair failed: {}", repaired.ToString());
+    s = rocksdb::DB::Open(o, options.dir, cfs, &store->families_, &db);
+  }
   if (!s.ok()) return IoError("cache: cannot open RocksDB at " + options.dir + ": " + s.ToString());
   store->db_.reset(db);
   FLASHD_RETURN_IF_ERROR(store->Load());
@@ -487,14 +500,20 @@ bool BlockStore::Contains(const BlockKey& key) const {
   return index_.count(key) > 0;
 }
 
-std::optional<std::string> BlockStore::Verify(std::string_view value, const BlockKey& key,
-                                              std::span<const int32_t> tokens) const {
+uint32_t BlockStore::ValueChecksum(std::string_view key_bytes, std::string_view value) {
+  return ValueCrc(key_bytes, value);
+}
+
+std::optional<std::string> BlockStore::CheckValue(std::string_view value, const BlockKey& key,
+                                                  std::span<const int32_t> tokens) {
   if (value.size() < kHeaderBytes || std::memcmp(value.data(), kMagic, 4) != 0 ||
       Get<uint32_t>(value, 4) != kFormatVersion || Get<uint32_t>(value, 8) != tokens.size()) {
     return std::nullopt;
   }
+  // Compared without overflow: a huge stored payload size must not wrap around to a match.
   const uint64_t payload = Get<uint64_t>(value, 32);
-  if (value.size() != kHeaderBytes + tokens.size() * 4 + payload) return std::nullopt;
+  const size_t fixed = kHeaderBytes + tokens.size() * 4;
+  if (value.size() < fixed || payload != value.size() - fixed) return std::nullopt;
   if (ValueCrc(key.ToBytes(), value) != Get<uint32_t>(value, kCrcOffset)) return std::nullopt;
   if (std::memcmp(value.data() + kHeaderBytes, tokens.data(), tokens.size() * 4) != 0) {
     return std::nullopt;

@@ -124,6 +124,14 @@ class BlockStore {
   Stats stats() const;
   const std::string& dir() const { return options_.dir; }
 
+  // The checks every read makes on a stored value (magic, format, sizes, the CRC32C over key and
+  // value, the token ids); the payload when all pass. Never reads outside `value`.
+  static std::optional<std::string> CheckValue(std::string_view value, const BlockKey& key,
+                                               std::span<const int32_t> tokens);
+  // The CRC32C a value stores for `key_bytes` (computed with the CRC field as zeros), and where.
+  static uint32_t ValueChecksum(std::string_view key_bytes, std::string_view value);
+  static constexpr size_t kChecksumOffset = 12;
+
   // Test hooks: the raw value as stored, and overwriting it (to simulate corruption).
   std::optional<std::string> RawValue(Kind kind, const BlockKey& key) const;
   Status OverwriteRawValue(Kind kind, const BlockKey& key, std::string_view value);
@@ -166,7 +174,9 @@ class BlockStore {
   std::string DataKey(const BlockKey& key, const Entry& e) const;
   static std::string MetaValue(const Entry& e);
   std::optional<std::string> Verify(std::string_view value, const BlockKey& key,
-                                    std::span<const int32_t> tokens) const;
+                                    std::span<const int32_t> tokens) const {
+    return CheckValue(value, key, tokens);
+  }
   void DropCorrupt(Kind kind, const BlockKey& key);
   // Every write to the database goes through here. After the first failure none is attempted
   // again: RocksDB's file writer must not be called after an error it reported (a debug build

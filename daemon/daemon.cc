@@ -163,9 +163,18 @@ Status Daemon::OpenCache() {
   o.disk_quota_bytes = config_.cache.disk_quota_bytes;
   o.ttl_seconds = config_.cache.ttl_seconds;
   FLASHD_ASSIGN_OR_RETURN(auto store, cache::BlockStore::Open(o));
-  FLASHD_ASSIGN_OR_RETURN(
-      catalog_,
-      cache::Catalog::Open((std::filesystem::path(config_.state_dir) / "catalog.db").string()));
+  const std::string catalog_path =
+      (std::filesystem::path(config_.state_dir) / "catalog.db").string();
+  auto catalog = cache::Catalog::Open(catalog_path);
+  if (!catalog.ok()) {
+    // The cache serves without it; sessions and pins wait for the operator, and the file is left
+    // as it is (to restore from a backup, or to inspect).
+    spdlog::error("catalog {} cannot be used ({}): sessions and pins are unavailable", catalog_path,
+                  catalog.status().message());
+    cache_ = std::shared_ptr<cache::BlockStore>(std::move(store));
+    return Status::Ok();
+  }
+  catalog_ = std::move(*catalog);
   // Start-up reconciliation: a pin whose blocks are gone (evicted before it was pinned, or lost)
   // is dropped; the rest are pinned again.
   for (const cache::Catalog::Pin& pin : catalog_->Pins()) {

@@ -127,7 +127,7 @@ StatusOr<CompressedVocab> BuildCompressedVocab(const std::string& path) {
   json j;
   try {
     j = json::parse(ss.str());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     return DataLoss(path + ": not valid JSON: " + e.what());
   }
   if (!j.contains("model") || !j["model"].contains("vocab") || !j["model"]["vocab"].is_object()) {

@@ -408,7 +408,7 @@ StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text, std::string_v
   json root;
   try {
     root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     return InvalidArgument(source + ": not valid JSON: " + e.what());
   }
   if (!root.is_object()) return InvalidArgument(source + ": expected a JSON object");

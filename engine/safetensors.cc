@@ -95,7 +95,12 @@ StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::stri
   ::close(fd);
   if (p == MAP_FAILED) return IoError(path + ": cannot map: " + std::strerror(errno));
   f->base_ = static_cast<const uint8_t*>(p);
-  FLASHD_RETURN_IF_ERROR(f->Parse());
+  // A header field of the wrong type (nlohmann's type errors) is damage like any other.
+  try {
+    FLASHD_RETURN_IF_ERROR(f->Parse());
+  } catch (const json::exception& e) {
+    return DataLoss(path + ": header: " + e.what());
+  }
   return f;
 }
 
@@ -118,7 +123,7 @@ Status SafetensorsFile::Parse() {
   json header;
   try {
     header = json::parse(this->header());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     return DataLoss(path_ + ": header is not valid JSON: " + e.what());
   }
   if (!header.is_object()) return DataLoss(path_ + ": header is not a JSON object");
@@ -216,7 +221,7 @@ StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
     json index;
     try {
       index = json::parse(ss.str());
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {
       return DataLoss(index_path.string() + ": not valid JSON: " + e.what());
     }
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object()) {

@@ -39,6 +39,7 @@ class Reader {
   }
   bool Raw(void* p, size_t n) {
     if (n > in_.size() - pos_) return false;
+    if (n == 0) return true;  // An empty vector's data() may be null, which memcpy must not get.
     std::memcpy(p, in_.data() + pos_, n);
     pos_ += n;
     return true;

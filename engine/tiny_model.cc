@@ -243,7 +243,7 @@ StatusOr<std::string> TinyConfigJson(std::string_view overrides_json) {
     json overrides;
     try {
       overrides = json::parse(overrides_json);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {
       return InvalidArgument(std::string("model spec is not valid JSON: ") + e.what());
     }
     if (!overrides.is_object()) return InvalidArgument("model spec must be a mapping of keys");

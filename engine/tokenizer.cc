@@ -291,7 +291,7 @@ StatusOr<std::unique_ptr<Tokenizer>> Tokenizer::FromJson(std::string_view text,
   json j;
   try {
     j = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     return DataLoss(source + ": not valid JSON: " + e.what());
   }
   try {

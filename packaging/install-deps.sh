@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs flashd's build and test dependencies from Debian's archive.
 # Idempotent: a package that is already installed is skipped, and nothing runs when all are present.
-# Usage: packaging/install-deps.sh [--with-hip]
+# Usage: packaging/install-deps.sh [--with-hip] [--with-fuzz]
 set -euo pipefail
 
 packages=(
@@ -11,10 +11,15 @@ packages=(
   libpcre2-dev libutf8proc-dev liburing-dev libsystemd-dev
   python3 python3-venv python3-pip clang-format util-linux
 )
-# HIP adds about 650 MB and is only needed to build the AMD backend.
-if [[ "${1:-}" == "--with-hip" ]]; then
-  packages+=(hipcc libamdhip64-dev)
-fi
+# HIP adds about 650 MB and is only needed to build the AMD backend; clang and its runtime
+# libraries (libFuzzer, the sanitizers) only for make fuzz.
+for arg in "$@"; do
+  case "$arg" in
+    --with-hip) packages+=(hipcc libamdhip64-dev) ;;
+    --with-fuzz) packages+=(clang-14 libclang-rt-14-dev) ;;
+    *) echo "install-deps: unknown option $arg (--with-hip, --with-fuzz)" >&2; exit 2 ;;
+  esac
+done
 
 missing=()
 for p in "${packages[@]}"; do

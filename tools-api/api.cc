@@ -186,6 +186,11 @@ void Api::Health(const httplib::Request&, httplib::Response& res) const {
       body["status"] = "degraded";
       body["reason"] = "prefix cache writes stopped: " + c.degraded_reason;
       body["cache"] = {{"status", "degraded"}};
+    } else if (catalog_ == nullptr) {
+      body["status"] = "degraded";
+      body["reason"] =
+          "the catalog could not be opened (see the log): sessions and pins are unavailable";
+      body["cache"] = {{"status", "ok"}, {"blocks", c.blocks}, {"disk_bytes", c.disk_bytes}};
     } else {
       body["cache"] = {{"status", "ok"}, {"blocks", c.blocks}, {"disk_bytes", c.disk_bytes}};
     }

@@ -53,6 +53,12 @@ bool ParseTranslated(const httplib::Request& req, httplib::Response& res, const 
                      const ToolCallLedger* ledger, size_t max_messages, json* body,
                      ChatRequest* out);
 
+// The translations of the routes that speak another API into an OpenAI chat body: Anthropic's
+// Messages (`need_max_tokens` for /v1/messages; count_tokens does not take it) and OpenAI's
+// Responses. Pure functions of the request; errors name the field.
+std::optional<FieldError> AnthropicToChat(const ojson& in, bool need_max_tokens, ojson* out);
+std::optional<FieldError> ResponsesToChat(const ojson& in, ojson* out);
+
 // OpenAI usage plus the prefix cache's counts under OpenAI's and DeepSeek's names.
 json ChatUsage(const engine::GenerationEvent& done);
 

@@ -415,6 +415,12 @@ class Blocks {
 
 }  // namespace
 
+namespace chat {
+std::optional<FieldError> AnthropicToChat(const ojson& in, bool need_max_tokens, ojson* out) {
+  return ToChat(in, need_max_tokens, out);
+}
+}  // namespace chat
+
 void Api::Messages(const httplib::Request& req, httplib::Response& res) const {
   const auto arrived = std::chrono::steady_clock::now();
   MessagesImpl(req, res, arrived);

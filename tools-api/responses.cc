@@ -379,6 +379,10 @@ json ResponsesUsage(const GenerationEvent& e) {
 
 }  // namespace
 
+namespace chat {
+std::optional<FieldError> ResponsesToChat(const ojson& in, ojson* out) { return ToChat(in, out); }
+}  // namespace chat
+
 void Api::Responses(const httplib::Request& req, httplib::Response& res) const {
   const auto arrived = std::chrono::steady_clock::now();
   engine::Engine* eng = engine();
