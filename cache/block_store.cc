@@ -231,7 +231,7 @@ Status BlockStore::Load() {
     e.last_used_ms = Get<int64_t>(v, 29);
     e.root = KeyFromBytes(v.substr(37, 16));
     e.tail.resize((v.size() - kMetaBytes) / 4);
-    std::memcpy(e.tail.data(), v.data() + kMetaBytes, e.tail.size() * 4);
+    if (!e.tail.empty()) std::memcpy(e.tail.data(), v.data() + kMetaBytes, e.tail.size() * 4);
     index_[KeyFromBytes(k)] = std::move(e);
   }
   if (!it->status().ok()) return IoError("cache: reading the index: " + it->status().ToString());
@@ -515,7 +515,8 @@ std::optional<std::string> BlockStore::CheckValue(std::string_view value, const 
   const size_t fixed = kHeaderBytes + tokens.size() * 4;
   if (value.size() < fixed || payload != value.size() - fixed) return std::nullopt;
   if (ValueCrc(key.ToBytes(), value) != Get<uint32_t>(value, kCrcOffset)) return std::nullopt;
-  if (std::memcmp(value.data() + kHeaderBytes, tokens.data(), tokens.size() * 4) != 0) {
+  if (!tokens.empty() &&
+      std::memcmp(value.data() + kHeaderBytes, tokens.data(), tokens.size() * 4) != 0) {
     return std::nullopt;
   }
   return std::string(value.substr(kHeaderBytes + tokens.size() * 4));

@@ -88,10 +88,12 @@ class Api {
   void ChatCompletions(const httplib::Request& req, httplib::Response& res) const;
   // Serves an OpenAI chat body for `tenant`; `on_done`, when set, gets the assistant message as
   // a client would send it back, the final event, and the prefix-cache keys of the prompt, when
-  // the generation ends normally.
+  // the generation ends normally. When it fails (a session turn that cannot be saved), the
+  // response ends with an error instead of the completion: its status went out with the first
+  // byte, so the error is in the body (whole) or an error event (streamed).
   using ChatDone =
-      std::function<void(const nlohmann::json& message, const engine::GenerationEvent& done,
-                         const engine::Engine::PrefixKeys& prompt_keys)>;
+      std::function<Status(const nlohmann::json& message, const engine::GenerationEvent& done,
+                           const engine::Engine::PrefixKeys& prompt_keys)>;
   void ServeChat(const nlohmann::json& body, const ojson& ordered, const std::string& tenant,
                  std::chrono::steady_clock::time_point arrived, httplib::Response& res,
                  ChatDone on_done) const;

@@ -202,6 +202,16 @@ json ChatUsage(const GenerationEvent& done) {
 }
 
 // OpenAI's chat logprobs entry for one token.
+// The answer to a reply that was generated but could not be kept (a session turn whose save
+// failed): the client must not take it for a committed turn.
+static json StorageError(const Status& s) {
+  return json{{"error",
+               {{"type", "storage_error"},
+                {"code", 507},
+                {"message", "the reply could not be saved, so it is not part of the session: " +
+                                s.message()}}}};
+}
+
 static json TokenLogprobs(const engine::Tokenizer* tok, const GenerationEvent& e) {
   auto entry = [tok](int32_t id, float logprob) {
     const int32_t one[1] = {id};
@@ -374,8 +384,13 @@ void Api::ServeChat(const json& body, const ojson& ordered, const std::string& t
       const std::vector<json> last = assembler->Finish();
       absorb(last);
       for (const json& d : last) *out += SseEvent(chunk(d, nullptr, nullptr));
+      if (on_done) {
+        if (Status saved = on_done(message_of(), e, prompt_keys); !saved.ok()) {
+          *out += SseEvent(StorageError(saved));
+          return;
+        }
+      }
       *out += SseEvent(chunk(json::object(), nullptr, FinishReason(e, assembler->called_tools())));
-      if (on_done) on_done(message_of(), e, prompt_keys);
       if (usage) {
         json u = chunk(json::object(), nullptr, nullptr);
         u["choices"] = json::array();
@@ -395,7 +410,11 @@ void Api::ServeChat(const json& body, const ojson& ordered, const std::string& t
       [=, model = model_.id](const GenerationEvent& done) {
         absorb(assembler->Finish());
         const json message = message_of();
-        if (on_done) on_done(message, done, prompt_keys);
+        if (on_done) {
+          if (Status saved = on_done(message, done, prompt_keys); !saved.ok()) {
+            return StorageError(saved);
+          }
+        }
         return json{
             {"id", id},
             {"object", "chat.completion"},

@@ -176,7 +176,8 @@ void Api::CreateSession(const httplib::Request& req, httplib::Response& res) con
   x.created = x.last_used = NowSeconds();
   x.body = body.dump();
   if (Status s = catalog_->PutSession(x); !s.ok()) {
-    return WriteError(res, 500, "internal_error", s.message());
+    return WriteError(res, 507, "storage_error",
+                      "the catalog could not be written: " + s.message());
   }
   json out = Summary(x, body);
   if (in.contains("pin")) out["pinned_blocks"] = pinned_blocks;
@@ -232,9 +233,11 @@ void Api::SessionTurn(const httplib::Request& req, httplib::Response& res,
                 }
                 if (store->Contains(keys.snapshot)) row.snapshot_key = keys.snapshot;
               }
-              if (Status st = catalog->PutSession(row); !st.ok()) {
+              Status st = catalog->PutSession(row);
+              if (!st.ok()) {
                 spdlog::error("session {}: the turn could not be saved: {}", row.id, st.message());
               }
+              return st;
             });
 }
 
@@ -263,7 +266,8 @@ void Api::ForkSession(const httplib::Request& req, httplib::Response& res,
   fork.created = fork.last_used = NowSeconds();
   fork.body = s.dump();
   if (Status st = catalog_->PutSession(fork); !st.ok()) {
-    return WriteError(res, 500, "internal_error", st.message());
+    return WriteError(res, 507, "storage_error",
+                      "the catalog could not be written: " + st.message());
   }
   json out = Summary(fork, s);
   out["forked_from"] = id;
@@ -322,7 +326,9 @@ void Api::DeleteSession(const httplib::Request& req, httplib::Response& res,
   Status s = catalog_->DeleteSession(TenantOf(req), id);
   if (s.code() == StatusCode::kNotFound)
     return WriteError(res, 404, "not_found_error", s.message());
-  if (!s.ok()) return WriteError(res, 500, "internal_error", s.message());
+  if (!s.ok())
+    return WriteError(res, 507, "storage_error",
+                      "the catalog could not be written: " + s.message());
   res.set_content(json{{"id", id}, {"object", "session"}, {"deleted", true}}.dump(),
                   "application/json");
 }

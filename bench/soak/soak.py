@@ -212,7 +212,13 @@ def main():
                                           "stream": wrng.random() < 0.3})
                 counts.add("requests.turn")
                 counts.add("status.turn.%d" % status)
-                if status == 200:
+                # A reply that could not be saved ends in an error (the status went out first).
+                saved = status == 200 and b'data: {"error"' not in body
+                if saved and not body.lstrip().startswith(b"data:"):
+                    saved = "error" not in json.loads(body)
+                if status == 200 and not saved:
+                    counts.add("turn_not_saved")
+                if saved:
                     with sessions_lock:
                         sessions[sid].append(text)
                 n += 1
@@ -227,8 +233,9 @@ def main():
             try:
                 status, _ = d.request(method, path, raw=raw, headers=headers, timeout=30)
                 counts.add("requests.fuzz")
-                counts.add("status.fuzz.%dxx" % (status // 100))
-                if status >= 500 and status != 503:
+                counts.add("status.fuzz.%d" % status)
+                # 503 (not ready) and 507 (the disk is full) are the daemon telling the truth.
+                if status >= 500 and status not in (503, 507):
                     counts.add("fuzz_5xx")
             except (OSError, http.client.HTTPException):
                 counts.add("connection_errors")
@@ -310,6 +317,7 @@ def main():
         "requests_by_kind": {k[9:]: v for k, v in c.items() if k.startswith("requests.")},
         "statuses": {k[7:]: v for k, v in sorted(c.items()) if k.startswith("status.")},
         "fuzz_5xx": c.get("fuzz_5xx", 0), "times_disk_filled": c.get("disk_filled", 0),
+        "turns_refused_unsaved": c.get("turn_not_saved", 0),
         "connection_errors_during_kills": c.get("connection_errors", 0),
         "crashes": crashes, "lost_turns": lost, "corrupt_answers": corrupt,
     }
