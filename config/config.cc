@@ -112,7 +112,8 @@ const std::vector<Field>& Schema() {
          c->model.dir = t;
          return Status::Ok();
        }},
-      {"model.tokenizer_dir", "a directory holding tokenizer.json, or \"\"",
+      {"model.tokenizer_dir",
+       "a directory holding tokenizer.json, or \"\" for the one installed with flashd",
        [](const std::string& t, Config* c) {
          c->model.tokenizer_dir = t;
          return Status::Ok();

@@ -44,8 +44,10 @@ struct ServerConfig {
 struct ModelConfig {
   std::string dir;  // Empty: the embedded default tiny model (random weights).
   std::string id = "deepseek-v4.1-flash";
-  // Tokenizer files for the embedded default model (a model directory brings its own).
-  std::string tokenizer_dir = "./build/tokenizer/deepseek-v4";
+  // Tokenizer files for the embedded default model (a model directory brings its own). Empty:
+  // the ones installed with the binary (engine::FindDefaultTokenizerDir), wherever it was
+  // started from.
+  std::string tokenizer_dir;
 };
 
 struct LogConfig {

@@ -111,7 +111,10 @@ void Daemon::LoadModel() {
   std::string dir = config_.model.dir;
   if (dir.empty()) {
     api_->SetPhase(api::Phase::kLoading, "writing the embedded default model");
-    Status s = engine::EnsureDefaultModel(config_.state_dir, config_.model.tokenizer_dir);
+    const std::string tokenizer_dir = config_.model.tokenizer_dir.empty()
+                                          ? engine::FindDefaultTokenizerDir()
+                                          : config_.model.tokenizer_dir;
+    Status s = engine::EnsureDefaultModel(config_.state_dir, tokenizer_dir);
     if (!s.ok()) {
       spdlog::error("embedded default model: {}", s.message());
       api_->SetPhase(api::Phase::kFailed, "embedded default model: " + s.message());

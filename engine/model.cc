@@ -48,12 +48,36 @@ std::string DefaultModelDir(const std::string& state_dir) {
   return (std::filesystem::path(state_dir) / "models" / kDefaultModelName).string();
 }
 
+std::string FindDefaultTokenizerDir() {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  if (ec) return "";
+  const fs::path bin = exe.parent_path();
+  for (const fs::path& dir : {bin / ".." / "share" / "flashd" / "tokenizer" / "deepseek-v4",
+                              bin / ".." / "tokenizer" / "deepseek-v4"}) {
+    if (fs::exists(dir / "tokenizer.json", ec)) return fs::weakly_canonical(dir, ec).string();
+  }
+  return "";
+}
+
 Status EnsureDefaultModel(const std::string& state_dir, const std::string& tokenizer_dir) {
   namespace fs = std::filesystem;
   const fs::path dir = DefaultModelDir(state_dir);
   const fs::path done = dir / ".complete";
   std::error_code ec;
-  if (fs::exists(done, ec)) return Status::Ok();
+  const bool have_tokenizer =
+      !tokenizer_dir.empty() && fs::exists(fs::path(tokenizer_dir) / "tokenizer.json", ec);
+  if (fs::exists(done, ec) && fs::exists(dir / "config.json", ec) &&
+      fs::exists(dir / "model.safetensors", ec)) {
+    if (!have_tokenizer || fs::exists(dir / "tokenizer.json", ec)) return Status::Ok();
+    spdlog::info(
+        "the embedded default model in {} has no tokenizer and one is available now: "
+        "writing it again",
+        dir.string());
+  } else if (fs::exists(dir, ec)) {
+    spdlog::warn("the embedded default model in {} is incomplete: writing it again", dir.string());
+  }
   spdlog::info("writing the embedded default model (random weights) to {}", dir.string());
   // Write aside and rename, so a crash mid-way never leaves a half model that looks complete.
   const fs::path tmp = dir.string() + ".tmp";
@@ -61,7 +85,7 @@ Status EnsureDefaultModel(const std::string& state_dir, const std::string& token
   FLASHD_ASSIGN_OR_RETURN(std::string config, TinyConfigJson(""));
   TinyModelOptions options;
   options.seed = kDefaultModelSeed;
-  if (!tokenizer_dir.empty() && fs::exists(fs::path(tokenizer_dir) / "tokenizer.json", ec)) {
+  if (have_tokenizer) {
     options.tokenizer_dir = tokenizer_dir;
   } else {
     spdlog::warn(

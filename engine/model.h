@@ -40,7 +40,16 @@ class Model {
 // The directory of the embedded default model under `state_dir`. EnsureDefaultModel() writes it
 // (a fixed seed, so every install gets the same weights) unless a complete copy is there, with
 // the tokenizer files of `tokenizer_dir` when that holds them.
+// A copy is complete when its marker, config and weights are there and, if a tokenizer is
+// available now, it holds one: a copy written before the tokenizer was installed is written
+// again, not kept without one forever.
 std::string DefaultModelDir(const std::string& state_dir);
 Status EnsureDefaultModel(const std::string& state_dir, const std::string& tokenizer_dir);
+
+// Where the embedded default model's tokenizer is when model.tokenizer_dir is "": installed with
+// the binary (PREFIX/share/flashd/tokenizer/deepseek-v4 for PREFIX/bin/flashd), else in the
+// build tree (build/tokenizer/deepseek-v4 for build/bin/flashd). Empty when neither holds
+// tokenizer.json. Independent of the working directory.
+std::string FindDefaultTokenizerDir();
 
 }  // namespace flashd::engine

@@ -481,6 +481,43 @@ BOOST_AUTO_TEST_CASE(version_and_help) {
   BOOST_TEST(RunCommand(std::string(FLASHD_BINARY) + " frobnicate 2>/dev/null").code == 2);
 }
 
+// Started from / with only --config, the embedded default model finds the tokenizer installed
+// with the binary (here: the build tree's, found from the executable's path); a copy written
+// once without a tokenizer is written again when one is available.
+BOOST_AUTO_TEST_CASE(the_default_model_works_from_any_working_directory) {
+  if (!fs::exists(FLASHD_V4_TOKENIZER_DIR "/tokenizer.json")) {
+    std::printf("SKIP: %s not fetched (packaging/fetch-tokenizer.sh)\n", FLASHD_V4_TOKENIZER_DIR);
+    return;
+  }
+  TempDir tmp;
+  const std::string pid = "server:\n  pid_file: " + (tmp.path() / "run" / "flashd.pid").string();
+  {
+    // First without any tokenizer: the copy is written without one and cannot serve.
+    fs::create_directories(tmp.path() / "empty");
+    DaemonProcess d({tmp.path(),
+                     pid + "\nmodel:\n  tokenizer_dir: " + (tmp.path() / "empty").string() + "\n",
+                     {{"FLASHD_MODEL_DIR", ""}},
+                     {}});
+    d.set_wrapper({"/usr/bin/env", "-C", "/"});
+    BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+    httplib::Client c("127.0.0.1", d.port());
+    WaitForFailedLoad(c);
+    BOOST_TEST(d.Stop(SIGTERM) == 0);
+    BOOST_TEST(!fs::exists(tmp.path() / "state" / "models" / "default-tiny-v2" / "tokenizer.json"));
+  }
+  DaemonProcess d({tmp.path(), pid + "\n", {{"FLASHD_MODEL_DIR", ""}}, {}});
+  d.set_wrapper({"/usr/bin/env", "-C", "/"});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  BOOST_REQUIRE_MESSAGE(WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  BOOST_TEST(Contains(d.log(), "has no tokenizer and one is available now"), d.log());
+  BOOST_TEST(fs::exists(tmp.path() / "state" / "models" / "default-tiny-v2" / "tokenizer.json"));
+  httplib::Client c("127.0.0.1", d.port());
+  auto t = c.Post("/tokenize", R"({"text": "Hello!"})", "application/json");
+  BOOST_REQUIRE(t);
+  BOOST_TEST(t->status == 200, t->body);
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 }  // namespace
