@@ -677,6 +677,13 @@ rocksdb::Status BlockStore::Commit(rocksdb::WriteBatch* batch) {
   return s;
 }
 
+std::pair<uint64_t, uint64_t> BlockStore::EvictUnpinned() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const uint64_t entries = index_.size(), bytes = stats_.disk_bytes;
+  EvictLocked(0, 0);
+  return {entries - index_.size(), bytes - stats_.disk_bytes};
+}
+
 BlockStore::Stats BlockStore::stats() const {
   Stats s;
   {

@@ -102,6 +102,10 @@ class BlockStore {
   // Removes entries that no longer belong (tests, and start-up reconciliation of the catalog).
   void Erase(const BlockKey& key);
 
+  // Evicts every entry no pin keeps (an operator's "drop the cache"), tails before heads as the
+  // quota would. Returns the entries and bytes freed.
+  std::pair<uint64_t, uint64_t> EvictUnpinned();
+
   struct Stats {
     uint64_t entries = 0;
     uint64_t blocks = 0;

@@ -152,6 +152,8 @@ Api::Api(const Config& config, ServedModel model) : config_(config), model_(std:
               [this](const auto& req, auto& res, const PathParams&) { CacheStats(req, res); });
   router_.Add("POST", "/v1/cache/pins",
               [this](const auto& req, auto& res, const PathParams&) { CreatePin(req, res); });
+  router_.Add("POST", "/v1/cache/evict",
+              [this](const auto& req, auto& res, const PathParams&) { EvictCache(req, res); });
   router_.Add("DELETE", "/v1/cache/pins/{name}",
               [this](const auto& req, auto& res, const PathParams& p) {
                 DeletePin(req, res, p.at("name"));

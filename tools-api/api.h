@@ -121,6 +121,8 @@ class Api {
   // cache_routes.cc: GET /v1/cache, POST /v1/cache/pins, DELETE /v1/cache/pins/{name}.
   void CacheStats(const httplib::Request& req, httplib::Response& res) const;
   void CreatePin(const httplib::Request& req, httplib::Response& res) const;
+  // POST /v1/cache/evict: an administrator drops every unpinned entry.
+  void EvictCache(const httplib::Request& req, httplib::Response& res) const;
   void DeletePin(const httplib::Request& req, httplib::Response& res,
                  const std::string& name) const;
   // Prefills `tokens` for `tenant` and pins its blocks and end state under `name`.

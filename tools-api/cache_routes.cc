@@ -194,6 +194,27 @@ void Api::CreatePin(const httplib::Request& req, httplib::Response& res) const {
                   "application/json");
 }
 
+void Api::EvictCache(const httplib::Request& req, httplib::Response& res) const {
+  engine::Engine* eng = engine();
+  cache::BlockStore* store = eng == nullptr ? nullptr : eng->cache();
+  if (store == nullptr) {
+    return WriteError(res, 503, "unavailable_error", "the prefix cache is off; see the log");
+  }
+  // Entries are shared between tenants' chains only through groups, but evicting touches every
+  // tenant's cache: it is an administrator's act.
+  if (!IsAdmin(req)) {
+    return WriteError(res, 403, "permission_error",
+                      "evicting the cache needs an administrator (auth.admins, or the daemon's "
+                      "own user on the socket)");
+  }
+  store->Flush();
+  const auto [entries, bytes] = store->EvictUnpinned();
+  spdlog::info("cache: evicted {} unpinned entries ({} bytes) on request", entries, bytes);
+  res.set_content(
+      json{{"object", "cache.eviction"}, {"evicted", entries}, {"freed_bytes", bytes}}.dump(),
+      "application/json");
+}
+
 Status Api::PinTokens(const std::vector<int32_t>& tokens, const std::string& tenant,
                       const std::string& name, size_t* blocks) const {
   engine::Engine* eng = engine();
