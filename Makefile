@@ -11,7 +11,7 @@ FUZZ_DIR ?= build-fuzz
 FUZZ_SECONDS ?= 60
 SANITIZE_DIR ?= build-sanitize
 
-.PHONY: all deps configure build run test format clean fuzz test-sanitize
+.PHONY: all deps configure build run test format clean fuzz test-sanitize package
 
 all: build
 
@@ -30,6 +30,10 @@ run: build
 
 test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
+
+# The Debian package (CPack), in $(BUILD_DIR): flashd_VERSION_ARCH.deb.
+package: build
+	cd $(BUILD_DIR) && cpack -G DEB
 
 # Every libFuzzer target (tests/fuzz) for FUZZ_SECONDS each, with ASan and UBSan (clang).
 fuzz: deps

@@ -684,6 +684,16 @@ std::pair<uint64_t, uint64_t> BlockStore::EvictUnpinned() {
   return {entries - index_.size(), bytes - stats_.disk_bytes};
 }
 
+void BlockStore::SetLimits(uint64_t ram_bytes, uint64_t disk_quota_bytes, int64_t ttl_seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  options_.ram_bytes = ram_bytes;
+  options_.disk_quota_bytes = disk_quota_bytes;
+  options_.ttl_seconds = ttl_seconds;
+  const int64_t expire = ttl_seconds > 0 ? NowMs() - ttl_seconds * 1000 : 0;
+  EvictLocked(disk_quota_bytes, expire);
+  while (stats_.ram_bytes > options_.ram_bytes && !ram_.empty()) RamEraseLocked(ram_.back().first);
+}
+
 BlockStore::Stats BlockStore::stats() const {
   Stats s;
   {

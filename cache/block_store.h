@@ -106,6 +106,9 @@ class BlockStore {
   // quota would. Returns the entries and bytes freed.
   std::pair<uint64_t, uint64_t> EvictUnpinned();
 
+  // New limits (a configuration reload); a smaller quota or TTL evicts at once.
+  void SetLimits(uint64_t ram_bytes, uint64_t disk_quota_bytes, int64_t ttl_seconds);
+
   struct Stats {
     uint64_t entries = 0;
     uint64_t blocks = 0;

@@ -112,6 +112,9 @@ class ConnectionServer : public httplib::Server {
  public:
   explicit ConnectionServer(Listener listener) : listener_(listener) {}
 
+  // httplib's accept loop runs on svr_sock_; bind_to_port() would have set it.
+  void Adopt(int fd) { svr_sock_ = fd; }
+
  private:
   bool process_and_close_socket(socket_t sock) override {
     api::Peer& peer = api::CurrentPeer();
@@ -173,6 +176,10 @@ class ConnectionServer : public httplib::Server {
 
 std::unique_ptr<httplib::Server> MakeConnectionServer(Listener listener) {
   return std::make_unique<ConnectionServer>(listener);
+}
+
+void AdoptListeningSocket(httplib::Server* server, int fd) {
+  static_cast<ConnectionServer*>(server)->Adopt(fd);
 }
 
 }  // namespace flashd::daemon

@@ -23,4 +23,9 @@ enum class Listener { kTcp, kUnix };
 
 std::unique_ptr<httplib::Server> MakeConnectionServer(Listener listener);
 
+// Makes `server` (from MakeConnectionServer) serve `fd`, a socket already bound and listening
+// (inherited from systemd's socket activation), instead of binding one itself; then
+// listen_after_bind() accepts on it. The server closes it when it stops.
+void AdoptListeningSocket(httplib::Server* server, int fd);
+
 }  // namespace flashd::daemon

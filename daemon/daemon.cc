@@ -1,8 +1,11 @@
 #include "daemon/daemon.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 #include <uv.h>
@@ -48,7 +51,7 @@ std::unique_ptr<httplib::Server> MakeServer(const Config& config, bool unix_sock
 
 }  // namespace
 
-Daemon::Daemon(const Config& config) : config_(config) {}
+Daemon::Daemon(const Config& config) : config_(config), applied_(config) {}
 
 Daemon::~Daemon() {
   StopListeners(-1);
@@ -56,8 +59,9 @@ Daemon::~Daemon() {
   RemoveFiles();
 }
 
-StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const Config& config) {
+StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const Config& config, std::string config_path) {
   std::unique_ptr<Daemon> d(new Daemon(config));
+  d->config_path_ = std::move(config_path);
   d->api_ = std::make_unique<api::Api>(config, DescribeModel(config));
   FLASHD_RETURN_IF_ERROR(d->Bind());
   d->WritePidFile();
@@ -69,11 +73,66 @@ StatusOr<std::unique_ptr<Daemon>> Daemon::Start(const Config& config) {
   return d;
 }
 
+Status Daemon::AdoptSystemdSockets(int* tcp_fd, int* unix_fd) {
+  *tcp_fd = *unix_fd = -1;
+  const int n = sd_listen_fds(/*unset_environment=*/1);
+  if (n <= 0) return Status::Ok();
+  for (int fd = SD_LISTEN_FDS_START; fd < SD_LISTEN_FDS_START + n; ++fd) {
+    if (sd_is_socket_unix(fd, SOCK_STREAM, 1, nullptr, 0) > 0 && *unix_fd < 0) {
+      *unix_fd = fd;
+    } else if (sd_is_socket_inet(fd, AF_UNSPEC, SOCK_STREAM, 1, 0) > 0 && *tcp_fd < 0) {
+      *tcp_fd = fd;
+    } else {
+      return InvalidArgument("socket activation: inherited fd " + std::to_string(fd) +
+                             " is not a listening stream socket (Unix or TCP) flashd can serve, "
+                             "or a second one of its kind");
+    }
+  }
+  spdlog::info("socket activation: serving {} inherited socket(s)", n);
+  return Status::Ok();
+}
+
 Status Daemon::Bind() {
   const ServerConfig& sc = config_.server;
+  int tcp_fd = -1, unix_fd = -1;
+  FLASHD_RETURN_IF_ERROR(AdoptSystemdSockets(&tcp_fd, &unix_fd));
+  if (tcp_fd >= 0) {
+    // systemd's flashd.socket decides the address: server.listen is not bound.
+    tcp_ = MakeServer(config_);
+    api_->Install(tcp_.get(), "tcp");
+    AdoptListeningSocket(tcp_.get(), tcp_fd);
+    sockaddr_storage addr{};
+    socklen_t len = sizeof addr;
+    ::getsockname(tcp_fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    char host[INET6_ADDRSTRLEN] = {};
+    if (addr.ss_family == AF_INET6) {
+      const auto* a = reinterpret_cast<const sockaddr_in6*>(&addr);
+      ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+      tcp_port_ = ntohs(a->sin6_port);
+    } else {
+      const auto* a = reinterpret_cast<const sockaddr_in*>(&addr);
+      ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+      tcp_port_ = ntohs(a->sin_port);
+    }
+    listen_host_ = host;
+  }
+  if (unix_fd >= 0) {
+    // The socket file is systemd's (its path, mode and group are in flashd.socket).
+    unix_ = MakeServer(config_, /*unix_socket=*/true);
+    unix_->set_address_family(AF_UNIX);
+    api_->Install(unix_.get(), "unix");
+    AdoptListeningSocket(unix_.get(), unix_fd);
+    sockaddr_un addr{};
+    socklen_t len = sizeof addr;
+    ::getsockname(unix_fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    socket_path_ = addr.sun_path;
+  }
+  if (tcp_fd >= 0 || unix_fd >= 0) return Status::Ok();
   // The socket is claimed first: a second daemon must say "already running", not "port in use".
   if (!sc.socket_path.empty()) FLASHD_RETURN_IF_ERROR(ClaimSocketPath(sc.socket_path));
 
+  listen_host_ = sc.listen_host;
+  socket_path_ = sc.socket_path;
   if (sc.listen_enabled) {
     tcp_ = MakeServer(config_);
     api_->Install(tcp_.get(), "tcp");
@@ -208,6 +267,69 @@ Status Daemon::OpenCache() {
   return Status::Ok();
 }
 
+void Daemon::Reload() {
+  if (config_path_.empty()) {
+    spdlog::info("SIGHUP: the daemon runs on built-in defaults; there is no file to read again");
+    return;
+  }
+  if (!load_finished_) {
+    // The loader is still setting up the cache and engine; a reload waits for it to finish.
+    spdlog::warn("SIGHUP: the model is still loading; send it again once /health is ok");
+    return;
+  }
+  StatusOr<Config> next = LoadConfigFile(config_path_);
+  Status s = next.ok() ? ApplyEnvironment(&*next, ProcessEnvironment()) : next.status();
+  if (!s.ok()) {
+    spdlog::error("SIGHUP: {} not applied, the running configuration stays: {}", config_path_,
+                  s.message());
+    return;
+  }
+  const Config& n = *next;
+  std::vector<std::string> applied, restart;
+  if (n.log.level != applied_.log.level) {
+    spdlog::set_level(spdlog::level::from_str(n.log.level));
+    applied.push_back("log.level");
+  }
+  if (n.auth.keys != applied_.auth.keys || n.auth.groups != applied_.auth.groups ||
+      n.auth.admins != applied_.auth.admins) {
+    api_->ReloadAuth(n.auth);
+    applied.push_back("auth");
+  }
+  const CacheConfig& c = n.cache;
+  if (c.disk_quota_bytes != applied_.cache.disk_quota_bytes ||
+      c.ttl_seconds != applied_.cache.ttl_seconds || c.ram_bytes != applied_.cache.ram_bytes) {
+    if (cache_) cache_->SetLimits(c.ram_bytes, c.disk_quota_bytes, c.ttl_seconds);
+    applied.push_back("cache quotas");
+  }
+  if (c.block_tokens != applied_.cache.block_tokens) restart.push_back("cache.block_tokens");
+  if (n.model.dir != applied_.model.dir || n.model.id != applied_.model.id)
+    restart.push_back("model");
+  if (n.state_dir != applied_.state_dir) restart.push_back("state_dir");
+  if (n.server.listen_host != applied_.server.listen_host ||
+      n.server.listen_port != applied_.server.listen_port ||
+      n.server.socket_path != applied_.server.socket_path) {
+    restart.push_back("server listeners");
+  }
+  if (n.engine.memory_budget_bytes != applied_.engine.memory_budget_bytes ||
+      n.engine.max_running != applied_.engine.max_running ||
+      n.engine.step_token_budget != applied_.engine.step_token_budget ||
+      n.engine.threads != applied_.engine.threads) {
+    restart.push_back("engine");
+  }
+  // What was applied becomes the running configuration; the rest keeps its old value.
+  applied_.log = n.log;
+  applied_.auth = n.auth;
+  applied_.cache.disk_quota_bytes = c.disk_quota_bytes;
+  applied_.cache.ttl_seconds = c.ttl_seconds;
+  applied_.cache.ram_bytes = c.ram_bytes;
+  std::string a, r;
+  for (const std::string& x : applied) a += (a.empty() ? "" : ", ") + x;
+  for (const std::string& x : restart) r += (r.empty() ? "" : ", ") + x;
+  spdlog::warn("SIGHUP: reloaded {}: applied {}{}", config_path_, a.empty() ? "nothing new" : a,
+               r.empty() ? "" : "; changed but needing a restart: " + r);
+  sd_notify(0, "READY=1\nSTATUS=serving; configuration reloaded");
+}
+
 void Daemon::WritePidFile() {
   const std::string& path = config_.server.pid_file;
   if (path.empty()) return;
@@ -275,6 +397,7 @@ int Daemon::Run() {
   uv_loop_init(&loop);
   uv_signal_t sigterm;
   uv_signal_t sigint;
+  uv_signal_t sighup;
   uv_timer_t watchdog;
   int received = 0;
 
@@ -287,6 +410,10 @@ int Daemon::Run() {
     handle->data = &received;
     uv_signal_start(handle, on_signal, signum);
   }
+  uv_signal_init(&loop, &sighup);
+  sighup.data = this;
+  uv_signal_start(
+      &sighup, [](uv_signal_t* h, int) { static_cast<Daemon*>(h->data)->Reload(); }, SIGHUP);
 
   // Under systemd with WatchdogSec=, ping at half the interval from the loop.
   uint64_t watchdog_usec = 0;
@@ -298,8 +425,8 @@ int Daemon::Run() {
   }
 
   std::string ready = "flashd ready:";
-  if (tcp_) ready += " http://" + config_.server.listen_host + ":" + std::to_string(tcp_port_);
-  if (unix_) ready += " unix:" + config_.server.socket_path;
+  if (tcp_) ready += " http://" + listen_host_ + ":" + std::to_string(tcp_port_);
+  if (unix_) ready += " unix:" + socket_path_;
   spdlog::info("{} (pid {})", ready, ::getpid());
   // The same line on stdout, for scripts and tests that start the daemon and wait for it.
   std::printf("%s\n", ready.c_str());
@@ -316,10 +443,11 @@ int Daemon::Run() {
 
   uv_signal_stop(&sigterm);
   uv_signal_stop(&sigint);
+  uv_signal_stop(&sighup);
   uv_timer_stop(&watchdog);
   for (uv_handle_t* h :
        {reinterpret_cast<uv_handle_t*>(&sigterm), reinterpret_cast<uv_handle_t*>(&sigint),
-        reinterpret_cast<uv_handle_t*>(&watchdog)}) {
+        reinterpret_cast<uv_handle_t*>(&sighup), reinterpret_cast<uv_handle_t*>(&watchdog)}) {
     uv_close(h, nullptr);
   }
   uv_run(&loop, UV_RUN_DEFAULT);

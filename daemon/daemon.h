@@ -3,7 +3,10 @@
 //
 // Start() binds every listener (so a conflict is reported before anything else happens) and
 // starts serving; Run() blocks on the main thread until SIGTERM or SIGINT, then drains in-flight
-// responses for up to server.shutdown_grace_seconds and removes the socket and pid files.
+// responses for up to server.shutdown_grace_seconds and removes the socket and pid files. SIGHUP
+// reads the config file again and applies what can change without dropping the model: the log
+// level, auth.keys, auth.groups, auth.admins and the cache's quota, TTL and RAM size; other
+// changed keys are named in the log as needing a restart.
 #pragma once
 
 #include <httplib.h>
@@ -26,7 +29,9 @@ namespace flashd::daemon {
 class Daemon {
  public:
   // REQUIRES: PrepareDirectories(config) succeeded.
-  static StatusOr<std::unique_ptr<Daemon>> Start(const Config& config);
+  // `config_path` is read again on SIGHUP ("" when the config is the built-in defaults).
+  static StatusOr<std::unique_ptr<Daemon>> Start(const Config& config,
+                                                 std::string config_path = "");
   ~Daemon();
 
   // Blocks until a shutdown signal and returns the process exit code.
@@ -38,7 +43,12 @@ class Daemon {
  private:
   explicit Daemon(const Config& config);
   Status Bind();
+  // Listening sockets passed by systemd (flashd.socket): at most one Unix and one TCP socket;
+  // -1 where none was passed.
+  Status AdoptSystemdSockets(int* tcp_fd, int* unix_fd);
   void WritePidFile();
+  // SIGHUP: applies the reloadable part of the config file; logs what it did or why not.
+  void Reload();
   void RemoveFiles();
   bool StopListeners(int grace_seconds);
   // Runs on loader_: writes the embedded default model if needed, then loads the model and
@@ -48,6 +58,8 @@ class Daemon {
   Status OpenCache();
 
   const Config config_;
+  // The configuration in force after reloads: touched only by Run()'s signal loop.
+  Config applied_;
   std::unique_ptr<api::Api> api_;
   std::unique_ptr<httplib::Server> tcp_;
   std::unique_ptr<httplib::Server> unix_;
@@ -60,6 +72,9 @@ class Daemon {
   std::string cache_error_;
   std::unique_ptr<engine::Engine> engine_;
   int tcp_port_ = -1;
+  std::string config_path_;
+  std::string listen_host_;  // What the TCP listener is bound to (config, or systemd's socket).
+  std::string socket_path_;  // The Unix socket's path (config, or systemd's socket).
   bool own_socket_file_ = false;
   bool own_pid_file_ = false;
 };

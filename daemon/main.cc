@@ -143,7 +143,7 @@ int Serve(const std::vector<std::string>& args) {
   // A file-size limit must fail a write (the prefix cache then stops writing and serving goes
   // on), not kill the daemon.
   ::signal(SIGXFSZ, SIG_IGN);
-  auto daemon = daemon::Daemon::Start(*config);
+  auto daemon = daemon::Daemon::Start(*config, config_path);
   if (!daemon.ok()) {
     spdlog::error("{}", daemon.status().message());
     std::fprintf(stderr, "flashd: %s\n", daemon.status().message().c_str());

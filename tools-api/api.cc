@@ -40,7 +40,8 @@ thread_local RequestClock request_clock;
 
 }  // namespace
 
-Api::Api(const Config& config, ServedModel model) : config_(config), model_(std::move(model)) {
+Api::Api(const Config& config, ServedModel model)
+    : config_(config), model_(std::move(model)), auth_(std::make_shared<AuthConfig>(config.auth)) {
   router_.Add("GET", "/health",
               [this](const auto& req, auto& res, const PathParams&) { Health(req, res); });
   router_.Add("GET", "/v1/models",
@@ -236,7 +237,8 @@ std::optional<std::string> Api::TenantForKey(const std::string& presented) const
   // Every configured key is compared, each in time that depends only on the lengths, so the
   // time taken says nothing about how much of a key was right or which tenant's it was.
   const std::string* found = nullptr;
-  for (const auto& [tenant, key] : config_.auth.keys) {
+  const std::shared_ptr<const AuthConfig> auth = Auth();
+  for (const auto& [tenant, key] : auth->keys) {
     unsigned diff = presented.size() == key.size() ? 0u : 1u;
     const size_t n = std::max(presented.size(), key.size());
     for (size_t i = 0; i < n; ++i) {
@@ -275,7 +277,8 @@ std::function<void(const engine::GenerationEvent&)> Api::UsageRecorder(
 
 std::vector<std::string> Api::GroupsOf(const std::string& tenant) const {
   std::vector<std::string> out;
-  for (const auto& [group, members] : config_.auth.groups) {
+  const std::shared_ptr<const AuthConfig> auth = Auth();
+  for (const auto& [group, members] : auth->groups) {
     if (std::find(members.begin(), members.end(), tenant) != members.end()) out.push_back(group);
   }
   return out;
@@ -293,15 +296,16 @@ Peer& CurrentPeer() {
 }
 
 bool Api::IsAdmin(const httplib::Request& req) const {
-  if (std::optional<std::string> key = PresentedKey(req); key && !config_.auth.keys.empty()) {
+  const std::shared_ptr<const AuthConfig> auth = Auth();
+  if (std::optional<std::string> key = PresentedKey(req); key && !auth->keys.empty()) {
     const std::optional<std::string> tenant = TenantForKey(*key);
-    return tenant && std::find(config_.auth.admins.begin(), config_.auth.admins.end(), *tenant) !=
-                         config_.auth.admins.end();
+    return tenant &&
+           std::find(auth->admins.begin(), auth->admins.end(), *tenant) != auth->admins.end();
   }
   // On the socket: the daemon's own user.
   if (const Peer& peer = CurrentPeer(); peer.known) return peer.uid == ::geteuid();
   // Over TCP without keys every client is the one tenant "default", which may see it all.
-  return config_.auth.keys.empty();
+  return auth->keys.empty();
 }
 
 void Api::TenantMetrics(const httplib::Request& req, httplib::Response& res) const {
@@ -325,14 +329,26 @@ void Api::TenantMetrics(const httplib::Request& req, httplib::Response& res) con
 }
 
 std::string Api::TenantOf(const httplib::Request& req) const {
-  if (!config_.auth.keys.empty()) {
+  const std::shared_ptr<const AuthConfig> auth = Auth();
+  if (!auth->keys.empty()) {
     if (std::optional<std::string> key = PresentedKey(req)) {
       if (std::optional<std::string> tenant = TenantForKey(*key)) return *tenant;
     }
   }
   // On the socket, without a key: the connecting user.
   if (const Peer& peer = CurrentPeer(); peer.known) return "uid-" + std::to_string(peer.uid);
-  return config_.auth.keys.empty() ? "default" : "local";
+  return auth->keys.empty() ? "default" : "local";
+}
+
+std::shared_ptr<const AuthConfig> Api::Auth() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return auth_;
+}
+
+void Api::ReloadAuth(const AuthConfig& auth) {
+  auto fresh = std::make_shared<const AuthConfig>(auth);
+  std::lock_guard<std::mutex> lock(mu_);
+  auth_ = std::move(fresh);
 }
 
 void Api::SetEngine(engine::Engine* engine) {
@@ -419,7 +435,7 @@ void Api::Install(httplib::Server* server, const std::string& listener) {
         }
         // API keys, when configured: a wrong key is refused everywhere; no key is refused on TCP
         // (the socket's file permissions admit its users, each its own tenant "uid-N").
-        if (!config_.auth.keys.empty() && req.path != "/health") {
+        if (!Auth()->keys.empty() && req.path != "/health") {
           const std::optional<std::string> key = PresentedKey(req);
           const bool ok = key ? TenantForKey(*key).has_value() : listener != "tcp";
           if (!ok) {

@@ -65,6 +65,10 @@ class Api {
 
   Metrics& metrics() { return metrics_; }
 
+  // Thread-safe: replaces the keys, groups and administrators (SIGHUP). Requests already past
+  // authentication finish as they began.
+  void ReloadAuth(const AuthConfig& auth);
+
   // Thread-safe. Until an engine is set, generation routes answer 503 and /metrics has no engine
   // gauges. REQUIRES: the engine outlives every listener this Api is installed on.
   void SetEngine(engine::Engine* engine);
@@ -138,6 +142,8 @@ class Api {
   // Adds a finished generation to its tenant's usage counters in the catalog.
   std::function<void(const engine::GenerationEvent&)> UsageRecorder(
       const std::string& tenant) const;
+  // The keys, groups and administrators in force (reloadable).
+  std::shared_ptr<const AuthConfig> Auth() const;
   // The tenant a request acts for: its prefix-cache namespace and the owner of its pins.
   std::string TenantOf(const httplib::Request& req) const;
   // May see daemon-wide counters: an auth.admins tenant's key, the daemon's own user on the
@@ -158,11 +164,12 @@ class Api {
   mutable Metrics metrics_;  // Thread-safe itself.
   cache::Catalog* catalog_ = nullptr;
   mutable std::mutex mu_;
-  Phase phase_ = Phase::kStarting;    // Guarded by mu_.
-  std::string reason_ = "starting";   // Guarded by mu_.
-  engine::Engine* engine_ = nullptr;  // Guarded by mu_.
-  mutable ToolCallLedger ledger_;     // Thread-safe itself.
-  mutable TurnQueue turns_;           // Thread-safe itself; one line per tenant's session.
+  Phase phase_ = Phase::kStarting;          // Guarded by mu_.
+  std::string reason_ = "starting";         // Guarded by mu_.
+  engine::Engine* engine_ = nullptr;        // Guarded by mu_.
+  std::shared_ptr<const AuthConfig> auth_;  // Guarded by mu_; replaced whole on reload.
+  mutable ToolCallLedger ledger_;           // Thread-safe itself.
+  mutable TurnQueue turns_;                 // Thread-safe itself; one line per tenant's session.
 };
 
 }  // namespace flashd::api
