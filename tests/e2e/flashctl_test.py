@@ -5,6 +5,7 @@ usage: flashctl_test.py FLASHD_BINARY FLASHCTL GOLDEN_DIR
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,19 @@ def main():
         check(metrics.get("flashd_engine_generated_tokens_total", 0) >= 6, "metrics: %s" % metrics)
         code, out, _ = ctl("metrics", where=s)
         check(code == 0 and "# TYPE flashd_engine_running gauge" in out, "metrics text")
+
+        # The metrics the operator's guide and the Grafana dashboard use all exist.
+        docs = os.path.join(os.path.dirname(os.path.abspath(FLASHCTL)), "..", "docs")
+        used = set()
+        for name in ("grafana-dashboard.json", "operations.md"):
+            with open(os.path.join(docs, name)) as f:
+                used |= set(re.findall(r"flashd_[a-z_]+[a-z]", f.read()))
+        code, text, _ = ctl("metrics", where=s)
+        for name in sorted(used):
+            if name.startswith("flashd_tenant"):
+                continue
+            check(name in text or name.replace("_bucket", "") in text,
+                  "a metric the docs use is missing from /metrics: " + name)
 
         stats = ctl_json("cache", "stats", where=t)
         check(stats["scope"] == "daemon" and stats["lookups"] >= 3, "cache stats: %s" % stats)
