@@ -15,59 +15,13 @@
 #include <thread>
 
 #include "tests/e2e/daemon_process.h"
+#include "tests/e2e/exact_answers.h"
 
 namespace flashd::testing {
 namespace {
 using nlohmann::json;
 using namespace std::chrono_literals;
 namespace fs = std::filesystem;
-
-std::vector<int> Ids(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int> d(3, 390);
-  std::vector<int> v(n);
-  for (int& t : v) t = d(rng);
-  return v;
-}
-
-struct Answer {
-  int status = 0;
-  std::string text;
-  std::string logprobs;
-  int64_t cached = -1;
-  std::string raw;
-};
-
-Answer Ask(httplib::Client& c, const std::vector<int>& prompt) {
-  const json body = {{"prompt", prompt},
-                     {"max_tokens", 6},
-                     {"temperature", 0},
-                     {"logprobs", 1},
-                     {"ignore_eos", true}};
-  Answer a;
-  auto r = c.Post("/v1/completions", body.dump(), "application/json");
-  if (!r) return a;
-  a.status = r->status;
-  a.raw = r->body;
-  if (r->status != 200) return a;
-  const json j = json::parse(r->body);
-  a.text = j["choices"][0]["text"];
-  a.logprobs = j["choices"][0]["logprobs"].dump();
-  a.cached = j["usage"]["prompt_tokens_details"]["cached_tokens"];
-  return a;
-}
-
-bool Same(const Answer& a, const Answer& b) {
-  return a.status == 200 && b.status == 200 && a.text == b.text && a.logprobs == b.logprobs;
-}
-
-// What a daemon that never saw anything answers.
-Answer Fresh(const std::vector<int>& prompt) {
-  TempDir tmp;
-  DaemonProcess d({tmp.path(), "", {}, {}});
-  if (!d.Start() || WaitHealthy("127.0.0.1", d.port()) != 200) return {};
-  return Ask(*TcpClient(d), prompt);
-}
 
 json Get(httplib::Client& c, const std::string& path) {
   auto r = c.Get(path);

@@ -6,22 +6,12 @@
 #include <string_view>
 
 #include "engine/tokenizer.h"
+#include "tests/fuzz/golden_tokenizer.h"
 #include "tools-api/chat_format.h"
 #include "tools-api/json_limits.h"
 
 using namespace flashd;
 using namespace flashd::api;
-
-namespace {
-const engine::Tokenizer& Tok() {
-  static std::unique_ptr<engine::Tokenizer> t = [] {
-    auto loaded = engine::Tokenizer::Load(FLASHD_GOLDEN_DIR "/tokenizer.json");
-    if (!loaded.ok()) __builtin_trap();
-    return std::move(*loaded);
-  }();
-  return *t;
-}
-}  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
@@ -37,8 +27,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     StatusOr<RenderedPrompt> r = RenderChat(messages, o, &ledger);
     if (!r.ok()) return 0;
-    const std::vector<int32_t> ids = Tok().EncodeWithPlainRanges(r->text, r->untrusted);
-    (void)Tok().Decode(ids);
+    const std::vector<int32_t> ids =
+        flashd::fuzz::GoldenTokenizer().EncodeWithPlainRanges(r->text, r->untrusted);
+    (void)flashd::fuzz::GoldenTokenizer().Decode(ids);
   } catch (const nlohmann::json::type_error&) {
     // Answered 400 by the daemon's exception handler.
   }
