@@ -165,6 +165,19 @@ void Api::SetPhase(Phase phase, std::string reason) {
   std::lock_guard<std::mutex> lock(mu_);
   phase_ = phase;
   reason_ = std::move(reason);
+  progress_ = nullptr;
+}
+
+void Api::SetProgress(const std::string& what, uint64_t done_bytes, uint64_t total_bytes,
+                      double seconds) {
+  const double rate = seconds > 0 ? done_bytes / seconds : 0;
+  nlohmann::json p = {{"what", what},
+                      {"done_bytes", done_bytes},
+                      {"total_bytes", total_bytes},
+                      {"bytes_per_second", static_cast<uint64_t>(rate)}};
+  if (rate > 0 && total_bytes >= done_bytes) p["eta_seconds"] = (total_bytes - done_bytes) / rate;
+  std::lock_guard<std::mutex> lock(mu_);
+  progress_ = std::move(p);
 }
 
 Phase Api::phase() const {
@@ -177,6 +190,7 @@ void Api::Health(const httplib::Request&, httplib::Response& res) const {
   nlohmann::json body = {{"status", PhaseName(phase_)}};
   if (phase_ != Phase::kReady) {
     body["reason"] = reason_;
+    if (!progress_.is_null()) body["progress"] = progress_;
     res.status = 503;
   } else if (engine_ != nullptr) {
     // The prefix cache failing degrades the service but does not stop it: still 200.

@@ -56,6 +56,10 @@ class Api {
 
   // Thread-safe. `reason` is shown by /health for every phase but kReady.
   void SetPhase(Phase phase, std::string reason);
+  // Thread-safe. Progress of the loading step under way, shown by /health while not ready
+  // (bytes done of total, the rate and the time left); cleared by SetPhase.
+  void SetProgress(const std::string& what, uint64_t done_bytes, uint64_t total_bytes,
+                   double seconds);
   Phase phase() const;
 
   // Installs the routes, the JSON error bodies for errors httplib raises itself (413, 400, 500),
@@ -166,6 +170,7 @@ class Api {
   mutable std::mutex mu_;
   Phase phase_ = Phase::kStarting;          // Guarded by mu_.
   std::string reason_ = "starting";         // Guarded by mu_.
+  nlohmann::json progress_;                 // Guarded by mu_; null when nothing to show.
   engine::Engine* engine_ = nullptr;        // Guarded by mu_.
   std::shared_ptr<const AuthConfig> auth_;  // Guarded by mu_; replaced whole on reload.
   mutable ToolCallLedger ledger_;           // Thread-safe itself.
