@@ -43,14 +43,17 @@ fuzz: deps
 	cmake --build $(FUZZ_DIR) -j $(JOBS) --target fuzzers
 	tests/fuzz/run.sh $(FUZZ_DIR) $(FUZZ_SECONDS)
 
-# The whole test suite built with AddressSanitizer and UndefinedBehaviorSanitizer.
+# The whole test suite built with AddressSanitizer and UndefinedBehaviorSanitizer (but the
+# package install test: a sanitized binary needs the sanitizer runtime, which a fresh Debian root
+# does not have).
 test-sanitize: deps
 	cmake -S . -B $(SANITIZE_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DFLASHD_SANITIZE=ON \
 	  -DFLASHD_CUDA=OFF -DFLASHD_HIP=OFF
 	cmake --build $(SANITIZE_DIR) -j $(JOBS)
 	packaging/fetch-tokenizer.sh $(SANITIZE_DIR)/tokenizer/deepseek-v4
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-	  ctest --test-dir $(SANITIZE_DIR) --output-on-failure -j $(JOBS) --timeout 1800
+	  ctest --test-dir $(SANITIZE_DIR) --output-on-failure -j $(JOBS) --timeout 1800 \
+	  -E package_install_test
 
 format:
 	clang-format -i $$(git ls-files --cached --others --exclude-standard '*.h' '*.cc' '*.cu')
