@@ -174,7 +174,13 @@ void Daemon::LoadModel() {
     const std::string tokenizer_dir = config_.model.tokenizer_dir.empty()
                                           ? engine::FindDefaultTokenizerDir()
                                           : config_.model.tokenizer_dir;
-    Status s = engine::EnsureDefaultModel(config_.state_dir, tokenizer_dir);
+    const auto start = std::chrono::steady_clock::now();
+    Status s = engine::EnsureDefaultModel(
+        config_.state_dir, tokenizer_dir, [this, start](uint64_t done, uint64_t total) {
+          api_->SetProgress(
+              "writing the embedded default model", "parameters", done, total,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        });
     if (!s.ok()) {
       spdlog::error("embedded default model: {}", s.message());
       api_->SetPhase(api::Phase::kFailed, "embedded default model: " + s.message());
@@ -255,7 +261,7 @@ void Daemon::ReadModelFiles(const std::string& dir) {
       const auto now = std::chrono::steady_clock::now();
       if (now - last > std::chrono::milliseconds(200)) {
         last = now;
-        api_->SetProgress("reading the model files", done, total,
+        api_->SetProgress("reading the model files", "bytes", done, total,
                           std::chrono::duration<double>(now - start).count());
       }
     }

@@ -61,7 +61,8 @@ std::string FindDefaultTokenizerDir() {
   return "";
 }
 
-Status EnsureDefaultModel(const std::string& state_dir, const std::string& tokenizer_dir) {
+Status EnsureDefaultModel(const std::string& state_dir, const std::string& tokenizer_dir,
+                          const std::function<void(uint64_t, uint64_t)>& progress) {
   namespace fs = std::filesystem;
   const fs::path dir = DefaultModelDir(state_dir);
   const fs::path done = dir / ".complete";
@@ -85,6 +86,7 @@ Status EnsureDefaultModel(const std::string& state_dir, const std::string& token
   FLASHD_ASSIGN_OR_RETURN(std::string config, TinyConfigJson(""));
   TinyModelOptions options;
   options.seed = kDefaultModelSeed;
+  options.progress = progress;
   if (have_tokenizer) {
     options.tokenizer_dir = tokenizer_dir;
   } else {

@@ -6,6 +6,7 @@
 // Load() and may be read from any thread.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -44,7 +45,9 @@ class Model {
 // available now, it holds one: a copy written before the tokenizer was installed is written
 // again, not kept without one forever.
 std::string DefaultModelDir(const std::string& state_dir);
-Status EnsureDefaultModel(const std::string& state_dir, const std::string& tokenizer_dir);
+// `progress`, when given, hears of the parameters generated so far and in all.
+Status EnsureDefaultModel(const std::string& state_dir, const std::string& tokenizer_dir,
+                          const std::function<void(uint64_t, uint64_t)>& progress = nullptr);
 
 // Where the embedded default model's tokenizer is when model.tokenizer_dir is "": installed with
 // the binary (PREFIX/share/flashd/tokenizer/deepseek-v4 for PREFIX/bin/flashd), else in the

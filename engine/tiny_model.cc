@@ -153,8 +153,13 @@ std::vector<uint8_t> AsBytes(const std::vector<float>& v, DType dtype) {
 // Fills `tensors` with every tensor of `specs`, in order. Quantized weights produce their
 // ".scale" sibling at the same time.
 Status Generate(const std::vector<TensorSpec>& specs, uint64_t seed,
-                std::map<std::string, TensorData>* tensors) {
+                std::map<std::string, TensorData>* tensors,
+                const std::function<void(uint64_t, uint64_t)>& progress) {
+  uint64_t total = 0, done = 0;
+  for (const TensorSpec& s : specs) total += s.params;
   for (const TensorSpec& s : specs) {
+    done += s.params;
+    if (progress) progress(done, total);
     if (tensors->count(s.name)) continue;  // A scale already made with its weight.
     TensorData t{s.name, StoredDType(s.kind), s.shape, {}};
     const size_t rows = static_cast<size_t>(s.shape[0]);
@@ -299,7 +304,7 @@ Status WriteTinyModel(const std::string& dir, std::string_view config_json,
 
   const std::vector<TensorSpec> specs = ExpectedTensors(config);
   std::map<std::string, TensorData> tensors;
-  FLASHD_RETURN_IF_ERROR(Generate(specs, options.seed, &tensors));
+  FLASHD_RETURN_IF_ERROR(Generate(specs, options.seed, &tensors, options.progress));
 
   // Split the tensors, in spec order, into shards of about equal bytes.
   uint64_t total = 0;

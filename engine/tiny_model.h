@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -19,6 +20,8 @@ struct TinyModelOptions {
   uint64_t seed = 0;
   int shards = 1;             // 1: a single model.safetensors; more: an index and N shards.
   std::string tokenizer_dir;  // tokenizer.json and tokenizer_config.json are copied from here.
+  // Called after each tensor is generated with the parameters done and in all (may be empty).
+  std::function<void(uint64_t done, uint64_t total)> progress;
 };
 
 // The default tiny config (hidden 256, 6 layers, 8 experts, two Engram layers of a few thousand

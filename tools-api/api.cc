@@ -168,14 +168,15 @@ void Api::SetPhase(Phase phase, std::string reason) {
   progress_ = nullptr;
 }
 
-void Api::SetProgress(const std::string& what, uint64_t done_bytes, uint64_t total_bytes,
-                      double seconds) {
-  const double rate = seconds > 0 ? done_bytes / seconds : 0;
+void Api::SetProgress(const std::string& what, const std::string& unit, uint64_t done,
+                      uint64_t total, double seconds) {
+  const double rate = seconds > 0 ? done / seconds : 0;
   nlohmann::json p = {{"what", what},
-                      {"done_bytes", done_bytes},
-                      {"total_bytes", total_bytes},
-                      {"bytes_per_second", static_cast<uint64_t>(rate)}};
-  if (rate > 0 && total_bytes >= done_bytes) p["eta_seconds"] = (total_bytes - done_bytes) / rate;
+                      {"unit", unit},
+                      {"done", done},
+                      {"total", total},
+                      {"per_second", static_cast<uint64_t>(rate)}};
+  if (rate > 0 && total >= done) p["eta_seconds"] = (total - done) / rate;
   std::lock_guard<std::mutex> lock(mu_);
   progress_ = std::move(p);
 }

@@ -56,9 +56,10 @@ class Api {
 
   // Thread-safe. `reason` is shown by /health for every phase but kReady.
   void SetPhase(Phase phase, std::string reason);
-  // Thread-safe. Progress of the loading step under way, shown by /health while not ready
-  // (bytes done of total, the rate and the time left); cleared by SetPhase.
-  void SetProgress(const std::string& what, uint64_t done_bytes, uint64_t total_bytes,
+  // Thread-safe. Progress of the loading step under way, shown by /health while not ready:
+  // `done` of `total` `unit`s ("bytes", "parameters") after `seconds`, the rate and the time
+  // left. Cleared by SetPhase.
+  void SetProgress(const std::string& what, const std::string& unit, uint64_t done, uint64_t total,
                    double seconds);
   Phase phase() const;
 

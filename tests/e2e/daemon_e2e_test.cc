@@ -358,6 +358,23 @@ BOOST_AUTO_TEST_CASE(embedded_default_model_is_written_loaded_and_described) {
     BOOST_TEST(d.Stop(SIGTERM) == 0);
     return;
   }
+  // While the model is written, /health shows how far (parameters generated of all, rate, ETA).
+  json progress;
+  for (int i = 0; i < 3000; ++i) {
+    auto h = c.Get("/health");
+    if (h && h->status == 200) break;
+    if (h) {
+      const json body = json::parse(h->body, nullptr, false);
+      if (body.contains("progress")) progress = body["progress"];
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  BOOST_REQUIRE_MESSAGE(progress.is_object(), "no progress seen on /health");
+  BOOST_TEST((progress["what"] == "writing the embedded default model" ||
+              progress["what"] == "reading the model files"),
+             progress.dump());
+  BOOST_TEST(progress["done"].get<uint64_t>() <= progress["total"].get<uint64_t>());
+  BOOST_TEST(progress["total"].get<uint64_t>() > 0u);
   BOOST_REQUIRE_MESSAGE(WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
   BOOST_TEST(fs::exists(tmp.path() / "state" / "models" / "default-tiny-v2" / "config.json"));
   auto models = c.Get("/v1/models");
