@@ -442,7 +442,7 @@ int SendRaw(int port, const std::string& body) {
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) return -1;
   const std::string req =
-      "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+      "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
       "application/json\r\nContent-Length: " +
       std::to_string(body.size()) + "\r\n\r\n" + body;
   if (::write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) return -1;
