@@ -198,9 +198,9 @@ BOOST_AUTO_TEST_CASE(groups_list_their_tenants) {
 }
 
 BOOST_AUTO_TEST_CASE(browser_and_admin_lists_are_read_and_checked) {
-  StatusOr<Config> c =
-      Parse("server:\n  allowed_hosts: [box.lan]\n  cors_origins: [\"https://ide.example\"]\n"
-            "auth:\n  keys:\n    ops: 0123456789abcdef0\n  admins: [ops]\n");
+  StatusOr<Config> c = Parse(
+      "server:\n  allowed_hosts: [box.lan]\n  cors_origins: [\"https://ide.example\"]\n"
+      "auth:\n  keys:\n    ops: 0123456789abcdef0\n  admins: [ops]\n");
   BOOST_REQUIRE_MESSAGE(c.ok(), c.status().ToString());
   BOOST_TEST((c->server.allowed_hosts == std::vector<std::string>{"box.lan"}));
   BOOST_TEST((c->server.cors_origins == std::vector<std::string>{"https://ide.example"}));
