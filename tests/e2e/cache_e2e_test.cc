@@ -52,10 +52,11 @@ BOOST_AUTO_TEST_CASE(a_restarted_daemon_resumes_exactly) {
   // flashctl reads the same counters.
   const CommandResult stats =
       RunCommand(std::string(FLASHD_SOURCE_DIR) + "/clients/flashctl --url " +
-                 "http://127.0.0.1:" + std::to_string(d.port()) + " cache stats 2>&1");
+                 "http://127.0.0.1:" + std::to_string(d.port()) + " --json cache stats 2>&1");
   BOOST_TEST(stats.code == 0, stats.out);
-  BOOST_TEST(Contains(stats.out, "hit_tokens_total 700\n"), stats.out);
-  BOOST_TEST(Contains(stats.out, "snapshot_hits_total 1\n"), stats.out);
+  const json counters = json::parse(stats.out, nullptr, false);
+  BOOST_TEST(counters["hit_tokens"] == 700, stats.out);
+  BOOST_TEST(counters["scope"] == "daemon", stats.out);
 }
 
 json Get(httplib::Client& c, const std::string& path) {
@@ -155,7 +156,8 @@ BOOST_AUTO_TEST_CASE(pins_survive_the_quota_and_restarts) {
     const json p = json::parse(pin->body);
     BOOST_TEST(p["blocks"].get<int>() >= 8);
     auto tok = c->Post("/tokenize", json{{"text", text}}.dump(), "application/json");
-    pinned_ids = json::parse(tok->body)["tokens"].get<std::vector<int>>();
+    // A text pin is a completion prompt: the beginning-of-sentence token, then the text.
+    pinned_ids = Concat({0}, json::parse(tok->body)["tokens"].get<std::vector<int>>());
     BOOST_TEST(static_cast<int>(pinned_ids.size()) == p["tokens"].get<int>());
     // Other prompts, several times the quota.
     for (int i = 0; i < 8; ++i) BOOST_REQUIRE(Ask(*c, Ids(700, 50 + i), 2).status == 200);
@@ -332,7 +334,7 @@ BOOST_AUTO_TEST_CASE(socket_users_are_tenants_by_uid) {
   const CommandResult r = RunCommand(
       "setpriv --reuid=65534 --regid=65534 --clear-groups curl -s "
       "--unix-socket " +
-      d.socket_path() + " http://flashd/v1/completions -d @" + body.string());
+      d.socket_path() + " http://flashd/v1/completions --json @" + body.string());
   BOOST_REQUIRE_MESSAGE(r.code == 0, r.out);
   const json other = json::parse(r.out);
   BOOST_TEST(other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, r.out);
@@ -388,7 +390,8 @@ BOOST_AUTO_TEST_CASE(a_prefix_published_to_a_group_is_shared_with_its_members_on
                         {{"name", "team-tools"}, {"text", text}, {"group", "team"}}, 201);
   BOOST_TEST(pin["group"] == "team");
   auto tok = as(alice)->Post("/tokenize", json{{"text", text}}.dump(), "application/json");
-  const std::vector<int> ids = json::parse(tok->body)["tokens"].get<std::vector<int>>();
+  const std::vector<int> ids =
+      Concat({0}, json::parse(tok->body)["tokens"].get<std::vector<int>>());
   const std::vector<int> prompt = Concat(ids, Ids(20, 5));
   // Bob never sent it, and starts from the group's copy; Carol is no member.
   BOOST_TEST(Ask(*as(bob), prompt).cached == static_cast<int64_t>(ids.size()));
