@@ -278,10 +278,17 @@ Status Daemon::OpenCache() {
   o.ram_bytes = config_.cache.ram_bytes;
   o.disk_quota_bytes = config_.cache.disk_quota_bytes;
   o.ttl_seconds = config_.cache.ttl_seconds;
-  FLASHD_ASSIGN_OR_RETURN(auto store, cache::BlockStore::Open(o));
   const std::string catalog_path =
       (std::filesystem::path(config_.state_dir) / "catalog.db").string();
   auto catalog = cache::Catalog::Open(catalog_path);
+  auto opened = cache::BlockStore::Open(o);
+  if (!opened.ok()) {
+    // Without the block store (a full disk at start, say) sessions still work from the catalog:
+    // every turn renders its whole conversation anyway.
+    if (catalog.ok()) catalog_ = std::move(*catalog);
+    return opened.status();
+  }
+  auto store = std::move(*opened);
   if (!catalog.ok()) {
     // The cache serves without it; sessions and pins wait for the operator, and the file is left
     // as it is (to restore from a backup, or to inspect).
