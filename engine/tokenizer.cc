@@ -256,8 +256,10 @@ struct Tokenizer::Impl {
     // Per-thread caches of whole pieces, keyed by tokenizer instance.
     thread_local std::unordered_map<uint64_t, std::unordered_map<std::string, std::vector<int32_t>>>
         caches;
-    thread_local pcre2_match_data* md = nullptr;
-    if (md == nullptr) md = pcre2_match_data_create(4, nullptr);
+    // Freed when the thread ends (HTTP workers come and go).
+    thread_local std::unique_ptr<pcre2_match_data, decltype(&pcre2_match_data_free)> owned(
+        pcre2_match_data_create(4, nullptr), &pcre2_match_data_free);
+    pcre2_match_data* md = owned.get();
     auto& cache = caches[instance];
     if (cache.size() > 200000) cache.clear();
     std::vector<std::string_view> pieces;
