@@ -58,6 +58,8 @@ DaemonProcess::Options Faulty(const TempDir& tmp, const std::string& mode,
   return {tmp.path(),
           "",
           {{"LD_PRELOAD", FLASHD_FAULT_LIB},
+           // In a sanitizer build the preloaded library comes before ASan's runtime; allowed.
+           {"ASAN_OPTIONS", "verify_asan_link_order=0:detect_leaks=1:abort_on_error=1"},
            {"FLASHD_FAULT", mode},
            {"FLASHD_FAULT_PATH", path_part},
            {"FLASHD_FAULT_FILE", (tmp.path() / "faults-on").string()}},
