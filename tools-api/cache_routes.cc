@@ -278,8 +278,7 @@ void Api::DeletePin(const httplib::Request& req, httplib::Response& res,
   std::optional<cache::Catalog::Pin> pin = catalog_->FindPin(tenant, name);
   if (!pin) return WriteError(res, 404, "not_found_error", "pin '" + name + "' does not exist");
   if (Status s = catalog_->DeletePin(tenant, name); !s.ok()) {
-    return WriteError(res, 507, "storage_error",
-                      "the catalog could not be written: " + s.message());
+    return WriteCatalogError(res, s);
   }
   store->Unpin(pin->chain);
   store->Unpin(std::span(&pin->snapshot, 1));

@@ -218,6 +218,10 @@ std::string SseEvent(const std::string& name, const json& j) {
   return "event: " + name + "\n" + SseEvent(j);
 }
 
+void WriteCatalogError(httplib::Response& res, const Status& s) {
+  WriteError(res, 507, "storage_error", "the catalog could not be written: " + s.message());
+}
+
 std::vector<int32_t> TextPromptTokens(const engine::Engine& eng, const std::string& text) {
   std::vector<int32_t> ids = eng.tokenizer()->Encode(text);
   const auto bos = static_cast<int32_t>(eng.config().bos_token_id);

@@ -50,6 +50,9 @@ std::optional<FieldError> CheckModel(const json& body, const std::string& model_
 
 int HttpStatusFor(const Status& s);
 
+// Answers 507 for a catalog write that failed (a full or failing disk), naming why.
+void WriteCatalogError(httplib::Response& res, const Status& s);
+
 const char* ErrorTypeFor(int status);
 
 std::string NewId(const char* prefix);

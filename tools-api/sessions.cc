@@ -176,8 +176,7 @@ void Api::CreateSession(const httplib::Request& req, httplib::Response& res) con
   x.created = x.last_used = NowSeconds();
   x.body = body.dump();
   if (Status s = catalog_->PutSession(x); !s.ok()) {
-    return WriteError(res, 507, "storage_error",
-                      "the catalog could not be written: " + s.message());
+    return WriteCatalogError(res, s);
   }
   json out = Summary(x, body);
   if (in.contains("pin")) out["pinned_blocks"] = pinned_blocks;
@@ -266,8 +265,7 @@ void Api::ForkSession(const httplib::Request& req, httplib::Response& res,
   fork.created = fork.last_used = NowSeconds();
   fork.body = s.dump();
   if (Status st = catalog_->PutSession(fork); !st.ok()) {
-    return WriteError(res, 507, "storage_error",
-                      "the catalog could not be written: " + st.message());
+    return WriteCatalogError(res, st);
   }
   json out = Summary(fork, s);
   out["forked_from"] = id;
@@ -326,9 +324,7 @@ void Api::DeleteSession(const httplib::Request& req, httplib::Response& res,
   Status s = catalog_->DeleteSession(TenantOf(req), id);
   if (s.code() == StatusCode::kNotFound)
     return WriteError(res, 404, "not_found_error", s.message());
-  if (!s.ok())
-    return WriteError(res, 507, "storage_error",
-                      "the catalog could not be written: " + s.message());
+  if (!s.ok()) return WriteCatalogError(res, s);
   res.set_content(json{{"id", id}, {"object", "session"}, {"deleted", true}}.dump(),
                   "application/json");
 }
