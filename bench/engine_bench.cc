@@ -1,7 +1,12 @@
 // Decode and prefill speed of the CPU forward pass, with the weight bytes one decode step reads
 // and the share of the machine's memory bandwidth that is, measured in the same run.
 //
-//   build/bench/engine_bench MODEL_DIR
+//   build/bench/engine_bench MODEL_DIR [PREFILL_CONTEXT...] [--decode-at CONTEXT]...
+//
+// --decode-at measures decode at batch 1 behind a context of CONTEXT tokens without prefilling
+// it: the sequence resumes from KV blocks filled with valid random codes (every byte in
+// 0x30-0x3F: finite FP4 pairs, E4M3 scales in [0.5, 2), small UE8M0 scales), so a million-token
+// context costs seconds to set up and the step does the work a real one does.
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -52,9 +57,15 @@ int main(int argc, char** argv) {
     return 2;
   }
   // Prefill contexts; 131072 takes tens of minutes on a small CPU, so it is asked for by name.
-  std::vector<size_t> contexts;
-  for (int i = 2; i < argc; ++i) contexts.push_back(std::stoul(argv[i]));
-  if (contexts.empty()) contexts = {1024, 4096, 32768};
+  std::vector<size_t> contexts, decode_at;
+  for (int i = 2; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--decode-at") == 0 && i + 1 < argc) {
+      decode_at.push_back(std::stoul(argv[++i]));
+    } else {
+      contexts.push_back(std::stoul(argv[i]));
+    }
+  }
+  if (contexts.empty() && decode_at.empty()) contexts = {1024, 4096, 32768};
   auto model = Model::Load(argv[1]);
   if (!model.ok()) return (std::fprintf(stderr, "%s\n", model.status().ToString().c_str()), 1);
   auto fwd = CpuForward::Create(**model);
@@ -80,6 +91,36 @@ int main(int argc, char** argv) {
     if (t.kind == TensorKind::kFp8Table || t.kind == TensorKind::kFp8RowScale) continue;
     if (t.expert == 0) per_expert += v->nbytes;
     if (t.expert < 0) dense += v->nbytes;
+  }
+  if (!decode_at.empty()) {
+    std::printf("context  decode ms/token (batch 1)\n");
+    std::uniform_int_distribution<int> byte(0x30, 0x3F);
+    const int64_t block = (*fwd)->block_tokens();
+    for (size_t n : decode_at) {
+      const int64_t position = static_cast<int64_t>(n) / block * block;
+      std::vector<int32_t> blocks;
+      KvPool& pool = *(*fwd)->pool();
+      for (int64_t b = 0; b < position / block; ++b) {
+        const int32_t id = pool.Allocate();
+        uint8_t* data = pool.data(id);
+        for (size_t i = 0; i < pool.block_bytes(); ++i) data[i] = static_cast<uint8_t>(byte(rng));
+        blocks.push_back(id);
+      }
+      std::vector<int32_t> before = tokens(8);
+      auto st = (*fwd)->ResumeAt(position, before, std::move(blocks));
+      if (!st.ok()) return (std::fprintf(stderr, "%s\n", st.status().ToString().c_str()), 1);
+      std::vector<float> l;
+      std::vector<int32_t> next(1);
+      const int steps = 8;
+      auto t = Clock::now();
+      for (int s = 0; s < steps; ++s) {
+        next[0] = tok(rng);
+        if (!(*fwd)->Forward(&*st, next, &l).ok()) return 1;
+      }
+      std::printf("%7lld  %24.2f\n", static_cast<long long>(position), Since(t) * 1e3 / steps);
+      std::fflush(stdout);
+    }
+    if (contexts.empty()) return 0;
   }
   std::printf("batch  decode tokens/s  weight bytes/step  read GB/s  share of bandwidth\n");
   for (int batch : {1, 8, 32}) {
