@@ -131,7 +131,7 @@ int main(int argc, char** argv) {
       std::vector<float> l;
       if (!(*fwd)->Forward(&states.back(), tokens(64), &l).ok()) return 1;
     }
-    const int steps = 16;
+    const int steps = 64;
     std::vector<std::vector<int32_t>> next(batch, std::vector<int32_t>(1));
     auto t = Clock::now();
     for (int s = 0; s < steps; ++s) {

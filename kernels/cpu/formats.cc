@@ -103,11 +103,6 @@ uint8_t FloatToE4M3(float value) {
   return sign | static_cast<uint8_t>(((exponent + 7) << 3) | m);
 }
 
-float E8M0ToFloat(uint8_t code) {
-  if (code == 0xFF) return std::nanf("");
-  return std::ldexp(1.0f, static_cast<int>(code) - 127);
-}
-
 uint8_t FloatToE8M0(float value) {
   int e;
   std::frexp(value, &e);  // value = 0.5 * 2^e for a power of two.

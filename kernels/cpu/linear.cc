@@ -1,32 +1,131 @@
 #include "kernels/cpu/linear.h"
 
 #include <algorithm>
+#include <bit>
 #include <thread>
 #include <vector>
 
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/simd.h"
+
+#if FLASHD_X86_VECTORS
+#include <immintrin.h>
+#endif
 
 namespace flashd::kernels::cpu {
+namespace internal {
+
+// sum over blocks b, in order, of (the 32 products of block b summed in four lanes k % 4, then
+// (p0 + p1) + (p2 + p3)) times scales[b]: the fast path's fixed order of additions. The plain
+// version is the definition; the vector versions compute the same lanes, one block per 128 bits.
+float ScaledBlockDotPlain(const float* x, const float* w, const float* scales, size_t blocks) {
+  float acc = 0.0f;
+  for (size_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kQuantBlock;
+    const float* wb = w + b * kQuantBlock;
+    float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+    for (size_t k = 0; k < kQuantBlock; k += 4) {
+      p0 += xb[k] * wb[k];
+      p1 += xb[k + 1] * wb[k + 1];
+      p2 += xb[k + 2] * wb[k + 2];
+      p3 += xb[k + 3] * wb[k + 3];
+    }
+    acc += ((p0 + p1) + (p2 + p3)) * scales[b];
+  }
+  return acc;
+}
+
+#if FLASHD_X86_VECTORS
+// (p0 + p1) + (p2 + p3) of one block's four lanes.
 namespace {
+inline float LaneSum(__m128 p) {
+  const __m128 pairs = _mm_add_ps(p, _mm_shuffle_ps(p, p, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehl_ps(pairs, pairs)));
+}
+}  // namespace
+
+float ScaledBlockDotSse(const float* x, const float* w, const float* scales, size_t blocks) {
+  float acc = 0.0f;
+  for (size_t b = 0; b < blocks; ++b) {
+    __m128 p = _mm_setzero_ps();
+    for (size_t k = 0; k < kQuantBlock; k += 4) {
+      p = _mm_add_ps(p, _mm_mul_ps(_mm_loadu_ps(x + b * kQuantBlock + k),
+                                   _mm_loadu_ps(w + b * kQuantBlock + k)));
+    }
+    acc += LaneSum(p) * scales[b];
+  }
+  return acc;
+}
+
+// Two blocks at once, one per 128-bit half.
+__attribute__((target("avx2"))) float ScaledBlockDotAvx2(const float* x, const float* w,
+                                                         const float* scales, size_t blocks) {
+  float acc = 0.0f;
+  size_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    const float* x0 = x + b * kQuantBlock;
+    const float* w0 = w + b * kQuantBlock;
+    __m256 p = _mm256_setzero_ps();
+    for (size_t k = 0; k < kQuantBlock; k += 4) {
+      const __m256 xv = _mm256_set_m128(_mm_loadu_ps(x0 + kQuantBlock + k), _mm_loadu_ps(x0 + k));
+      const __m256 wv = _mm256_set_m128(_mm_loadu_ps(w0 + kQuantBlock + k), _mm_loadu_ps(w0 + k));
+      p = _mm256_add_ps(p, _mm256_mul_ps(xv, wv));
+    }
+    acc += LaneSum(_mm256_castps256_ps128(p)) * scales[b];
+    acc += LaneSum(_mm256_extractf128_ps(p, 1)) * scales[b + 1];
+  }
+  if (b < blocks) {
+    acc += ScaledBlockDotSse(x + b * kQuantBlock, w + b * kQuantBlock, scales + b, 1);
+  }
+  return acc;
+}
+#endif
+
+bool CpuHasAvx2() {
+#if FLASHD_X86_VECTORS
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2;
+#else
+  return false;
+#endif
+}
+
+float ScaledBlockDot(const float* x, const float* w, const float* scales, size_t blocks) {
+#if FLASHD_X86_VECTORS
+  return CpuHasAvx2() ? ScaledBlockDotAvx2(x, w, scales, blocks)
+                      : ScaledBlockDotSse(x, w, scales, blocks);
+#else
+  return ScaledBlockDotPlain(x, w, scales, blocks);
+#endif
+}
+
+}  // namespace internal
+
+namespace {
+using internal::ScaledBlockDot;
 
 bool ShapeOk(size_t M, size_t K, size_t N) {
   return M > 0 && N > 0 && K > 0 && K % kQuantBlock == 0;
 }
 
 // Decodes one weight row to floats without its scales: the value grid of each format.
-void DecodeFp8Row(const uint8_t* w, size_t K, float* out) {
-  const float* table = E4M3DecodeTable();
-  for (size_t k = 0; k < K; ++k) out[k] = table[w[k]];
+FLASHD_VECTOR_CLONES void DecodeFp8Row(const uint8_t* w, size_t K, float* out) {
+  for (size_t k = 0; k < K; ++k) out[k] = E4M3ToFloatArith(w[k]);
+}
+
+// E2M1 decoded from its bits: sign to bit 31, exponent and mantissa under the float's exponent
+// field, times 2^126 (the same construction as E4M3ToFloatArith); exact for all 16 codes.
+inline float E2M1Arith(uint32_t code) {
+  return std::bit_cast<float>(((code & 8u) << 28) | ((code & 7u) << 22)) * 0x1p126f;
 }
 
 void DecodeFp4Row(const uint8_t* w, size_t K, float* out) {
-  // Both values of every byte, so a row decodes with one lookup per byte.
   static const std::vector<float> pairs = [] {
     std::vector<float> t(512);
     for (int b = 0; b < 256; ++b) {
-      t[2 * b] = E2M1ToFloat(static_cast<uint8_t>(b & 0xF));
-      t[2 * b + 1] = E2M1ToFloat(static_cast<uint8_t>(b >> 4));
+      t[2 * b] = E2M1Arith(b & 0xF);
+      t[2 * b + 1] = E2M1Arith(b >> 4);
     }
     return t;
   }();
@@ -48,29 +147,22 @@ void FastLinear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K, cons
   for (size_t m = 0; m < M; ++m) {
     DequantizeFp8PerBlock(x_q + m * K, x_s + m * blocks, K, kQuantBlock, x.data() + m * K);
   }
-  ParallelRanges(N, threads, [&](size_t begin, size_t end) {
-    std::vector<float> row(K);
-    for (size_t n = begin; n < end; ++n) {
-      decode(w + n * row_bytes, K, row.data());
-      for (size_t m = 0; m < M; ++m) {
-        const float* xm = x.data() + m * K;
-        float acc = 0.0f;
-        for (size_t b = 0; b < blocks; ++b) {
-          const float* xb = xm + b * kQuantBlock;
-          const float* wb = row.data() + b * kQuantBlock;
-          float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-          for (size_t k = 0; k < kQuantBlock; k += 4) {
-            p0 += xb[k] * wb[k];
-            p1 += xb[k + 1] * wb[k + 1];
-            p2 += xb[k + 2] * wb[k + 2];
-            p3 += xb[k + 3] * wb[k + 3];
+  // A range is worth waking a worker for from about 64K multiply-adds.
+  const size_t min_rows = std::max<size_t>(1, (size_t{1} << 16) / (M * K));
+  ParallelRanges(
+      N, threads,
+      [&](size_t begin, size_t end) {
+        std::vector<float> row(K), scales(blocks);
+        for (size_t n = begin; n < end; ++n) {
+          decode(w + n * row_bytes, K, row.data());
+          for (size_t b = 0; b < blocks; ++b) scales[b] = w_scale(n, b);
+          for (size_t m = 0; m < M; ++m) {
+            const float* xm = x.data() + m * K;
+            y[m * N + n] = ScaledBlockDot(xm, row.data(), scales.data(), blocks);
           }
-          acc += ((p0 + p1) + (p2 + p3)) * w_scale(n, b);
         }
-        y[m * N + n] = acc;
-      }
-    }
-  });
+      },
+      min_rows);
 }
 
 }  // namespace
@@ -149,26 +241,29 @@ void DenseLinearRef(const float* x, size_t M, size_t K, const float* w, size_t N
 
 void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, float* y,
                  int threads) {
-  // Small products are not worth a thread start.
-  if (M * N * K < (1u << 16)) threads = 1;
-  ParallelRanges(N, threads, [&](size_t begin, size_t end) {
-    for (size_t n = begin; n < end; ++n) {
-      const float* wn = w + n * K;
-      for (size_t m = 0; m < M; ++m) {
-        const float* xm = x + m * K;
-        float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-        size_t k = 0;
-        for (; k + 4 <= K; k += 4) {
-          p0 += xm[k] * wn[k];
-          p1 += xm[k + 1] * wn[k + 1];
-          p2 += xm[k + 2] * wn[k + 2];
-          p3 += xm[k + 3] * wn[k + 3];
+  // A range is worth waking a worker for from about 64K multiply-adds.
+  const size_t min_rows = std::max<size_t>(1, (size_t{1} << 16) / (M * K));
+  ParallelRanges(
+      N, threads,
+      [&](size_t begin, size_t end) {
+        for (size_t n = begin; n < end; ++n) {
+          const float* wn = w + n * K;
+          for (size_t m = 0; m < M; ++m) {
+            const float* xm = x + m * K;
+            float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+            size_t k = 0;
+            for (; k + 4 <= K; k += 4) {
+              p0 += xm[k] * wn[k];
+              p1 += xm[k + 1] * wn[k + 1];
+              p2 += xm[k + 2] * wn[k + 2];
+              p3 += xm[k + 3] * wn[k + 3];
+            }
+            for (; k < K; ++k) p0 += xm[k] * wn[k];
+            y[m * N + n] = (p0 + p1) + (p2 + p3);
+          }
         }
-        for (; k < K; ++k) p0 += xm[k] * wn[k];
-        y[m * N + n] = (p0 + p1) + (p2 + p3);
-      }
-    }
-  });
+      },
+      min_rows);
 }
 
 }  // namespace flashd::kernels::cpu

@@ -38,4 +38,15 @@ void DenseLinearRef(const float* x, size_t M, size_t K, const float* w, size_t N
 void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, float* y,
                  int threads);
 
+// The fast path's dot product of one activation row with one decoded weight row, per
+// instruction set, for the tests that hold each to the plain definition. Sse and Avx2 exist on
+// x86-64 only; Avx2 REQUIRES CpuHasAvx2().
+namespace internal {
+float ScaledBlockDotPlain(const float* x, const float* w, const float* scales, size_t blocks);
+float ScaledBlockDotSse(const float* x, const float* w, const float* scales, size_t blocks);
+float ScaledBlockDotAvx2(const float* x, const float* w, const float* scales, size_t blocks);
+float ScaledBlockDot(const float* x, const float* w, const float* scales, size_t blocks);
+bool CpuHasAvx2();
+}  // namespace internal
+
 }  // namespace flashd::kernels::cpu

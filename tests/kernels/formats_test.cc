@@ -58,6 +58,24 @@ BOOST_AUTO_TEST_CASE(e4m3_decode_table) {
   }
 }
 
+// The bit-level decoders the fast kernels use equal the plain definitions on every code.
+BOOST_AUTO_TEST_CASE(bit_level_decoders_equal_their_definitions) {
+  for (int c = 0; c < 255; ++c) {
+    const float want = std::ldexp(1.0f, c - 127);
+    BOOST_TEST(E8M0ToFloat(static_cast<uint8_t>(c)) == want, "code " << c);
+  }
+  BOOST_TEST(std::isnan(E8M0ToFloat(255)));
+  for (int c = 0; c < 256; ++c) {
+    const float table = E4M3ToFloat(static_cast<uint8_t>(c));
+    const float arith = E4M3ToFloatArith(static_cast<uint8_t>(c));
+    if (std::isnan(table)) {
+      BOOST_TEST(std::isnan(arith), "code " << c);
+    } else {
+      BOOST_TEST(std::bit_cast<uint32_t>(arith) == std::bit_cast<uint32_t>(table), "code " << c);
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(e8m0_and_pow2_ceil) {
   BOOST_TEST(E8M0ToFloat(127) == 1.0f);
   BOOST_TEST(E8M0ToFloat(0) == 0x1p-127f);

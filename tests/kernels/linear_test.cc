@@ -2,6 +2,7 @@
 // references against a double-precision product of the dequantized operands.
 #include "kernels/cpu/linear.h"
 
+#include <bit>
 #include <boost/test/unit_test.hpp>
 #include <cmath>
 #include <random>
@@ -133,6 +134,35 @@ BOOST_AUTO_TEST_CASE(dense_linear_matches_reference) {
     CheckClose(ref, exact, 1e-5);
     CheckClose(fast, exact, 1e-5);
   }
+}
+
+// Every instruction-set version of the fast path's dot product gives the plain definition's
+// bits: same lanes, same order. Odd block counts exercise the AVX2 path's single-block tail.
+BOOST_AUTO_TEST_CASE(vector_dot_products_equal_the_plain_one_bit_for_bit) {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> dist(0.0f, 3.0f);
+  std::uniform_int_distribution<int> scale_exp(-20, 20);
+  for (size_t blocks : {1, 2, 3, 7, 8, 16, 33}) {
+    for (int rep = 0; rep < 20; ++rep) {
+      std::vector<float> x(blocks * 32), w(blocks * 32), scales(blocks);
+      for (float& v : x) v = dist(rng);
+      for (float& v : w) v = dist(rng);
+      for (float& v : scales) v = std::ldexp(1.0f, scale_exp(rng));
+      const float want = internal::ScaledBlockDotPlain(x.data(), w.data(), scales.data(), blocks);
+      const float got = internal::ScaledBlockDot(x.data(), w.data(), scales.data(), blocks);
+      BOOST_TEST(std::bit_cast<uint32_t>(got) == std::bit_cast<uint32_t>(want),
+                 "blocks " << blocks);
+#if defined(__x86_64__)
+      const float sse = internal::ScaledBlockDotSse(x.data(), w.data(), scales.data(), blocks);
+      BOOST_TEST(std::bit_cast<uint32_t>(sse) == std::bit_cast<uint32_t>(want));
+      if (internal::CpuHasAvx2()) {
+        const float avx2 = internal::ScaledBlockDotAvx2(x.data(), w.data(), scales.data(), blocks);
+        BOOST_TEST(std::bit_cast<uint32_t>(avx2) == std::bit_cast<uint32_t>(want));
+      }
+#endif
+    }
+  }
+  if (!internal::CpuHasAvx2()) BOOST_TEST_MESSAGE("this CPU has no AVX2: that path was not run");
 }
 
 BOOST_AUTO_TEST_CASE(bad_shapes_are_refused) {
