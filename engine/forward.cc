@@ -5,37 +5,27 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
-#include <numeric>
 #include <thread>
 
+#include "engine/block_manager.h"
+#include "engine/forward_plan.h"
 #include "kernels/cpu/formats.h"
-#include "kernels/cpu/linear.h"
-#include "kernels/cpu/parallel.h"
+#include "kernels/cpu/ops.h"
 
 namespace flashd::engine {
 namespace {
 
 namespace k = flashd::kernels::cpu;
+using kernels::OpStatus;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Rounds to the nearest BF16 value: the reference keeps activations in BF16 between ops.
-inline float Bf(float x) { return k::Bf16ToFloat(k::FloatToBf16(x)); }
-
-// The indexer's dot product: eight running sums, lane d % 8 taking element d, added pairwise at
-// the end. The order is fixed (it never depends on batch or chunk), and the compiler turns the
-// lanes into vector registers.
-inline float Dot(const float* a, const float* b, size_t n) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  size_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    for (size_t u = 0; u < 8; ++u) lane[u] += a[d + u] * b[d + u];
-  }
-  for (; d < n; ++d) lane[d % 8] += a[d] * b[d];
-  return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+// An op that refuses its arguments is a bug in the engine's op layer, not bad input.
+Status Check(OpStatus s, const char* op) {
+  if (s == OpStatus::kOk) return Status::Ok();
+  return Internal(std::string("forward: op ") + op + " refused its arguments (" +
+                  (s == OpStatus::kBadShape ? "shape" : "argument") + ")");
 }
-void RoundBf(float* x, size_t n) {
-  for (size_t i = 0; i < n; ++i) x[i] = Bf(x[i]);
-}
+#define FLASHD_OP(op, ...) FLASHD_RETURN_IF_ERROR(Check(k::op(__VA_ARGS__), #op))
 
 std::vector<float> DecodeFloats(const TensorView& t) {
   std::vector<float> out(t.elements());
@@ -50,30 +40,14 @@ std::vector<float> DecodeFloats(const TensorView& t) {
   return out;
 }
 
-// A linear layer: FP8 (32x32 scales), FP4 (scales per 32 along K), or dense floats.
+// A linear layer's weights as stored: FP8 (32x32 scales), FP4 (scales per 32 along K), or
+// dense floats decoded from BF16.
 struct Linear {
-  enum class Kind { kFp8, kFp4, kDense } kind = Kind::kDense;
+  kernels::WeightFormat format = kernels::WeightFormat::kDense;
   const uint8_t* w = nullptr;
   const uint8_t* s = nullptr;
   std::vector<float> dense;
-  size_t out = 0, in = 0;
-
-  // y[rows, out] = x[rows, in] . W^T, fp32 (not rounded).
-  void Apply(const float* x, size_t rows, float* y, int threads) const {
-    if (kind == Kind::kDense) {
-      k::DenseLinear(x, rows, in, dense.data(), out, y, threads);
-      return;
-    }
-    std::vector<uint8_t> xq(rows * in), xs(rows * in / 32);
-    for (size_t r = 0; r < rows; ++r) {
-      k::QuantizeFp8PerBlock(x + r * in, in, 32, xq.data() + r * in, xs.data() + r * in / 32);
-    }
-    if (kind == Kind::kFp8) {
-      k::Fp8Linear(xq.data(), xs.data(), rows, in, w, s, out, y, threads);
-    } else {
-      k::Fp4Linear(xq.data(), xs.data(), rows, in, w, s, out, y, threads);
-    }
-  }
+  int64_t out = 0, in = 0;
 };
 
 struct Expert {
@@ -107,114 +81,10 @@ struct Layer {
   std::vector<float> freqs;
 };
 
-// Rotary frequencies, as the reference precomputes them in fp32 (YaRN when original > 0).
-std::vector<float> RopeFreqs(int dim, int64_t original, double base, double factor,
-                             double beta_fast, double beta_slow) {
-  std::vector<float> freqs(dim / 2);
-  for (int i = 0; i < dim / 2; ++i) {
-    float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
-    freqs[i] = 1.0f / std::pow(static_cast<float>(base), exponent);
-  }
-  if (original > 0) {
-    auto corrected = [&](double rotations) {
-      return dim * std::log(original / (rotations * 2 * M_PI)) / (2 * std::log(base));
-    };
-    double low = std::max(std::floor(corrected(beta_fast)), 0.0);
-    double high = std::min(std::ceil(corrected(beta_slow)), static_cast<double>(dim - 1));
-    float span = static_cast<float>(std::max(high - low, 1e-3));
-    for (int i = 0; i < dim / 2; ++i) {
-      float ramp = std::clamp((static_cast<float>(i) - static_cast<float>(low)) / span, 0.0f, 1.0f);
-      float smooth = 1.0f - ramp;
-      freqs[i] = freqs[i] / static_cast<float>(factor) * (1.0f - smooth) + freqs[i] * smooth;
-    }
-  }
-  return freqs;
-}
-
-// Rotates the pairs of x[0..dim) by position `pos`, rounding to BF16 as the reference does.
-void Rope(float* x, const std::vector<float>& freqs, int64_t pos, bool inverse) {
-  for (size_t i = 0; i < freqs.size(); ++i) {
-    float angle = static_cast<float>(pos) * freqs[i];
-    float c = std::cos(angle), s = std::sin(angle);
-    if (inverse) s = -s;
-    float a = x[2 * i], b = x[2 * i + 1];
-    x[2 * i] = Bf(a * c - b * s);
-    x[2 * i + 1] = Bf(a * s + b * c);
-  }
-}
-
-// RMSNorm: BF16(weight * (x * rsqrt(mean(x^2) + eps))).
-void RmsNorm(float* x, size_t n, const std::vector<float>& w, double eps) {
-  double sum = 0;
-  for (size_t i = 0; i < n; ++i) sum += double(x[i]) * x[i];
-  float r = 1.0f / std::sqrt(static_cast<float>(sum / n) + static_cast<float>(eps));
-  for (size_t i = 0; i < n; ++i) x[i] = Bf(w[i] * (x[i] * r));
-}
-
-float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-
-// pre, post and the Sinkhorn-normalised comb from one projection of the flattened stream.
-void HcSplit(const float* mixes, const std::vector<float>& scale, const std::vector<float>& base,
-             int hc, int iters, float eps, float* pre, float* post, float* comb) {
-  for (int i = 0; i < hc; ++i) {
-    pre[i] = Sigmoid(mixes[i] * scale[0] + base[i]) + eps;
-    post[i] = 2.0f * Sigmoid(mixes[hc + i] * scale[1] + base[hc + i]);
-  }
-  for (int i = 0; i < hc; ++i) {
-    float row_max = kNegInf;
-    for (int j = 0; j < hc; ++j) {
-      comb[i * hc + j] = mixes[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
-      row_max = std::max(row_max, comb[i * hc + j]);
-    }
-    float sum = 0;
-    for (int j = 0; j < hc; ++j) sum += (comb[i * hc + j] = std::exp(comb[i * hc + j] - row_max));
-    for (int j = 0; j < hc; ++j) comb[i * hc + j] = comb[i * hc + j] / sum + eps;
-  }
-  auto normalize_cols = [&] {
-    for (int j = 0; j < hc; ++j) {
-      float sum = 0;
-      for (int i = 0; i < hc; ++i) sum += comb[i * hc + j];
-      for (int i = 0; i < hc; ++i) comb[i * hc + j] /= sum + eps;
-    }
-  };
-  auto normalize_rows = [&] {
-    for (int i = 0; i < hc; ++i) {
-      float sum = 0;
-      for (int j = 0; j < hc; ++j) sum += comb[i * hc + j];
-      for (int j = 0; j < hc; ++j) comb[i * hc + j] /= sum + eps;
-    }
-  };
-  normalize_cols();
-  for (int it = 0; it < iters - 1; ++it) {
-    normalize_rows();
-    normalize_cols();
-  }
-}
-
-float SqrtSoftplus(float x) { return std::sqrt(x > 20.0f ? x : std::log1p(std::exp(x))); }
-
-// The indices of the `k` largest values. Which of several equal values wins decides which KV
-// entries and experts are used, and BF16 scores tie often, so this selects exactly as the
-// reference's CPU top-k does: (value, index) pairs in index order, std::partial_sort when
-// k * 64 <= n, else std::nth_element, with a comparator on the value alone. The set returned
-// does not depend on the order within it.
-std::vector<int64_t> TopK(const std::vector<float>& v, size_t k) {
-  k = std::min(k, v.size());
-  if (k == 0) return {};
-  using Elem = std::pair<double, int64_t>;
-  std::vector<Elem> queue(v.size());
-  for (size_t j = 0; j < v.size(); ++j) queue[j] = {v[j], static_cast<int64_t>(j)};
-  auto larger = [](const Elem& x, const Elem& y) {
-    return (std::isnan(x.first) && !std::isnan(y.first)) || x.first > y.first;
-  };
-  if (k * 64 <= v.size()) {
-    std::partial_sort(queue.begin(), queue.begin() + k, queue.end(), larger);
-  } else {
-    std::nth_element(queue.begin(), queue.begin() + (k - 1), queue.end(), larger);
-  }
-  std::vector<int64_t> out(k);
-  for (size_t j = 0; j < k; ++j) out[j] = queue[j].second;
-  return out;
+kernels::RouteScoring Scoring(const std::string& name) {
+  if (name == "softmax") return kernels::RouteScoring::kSoftmax;
+  if (name == "sigmoid") return kernels::RouteScoring::kSigmoid;
+  return kernels::RouteScoring::kSqrtSoftplus;
 }
 
 }  // namespace
@@ -228,38 +98,30 @@ struct CpuForward::Impl {
   std::shared_ptr<const KvBlockLayout> layout;
   int64_t block_tokens = 64;
   std::shared_ptr<KvPool> pool;
+  std::unique_ptr<BlockManager> blocks;
 
   Status Prepare(const Model& m, const std::string& tokenizer_json);
   const TensorView& T(const std::string& name) const { return *model->weights().tensors.at(name); }
   Linear Lin(const std::string& prefix) const;
-
-  // Attention for `n` rows of one sequence starting at position P. selection and cand point
-  // at those rows' entries.
-  Status Attention(int l, SequenceState* st, const float* x, size_t n, int64_t P,
-                   int64_t window_floor, float* out, std::vector<int64_t>* selection,
-                   std::vector<char>* cand, int threads, ForwardTrace* trace) const;
-  void Moe(int l, const float* x, size_t n, float* out, int threads) const;
-  void ExpertForward(const Expert& e, const float* x, size_t n, const float* weights, float* out,
-                     int threads) const;
 };
 
 Linear CpuForward::Impl::Lin(const std::string& prefix) const {
   Linear lin;
   const TensorView& w = T(prefix + ".weight");
-  lin.out = static_cast<size_t>(w.shape[0]);
+  lin.out = w.shape[0];
   if (w.dtype == DType::kF8E4M3) {
-    lin.kind = Linear::Kind::kFp8;
-    lin.in = static_cast<size_t>(w.shape[1]);
+    lin.format = kernels::WeightFormat::kFp8;
+    lin.in = w.shape[1];
     lin.w = w.data;
     lin.s = T(prefix + ".scale").data;
   } else if (w.dtype == DType::kI8 || w.dtype == DType::kU8 || w.dtype == DType::kF4) {
-    lin.kind = Linear::Kind::kFp4;
-    lin.in = static_cast<size_t>(w.dtype == DType::kF4 ? w.shape[1] : w.shape[1] * 2);
+    lin.format = kernels::WeightFormat::kFp4;
+    lin.in = w.dtype == DType::kF4 ? w.shape[1] : w.shape[1] * 2;
     lin.w = w.data;
     lin.s = T(prefix + ".scale").data;
   } else {
-    lin.kind = Linear::Kind::kDense;
-    lin.in = static_cast<size_t>(w.shape[1]);
+    lin.format = kernels::WeightFormat::kDense;
+    lin.in = w.shape[1];
     lin.dense = DecodeFloats(w);
   }
   return lin;
@@ -296,7 +158,8 @@ Status CpuForward::Impl::Prepare(const Model& m, const std::string& tokenizer_js
       const TensorView& w = T(p + "attn.wo_a.weight");
       const size_t rows = static_cast<size_t>(w.shape[0]), cols = static_cast<size_t>(w.shape[1]);
       L.wo_a.resize(rows * cols);
-      k::DequantizeFp8Weight(w.data, T(p + "attn.wo_a.scale").data, rows, cols, L.wo_a.data());
+      kernels::cpu::DequantizeFp8Weight(w.data, T(p + "attn.wo_a.scale").data, rows, cols,
+                                        L.wo_a.data());
     }
     if (plan.is_kv_source) {
       L.comp_wkv = Lin(p + "attn.compressor.wkv");
@@ -328,18 +191,21 @@ Status CpuForward::Impl::Prepare(const Model& m, const std::string& tokenizer_js
       L.engram_qk.resize(q.size());
       for (size_t i = 0; i < q.size(); ++i) L.engram_qk[i] = q[i] * kw[i];
     }
+    L.freqs.resize(static_cast<size_t>(c.qk_rope_head_dim / 2));
     if (plan.compress_ratio > 0) {
-      L.freqs =
-          RopeFreqs(static_cast<int>(c.qk_rope_head_dim),
-                    c.rope_scaling.original_max_position_embeddings, c.compress_rope_theta,
-                    c.rope_scaling.factor, c.rope_scaling.beta_fast, c.rope_scaling.beta_slow);
+      k::RopeFrequencies(static_cast<int>(c.qk_rope_head_dim),
+                         c.rope_scaling.original_max_position_embeddings, c.compress_rope_theta,
+                         c.rope_scaling.factor, c.rope_scaling.beta_fast, c.rope_scaling.beta_slow,
+                         L.freqs.data());
     } else {
-      L.freqs = RopeFreqs(static_cast<int>(c.qk_rope_head_dim), 0, c.rope_theta, 1, 0, 0);
+      k::RopeFrequencies(static_cast<int>(c.qk_rope_head_dim), 0, c.rope_theta, 1, 0, 0,
+                         L.freqs.data());
     }
   }
   FLASHD_ASSIGN_OR_RETURN(KvBlockLayout block_layout, KvBlockLayout::For(c, block_tokens));
   layout = std::make_shared<const KvBlockLayout>(std::move(block_layout));
   pool = std::make_shared<KvPool>(layout->block_bytes, std::numeric_limits<size_t>::max());
+  blocks = std::make_unique<BlockManager>(pool);
   if (!c.engram_layer_ids.empty()) {
     std::string path = tokenizer_json;
     if (path.empty()) path = (std::filesystem::path(m.dir()) / "tokenizer.json").string();
@@ -357,335 +223,703 @@ Status CpuForward::Impl::Prepare(const Model& m, const std::string& tokenizer_js
   return Status::Ok();
 }
 
-void CpuForward::Impl::ExpertForward(const Expert& e, const float* x, size_t n,
-                                     const float* weights, float* out, int threads) const {
-  const size_t inter = e.w1.out, dim = e.w2.out;
-  std::vector<float> g(n * inter), u(n * inter), h(n * inter);
-  e.w1.Apply(x, n, g.data(), threads);
-  e.w3.Apply(x, n, u.data(), threads);
-  const float limit = static_cast<float>(c.swiglu_limit);
-  for (size_t i = 0; i < n * inter; ++i) {
-    float gate = Bf(g[i]), up = Bf(u[i]);
-    if (limit > 0) {
-      up = std::clamp(up, -limit, limit);
-      gate = std::min(gate, limit);
-    }
-    float v = gate * Sigmoid(gate) * up;
-    if (weights != nullptr) v = weights[i / inter] * v;
-    h[i] = Bf(v);
-  }
-  e.w2.Apply(h.data(), n, out, threads);
-  RoundBf(out, n * dim);
-}
+namespace {
 
-void CpuForward::Impl::Moe(int l, const float* x, size_t n, float* out, int threads) const {
-  const Layer& L = layers[l];
-  const size_t dim = static_cast<size_t>(c.hidden_size);
-  const size_t E = static_cast<size_t>(c.n_routed_experts);
-  std::vector<float> scores(n * E);
-  k::DenseLinear(x, n, dim, L.gate_w.data(), E, scores.data(), threads);
-  std::vector<std::vector<std::pair<size_t, float>>> routed(E);  // expert -> (token, weight)
-  for (size_t t = 0; t < n; ++t) {
-    std::vector<float> s(E), biased(E);
-    for (size_t e = 0; e < E; ++e) {
-      const float v = scores[t * E + e];
-      // Softmax scores are normalised below, once every expert's score is known.
-      s[e] = c.scoring_func == "softmax"   ? v
-             : c.scoring_func == "sigmoid" ? Sigmoid(v)
-                                           : SqrtSoftplus(v);
-    }
-    if (c.scoring_func == "softmax") {
-      float mx = *std::max_element(s.begin(), s.end()), sum = 0;
-      for (float& v : s) sum += (v = std::exp(v - mx));
-      for (float& v : s) v /= sum;
-    }
-    for (size_t e = 0; e < E; ++e) biased[e] = s[e] + L.gate_bias[e];
-    std::vector<int64_t> top = TopK(biased, static_cast<size_t>(c.num_experts_per_tok));
-    float sum = 0;
-    for (int64_t e : top) sum += s[e];
-    for (int64_t e : top) {
-      float w = s[e];
-      if (c.norm_topk_prob && top.size() > 1) w /= sum + 1e-20f;
-      w *= static_cast<float>(c.routed_scaling_factor);
-      routed[e].push_back({t, w});
-    }
-  }
-  std::vector<float> y(n * dim, 0.0f);
-  for (size_t e = 0; e < E; ++e) {
-    if (routed[e].empty()) continue;
-    const size_t m = routed[e].size();
-    std::vector<float> xe(m * dim), we(m), oe(m * dim);
-    for (size_t i = 0; i < m; ++i) {
-      std::memcpy(&xe[i * dim], x + routed[e][i].first * dim, dim * sizeof(float));
-      we[i] = routed[e][i].second;
-    }
-    ExpertForward(L.experts[e], xe.data(), m, we.data(), oe.data(), threads);
-    for (size_t i = 0; i < m; ++i) {
-      for (size_t d = 0; d < dim; ++d) y[routed[e][i].first * dim + d] += oe[i * dim + d];
-    }
-  }
-  std::vector<float> shared(n * dim);
-  ExpertForward(L.shared, x, n, nullptr, shared.data(), threads);
-  for (size_t i = 0; i < n * dim; ++i) out[i] = Bf(y[i] + shared[i]);
-}
-
-Status CpuForward::Impl::Attention(int l, SequenceState* st, const float* x, size_t n, int64_t P,
-                                   int64_t window_floor, float* out,
-                                   std::vector<int64_t>* selection, std::vector<char>* cand,
-                                   int threads, ForwardTrace* trace) const {
-  const Layer& L = layers[l];
-  const LayerPlan& plan = c.layers[l];
-  const size_t dim = static_cast<size_t>(c.hidden_size);
-  const size_t H = static_cast<size_t>(c.num_attention_heads);
-  const size_t hd = static_cast<size_t>(c.head_dim);
-  const size_t rd = static_cast<size_t>(c.qk_rope_head_dim);
-  const size_t qlr = static_cast<size_t>(c.q_lora_rank);
-  const int64_t win = c.sliding_window;
-
-  // Queries.
-  std::vector<float> qr(n * qlr), q(n * H * hd);
-  L.wq_a.Apply(x, n, qr.data(), threads);
-  for (size_t t = 0; t < n; ++t) {
-    RoundBf(&qr[t * qlr], qlr);
-    RmsNorm(&qr[t * qlr], qlr, L.q_norm, c.rms_norm_eps);
-  }
-  L.wq_b.Apply(qr.data(), n, q.data(), threads);
-  RoundBf(q.data(), q.size());
-  for (size_t t = 0; t < n; ++t) {
-    for (size_t h = 0; h < H; ++h) Rope(&q[(t * H + h) * hd + hd - rd], L.freqs, P + t, false);
+// One forward call: the plan, the batch's activations, and each sequence's state as the call
+// leaves it, staged here and applied to the sequences only when every op has succeeded.
+class Step {
+ public:
+  Step(const CpuForward::Impl& m, std::span<BatchItem> items, const ForwardOptions& options,
+       ForwardPlan plan)
+      : m_(m), c_(m.c), items_(items), options_(options), plan_(std::move(plan)) {
+    stream_.threads = options.threads;
   }
 
-  // Window keys (= values): FP8 with a UE8M0 scale per 32, rotated.
-  std::vector<float> kv(n * hd);
-  L.wkv.Apply(x, n, kv.data(), threads);
-  for (size_t t = 0; t < n; ++t) {
-    float* row = &kv[t * hd];
-    RoundBf(row, hd);
-    RmsNorm(row, hd, L.kv_norm, c.rms_norm_eps);
-    Rope(row + hd - rd, L.freqs, P + t, false);
-    k::RoundTripFp8(row, hd, 32);
-  }
-  SequenceState::Ring& ring = st->rings[l];
-  auto window_row = [&](int64_t pos, float* dst) {
-    if (pos >= P) {
-      std::memcpy(dst, &kv[(pos - P) * hd], hd * sizeof(float));
-    } else {
-      const size_t slot = static_cast<size_t>(pos % win);
-      k::DequantizeFp8PerBlock(&ring.codes[slot * hd], &ring.scales[slot * hd / 32], hd, 32, dst);
-    }
+  Status Run();
+  void Commit();
+
+ private:
+  size_t n() const { return plan_.rows(); }
+  Status Apply(const Linear& lin, const float* x, int64_t rows, float* y);
+  Status Engram(int l);
+  Status Attention(int l);
+  Status Compress(int l, size_t seg, const float* kvp, const float* score);
+  Status Index(int l, size_t seg, const float* qr_all, const float* weights_all);
+  Status Moe(int l);
+  Status Collapse(const float* weights, const std::vector<float>& norm);
+  Status Expand();
+  void Force(int layer);
+  void Truncate(size_t keep);
+  Status Logits();
+
+  const CpuForward::Impl& m_;
+  const ModelConfig& c_;
+  std::span<BatchItem> items_;
+  const ForwardOptions& options_;
+  ForwardPlan plan_;
+  kernels::CpuStream stream_;
+  std::vector<uint8_t> xq_, xs_;  // The linear layers' quantized inputs.
+  std::vector<float> X_, next_, x_, sub_, mixes_, pre_mix_, pre_a_, pre_f_, post_, comb_;
+  std::vector<std::vector<int64_t>> selection_;  // Per row: compressed entries, ascending.
+  std::vector<std::vector<char>> candidates_;    // Per row: the candidate filter's choice.
+  // Staged per segment: compressor state by layer, entries by layer, the window rows written.
+  std::vector<std::vector<SequenceState::Compressor>> compressors_;
+  struct RingRows {
+    int64_t first_position = 0;
+    std::vector<float> rows;  // FP8 round-tripped, [count, head_dim]
   };
+  std::vector<std::vector<RingRows>> ring_rows_;  // [segment][layer]
+};
 
-  // Compressed KV, written by KV sources before anyone reads it.
-  const int ratio = plan.compress_ratio;
-  if (plan.is_kv_source) {
-    SequenceState::Source& src = st->sources[l];
-    std::vector<float> latents;  // Completed groups of this chunk, pre-RoPE, [g, hd]
-    std::vector<int64_t> groups;
-    if (ratio == 1) {
-      latents.resize(n * hd);
-      L.comp_wkv.Apply(x, n, latents.data(), threads);
-      for (size_t t = 0; t < n; ++t) {
-        RoundBf(&latents[t * hd], hd);
-        RmsNorm(&latents[t * hd], hd, L.comp_norm, c.rms_norm_eps);
-        groups.push_back(P + static_cast<int64_t>(t));
-      }
-    } else {
-      std::vector<float> kvp(n * hd), score(n * hd);
-      L.comp_wkv.Apply(x, n, kvp.data(), threads);
-      L.comp_wgate.Apply(x, n, score.data(), threads);
-      for (size_t t = 0; t < n; ++t) {
-        const int64_t pos = P + static_cast<int64_t>(t);
-        const size_t slot = static_cast<size_t>(pos % ratio);
-        std::memcpy(&src.kv_partial[slot * hd], &kvp[t * hd], hd * sizeof(float));
-        std::memcpy(&src.score_partial[slot * hd], &score[t * hd], hd * sizeof(float));
-        if ((pos + 1) % ratio != 0) continue;
-        std::vector<float> pooled(hd);
-        for (size_t d = 0; d < hd; ++d) {
-          float mx = kNegInf;
-          for (int s = 0; s < ratio; ++s) mx = std::max(mx, src.score_partial[s * hd + d]);
-          float sum = 0;
-          for (int s = 0; s < ratio; ++s) sum += std::exp(src.score_partial[s * hd + d] - mx);
-          float acc = 0;
-          for (int s = 0; s < ratio; ++s) {
-            acc +=
-                src.kv_partial[s * hd + d] * (std::exp(src.score_partial[s * hd + d] - mx) / sum);
-          }
-          pooled[d] = Bf(acc);
-        }
-        RmsNorm(pooled.data(), hd, L.comp_norm, c.rms_norm_eps);
-        latents.insert(latents.end(), pooled.begin(), pooled.end());
-        groups.push_back(pos / ratio);
-      }
-    }
-    const size_t idd = static_cast<size_t>(c.index_head_dim);
-    for (size_t g = 0; g < groups.size(); ++g) {
-      float* latent = &latents[g * hd];
-      const int64_t rope_pos = groups[g] * ratio;  // A group stands for its first token.
-      if (rope_pos + ratio <= st->frozen_tokens) {
-        src.entries += 1;  // Restored from the cache: final already.
-        continue;
-      }
-      StatusOr<uint8_t*> row = st->MutableRow(l, src.entries);
-      if (!row.ok()) return row.status();
-      uint8_t* kv_row = *row;
-      if (plan.owns_index_keys) {
-        std::vector<float> key(idd);
-        L.idx_wk.Apply(latent, 1, key.data(), 1);
-        RoundBf(key.data(), idd);
-        RmsNorm(key.data(), idd, L.idx_k_norm, c.rms_norm_eps);
-        Rope(key.data() + idd - rd, L.freqs, rope_pos, false);
-        uint8_t* key_row = kv_row + hd / 2 + hd / 16;
-        k::QuantizeFp4E8M0(key.data(), idd, 32, key_row, key_row + idd / 2);
-      }
-      Rope(latent + hd - rd, L.freqs, rope_pos, false);
-      k::QuantizeFp4E4M3(latent, hd, 16, kv_row, kv_row + hd / 2);
-      src.entries += 1;
+Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y) {
+  const size_t need = static_cast<size_t>(rows * lin.in);
+  if (lin.format != kernels::WeightFormat::kDense && xq_.size() < need) {
+    xq_.resize(need);
+    xs_.resize(need / 32);
+  }
+  FLASHD_OP(Linear, {.x = x,
+                     .rows = rows,
+                     .in = lin.in,
+                     .out = lin.out,
+                     .format = lin.format,
+                     .w = lin.w,
+                     .w_scales = lin.s,
+                     .dense = lin.dense.data(),
+                     .x_codes = xq_.data(),
+                     .x_scales = xs_.data(),
+                     .y = y,
+                     .stream = &stream_});
+  return Status::Ok();
+}
+
+Status Step::Run() {
+  const int64_t dim = c_.hidden_size, hc = c_.hc_mult;
+  const size_t rows = n();
+  const size_t mix = static_cast<size_t>((2 + hc) * hc);
+  X_.resize(rows * hc * dim);
+  FLASHD_OP(Embed, {.tokens = plan_.tokens.data(),
+                    .count = static_cast<int64_t>(rows),
+                    .hc = hc,
+                    .dim = dim,
+                    .embed = m_.embed.data(),
+                    .X = X_.data()});
+  pre_mix_.assign(rows * hc, 0.0f);
+  for (size_t t = 0; t < rows; ++t) pre_mix_[t * hc] = 1.0f;
+  selection_.assign(rows, {});
+  candidates_.assign(rows, {});
+  x_.resize(rows * dim);
+  sub_.resize(rows * dim);
+  mixes_.resize(rows * mix);
+  pre_a_.resize(rows * hc);
+  pre_f_.resize(rows * hc);
+  post_.resize(rows * hc);
+  comb_.resize(rows * hc * hc);
+  compressors_.resize(plan_.segments.size());
+  ring_rows_.assign(plan_.segments.size(), std::vector<RingRows>(c_.num_hidden_layers));
+  for (size_t i = 0; i < items_.size(); ++i) compressors_[i] = items_[i].state->sources;
+  if (options_.trace != nullptr) {
+    for (size_t t = 0; t < rows; ++t) {
+      options_.trace->engram_rows.emplace_back(
+          plan_.engram_rows.begin() + t * plan_.engram_stride,
+          plan_.engram_rows.begin() + (t + 1) * plan_.engram_stride);
     }
   }
+  int last_kv_source = -1;
+  for (int l = 0; l < c_.num_hidden_layers; ++l) {
+    if (c_.layers[l].is_kv_source) last_kv_source = l;
+  }
+  const bool record = options_.trace != nullptr && options_.trace->record_streams;
+  auto hc_mix = [&](const std::vector<float>& fn, const std::vector<float>& scale,
+                    const std::vector<float>& base, float* pre) {
+    return Check(k::HcMix({.X = X_.data(),
+                           .rows = static_cast<int64_t>(n()),
+                           .hc = hc,
+                           .dim = dim,
+                           .fn = fn.data(),
+                           .scale = scale.data(),
+                           .base = base.data(),
+                           .iters = c_.hc_sinkhorn_iters,
+                           .hc_eps = static_cast<float>(c_.hc_eps),
+                           .norm_eps = static_cast<float>(c_.rms_norm_eps),
+                           .mixes = mixes_.data(),
+                           .pre = pre,
+                           .post = post_.data(),
+                           .comb = comb_.data(),
+                           .stream = &stream_}),
+                 "HcMix");
+  };
+  for (int l = 0; l < c_.num_hidden_layers; ++l) {
+    const Layer& L = m_.layers[l];
+    if (options_.forced_streams != nullptr && l > 0) Force(l - 1);
+    if (c_.layers[l].engram_index >= 0) FLASHD_RETURN_IF_ERROR(Engram(l));
+    // Attention sublayer: its mixes give post/comb now and the FFN's pre.
+    FLASHD_RETURN_IF_ERROR(hc_mix(L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, pre_a_.data()));
+    FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), L.attn_norm));
+    FLASHD_RETURN_IF_ERROR(Attention(l));
+    if (record) {
+      options_.trace->sublayers.push_back(x_);
+      options_.trace->sublayers.push_back(sub_);
+    }
+    FLASHD_RETURN_IF_ERROR(Expand());
+    // FFN sublayer: collapses with the attention's pre; its own pre goes to the next layer.
+    FLASHD_RETURN_IF_ERROR(hc_mix(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre_f_.data()));
+    FLASHD_RETURN_IF_ERROR(Collapse(pre_a_.data(), L.ffn_norm));
+    FLASHD_RETURN_IF_ERROR(Moe(l));
+    if (record) {
+      options_.trace->sublayers.push_back(x_);
+      options_.trace->sublayers.push_back(sub_);
+    }
+    FLASHD_RETURN_IF_ERROR(Expand());
+    pre_mix_ = pre_f_;
+    if (record) options_.trace->streams.push_back(X_);
+    if (l == last_kv_source && options_.replay_tokens > 0) {
+      Truncate(static_cast<size_t>(std::max<int64_t>(options_.replay_tokens, c_.sliding_window)));
+    }
+  }
+  if (options_.forced_streams != nullptr) Force(c_.num_hidden_layers - 1);
+  FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), m_.final_norm));
+  return Logits();
+}
 
-  // Which compressed entries each query attends to.
-  if (plan.is_index_source) {
-    const size_t ih = static_cast<size_t>(c.index_n_heads);
-    const size_t idd = static_cast<size_t>(c.index_head_dim);
-    std::vector<float> iq(n * ih * idd), w(n * ih);
-    L.idx_wq_b.Apply(qr.data(), n, iq.data(), threads);
-    RoundBf(iq.data(), iq.size());
-    L.idx_weights_proj.Apply(x, n, w.data(), threads);
+Status Step::Collapse(const float* weights, const std::vector<float>& norm) {
+  FLASHD_OP(HcCollapse, {.X = X_.data(),
+                         .weights = weights,
+                         .rows = static_cast<int64_t>(n()),
+                         .hc = c_.hc_mult,
+                         .dim = c_.hidden_size,
+                         .norm_weight = norm.empty() ? nullptr : norm.data(),
+                         .eps = static_cast<float>(c_.rms_norm_eps),
+                         .x = x_.data()});
+  return Status::Ok();
+}
+
+Status Step::Expand() {
+  next_.resize(X_.size());
+  FLASHD_OP(HcExpand, {.X = X_.data(),
+                       .sub = sub_.data(),
+                       .post = post_.data(),
+                       .comb = comb_.data(),
+                       .rows = static_cast<int64_t>(n()),
+                       .hc = c_.hc_mult,
+                       .dim = c_.hidden_size,
+                       .out = next_.data()});
+  X_.swap(next_);
+  return Status::Ok();
+}
+
+// X = the forced output of `layer` (a batch of one; see ForwardOptions::forced_streams).
+void Step::Force(int layer) {
+  const size_t width = static_cast<size_t>(c_.hc_mult * c_.hidden_size);
+  const size_t layers = static_cast<size_t>(c_.num_hidden_layers);
+  for (size_t t = 0; t < n(); ++t) {
+    std::memcpy(&X_[t * width], options_.forced_streams + (t * layers + layer) * width,
+                width * sizeof(float));
+  }
+}
+
+// The bounded replay: only the last `keep` rows of each sequence go on.
+void Step::Truncate(size_t keep) {
+  const std::vector<size_t> kept = plan_.Truncate(keep);
+  auto gather = [&](auto& v, size_t width) {
+    std::remove_reference_t<decltype(v)> out(kept.size() * width);
+    for (size_t i = 0; i < kept.size(); ++i) {
+      std::copy(v.begin() + kept[i] * width, v.begin() + (kept[i] + 1) * width,
+                out.begin() + i * width);
+    }
+    v.swap(out);
+  };
+  const size_t hc = static_cast<size_t>(c_.hc_mult), dim = static_cast<size_t>(c_.hidden_size);
+  gather(X_, hc * dim);
+  gather(pre_mix_, hc);
+  gather(selection_, 1);
+  gather(candidates_, 1);
+  const size_t rows = kept.size();
+  x_.resize(rows * dim);
+  sub_.resize(rows * dim);
+  mixes_.resize(rows * (2 + hc) * hc);
+  pre_a_.resize(rows * hc);
+  pre_f_.resize(rows * hc);
+  post_.resize(rows * hc);
+  comb_.resize(rows * hc * hc);
+}
+
+Status Step::Engram(int l) {
+  const Layer& L = m_.layers[l];
+  const int64_t rows = static_cast<int64_t>(n()), hc = c_.hc_mult, dim = c_.hidden_size;
+  const int64_t cols = plan_.engram_stride / static_cast<int64_t>(c_.engram_layer_ids.size());
+  const int64_t hdim = c_.engram_head_dim;
+  std::vector<float> e(static_cast<size_t>(rows * cols * hdim));
+  std::vector<float> kv(static_cast<size_t>(rows * dim * (hc + 1)));
+  FLASHD_OP(EngramGather, {.table = L.engram_rows,
+                           .table_scales = L.engram_row_scales,
+                           .row_ids = plan_.engram_rows.data(),
+                           .tokens = rows,
+                           .columns = cols,
+                           .head_dim = hdim,
+                           .row_stride = plan_.engram_stride,
+                           .column0 = c_.layers[l].engram_index * cols,
+                           .out = e.data()});
+  FLASHD_RETURN_IF_ERROR(Apply(L.engram_wkv, e.data(), rows, kv.data()));
+  FLASHD_OP(RoundBf16, {.x = kv.data(), .n = static_cast<int64_t>(kv.size())});
+  FLASHD_OP(EngramGate, {.X = X_.data(),
+                         .kv = kv.data(),
+                         .qk = L.engram_qk.data(),
+                         .tokens = rows,
+                         .hc = hc,
+                         .dim = dim,
+                         .eps = static_cast<float>(c_.rms_norm_eps)});
+  return Status::Ok();
+}
+
+Status Step::Attention(int l) {
+  const Layer& L = m_.layers[l];
+  const LayerPlan& lp = c_.layers[l];
+  const int64_t rows = static_cast<int64_t>(n()), H = c_.num_attention_heads;
+  const int64_t hd = c_.head_dim, rd = c_.qk_rope_head_dim, qlr = c_.q_lora_rank;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  // Queries: low-rank projection, norm, up-projection, rotation.
+  std::vector<float> qr(static_cast<size_t>(rows * qlr)), q(static_cast<size_t>(rows * H * hd));
+  FLASHD_RETURN_IF_ERROR(Apply(L.wq_a, x_.data(), rows, qr.data()));
+  FLASHD_OP(RmsNorm, {.x = qr.data(),
+                      .rows = rows,
+                      .dim = qlr,
+                      .stride = qlr,
+                      .weight = L.q_norm.data(),
+                      .eps = eps,
+                      .round_input = true});
+  FLASHD_RETURN_IF_ERROR(Apply(L.wq_b, qr.data(), rows, q.data()));
+  FLASHD_OP(RoundBf16, {.x = q.data(), .n = static_cast<int64_t>(q.size())});
+  FLASHD_OP(Rope, {.x = q.data(),
+                   .rows = rows,
+                   .heads = H,
+                   .head_dim = hd,
+                   .rope_dim = rd,
+                   .row_stride = H * hd,
+                   .positions = plan_.positions.data(),
+                   .freqs = L.freqs.data()});
+  // Window keys (= values): normed, rotated, FP8 with a UE8M0 scale per 32.
+  std::vector<float> kv(static_cast<size_t>(rows * hd));
+  FLASHD_RETURN_IF_ERROR(Apply(L.wkv, x_.data(), rows, kv.data()));
+  FLASHD_OP(RmsNorm, {.x = kv.data(),
+                      .rows = rows,
+                      .dim = hd,
+                      .stride = hd,
+                      .weight = L.kv_norm.data(),
+                      .eps = eps,
+                      .round_input = true});
+  FLASHD_OP(Rope, {.x = kv.data(),
+                   .rows = rows,
+                   .head_dim = hd,
+                   .rope_dim = rd,
+                   .row_stride = hd,
+                   .positions = plan_.positions.data(),
+                   .freqs = L.freqs.data()});
+  FLASHD_OP(FakeQuant, {.x = kv.data(),
+                        .n = static_cast<int64_t>(kv.size()),
+                        .block = 32,
+                        .format = kernels::FakeQuantFormat::kFp8E8M0});
+  // The compressor's projections, then per sequence its entries, selections and attention.
+  std::vector<float> kvp, score, iw;
+  if (lp.is_kv_source) {
+    kvp.resize(static_cast<size_t>(rows * hd));
+    FLASHD_RETURN_IF_ERROR(Apply(L.comp_wkv, x_.data(), rows, kvp.data()));
+    if (lp.compress_ratio > 1) {
+      score.resize(kvp.size());
+      FLASHD_RETURN_IF_ERROR(Apply(L.comp_wgate, x_.data(), rows, score.data()));
+    }
+  }
+  if (lp.is_index_source) {
+    const int64_t ih = c_.index_n_heads, idd = c_.index_head_dim;
+    iw.resize(static_cast<size_t>(rows * ih));
+    FLASHD_RETURN_IF_ERROR(Apply(L.idx_weights_proj, x_.data(), rows, iw.data()));
     const float wscale =
         static_cast<float>(std::pow(double(idd), -0.5) * std::pow(double(ih), -0.5));
-    for (float& v : w) v = Bf(Bf(v) * wscale);
-    const int64_t width = (P + static_cast<int64_t>(n)) / ratio;
-    std::vector<float> keys(static_cast<size_t>(width) * idd);
-    for (int64_t j = 0; j < width; ++j) {
-      const uint8_t* key_row = st->Row(plan.kv_source, j) + hd / 2 + hd / 16;
-      k::DequantizeFp4E8M0(key_row, key_row + idd / 2, idd, 32, &keys[j * idd]);
+    for (float& v : iw)
+      v = k::Bf16ToFloat(k::FloatToBf16(k::Bf16ToFloat(k::FloatToBf16(v)) * wscale));
+  }
+  std::vector<float> o(static_cast<size_t>(rows * H * hd));
+  for (size_t i = 0; i < plan_.segments.size(); ++i) {
+    const ForwardPlan::Segment& sg = plan_.segments[i];
+    if (lp.is_kv_source) {
+      FLASHD_RETURN_IF_ERROR(
+          Compress(l, i, &kvp[sg.offset * hd], score.empty() ? nullptr : &score[sg.offset * hd]));
     }
-    // Each query's choice is its own, so queries are spread over the threads.
-    auto select = [&](size_t t) {
-      const int64_t pos = P + static_cast<int64_t>(t);
-      for (size_t h = 0; h < ih; ++h) {
-        float* qh = &iq[(t * ih + h) * idd];
-        Rope(qh + idd - rd, L.freqs, pos, false);
-        k::RoundTripFp4E8M0(qh, idd, 32);
+    if (lp.is_index_source) FLASHD_RETURN_IF_ERROR(Index(l, i, qr.data(), iw.data()));
+    SequenceState& st = *items_[i].state;
+    // Selections as rows of a fixed width, -1 padded.
+    int64_t width = 0;
+    if (lp.compress_ratio > 0) {
+      for (size_t t = sg.offset; t < sg.offset + sg.count; ++t) {
+        width = std::max<int64_t>(width, static_cast<int64_t>(selection_[t].size()));
       }
-      // Only the entries this query can see take part, so the choice for a token never depends
-      // on how many tokens share its call (the reference's decode step does the same).
-      const int64_t visible = (pos + 1) / ratio;
-      std::vector<float> score(static_cast<size_t>(visible), kNegInf);
-      for (int64_t j = 0; j < visible; ++j) {
-        float total = 0;
-        for (size_t h = 0; h < ih; ++h) {
-          const float* qh = &iq[(t * ih + h) * idd];
-          const float dot = Dot(qh, &keys[j * idd], idd);
-          total += Bf(std::max(Bf(dot), 0.0f) * w[t * ih + h]);
+    }
+    std::vector<int64_t> selected(sg.count * static_cast<size_t>(width), -1);
+    for (size_t t = 0; t < sg.count && width > 0; ++t) {
+      std::copy(selection_[sg.offset + t].begin(), selection_[sg.offset + t].end(),
+                selected.begin() + t * width);
+    }
+    kernels::PagedRows kv_codes, kv_scales;
+    if (width > 0) {
+      const KvBlockLayout::Source& src =
+          m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
+      kv_codes = {m_.pool->block_table(), src.entries_per_block, src.kv_codes.offset,
+                  src.kv_codes.row_bytes};
+      kv_scales = {m_.pool->block_table(), src.entries_per_block, src.kv_scales.offset,
+                   src.kv_scales.row_bytes};
+    }
+    const SequenceState::Ring& ring = st.rings[l];
+    FLASHD_OP(SparseAttention, {.q = &q[sg.offset * H * hd],
+                                .tokens = static_cast<int64_t>(sg.count),
+                                .heads = H,
+                                .head_dim = hd,
+                                .rope_dim = rd,
+                                .positions = &plan_.positions[sg.offset],
+                                .ring_codes = ring.codes.data(),
+                                .ring_scales = ring.scales.data(),
+                                .window = c_.sliding_window,
+                                .fresh = &kv[sg.offset * hd],
+                                .fresh_first = sg.start,
+                                .window_first = &plan_.window_first[sg.offset],
+                                .selected = selected.data(),
+                                .selected_stride = width,
+                                .block_table = st.blocks.data(),
+                                .kv_codes = kv_codes,
+                                .kv_scales = kv_scales,
+                                .sink = L.attn_sink.data(),
+                                .freqs = L.freqs.data(),
+                                .out = &o[sg.offset * H * hd],
+                                .stream = &stream_});
+    // The window ring keeps the last `window` rows; written when the step commits.
+    const size_t keep = std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window));
+    RingRows& rr = ring_rows_[i][l];
+    rr.first_position = sg.start + static_cast<int64_t>(sg.count - keep);
+    rr.rows.assign(kv.begin() + (sg.offset + sg.count - keep) * hd,
+                   kv.begin() + (sg.offset + sg.count) * hd);
+  }
+  // Grouped output LoRA (BF16), then wo_b.
+  const int64_t G = c_.o_groups, olr = c_.o_lora_rank, gin = H * hd / G;
+  std::vector<float> og(static_cast<size_t>(rows * G * olr)), gx(static_cast<size_t>(rows * gin));
+  std::vector<float> gy(static_cast<size_t>(rows * olr));
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t t = 0; t < rows; ++t) {
+      std::memcpy(&gx[t * gin], &o[t * H * hd + g * gin], gin * sizeof(float));
+    }
+    FLASHD_OP(Linear, {.x = gx.data(),
+                       .rows = rows,
+                       .in = gin,
+                       .out = olr,
+                       .dense = &L.wo_a[g * olr * gin],
+                       .y = gy.data(),
+                       .stream = &stream_});
+    for (int64_t t = 0; t < rows; ++t) {
+      std::memcpy(&og[(t * G + g) * olr], &gy[t * olr], olr * sizeof(float));
+    }
+  }
+  FLASHD_OP(RoundBf16, {.x = og.data(), .n = static_cast<int64_t>(og.size())});
+  FLASHD_RETURN_IF_ERROR(Apply(L.wo_b, og.data(), rows, sub_.data()));
+  FLASHD_OP(RoundBf16, {.x = sub_.data(), .n = static_cast<int64_t>(sub_.size())});
+  return Status::Ok();
+}
+
+// Compressed KV of one sequence, written by a KV source before anyone reads it.
+Status Step::Compress(int l, size_t seg, const float* kvp, const float* score) {
+  const Layer& L = m_.layers[l];
+  const LayerPlan& lp = c_.layers[l];
+  const ForwardPlan::Segment& sg = plan_.segments[seg];
+  const int64_t hd = c_.head_dim, idd = c_.index_head_dim;
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  const int source = m_.layout->source_of_layer[l];
+  const ForwardPlan::Groups& groups = plan_.groups[seg][source];
+  const int64_t count = static_cast<int64_t>(groups.positions.size());
+  std::vector<float> latents(static_cast<size_t>(count * hd));
+  if (lp.compress_ratio == 1) {
+    std::memcpy(latents.data(), kvp, latents.size() * sizeof(float));
+    FLASHD_OP(RmsNorm, {.x = latents.data(),
+                        .rows = count,
+                        .dim = hd,
+                        .stride = hd,
+                        .weight = L.comp_norm.data(),
+                        .eps = eps,
+                        .round_input = true});
+  } else {
+    SequenceState::Compressor& comp = compressors_[seg][l];
+    FLASHD_OP(CompressPool, {.kv = kvp,
+                             .score = score,
+                             .rows = static_cast<int64_t>(sg.count),
+                             .dim = hd,
+                             .ratio = lp.compress_ratio,
+                             .positions = &plan_.positions[sg.offset],
+                             .kv_partial = comp.kv_partial.data(),
+                             .score_partial = comp.score_partial.data(),
+                             .pooled = latents.data()});
+    FLASHD_OP(RmsNorm, {.x = latents.data(),
+                        .rows = count,
+                        .dim = hd,
+                        .stride = hd,
+                        .weight = L.comp_norm.data(),
+                        .eps = eps});
+  }
+  std::vector<float> keys;
+  if (lp.owns_index_keys && count > 0) {
+    keys.resize(static_cast<size_t>(count * idd));
+    FLASHD_RETURN_IF_ERROR(Apply(L.idx_wk, latents.data(), count, keys.data()));
+    FLASHD_OP(RmsNorm, {.x = keys.data(),
+                        .rows = count,
+                        .dim = idd,
+                        .stride = idd,
+                        .weight = L.idx_k_norm.data(),
+                        .eps = eps,
+                        .round_input = true});
+  }
+  const KvBlockLayout::Source& src = m_.layout->sources[source];
+  uint8_t* const* table = m_.pool->block_table();
+  const int64_t per = src.entries_per_block;
+  FLASHD_OP(CompressWrite,
+            {.latent = latents.data(),
+             .key = keys.empty() ? nullptr : keys.data(),
+             .groups = count,
+             .head_dim = hd,
+             .index_dim = idd,
+             .rope_dim = c_.qk_rope_head_dim,
+             .positions = groups.positions.data(),
+             .freqs = L.freqs.data(),
+             .rows = groups.rows.data(),
+             .kv_codes = {table, per, src.kv_codes.offset, src.kv_codes.row_bytes},
+             .kv_scales = {table, per, src.kv_scales.offset, src.kv_scales.row_bytes},
+             .key_codes = {table, per, src.key_codes.offset, src.key_codes.row_bytes},
+             .key_scales = {table, per, src.key_scales.offset, src.key_scales.row_bytes}});
+  compressors_[seg][l].entries = groups.first_entry + count;
+  return Status::Ok();
+}
+
+// Which compressed entries each query of one sequence attends to.
+Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_all) {
+  const Layer& L = m_.layers[l];
+  const LayerPlan& lp = c_.layers[l];
+  const ForwardPlan::Segment& sg = plan_.segments[seg];
+  const int64_t ih = c_.index_n_heads, idd = c_.index_head_dim, ratio = lp.compress_ratio;
+  const int64_t count = static_cast<int64_t>(sg.count), qlr = c_.q_lora_rank;
+  std::vector<float> iq(static_cast<size_t>(count * ih * idd));
+  FLASHD_RETURN_IF_ERROR(Apply(L.idx_wq_b, qr_all + sg.offset * qlr, count, iq.data()));
+  FLASHD_OP(RoundBf16, {.x = iq.data(), .n = static_cast<int64_t>(iq.size())});
+  FLASHD_OP(Rope, {.x = iq.data(),
+                   .rows = count,
+                   .heads = ih,
+                   .head_dim = idd,
+                   .rope_dim = c_.qk_rope_head_dim,
+                   .row_stride = ih * idd,
+                   .positions = &plan_.positions[sg.offset],
+                   .freqs = L.freqs.data()});
+  FLASHD_OP(FakeQuant, {.x = iq.data(),
+                        .n = static_cast<int64_t>(iq.size()),
+                        .block = 32,
+                        .format = kernels::FakeQuantFormat::kFp4E8M0});
+  // Only the entries a query can see take part, so the choice for a token never depends on how
+  // many tokens share its call (the reference's decode step does the same).
+  std::vector<int64_t> visible(sg.count);
+  for (size_t t = 0; t < sg.count; ++t) visible[t] = (plan_.positions[sg.offset + t] + 1) / ratio;
+  const int64_t stride = visible.empty() ? 0 : visible.back();
+  const KvBlockLayout::Source& src = m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
+  uint8_t* const* table = m_.pool->block_table();
+  const kernels::PagedRows key_codes{table, src.entries_per_block, src.key_codes.offset,
+                                     src.key_codes.row_bytes};
+  const kernels::PagedRows key_scales{table, src.entries_per_block, src.key_scales.offset,
+                                      src.key_scales.row_bytes};
+  const int32_t* block_table = items_[seg].state->blocks.data();
+  const int64_t topk = c_.index_topk, bs = c_.candidate_block_size;
+  // Queries go in chunks whose score rows fit in about 64 MiB.
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(1, stride));
+  std::vector<float> scores;
+  std::vector<uint8_t> mask;
+  std::vector<int64_t> top;
+  for (int64_t t0 = 0; t0 < count; t0 += chunk) {
+    const int64_t rows = std::min(chunk, count - t0);
+    scores.resize(static_cast<size_t>(rows * stride));
+    const uint8_t* use_mask = nullptr;
+    if (lp.uses_candidates && !lp.is_candidate_source) {
+      mask.assign(static_cast<size_t>(rows * stride), 0);
+      for (int64_t t = 0; t < rows; ++t) {
+        const std::vector<char>& keep = candidates_[sg.offset + t0 + t];
+        for (int64_t j = 0; j < std::min<int64_t>(stride, keep.size()); ++j) {
+          mask[t * stride + j] = keep[j] != 0;
         }
-        score[j] = Bf(total);
       }
-      if (plan.is_candidate_source) {
-        // Level one: the best blocks of candidate_block_size positions; the newest pinned.
-        const int64_t bs = c.candidate_block_size;
-        const int64_t blocks = (visible + bs - 1) / bs;
-        std::vector<float> block_score(static_cast<size_t>(blocks), kNegInf);
-        for (int64_t j = 0; j < visible; ++j) {
-          block_score[j / bs] = std::max(block_score[j / bs], score[j]);
-        }
-        if (visible > 0) block_score[(visible - 1) / bs] = std::numeric_limits<float>::infinity();
-        std::vector<char>& keep = cand[t];
-        keep.assign(static_cast<size_t>(visible), 0);
-        for (int64_t b : TopK(block_score, static_cast<size_t>(c.candidate_topk_blocks))) {
-          if (block_score[b] == kNegInf) continue;
-          for (int64_t j = b * bs; j < std::min(visible, (b + 1) * bs); ++j) keep[j] = 1;
-        }
-      } else if (plan.uses_candidates) {
-        const std::vector<char>& keep = cand[t];
-        for (int64_t j = 0; j < visible; ++j) {
-          if (j >= static_cast<int64_t>(keep.size()) || !keep[j]) score[j] = kNegInf;
-        }
+      use_mask = mask.data();
+    }
+    FLASHD_OP(IndexerScores, {.q = &iq[t0 * ih * idd],
+                              .weights = weights_all + (sg.offset + t0) * ih,
+                              .tokens = rows,
+                              .heads = ih,
+                              .dim = idd,
+                              .visible = &visible[t0],
+                              .block_table = block_table,
+                              .key_codes = key_codes,
+                              .key_scales = key_scales,
+                              .mask = use_mask,
+                              .stride = stride,
+                              .scores = scores.data(),
+                              .stream = &stream_});
+    if (lp.is_candidate_source) {
+      // Level one: the best blocks of candidate_block_size entries; the newest pinned.
+      const int64_t blocks = (stride + bs - 1) / bs;
+      std::vector<float> block_scores(static_cast<size_t>(rows * blocks));
+      std::vector<int64_t> block_top(static_cast<size_t>(rows * c_.candidate_topk_blocks));
+      mask.resize(static_cast<size_t>(rows * stride));
+      FLASHD_OP(CandidateFilter, {.scores = scores.data(),
+                                  .tokens = rows,
+                                  .stride = stride,
+                                  .block = bs,
+                                  .top_blocks = c_.candidate_topk_blocks,
+                                  .visible = &visible[t0],
+                                  .order = options_.topk_order,
+                                  .block_scores = block_scores.data(),
+                                  .block_top = block_top.data(),
+                                  .mask = mask.data()});
+      for (int64_t t = 0; t < rows; ++t) {
+        candidates_[sg.offset + t0 + t].assign(mask.begin() + t * stride,
+                                               mask.begin() + t * stride + visible[t0 + t]);
       }
-      std::vector<int64_t> top = TopK(score, static_cast<size_t>(c.index_topk));
-      std::vector<int64_t>& sel = selection[t];
+    }
+    top.resize(static_cast<size_t>(rows * topk));
+    FLASHD_OP(TopK, {.values = scores.data(),
+                     .rows = rows,
+                     .stride = stride,
+                     .k = topk,
+                     .n = &visible[t0],
+                     .order = options_.topk_order,
+                     .out = top.data()});
+    for (int64_t t = 0; t < rows; ++t) {
+      std::vector<int64_t>& sel = selection_[sg.offset + t0 + t];
       sel.clear();
-      for (int64_t j : top) {
-        if (j < visible) sel.push_back(j);
+      for (int64_t i = 0; i < topk; ++i) {
+        if (top[t * topk + i] >= 0) sel.push_back(top[t * topk + i]);
       }
       std::sort(sel.begin(), sel.end());
-    };
-    k::ParallelRanges(n, threads, [&](size_t begin, size_t end) {
-      for (size_t t = begin; t < end; ++t) select(t);
-    });
-    if (trace != nullptr) {
-      for (size_t t = 0; t < n; ++t) {
-        trace->selections.push_back({l, P + static_cast<int64_t>(t), selection[t]});
+      if (options_.trace != nullptr) {
+        options_.trace->selections.push_back({l, plan_.positions[sg.offset + t0 + t], sel});
       }
     }
-  }
-
-  // Sparse attention over the window and the selected compressed entries, with sinks.
-  std::vector<float> o(n * H * hd);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  auto attend = [&](size_t t) {
-    const int64_t pos = P + static_cast<int64_t>(t);
-    std::vector<float> keys;
-    for (int64_t p = std::max<int64_t>(window_floor, pos - win + 1); p <= pos; ++p) {
-      keys.resize(keys.size() + hd);
-      window_row(p, &keys[keys.size() - hd]);
-    }
-    if (ratio > 0) {
-      for (int64_t j : selection[t]) {
-        keys.resize(keys.size() + hd);
-        const uint8_t* kv_row = st->Row(plan.kv_source, j);
-        k::DequantizeFp4E4M3(kv_row, kv_row + hd / 2, hd, 16, &keys[keys.size() - hd]);
-      }
-    }
-    const size_t nk = keys.size() / hd;
-    std::vector<float> logit(nk);
-    for (size_t h = 0; h < H; ++h) {
-      const float* qh = &q[(t * H + h) * hd];
-      float mx = L.attn_sink[h];
-      for (size_t j = 0; j < nk; ++j) {
-        float dot = 0;
-        for (size_t d = 0; d < hd; ++d) dot += qh[d] * keys[j * hd + d];
-        logit[j] = dot * scale;
-        mx = std::max(mx, logit[j]);
-      }
-      float denom = std::exp(L.attn_sink[h] - mx);
-      for (size_t j = 0; j < nk; ++j) denom += (logit[j] = std::exp(logit[j] - mx));
-      float* oh = &o[(t * H + h) * hd];
-      for (size_t d = 0; d < hd; ++d) {
-        float acc = 0;
-        for (size_t j = 0; j < nk; ++j) acc += (logit[j] / denom) * keys[j * hd + d];
-        oh[d] = Bf(acc);
-      }
-      Rope(oh + hd - rd, L.freqs, pos, true);
-    }
-  };
-  k::ParallelRanges(n, threads, [&](size_t begin, size_t end) {
-    for (size_t t = begin; t < end; ++t) attend(t);
-  });
-
-  // Grouped output LoRA (BF16), then wo_b.
-  const size_t G = static_cast<size_t>(c.o_groups);
-  const size_t olr = static_cast<size_t>(c.o_lora_rank);
-  const size_t gin = H * hd / G;
-  std::vector<float> og(n * G * olr);
-  for (size_t t = 0; t < n; ++t) {
-    for (size_t g = 0; g < G; ++g) {
-      k::DenseLinear(&o[t * H * hd + g * gin], 1, gin, &L.wo_a[g * olr * gin], olr,
-                     &og[(t * G + g) * olr], 1);
-    }
-  }
-  RoundBf(og.data(), og.size());
-  L.wo_b.Apply(og.data(), n, out, threads);
-  RoundBf(out, n * dim);
-
-  // The window ring keeps the last `win` rows.
-  for (size_t t = n > static_cast<size_t>(win) ? n - win : 0; t < n; ++t) {
-    const size_t slot = static_cast<size_t>((P + static_cast<int64_t>(t)) % win);
-    k::QuantizeFp8PerBlock(&kv[t * hd], hd, 32, &ring.codes[slot * hd],
-                           &ring.scales[slot * hd / 32]);
   }
   return Status::Ok();
 }
+
+Status Step::Moe(int l) {
+  const Layer& L = m_.layers[l];
+  const int64_t rows = static_cast<int64_t>(n()), dim = c_.hidden_size;
+  const int64_t E = c_.n_routed_experts, K = c_.num_experts_per_tok;
+  std::vector<float> logits(static_cast<size_t>(rows * E)), s(logits.size()), b(logits.size());
+  FLASHD_OP(Linear, {.x = x_.data(),
+                     .rows = rows,
+                     .in = dim,
+                     .out = E,
+                     .dense = L.gate_w.data(),
+                     .y = logits.data(),
+                     .stream = &stream_});
+  std::vector<int64_t> chosen(static_cast<size_t>(rows * K));
+  std::vector<float> weights(chosen.size());
+  FLASHD_OP(MoeRoute, {.logits = logits.data(),
+                       .bias = L.gate_bias.data(),
+                       .tokens = rows,
+                       .experts = E,
+                       .k = K,
+                       .scoring = Scoring(c_.scoring_func),
+                       .norm_topk = c_.norm_topk_prob,
+                       .scale = static_cast<float>(c_.routed_scaling_factor),
+                       .order = options_.topk_order,
+                       .scores = s.data(),
+                       .biased = b.data(),
+                       .chosen = chosen.data(),
+                       .weights = weights.data()});
+  // Tokens by expert, in token order.
+  std::vector<std::vector<int64_t>> token_rows(static_cast<size_t>(E));
+  std::vector<std::vector<float>> token_weights(static_cast<size_t>(E));
+  for (int64_t t = 0; t < rows; ++t) {
+    for (int64_t i = 0; i < K; ++i) {
+      token_rows[chosen[t * K + i]].push_back(t);
+      token_weights[chosen[t * K + i]].push_back(weights[t * K + i]);
+    }
+  }
+  auto expert = [&](const Expert& e, const float* x, int64_t m, const float* w, float* out) {
+    const int64_t inter = e.w1.out;
+    std::vector<float> g(static_cast<size_t>(m * inter)), u(g.size()), h(g.size());
+    FLASHD_RETURN_IF_ERROR(Apply(e.w1, x, m, g.data()));
+    FLASHD_RETURN_IF_ERROR(Apply(e.w3, x, m, u.data()));
+    FLASHD_OP(Swiglu, {.gate = g.data(),
+                       .up = u.data(),
+                       .rows = m,
+                       .inter = inter,
+                       .row_weights = w,
+                       .limit = static_cast<float>(c_.swiglu_limit),
+                       .h = h.data()});
+    FLASHD_RETURN_IF_ERROR(Apply(e.w2, h.data(), m, out));
+    FLASHD_OP(RoundBf16, {.x = out, .n = m * dim});
+    return Status::Ok();
+  };
+  std::vector<float> y(static_cast<size_t>(rows * dim), 0.0f);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t m = static_cast<int64_t>(token_rows[e].size());
+    if (m == 0) continue;
+    std::vector<float> xe(static_cast<size_t>(m * dim)), oe(xe.size());
+    for (int64_t i = 0; i < m; ++i) {
+      std::memcpy(&xe[i * dim], &x_[token_rows[e][i] * dim], dim * sizeof(float));
+    }
+    FLASHD_RETURN_IF_ERROR(expert(L.experts[e], xe.data(), m, token_weights[e].data(), oe.data()));
+    FLASHD_OP(MoeCombine, {.expert_out = oe.data(),
+                           .rows = token_rows[e].data(),
+                           .count = m,
+                           .dim = dim,
+                           .y = y.data()});
+  }
+  std::vector<float> shared(y.size());
+  FLASHD_RETURN_IF_ERROR(expert(L.shared, x_.data(), rows, nullptr, shared.data()));
+  FLASHD_OP(
+      AddRound,
+      {.a = y.data(), .b = shared.data(), .n = static_cast<int64_t>(y.size()), .out = sub_.data()});
+  return Status::Ok();
+}
+
+Status Step::Logits() {
+  const int64_t dim = c_.hidden_size, V = c_.vocab_size;
+  for (size_t i = 0; i < plan_.segments.size(); ++i) {
+    const ForwardPlan::Segment& sg = plan_.segments[i];
+    const size_t first = options_.all_logits ? sg.offset : sg.offset + sg.count - 1;
+    const int64_t rows = static_cast<int64_t>(sg.offset + sg.count - first);
+    items_[i].logits->assign(static_cast<size_t>(rows * V), 0.0f);
+    FLASHD_OP(Linear, {.x = &x_[first * dim],
+                       .rows = rows,
+                       .in = dim,
+                       .out = V,
+                       .dense = m_.head.data(),
+                       .y = items_[i].logits->data(),
+                       .stream = &stream_});
+  }
+  return Status::Ok();
+}
+
+// Applies the staged state: positions, compressor partial groups and entries, window rings,
+// Engram histories.
+void Step::Commit() {
+  const size_t hd = static_cast<size_t>(c_.head_dim);
+  const int64_t win = c_.sliding_window;
+  for (size_t i = 0; i < items_.size(); ++i) {
+    SequenceState& st = *items_[i].state;
+    st.position += static_cast<int64_t>(items_[i].tokens.size());
+    st.sources = std::move(compressors_[i]);
+    st.engram_classes = std::move(plan_.engram_history[i]);
+    for (int l = 0; l < c_.num_hidden_layers; ++l) {
+      const RingRows& rr = ring_rows_[i][l];
+      SequenceState::Ring& ring = st.rings[l];
+      for (size_t r = 0; r < rr.rows.size() / hd; ++r) {
+        const size_t slot =
+            static_cast<size_t>((rr.first_position + static_cast<int64_t>(r)) % win);
+        k::QuantizeFp8PerBlock(&rr.rows[r * hd], hd, 32, &ring.codes[slot * hd],
+                               &ring.scales[slot * hd / 32]);
+      }
+    }
+  }
+}
+
+}  // namespace
 
 CpuForward::CpuForward(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 CpuForward::~CpuForward() = default;
@@ -786,8 +1020,7 @@ Status CpuForward::Forward(SequenceState* state, std::span<const int32_t> tokens
 }
 
 Status CpuForward::ForwardBatch(std::span<BatchItem> items, const ForwardOptions& options) const {
-  const Impl& m = *impl_;
-  const ModelConfig& c = m.c;
+  const ModelConfig& c = impl_->c;
   if (items.empty()) return InvalidArgument("forward: empty batch");
   if (options.trace != nullptr && items.size() != 1) {
     return InvalidArgument("forward: a trace needs a batch of one sequence");
@@ -803,243 +1036,38 @@ Status CpuForward::ForwardBatch(std::span<BatchItem> items, const ForwardOptions
                                " outside the vocabulary (" + std::to_string(c.vocab_size) + ")");
       }
     }
-    if (it.state->rings.size() != static_cast<size_t>(c.num_hidden_layers)) {
+    if (it.state->rings.size() != static_cast<size_t>(c.num_hidden_layers) ||
+        it.state->layout != impl_->layout) {
       return InvalidArgument("forward: sequence state does not belong to this model");
     }
   }
-  const int threads =
-      options.threads > 0 ? options.threads : std::max(1u, std::thread::hardware_concurrency());
-  const size_t dim = static_cast<size_t>(c.hidden_size);
-  const size_t hc = static_cast<size_t>(c.hc_mult);
-  const size_t mix = (2 + hc) * hc;
-  const float hc_eps = static_cast<float>(c.hc_eps);
-
-  // Rows of the batch: each sequence's tokens, one after another.
-  struct Segment {
-    size_t offset, count;
-    int64_t start;         // Position of the first row.
-    int64_t window_floor;  // Window rows before this position are not attended (replay).
-  };
-  std::vector<Segment> segs;
-  std::vector<int32_t> tokens;
-  for (const BatchItem& it : items) {
-    segs.push_back({tokens.size(), it.tokens.size(), it.state->position, 0});
-    tokens.insert(tokens.end(), it.tokens.begin(), it.tokens.end());
+  // Every block the step writes, allocated before any math. A sequence that does not fit is left
+  // out when it can report so on its own; otherwise the call fails with nothing changed.
+  std::vector<BatchItem> run;
+  std::vector<PlanRequest> requests;
+  std::vector<BlockReservation> reservations;
+  for (BatchItem& it : items) {
+    const PlanRequest request{it.state, it.tokens};
+    ForwardPlan own = PlanForward(c, *impl_->layout, impl_->engram.get(), {&request, 1});
+    const auto [first, last] = own.write_blocks[0];
+    StatusOr<BlockReservation> r = impl_->blocks->Reserve(&it.state->blocks, first, last);
+    if (!r.ok()) {
+      if (it.status == nullptr) return r.status();  // The reservations so far roll back.
+      *it.status = r.status();
+      continue;
+    }
+    if (it.status != nullptr) *it.status = Status::Ok();
+    reservations.push_back(std::move(*r));
+    run.push_back(it);
+    requests.push_back(request);
   }
-  size_t n = tokens.size();
-
-  // Engram rows for every token, and each sequence's history.
-  const int cols = m.engram ? m.engram->columns() : 0;
-  const size_t n_engram = c.engram_layer_ids.size();
-  const size_t engram_stride = n_engram * static_cast<size_t>(cols);
-  std::vector<int64_t> engram_rows(n * engram_stride);
-  if (m.engram) {
-    for (size_t i = 0; i < items.size(); ++i) {
-      std::vector<int32_t>& history = items[i].state->engram_classes;
-      for (size_t t = segs[i].offset; t < segs[i].offset + segs[i].count; ++t) {
-        history.push_back(m.engram->ClassOf(tokens[t]));
-        const int count = std::min<int>(m.engram->history() + 1, static_cast<int>(history.size()));
-        m.engram->Hash(history.data() + history.size() - count, count,
-                       &engram_rows[t * engram_stride]);
-        if (options.trace != nullptr) {
-          options.trace->engram_rows.emplace_back(engram_rows.begin() + t * engram_stride,
-                                                  engram_rows.begin() + (t + 1) * engram_stride);
-        }
-        if (static_cast<int>(history.size()) > m.engram->history()) {
-          history.erase(history.begin(), history.end() - m.engram->history());
-        }
-      }
-    }
-  }
-
-  // The residual stream: hc copies of every token's embedding.
-  std::vector<float> X(n * hc * dim);
-  for (size_t t = 0; t < n; ++t) {
-    for (size_t h = 0; h < hc; ++h) {
-      std::memcpy(&X[(t * hc + h) * dim], &m.embed[static_cast<size_t>(tokens[t]) * dim],
-                  dim * sizeof(float));
-    }
-  }
-  std::vector<float> pre_mix(n * hc, 0.0f);
-  for (size_t t = 0; t < n; ++t) pre_mix[t * hc] = 1.0f;
-
-  std::vector<std::vector<int64_t>> selection(n);
-  std::vector<std::vector<char>> candidates(n);
-  std::vector<float> x(n * dim), sub(n * dim), mixes(n * mix);
-  std::vector<float> pre_a(n * hc), post(n * hc), comb(n * hc * hc), pre_f(n * hc);
-
-  // mixes = (flatten(X) . fn^T) * rsqrt(mean(X^2) + eps), then split into pre/post/comb.
-  auto hc_mixes = [&](const std::vector<float>& fn, const std::vector<float>& scale,
-                      const std::vector<float>& base, float* pre_out) {
-    k::DenseLinear(X.data(), n, hc * dim, fn.data(), mix, mixes.data(), threads);
-    for (size_t t = 0; t < n; ++t) {
-      double sum = 0;
-      for (size_t i = 0; i < hc * dim; ++i)
-        sum += double(X[t * hc * dim + i]) * X[t * hc * dim + i];
-      const float r = 1.0f / std::sqrt(static_cast<float>(sum / (hc * dim)) +
-                                       static_cast<float>(c.rms_norm_eps));
-      for (size_t j = 0; j < mix; ++j) mixes[t * mix + j] *= r;
-      HcSplit(&mixes[t * mix], scale, base, static_cast<int>(hc), c.hc_sinkhorn_iters, hc_eps,
-              pre_out + t * hc, &post[t * hc], &comb[t * hc * hc]);
-    }
-  };
-  auto collapse = [&](const float* weights, const std::vector<float>& norm) {
-    for (size_t t = 0; t < n; ++t) {
-      for (size_t d = 0; d < dim; ++d) {
-        float acc = 0;
-        for (size_t h = 0; h < hc; ++h) acc += weights[t * hc + h] * X[(t * hc + h) * dim + d];
-        x[t * dim + d] = Bf(acc);
-      }
-      if (!norm.empty()) RmsNorm(&x[t * dim], dim, norm, c.rms_norm_eps);
-    }
-  };
-  auto expand = [&]() {  // X[j] = post[j] * sub + sum_i comb[i][j] * X[i]
-    std::vector<float> next(X.size());
-    for (size_t t = 0; t < n; ++t) {
-      for (size_t j = 0; j < hc; ++j) {
-        for (size_t d = 0; d < dim; ++d) {
-          float acc = post[t * hc + j] * sub[t * dim + d];
-          float mixed = 0;
-          for (size_t i = 0; i < hc; ++i)
-            mixed += comb[(t * hc + i) * hc + j] * X[(t * hc + i) * dim + d];
-          next[(t * hc + j) * dim + d] = Bf(acc + mixed);
-        }
-      }
-    }
-    X.swap(next);
-  };
-  const size_t n_layers = static_cast<size_t>(c.num_hidden_layers);
-  auto force = [&](int layer) {  // X = the forced output of `layer` (batch of one).
-    for (size_t t = 0; t < n; ++t) {
-      std::memcpy(&X[t * hc * dim], options.forced_streams + (t * n_layers + layer) * hc * dim,
-                  hc * dim * sizeof(float));
-    }
-  };
-  // Keeps only the last `keep` rows of every longer sequence (the bounded replay).
-  auto truncate = [&](size_t keep) {
-    std::vector<size_t> rows;
-    for (Segment& sg : segs) {
-      const size_t drop = sg.count > keep ? sg.count - keep : 0;
-      for (size_t t = sg.offset + drop; t < sg.offset + sg.count; ++t) rows.push_back(t);
-      sg.start += static_cast<int64_t>(drop);
-      sg.window_floor = drop > 0 ? sg.start : 0;
-      sg.count -= drop;
-    }
-    size_t offset = 0;
-    for (Segment& sg : segs) {
-      sg.offset = offset;
-      offset += sg.count;
-    }
-    auto gather = [&](auto& v, size_t width) {
-      std::remove_reference_t<decltype(v)> out(rows.size() * width);
-      for (size_t i = 0; i < rows.size(); ++i) {
-        std::copy(v.begin() + rows[i] * width, v.begin() + (rows[i] + 1) * width,
-                  out.begin() + i * width);
-      }
-      v.swap(out);
-    };
-    gather(X, hc * dim);
-    gather(pre_mix, hc);
-    gather(engram_rows, engram_stride);
-    gather(selection, 1);
-    gather(candidates, 1);
-    gather(tokens, 1);
-    n = rows.size();
-    x.resize(n * dim);
-    sub.resize(n * dim);
-    mixes.resize(n * mix);
-    pre_a.resize(n * hc);
-    post.resize(n * hc);
-    comb.resize(n * hc * hc);
-    pre_f.resize(n * hc);
-  };
-
-  int last_kv_source = -1;
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
-    if (c.layers[l].is_kv_source) last_kv_source = l;
-  }
-  for (int l = 0; l < c.num_hidden_layers; ++l) {
-    const Layer& L = m.layers[l];
-    const LayerPlan& plan = c.layers[l];
-    if (options.forced_streams != nullptr && l > 0) force(l - 1);
-    if (plan.engram_index >= 0) {
-      const size_t hdim = static_cast<size_t>(c.engram_head_dim);
-      const size_t in = static_cast<size_t>(cols) * hdim;
-      std::vector<float> e(n * in), kvv(n * dim * (hc + 1));
-      for (size_t t = 0; t < n; ++t) {
-        for (int col = 0; col < cols; ++col) {
-          const int64_t row = engram_rows[t * engram_stride + plan.engram_index * cols + col];
-          float* dst = &e[t * in + col * hdim];
-          k::DequantizeFp8PerBlock(L.engram_rows + row * hdim,
-                                   L.engram_row_scales + row * hdim / 32, hdim, 32, dst);
-          RoundBf(dst, hdim);
-        }
-      }
-      L.engram_wkv.Apply(e.data(), n, kvv.data(), threads);
-      RoundBf(kvv.data(), kvv.size());
-      for (size_t t = 0; t < n; ++t) {
-        const float* value = &kvv[t * dim * (hc + 1) + hc * dim];
-        for (size_t h = 0; h < hc; ++h) {
-          float* stream = &X[(t * hc + h) * dim];
-          const float* key = &kvv[t * dim * (hc + 1) + h * dim];
-          double s2 = 0, k2 = 0, dot = 0;
-          for (size_t d = 0; d < dim; ++d) {
-            s2 += double(stream[d]) * stream[d];
-            k2 += double(key[d]) * key[d];
-            dot += double(stream[d] * L.engram_qk[h * dim + d] * key[d]);
-          }
-          const float eps = static_cast<float>(c.rms_norm_eps);
-          float rstd = (1.0f / std::sqrt(static_cast<float>(s2 / dim) + eps)) *
-                       (1.0f / std::sqrt(static_cast<float>(k2 / dim) + eps));
-          float g = static_cast<float>(dot) * rstd / std::sqrt(static_cast<float>(dim));
-          float gate = Sigmoid(std::copysign(std::sqrt(std::max(std::fabs(g), 1e-6f)), g));
-          for (size_t d = 0; d < dim; ++d) stream[d] = Bf(stream[d] + gate * value[d]);
-        }
-      }
-    }
-    // Attention sublayer: its mixes give post/comb now and the FFN's pre.
-    hc_mixes(L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, pre_a.data());
-    collapse(pre_mix.data(), L.attn_norm);
-    for (size_t i = 0; i < segs.size(); ++i) {
-      const Segment& sg = segs[i];
-      FLASHD_RETURN_IF_ERROR(m.Attention(l, items[i].state, &x[sg.offset * dim], sg.count, sg.start,
-                                         sg.window_floor, &sub[sg.offset * dim],
-                                         &selection[sg.offset], &candidates[sg.offset], threads,
-                                         options.trace));
-    }
-    const bool record = options.trace != nullptr && options.trace->record_streams;
-    if (record) {
-      options.trace->sublayers.push_back(x);
-      options.trace->sublayers.push_back(sub);
-    }
-    expand();
-    // FFN sublayer: collapses with the attention's pre; its own pre goes to the next layer.
-    hc_mixes(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre_f.data());
-    collapse(pre_a.data(), L.ffn_norm);
-    m.Moe(l, x.data(), n, sub.data(), threads);
-    if (record) {
-      options.trace->sublayers.push_back(x);
-      options.trace->sublayers.push_back(sub);
-    }
-    expand();
-    pre_mix = pre_f;
-    if (record) options.trace->streams.push_back(X);
-    if (l == last_kv_source && options.replay_tokens > 0) {
-      truncate(static_cast<size_t>(std::max<int64_t>(options.replay_tokens, c.sliding_window)));
-    }
-  }
-  for (BatchItem& it : items) it.state->position += static_cast<int64_t>(it.tokens.size());
-  if (options.forced_streams != nullptr) force(c.num_hidden_layers - 1);
-
-  collapse(pre_mix.data(), m.final_norm);
-  const size_t V = static_cast<size_t>(c.vocab_size);
-  for (size_t i = 0; i < items.size(); ++i) {
-    const Segment& sg = segs[i];
-    const size_t first = options.all_logits ? sg.offset : sg.offset + sg.count - 1;
-    const size_t rows = sg.offset + sg.count - first;
-    items[i].logits->assign(rows * V, 0.0f);
-    k::DenseLinear(&x[first * dim], rows, dim, m.head.data(), V, items[i].logits->data(), threads);
-  }
+  if (run.empty()) return Status::Ok();
+  ForwardPlan plan = PlanForward(c, *impl_->layout, impl_->engram.get(), requests);
+  AssignRows(*impl_->layout, requests, &plan);
+  Step step(*impl_, run, options, std::move(plan));
+  FLASHD_RETURN_IF_ERROR(step.Run());
+  step.Commit();
+  for (BlockReservation& r : reservations) r.Commit();
   return Status::Ok();
 }
 

@@ -8,8 +8,9 @@
 // depends only on that token and the state before it, so one prefill, any chunking, and token by
 // token decoding give bit-identical results; so do a batch and each sequence alone.
 //
-// Thread-safety: a CpuForward is immutable after Create() and may be shared; one SequenceState
-// must not be used by two calls at once.
+// Thread-safety: a CpuForward's weights and configuration never change after Create(); its KV
+// pool does (allocation and reference counts), so forward calls, NewSequence, Restore and ResumeAt
+// belong to one thread (the engine's). One SequenceState must not be used by two calls at once.
 #pragma once
 
 #include <cstdint>
@@ -22,55 +23,10 @@
 #include "engine/engram.h"
 #include "engine/kv_pool.h"
 #include "engine/model.h"
+#include "engine/sequence_state.h"
+#include "kernels/ops.h"
 
 namespace flashd::engine {
-
-// Everything a sequence carries between calls. Bounded parts (window rings, compressor partial
-// groups, Engram history) plus the compressed KV and index keys that grow with the context,
-// which live in KvPool blocks the sequence references. Move-only: Fork() shares the blocks.
-struct SequenceState {
-  SequenceState() = default;
-  SequenceState(SequenceState&& other) noexcept;
-  SequenceState& operator=(SequenceState&& other) noexcept;
-  SequenceState(const SequenceState&) = delete;
-  SequenceState& operator=(const SequenceState&) = delete;
-  ~SequenceState();
-
-  // A second sequence continuing from this one's position: the bounded state is copied, every
-  // KV block is shared until one of them writes to it.
-  SequenceState Fork() const;
-
-  int64_t position = 0;  // Tokens processed so far.
-  struct Ring {
-    std::vector<uint8_t> codes;   // [window, head_dim] FP8 E4M3
-    std::vector<uint8_t> scales;  // [window, head_dim / 32] UE8M0
-  };
-  std::vector<Ring> rings;  // One per layer.
-  struct Source {
-    std::vector<float> kv_partial;     // [ratio, head_dim] fp32, ratio > 1 only
-    std::vector<float> score_partial;  // [ratio, head_dim] fp32
-    int64_t entries = 0;               // Compressed entries written (rows in the blocks).
-  };
-  std::vector<Source> sources;          // Indexed by layer; empty for non-sources.
-  std::vector<int32_t> engram_classes;  // The last max_ngram_size - 1 token classes.
-  std::shared_ptr<KvPool> pool;
-  std::shared_ptr<const KvBlockLayout> layout;
-  std::vector<int32_t> blocks;  // Token positions [64 b, 64 b + 64) live in blocks[b].
-  // Compressed entries of groups that end at or before this position are final (restored from
-  // the prefix cache): the forward pass neither recomputes nor overwrites them.
-  int64_t frozen_tokens = 0;
-
-  // Row `entry` of KV source `layer`: the FP4 KV row followed by its index-key row.
-  const uint8_t* Row(int layer, int64_t entry) const;
-  // The same row, writable: allocates its block, or copies a shared one first. Fails when the
-  // pool is full.
-  StatusOr<uint8_t*> MutableRow(int layer, int64_t entry);
-
-  // A versioned binary snapshot of everything above (format in docs/formats.md); restore with
-  // CpuForward::Restore. Blocks before `first_block` are left out: the prefix cache stores those
-  // once, as blocks shared by every snapshot that extends them.
-  std::string Serialize(size_t first_block = 0) const;
-};
 
 // What a forward call can report besides logits, for tests against the reference.
 struct ForwardTrace {
@@ -105,6 +61,10 @@ struct ForwardOptions {
   // tokens reach those layers only through their window rings, which then start at the replay.
   // An approximation, measured in docs/benchmarks.md; needs all_logits off.
   int64_t replay_tokens = 0;
+  // How the indexer, the candidate filter and the router order equal scores. The total order
+  // (value, then index) is what every backend reproduces; the golden test selects the
+  // reference's own order, which its data was made with.
+  kernels::TopKOrder topk_order = kernels::TopKOrder::kTotal;
 };
 
 // One sequence's part of a batched call.
@@ -112,6 +72,9 @@ struct BatchItem {
   SequenceState* state;
   std::span<const int32_t> tokens;
   std::vector<float>* logits;
+  // When set, a sequence whose KV blocks do not fit in the pool is left out of the step with its
+  // reason here (its state unchanged) while the others run; when null, it fails the whole call.
+  Status* status = nullptr;
 };
 
 class CpuForward {
@@ -147,7 +110,7 @@ class CpuForward {
   const std::shared_ptr<KvPool>& pool() const;
 
   // Appends `tokens` to the sequence and writes vocab-sized fp32 logits for the last token, or
-  // for every token with options.all_logits.
+  // for every token with options.all_logits. A call that fails leaves the sequence as it was.
   Status Forward(SequenceState* state, std::span<const int32_t> tokens, std::vector<float>* logits,
                  const ForwardOptions& options = {}) const;
 
@@ -159,8 +122,9 @@ class CpuForward {
   // The compressed Engram vocabulary's class count (99,092 for the released tokenizer).
   int64_t engram_classes() const;
 
+  struct Impl;  // Opaque: the prepared weights and the pool.
+
  private:
-  struct Impl;
   explicit CpuForward(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -1,6 +1,7 @@
 #include "engine/kv_pool.h"
 
 #include <cassert>
+#include <cstdlib>
 #include <cstring>
 
 namespace flashd::engine {
@@ -22,15 +23,23 @@ StatusOr<KvBlockLayout> KvBlockLayout::For(const ModelConfig& c, int64_t block_t
     s.layer = l;
     s.ratio = p.compress_ratio;
     s.entries_per_block = block_tokens / p.compress_ratio;
-    s.kv_row = static_cast<size_t>(c.head_dim / 2 + c.head_dim / 16);
-    s.key_row =
-        p.owns_index_keys ? static_cast<size_t>(c.index_head_dim / 2 + c.index_head_dim / 32) : 0;
-    s.offset = offset;
-    offset += static_cast<size_t>(s.entries_per_block) * (s.kv_row + s.key_row);
+    const size_t entries = static_cast<size_t>(s.entries_per_block);
+    auto region = [&](size_t row_bytes) {
+      offset = (offset + 15) / 16 * 16;
+      Region r{offset, row_bytes};
+      offset += entries * row_bytes;
+      return r;
+    };
+    s.kv_codes = region(static_cast<size_t>(c.head_dim / 2));
+    s.kv_scales = region(static_cast<size_t>(c.head_dim / 16));
+    if (p.owns_index_keys) {
+      s.key_codes = region(static_cast<size_t>(c.index_head_dim / 2));
+      s.key_scales = region(static_cast<size_t>(c.index_head_dim / 32));
+    }
     layout.source_of_layer[l] = static_cast<int>(layout.sources.size());
     layout.sources.push_back(s);
   }
-  layout.block_bytes = offset;
+  layout.block_bytes = (offset + 15) / 16 * 16;
   return layout;
 }
 
@@ -46,13 +55,20 @@ int32_t KvPool::Allocate() {
     std::memset(blocks_[id].get(), 0, block_bytes_);
   } else {
     id = static_cast<int32_t>(blocks_.size());
-    blocks_.push_back(std::make_unique<uint8_t[]>(std::max<size_t>(block_bytes_, 1)));
+    const size_t bytes = (std::max<size_t>(block_bytes_, 1) + 63) / 64 * 64;
+    uint8_t* block = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
+    if (block == nullptr) return -1;
+    std::memset(block, 0, bytes);
+    blocks_.emplace_back(block);
+    table_.push_back(block);
     refs_.push_back(0);
   }
   refs_[id] = 1;
   used_ += 1;
   return id;
 }
+
+void KvPool::Free::operator()(uint8_t* p) const { std::free(p); }
 
 void KvPool::Ref(int32_t block) { refs_[static_cast<size_t>(block)] += 1; }
 

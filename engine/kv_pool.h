@@ -2,10 +2,12 @@
 // (the prefix cache's block), reference-counted so that sequences sharing a prefix share its
 // blocks; a sequence writing into a shared block first copies it (copy on write).
 //
-// One block holds, for its 64 token positions, every KV source's rows: for a source of ratio r,
-// 64 / r entries of [FP4 KV (head_dim/2 bytes) | E4M3 scales (head_dim/16) | FP4 index key
-// (index_head_dim/2) | UE8M0 scales (index_head_dim/32)]. For the released model that is
-// 64 x 890 = 56,960 bytes.
+// One block holds, for its 64 token positions, every KV source's rows, planar: for a source of
+// ratio r, its 64 / r entries' FP4 KV codes (head_dim/2 bytes each), then their E4M3 scales
+// (head_dim/16), then the FP4 index-key codes (index_head_dim/2) and their UE8M0 scales
+// (index_head_dim/32) when the source writes keys. Every region starts 16-byte aligned, so vector
+// loads and TMA can read a region's rows as one array (docs/formats.md). For the released model
+// that is 57,344 bytes a block (890 a token, plus alignment).
 //
 // Thread-safety: allocation and reference counts belong to the thread that runs the forward
 // pass (the engine thread); used_blocks() and capacity_blocks() may be read from any thread.
@@ -23,13 +25,16 @@
 namespace flashd::engine {
 
 struct KvBlockLayout {
+  // One region of a block: entries_per_block rows of row_bytes each, from offset.
+  struct Region {
+    size_t offset = 0;
+    size_t row_bytes = 0;  // 0: the source has no such region.
+  };
   struct Source {
     int layer = 0;
     int ratio = 1;
     int64_t entries_per_block = 0;
-    size_t kv_row = 0;   // FP4 values + E4M3 scales.
-    size_t key_row = 0;  // FP4 values + UE8M0 scales; 0 when the source writes no keys.
-    size_t offset = 0;   // Of its first row in a block.
+    Region kv_codes, kv_scales, key_codes, key_scales;
   };
   int64_t block_tokens = 64;
   std::vector<Source> sources;
@@ -48,8 +53,11 @@ class KvPool {
   void Ref(int32_t block);
   void Unref(int32_t block);  // The last reference returns the block to the pool.
   int refs(int32_t block) const { return refs_[static_cast<size_t>(block)]; }
-  uint8_t* data(int32_t block) { return blocks_[static_cast<size_t>(block)].get(); }
-  const uint8_t* data(int32_t block) const { return blocks_[static_cast<size_t>(block)].get(); }
+  uint8_t* data(int32_t block) { return table_[static_cast<size_t>(block)]; }
+  const uint8_t* data(int32_t block) const { return table_[static_cast<size_t>(block)]; }
+  // Block id -> its bytes (64-byte aligned), for kernels that address rows by block id. Valid
+  // until the next Allocate.
+  uint8_t* const* block_table() const { return table_.data(); }
 
   size_t block_bytes() const { return block_bytes_; }
   size_t used_blocks() const { return used_.load(std::memory_order_relaxed); }
@@ -60,7 +68,11 @@ class KvPool {
   size_t block_bytes_;
   std::atomic<size_t> capacity_;
   std::atomic<size_t> used_{0};
-  std::vector<std::unique_ptr<uint8_t[]>> blocks_;
+  struct Free {
+    void operator()(uint8_t* p) const;
+  };
+  std::vector<std::unique_ptr<uint8_t, Free>> blocks_;
+  std::vector<uint8_t*> table_;
   std::vector<int> refs_;
   std::vector<int32_t> free_;
 };

@@ -1,14 +1,15 @@
 // SequenceState: block references, copy-on-write rows, forks and snapshots. The snapshot format
 // is documented in docs/formats.md; bump kVersion on change.
-#include <cstring>
+#include "engine/sequence_state.h"
 
-#include "engine/forward.h"
+#include <cstring>
 
 namespace flashd::engine {
 namespace {
 
 constexpr char kMagic[4] = {'F', 'L', 'S', 'Q'};
-constexpr uint32_t kVersion = 3;
+// 4: KV blocks are planar (engine/kv_pool.h).
+constexpr uint32_t kVersion = 4;
 
 class Writer {
  public:
@@ -93,38 +94,6 @@ SequenceState SequenceState::Fork() const {
   return s;
 }
 
-const uint8_t* SequenceState::Row(int layer, int64_t entry) const {
-  const KvBlockLayout::Source& src = layout->sources[layout->source_of_layer[layer]];
-  const int64_t block = entry / src.entries_per_block;
-  const int64_t within = entry % src.entries_per_block;
-  return pool->data(blocks[static_cast<size_t>(block)]) + src.offset +
-         static_cast<size_t>(within) * (src.kv_row + src.key_row);
-}
-
-StatusOr<uint8_t*> SequenceState::MutableRow(int layer, int64_t entry) {
-  const KvBlockLayout::Source& src = layout->sources[layout->source_of_layer[layer]];
-  const size_t block = static_cast<size_t>(entry / src.entries_per_block);
-  while (blocks.size() <= block) {
-    const int32_t id = pool->Allocate();
-    if (id < 0) {
-      return ResourceExhausted("KV pool full (" + std::to_string(pool->capacity_blocks()) +
-                               " blocks of " + std::to_string(pool->block_bytes()) + " bytes)");
-    }
-    blocks.push_back(id);
-  }
-  if (pool->refs(blocks[block]) > 1) {
-    // Shared with another sequence: this one writes its own copy.
-    const int32_t copy = pool->Allocate();
-    if (copy < 0) return ResourceExhausted("KV pool full while copying a shared block");
-    std::memcpy(pool->data(copy), pool->data(blocks[block]), pool->block_bytes());
-    pool->Unref(blocks[block]);
-    blocks[block] = copy;
-  }
-  const int64_t within = entry % src.entries_per_block;
-  return pool->data(blocks[block]) + src.offset +
-         static_cast<size_t>(within) * (src.kv_row + src.key_row);
-}
-
 std::string SequenceState::Serialize(size_t first_block) const {
   first_block = std::min(first_block, blocks.size());
   Writer w;
@@ -137,7 +106,7 @@ std::string SequenceState::Serialize(size_t first_block) const {
     w.Vec(r.scales);
   }
   w.I64(static_cast<int64_t>(sources.size()));
-  for (const Source& s : sources) {
+  for (const Compressor& s : sources) {
     w.Vec(s.kv_partial);
     w.Vec(s.score_partial);
     w.I64(s.entries);
@@ -181,7 +150,7 @@ StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<
   ok = ok && r.I64(&n) && n >= 0 && n < (1 << 20);
   if (ok) s.sources.resize(static_cast<size_t>(n));
   for (size_t i = 0; ok && i < s.sources.size(); ++i) {
-    SequenceState::Source& src = s.sources[i];
+    SequenceState::Compressor& src = s.sources[i];
     ok = r.Vec(&src.kv_partial) && r.Vec(&src.score_partial) && r.I64(&src.entries);
   }
   int64_t block_bytes = 0, first = 0, count = 0;

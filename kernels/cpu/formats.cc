@@ -52,15 +52,6 @@ float AbsMax(const float* x, size_t n) {
 
 }  // namespace
 
-float Bf16ToFloat(uint16_t bits) { return FromBits(static_cast<uint32_t>(bits) << 16); }
-
-uint16_t FloatToBf16(float value) {
-  uint32_t u = Bits(value);
-  if (std::isnan(value)) return static_cast<uint16_t>((u >> 16) | 0x40);  // Quiet NaN.
-  uint32_t rounding = 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>((u + rounding) >> 16);
-}
-
 float F16ToFloat(uint16_t bits) {
   uint32_t sign = (bits >> 15) & 1;
   int exp = (bits >> 10) & 0x1F;
@@ -81,26 +72,21 @@ float E4M3ToFloat(uint8_t code) { return E4M3Table()[code]; }
 const float* E4M3DecodeTable() { return E4M3Table().data(); }
 
 uint8_t FloatToE4M3(float value) {
-  const uint8_t sign = std::signbit(value) ? 0x80 : 0x00;
-  if (std::isnan(value)) return sign | 0x7F;
-  float a = std::fabs(value);
+  const uint32_t u = Bits(value);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return sign | 0x7F;  // NaN.
+  const float a = FromBits(mag);
   if (a >= kFp8Max) return sign | 0x7E;  // Saturate (also +-inf).
   if (a < 0.015625f) {                   // Below 2^-6: subnormal steps of 2^-9.
-    // a * 512 is exact; rint rounds ties to even under the default rounding mode.
-    int m = static_cast<int>(std::nearbyint(a * 512.0f));
+    // a * 512 < 8 is exact, and adding 2^23 rounds it to an integer, ties to even.
+    const float m = (a * 512.0f + 0x1p23f) - 0x1p23f;
     return sign | static_cast<uint8_t>(m);  // m == 8 is exactly the smallest normal, code 0x08.
   }
-  int e;
-  float frac = std::frexp(a, &e);  // a = frac * 2^e, frac in [0.5, 1).
-  int exponent = e - 1;            // a = mant * 2^exponent, mant in [1, 2).
-  float mant = frac * 2.0f;
-  int m = static_cast<int>(std::nearbyint((mant - 1.0f) * 8.0f));
-  if (m == 8) {
-    m = 0;
-    ++exponent;
-  }
-  // a < 448 guarantees the result is at most 448 (0x7E), never the NaN code.
-  return sign | static_cast<uint8_t>(((exponent + 7) << 3) | m);
+  // Round the float's mantissa to 3 bits, ties to even, carrying into the exponent; then move
+  // the exponent from bias 127 to bias 7. a < 448 keeps the result at most 0x7E.
+  const uint32_t rounded = (mag + 0x7FFFFu + ((mag >> 20) & 1)) >> 20;
+  return sign | static_cast<uint8_t>(rounded - ((127 - 7) << 3));
 }
 
 uint8_t FloatToE8M0(float value) {

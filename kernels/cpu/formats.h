@@ -28,8 +28,15 @@ inline constexpr float kFp8Max = 448.0f;
 inline constexpr float kFp4Max = 6.0f;
 
 // --- Scalars --------------------------------------------------------------------------------
-float Bf16ToFloat(uint16_t bits);
-uint16_t FloatToBf16(float value);  // Round to nearest even; NaN stays NaN.
+inline float Bf16ToFloat(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
+// Round to nearest even; NaN stays NaN (quiet).
+inline uint16_t FloatToBf16(float value) {
+  const uint32_t u = std::bit_cast<uint32_t>(value);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
+}
 float F16ToFloat(uint16_t bits);
 
 float E4M3ToFloat(uint8_t code);

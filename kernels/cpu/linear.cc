@@ -6,12 +6,9 @@
 #include <vector>
 
 #include "kernels/cpu/formats.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/cpu/simd.h"
-
-#if FLASHD_X86_VECTORS
-#include <immintrin.h>
-#endif
 
 namespace flashd::kernels::cpu {
 namespace internal {
@@ -38,12 +35,6 @@ float ScaledBlockDotPlain(const float* x, const float* w, const float* scales, s
 
 #if FLASHD_X86_VECTORS
 // (p0 + p1) + (p2 + p3) of one block's four lanes.
-namespace {
-inline float LaneSum(__m128 p) {
-  const __m128 pairs = _mm_add_ps(p, _mm_shuffle_ps(p, p, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehl_ps(pairs, pairs)));
-}
-}  // namespace
 
 float ScaledBlockDotSse(const float* x, const float* w, const float* scales, size_t blocks) {
   float acc = 0.0f;
@@ -53,7 +44,7 @@ float ScaledBlockDotSse(const float* x, const float* w, const float* scales, siz
       p = _mm_add_ps(p, _mm_mul_ps(_mm_loadu_ps(x + b * kQuantBlock + k),
                                    _mm_loadu_ps(w + b * kQuantBlock + k)));
     }
-    acc += LaneSum(p) * scales[b];
+    acc += LaneSum4(p) * scales[b];
   }
   return acc;
 }
@@ -72,13 +63,48 @@ __attribute__((target("avx2"))) float ScaledBlockDotAvx2(const float* x, const f
       const __m256 wv = _mm256_set_m128(_mm_loadu_ps(w0 + kQuantBlock + k), _mm_loadu_ps(w0 + k));
       p = _mm256_add_ps(p, _mm256_mul_ps(xv, wv));
     }
-    acc += LaneSum(_mm256_castps256_ps128(p)) * scales[b];
-    acc += LaneSum(_mm256_extractf128_ps(p, 1)) * scales[b + 1];
+    acc += LaneSum4(_mm256_castps256_ps128(p)) * scales[b];
+    acc += LaneSum4(_mm256_extractf128_ps(p, 1)) * scales[b + 1];
   }
   if (b < blocks) {
     acc += ScaledBlockDotSse(x + b * kQuantBlock, w + b * kQuantBlock, scales + b, 1);
   }
   return acc;
+}
+#endif
+
+#if FLASHD_X86_VECTORS
+// Four activation rows against one weight row: the same lanes and order as ScaledBlockDotAvx2
+// for each row, with the weight loads shared and four independent chains in flight.
+__attribute__((target("avx2"))) void ScaledBlockDot4Avx2(const float* x, size_t x_stride,
+                                                         const float* w, const float* scales,
+                                                         size_t blocks, float* out) {
+  float acc[4] = {0, 0, 0, 0};
+  size_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    const float* w0 = w + b * kQuantBlock;
+    __m256 p[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+    for (size_t k = 0; k < kQuantBlock; k += 4) {
+      const __m256 wv = _mm256_set_m128(_mm_loadu_ps(w0 + kQuantBlock + k), _mm_loadu_ps(w0 + k));
+      for (size_t r = 0; r < 4; ++r) {
+        const float* x0 = x + r * x_stride + b * kQuantBlock;
+        const __m256 xv = _mm256_set_m128(_mm_loadu_ps(x0 + kQuantBlock + k), _mm_loadu_ps(x0 + k));
+        p[r] = _mm256_add_ps(p[r], _mm256_mul_ps(xv, wv));
+      }
+    }
+    for (size_t r = 0; r < 4; ++r) {
+      acc[r] += LaneSum4(_mm256_castps256_ps128(p[r])) * scales[b];
+      acc[r] += LaneSum4(_mm256_extractf128_ps(p[r], 1)) * scales[b + 1];
+    }
+  }
+  for (size_t r = 0; r < 4; ++r) {
+    if (b < blocks) {
+      acc[r] +=
+          ScaledBlockDotSse(x + r * x_stride + b * kQuantBlock, w + b * kQuantBlock, scales + b, 1);
+    }
+    out[r] = acc[r];
+  }
 }
 #endif
 
@@ -156,9 +182,17 @@ void FastLinear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K, cons
         for (size_t n = begin; n < end; ++n) {
           decode(w + n * row_bytes, K, row.data());
           for (size_t b = 0; b < blocks; ++b) scales[b] = w_scale(n, b);
-          for (size_t m = 0; m < M; ++m) {
-            const float* xm = x.data() + m * K;
-            y[m * N + n] = ScaledBlockDot(xm, row.data(), scales.data(), blocks);
+          size_t m = 0;
+          if (internal::CpuHasAvx2()) {
+            float out[4];
+            for (; m + 4 <= M; m += 4) {
+              internal::ScaledBlockDot4Avx2(x.data() + m * K, K, row.data(), scales.data(), blocks,
+                                            out);
+              for (size_t i = 0; i < 4; ++i) y[(m + i) * N + n] = out[i];
+            }
+          }
+          for (; m < M; ++m) {
+            y[m * N + n] = ScaledBlockDot(x.data() + m * K, row.data(), scales.data(), blocks);
           }
         }
       },
@@ -264,6 +298,38 @@ void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, f
         }
       },
       min_rows);
+}
+
+}  // namespace flashd::kernels::cpu
+
+namespace flashd::kernels::cpu {
+
+OpStatus Linear(const LinearParams& p) {
+  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
+    return OpStatus::kBadShape;
+  }
+  if (p.rows == 0) return OpStatus::kOk;
+  const size_t rows = static_cast<size_t>(p.rows), in = static_cast<size_t>(p.in);
+  const size_t out = static_cast<size_t>(p.out);
+  const int threads = StreamThreads(p.stream);
+  if (p.format == WeightFormat::kDense) {
+    if (p.dense == nullptr) return OpStatus::kBadArgument;
+    DenseLinear(p.x, rows, in, p.dense, out, p.y, threads);
+    return OpStatus::kOk;
+  }
+  if (p.in % kQuantBlock != 0) return OpStatus::kBadShape;
+  if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
+    return OpStatus::kBadArgument;
+  }
+  for (size_t r = 0; r < rows; ++r) {
+    QuantizeFp8PerBlock(p.x + r * in, in, kQuantBlock, p.x_codes + r * in,
+                        p.x_scales + r * in / kQuantBlock);
+  }
+  const KernelStatus s =
+      p.format == WeightFormat::kFp8
+          ? Fp8Linear(p.x_codes, p.x_scales, rows, in, p.w, p.w_scales, out, p.y, threads)
+          : Fp4Linear(p.x_codes, p.x_scales, rows, in, p.w, p.w_scales, out, p.y, threads);
+  return s == KernelStatus::kOk ? OpStatus::kOk : OpStatus::kBadShape;
 }
 
 }  // namespace flashd::kernels::cpu

@@ -46,6 +46,9 @@ float ScaledBlockDotPlain(const float* x, const float* w, const float* scales, s
 float ScaledBlockDotSse(const float* x, const float* w, const float* scales, size_t blocks);
 float ScaledBlockDotAvx2(const float* x, const float* w, const float* scales, size_t blocks);
 float ScaledBlockDot(const float* x, const float* w, const float* scales, size_t blocks);
+// Rows x, x + x_stride, x + 2 x_stride, x + 3 x_stride against one w into out[4].
+void ScaledBlockDot4Avx2(const float* x, size_t x_stride, const float* w, const float* scales,
+                         size_t blocks, float* out);
 bool CpuHasAvx2();
 }  // namespace internal
 

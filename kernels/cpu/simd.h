@@ -23,3 +23,15 @@
 // Clang's sanitizer and fuzzing builds (and other targets) use the baseline instructions.
 #define FLASHD_VECTOR_CLONES
 #endif
+
+#if FLASHD_X86_VECTORS
+#include <immintrin.h>
+
+namespace flashd::kernels::cpu {
+// (p0 + p1) + (p2 + p3) of a register's four lanes: how the kernels close a four-lane sum.
+inline float LaneSum4(__m128 p) {
+  const __m128 pairs = _mm_add_ps(p, _mm_shuffle_ps(p, p, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehl_ps(pairs, pairs)));
+}
+}  // namespace flashd::kernels::cpu
+#endif

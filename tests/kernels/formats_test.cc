@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <random>
 #include <vector>
 
 namespace flashd::kernels::cpu {
@@ -73,6 +74,41 @@ BOOST_AUTO_TEST_CASE(bit_level_decoders_equal_their_definitions) {
     } else {
       BOOST_TEST(std::bit_cast<uint32_t>(arith) == std::bit_cast<uint32_t>(table), "code " << c);
     }
+  }
+}
+
+// FloatToE4M3 against a search of the decode table: the nearest finite code, ties to the even
+// code, saturating at 448; on every midpoint between neighbours, just beside each, and on
+// random floats over the whole range.
+BOOST_AUTO_TEST_CASE(e4m3_encode_is_the_nearest_code_ties_to_even) {
+  auto oracle = [](float x) {
+    const float a = std::fabs(x);
+    int best = 0;
+    for (int c = 0; c <= 0x7E; ++c) {
+      const float d = std::fabs(E4M3ToFloat(static_cast<uint8_t>(c)) - a);
+      const float bd = std::fabs(E4M3ToFloat(static_cast<uint8_t>(best)) - a);
+      if (d < bd || (d == bd && c % 2 == 0 && best % 2 == 1)) best = c;
+    }
+    return static_cast<uint8_t>((std::signbit(x) ? 0x80 : 0) | best);
+  };
+  std::vector<float> inputs;
+  for (int c = 0; c < 0x7E; ++c) {
+    const float lo = E4M3ToFloat(static_cast<uint8_t>(c));
+    const float hi = E4M3ToFloat(static_cast<uint8_t>(c + 1));
+    const float mid = (lo + hi) / 2;  // Exact: neighbours differ in one binary digit.
+    for (float v : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1000.0f), lo, hi}) {
+      inputs.push_back(v);
+      inputs.push_back(-v);
+    }
+  }
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> mant(1.0f, 2.0f);
+  std::uniform_int_distribution<int> exp(-14, 9);
+  for (int i = 0; i < 200000; ++i) {
+    inputs.push_back(std::ldexp(mant(rng), exp(rng)) * (i % 2 ? -1.0f : 1.0f));
+  }
+  for (float v : inputs) {
+    BOOST_TEST(static_cast<int>(FloatToE4M3(v)) == static_cast<int>(oracle(v)), "in=" << v);
   }
 }
 

@@ -158,6 +158,21 @@ BOOST_AUTO_TEST_CASE(vector_dot_products_equal_the_plain_one_bit_for_bit) {
       if (internal::CpuHasAvx2()) {
         const float avx2 = internal::ScaledBlockDotAvx2(x.data(), w.data(), scales.data(), blocks);
         BOOST_TEST(std::bit_cast<uint32_t>(avx2) == std::bit_cast<uint32_t>(want));
+        // Four rows at once: x itself and three shifted copies of w as the other rows.
+        std::vector<float> rows(4 * blocks * 32);
+        std::copy(x.begin(), x.end(), rows.begin());
+        for (size_t r = 1; r < 4; ++r) {
+          for (size_t i = 0; i < blocks * 32; ++i)
+            rows[r * blocks * 32 + i] = w[(i + r) % w.size()];
+        }
+        float four[4];
+        internal::ScaledBlockDot4Avx2(rows.data(), blocks * 32, w.data(), scales.data(), blocks,
+                                      four);
+        for (size_t r = 0; r < 4; ++r) {
+          const float one = internal::ScaledBlockDotPlain(&rows[r * blocks * 32], w.data(),
+                                                          scales.data(), blocks);
+          BOOST_TEST(std::bit_cast<uint32_t>(four[r]) == std::bit_cast<uint32_t>(one));
+        }
       }
 #endif
     }

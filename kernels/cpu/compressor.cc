@@ -1,0 +1,81 @@
+// The compressor: gated pooling of each group of `ratio` tokens, and the write of finished
+// entries (rotated, FP4-quantized) into their KV and index-key rows.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/cpu/formats.h"
+#include "kernels/cpu/ops.h"
+
+namespace flashd::kernels::cpu {
+namespace {
+inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
+}  // namespace
+
+OpStatus CompressPool(const CompressPoolParams& p) {
+  if (p.rows < 0 || p.dim <= 0 || p.ratio < 2 || p.positions == nullptr) {
+    return OpStatus::kBadShape;
+  }
+  const int64_t dim = p.dim, ratio = p.ratio;
+  const size_t bytes = static_cast<size_t>(dim) * sizeof(float);
+  int64_t groups = 0;
+  for (int64_t t = 0; t < p.rows; ++t) {
+    const int64_t pos = p.positions[t];
+    const int64_t slot = pos % ratio;
+    std::memcpy(p.kv_partial + slot * dim, p.kv + t * dim, bytes);
+    std::memcpy(p.score_partial + slot * dim, p.score + t * dim, bytes);
+    if ((pos + 1) % ratio != 0) continue;
+    float* pooled = p.pooled + groups * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < ratio; ++s) mx = std::max(mx, p.score_partial[s * dim + d]);
+      float sum = 0;
+      for (int64_t s = 0; s < ratio; ++s) sum += std::exp(p.score_partial[s * dim + d] - mx);
+      float acc = 0;
+      for (int64_t s = 0; s < ratio; ++s) {
+        acc += p.kv_partial[s * dim + d] * (std::exp(p.score_partial[s * dim + d] - mx) / sum);
+      }
+      pooled[d] = Bf(acc);
+    }
+    groups += 1;
+  }
+  return OpStatus::kOk;
+}
+
+OpStatus CompressWrite(const CompressWriteParams& p) {
+  if (p.groups < 0 || p.head_dim % 32 != 0 || p.rope_dim > p.head_dim ||
+      (p.groups > 0 && p.rows == nullptr) ||
+      (p.key != nullptr && (p.index_dim % 32 != 0 || p.rope_dim > p.index_dim))) {
+    return OpStatus::kBadShape;
+  }
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const int64_t row = p.rows[g];
+    if (row < 0) continue;
+    if (p.key != nullptr) {
+      float* key = p.key + g * p.index_dim;
+      Rope({.x = key,
+            .rows = 1,
+            .head_dim = p.index_dim,
+            .rope_dim = p.rope_dim,
+            .row_stride = p.index_dim,
+            .positions = &p.positions[g],
+            .freqs = p.freqs});
+      QuantizeFp4E8M0(key, static_cast<size_t>(p.index_dim), 32, p.key_codes.Row(row),
+                      p.key_scales.Row(row));
+    }
+    float* latent = p.latent + g * p.head_dim;
+    Rope({.x = latent,
+          .rows = 1,
+          .head_dim = p.head_dim,
+          .rope_dim = p.rope_dim,
+          .row_stride = p.head_dim,
+          .positions = &p.positions[g],
+          .freqs = p.freqs});
+    QuantizeFp4E4M3(latent, static_cast<size_t>(p.head_dim), 16, p.kv_codes.Row(row),
+                    p.kv_scales.Row(row));
+  }
+  return OpStatus::kOk;
+}
+
+}  // namespace flashd::kernels::cpu

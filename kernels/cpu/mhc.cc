@@ -1,0 +1,125 @@
+// The embedding and mHC's mixes: the hc copies of the residual stream, their Sinkhorn-balanced
+// combination matrix, the collapse before a sublayer and the expansion after it.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "kernels/cpu/formats.h"
+#include "kernels/cpu/linear.h"
+#include "kernels/cpu/ops.h"
+
+namespace flashd::kernels::cpu {
+namespace {
+
+inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
+inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+// pre, post and the Sinkhorn-normalised comb from one row of mixes.
+void HcSplit(const float* mixes, const float* scale, const float* base, int hc, int iters,
+             float eps, float* pre, float* post, float* comb) {
+  for (int i = 0; i < hc; ++i) {
+    pre[i] = Sigmoid(mixes[i] * scale[0] + base[i]) + eps;
+    post[i] = 2.0f * Sigmoid(mixes[hc + i] * scale[1] + base[hc + i]);
+  }
+  for (int i = 0; i < hc; ++i) {
+    float row_max = -std::numeric_limits<float>::infinity();
+    for (int j = 0; j < hc; ++j) {
+      comb[i * hc + j] = mixes[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
+      row_max = std::max(row_max, comb[i * hc + j]);
+    }
+    float sum = 0;
+    for (int j = 0; j < hc; ++j) sum += (comb[i * hc + j] = std::exp(comb[i * hc + j] - row_max));
+    for (int j = 0; j < hc; ++j) comb[i * hc + j] = comb[i * hc + j] / sum + eps;
+  }
+  auto normalize_cols = [&] {
+    for (int j = 0; j < hc; ++j) {
+      float sum = 0;
+      for (int i = 0; i < hc; ++i) sum += comb[i * hc + j];
+      for (int i = 0; i < hc; ++i) comb[i * hc + j] /= sum + eps;
+    }
+  };
+  auto normalize_rows = [&] {
+    for (int i = 0; i < hc; ++i) {
+      float sum = 0;
+      for (int j = 0; j < hc; ++j) sum += comb[i * hc + j];
+      for (int j = 0; j < hc; ++j) comb[i * hc + j] /= sum + eps;
+    }
+  };
+  normalize_cols();
+  for (int it = 0; it < iters - 1; ++it) {
+    normalize_rows();
+    normalize_cols();
+  }
+}
+
+}  // namespace
+
+OpStatus Embed(const EmbedParams& p) {
+  if (p.count < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;
+  const size_t dim = static_cast<size_t>(p.dim);
+  for (int64_t t = 0; t < p.count; ++t) {
+    for (int64_t h = 0; h < p.hc; ++h) {
+      std::memcpy(p.X + (t * p.hc + h) * p.dim, p.embed + static_cast<size_t>(p.tokens[t]) * dim,
+                  dim * sizeof(float));
+    }
+  }
+  return OpStatus::kOk;
+}
+
+OpStatus HcMix(const HcMixParams& p) {
+  if (p.rows < 0 || p.hc <= 0 || p.dim <= 0 || p.iters < 1) return OpStatus::kBadShape;
+  if (p.rows == 0) return OpStatus::kOk;
+  const size_t rows = static_cast<size_t>(p.rows), width = static_cast<size_t>(p.hc * p.dim);
+  const size_t mix = static_cast<size_t>((2 + p.hc) * p.hc);
+  DenseLinear(p.X, rows, width, p.fn, mix, p.mixes, StreamThreads(p.stream));
+  for (size_t t = 0; t < rows; ++t) {
+    double sum = 0;
+    for (size_t i = 0; i < width; ++i) sum += double(p.X[t * width + i]) * p.X[t * width + i];
+    const float r = 1.0f / std::sqrt(static_cast<float>(sum / width) + p.norm_eps);
+    for (size_t j = 0; j < mix; ++j) p.mixes[t * mix + j] *= r;
+    HcSplit(p.mixes + t * mix, p.scale, p.base, static_cast<int>(p.hc), p.iters, p.hc_eps,
+            p.pre + t * p.hc, p.post + t * p.hc, p.comb + t * p.hc * p.hc);
+  }
+  return OpStatus::kOk;
+}
+
+OpStatus HcCollapse(const HcCollapseParams& p) {
+  if (p.rows < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;
+  const int64_t hc = p.hc, dim = p.dim;
+  for (int64_t t = 0; t < p.rows; ++t) {
+    for (int64_t d = 0; d < dim; ++d) {
+      float acc = 0;
+      for (int64_t h = 0; h < hc; ++h) acc += p.weights[t * hc + h] * p.X[(t * hc + h) * dim + d];
+      p.x[t * dim + d] = Bf(acc);
+    }
+  }
+  if (p.norm_weight == nullptr) return OpStatus::kOk;
+  return RmsNorm({.x = p.x,
+                  .rows = p.rows,
+                  .dim = dim,
+                  .stride = dim,
+                  .weight = p.norm_weight,
+                  .eps = p.eps,
+                  .stream = p.stream});
+}
+
+OpStatus HcExpand(const HcExpandParams& p) {
+  if (p.rows < 0 || p.hc <= 0 || p.dim <= 0 || p.out == p.X) return OpStatus::kBadShape;
+  const int64_t hc = p.hc, dim = p.dim;
+  for (int64_t t = 0; t < p.rows; ++t) {
+    for (int64_t j = 0; j < hc; ++j) {
+      for (int64_t d = 0; d < dim; ++d) {
+        const float acc = p.post[t * hc + j] * p.sub[t * dim + d];
+        float mixed = 0;
+        for (int64_t i = 0; i < hc; ++i) {
+          mixed += p.comb[(t * hc + i) * hc + j] * p.X[(t * hc + i) * dim + d];
+        }
+        p.out[(t * hc + j) * dim + d] = Bf(acc + mixed);
+      }
+    }
+  }
+  return OpStatus::kOk;
+}
+
+}  // namespace flashd::kernels::cpu

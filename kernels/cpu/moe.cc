@@ -1,0 +1,89 @@
+// MoE: routing, the experts' SwiGLU activation, and the combination of expert outputs.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels/cpu/formats.h"
+#include "kernels/cpu/ops.h"
+
+namespace flashd::kernels::cpu {
+namespace {
+inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
+inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float SqrtSoftplus(float x) { return std::sqrt(x > 20.0f ? x : std::log1p(std::exp(x))); }
+}  // namespace
+
+OpStatus MoeRoute(const MoeRouteParams& p) {
+  if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.k > p.experts) return OpStatus::kBadShape;
+  const int64_t E = p.experts;
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    float* s = p.scores + t * E;
+    float* biased = p.biased + t * E;
+    for (int64_t e = 0; e < E; ++e) {
+      const float v = p.logits[t * E + e];
+      // Softmax scores are normalised below, once every expert's score is known.
+      s[e] = p.scoring == RouteScoring::kSoftmax   ? v
+             : p.scoring == RouteScoring::kSigmoid ? Sigmoid(v)
+                                                   : SqrtSoftplus(v);
+    }
+    if (p.scoring == RouteScoring::kSoftmax) {
+      float mx = *std::max_element(s, s + E), sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(s[e] - mx));
+      for (int64_t e = 0; e < E; ++e) s[e] /= sum;
+    }
+    for (int64_t e = 0; e < E; ++e) biased[e] = s[e] + p.bias[e];
+    int64_t* chosen = p.chosen + t * p.k;
+    const int64_t n = E;
+    FLASHD_OP_RETURN_IF_ERROR(TopK({.values = biased,
+                                    .rows = 1,
+                                    .stride = E,
+                                    .k = p.k,
+                                    .n = &n,
+                                    .order = p.order,
+                                    .out = chosen}));
+    float sum = 0;
+    for (int64_t i = 0; i < p.k; ++i) sum += s[chosen[i]];
+    for (int64_t i = 0; i < p.k; ++i) {
+      float w = s[chosen[i]];
+      if (p.norm_topk && p.k > 1) w /= sum + 1e-20f;
+      p.weights[t * p.k + i] = w * p.scale;
+    }
+  }
+  return OpStatus::kOk;
+}
+
+OpStatus Swiglu(const SwigluParams& p) {
+  if (p.rows < 0 || p.inter <= 0) return OpStatus::kBadShape;
+  const float limit = p.limit;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t i = r * p.inter; i < (r + 1) * p.inter; ++i) {
+      float gate = Bf(p.gate[i]), up = Bf(p.up[i]);
+      if (limit > 0) {
+        up = std::clamp(up, -limit, limit);
+        gate = std::min(gate, limit);
+      }
+      float v = gate * Sigmoid(gate) * up;
+      if (p.row_weights != nullptr) v = p.row_weights[r] * v;
+      p.h[i] = Bf(v);
+    }
+  }
+  return OpStatus::kOk;
+}
+
+OpStatus MoeCombine(const MoeCombineParams& p) {
+  if (p.count < 0 || p.dim <= 0) return OpStatus::kBadShape;
+  for (int64_t i = 0; i < p.count; ++i) {
+    float* y = p.y + p.rows[i] * p.dim;
+    const float* o = p.expert_out + i * p.dim;
+    for (int64_t d = 0; d < p.dim; ++d) y[d] += o[d];
+  }
+  return OpStatus::kOk;
+}
+
+OpStatus AddRound(const AddRoundParams& p) {
+  if (p.n < 0) return OpStatus::kBadShape;
+  for (int64_t i = 0; i < p.n; ++i) p.out[i] = Bf(p.a[i] + p.b[i]);
+  return OpStatus::kOk;
+}
+
+}  // namespace flashd::kernels::cpu

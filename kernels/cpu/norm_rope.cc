@@ -1,0 +1,106 @@
+// RMSNorm, RoPE (with YaRN), BF16 rounding and the fake quantizers.
+#include <algorithm>
+#include <cmath>
+#include <thread>
+
+#include "kernels/cpu/formats.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/cpu/parallel.h"
+
+namespace flashd::kernels::cpu {
+namespace {
+inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
+}  // namespace
+
+int StreamThreads(const void* stream) {
+  const int threads = stream != nullptr ? static_cast<const CpuStream*>(stream)->threads : 0;
+  return threads > 0 ? threads
+                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+OpStatus RoundBf16(const RoundBf16Params& p) {
+  if (p.n < 0 || (p.n > 0 && p.x == nullptr)) return OpStatus::kBadArgument;
+  for (int64_t i = 0; i < p.n; ++i) p.x[i] = Bf(p.x[i]);
+  return OpStatus::kOk;
+}
+
+OpStatus RmsNorm(const RmsNormParams& p) {
+  if (p.rows < 0 || p.dim <= 0 || p.stride < p.dim || p.weight == nullptr) {
+    return OpStatus::kBadShape;
+  }
+  for (int64_t r = 0; r < p.rows; ++r) {
+    float* x = p.x + r * p.stride;
+    if (p.round_input) {
+      for (int64_t i = 0; i < p.dim; ++i) x[i] = Bf(x[i]);
+    }
+    double sum = 0;
+    for (int64_t i = 0; i < p.dim; ++i) sum += double(x[i]) * x[i];
+    const float scale = 1.0f / std::sqrt(static_cast<float>(sum / p.dim) + p.eps);
+    for (int64_t i = 0; i < p.dim; ++i) x[i] = Bf(p.weight[i] * (x[i] * scale));
+  }
+  return OpStatus::kOk;
+}
+
+OpStatus Rope(const RopeParams& p) {
+  if (p.rows < 0 || p.heads <= 0 || p.rope_dim <= 0 || p.rope_dim % 2 != 0 ||
+      p.rope_dim > p.head_dim || p.row_stride < p.heads * p.head_dim || p.positions == nullptr ||
+      p.freqs == nullptr) {
+    return OpStatus::kBadShape;
+  }
+  const int64_t pairs = p.rope_dim / 2;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float pos = static_cast<float>(p.positions[r]);
+    for (int64_t h = 0; h < p.heads; ++h) {
+      float* x = p.x + r * p.row_stride + h * p.head_dim + p.head_dim - p.rope_dim;
+      for (int64_t i = 0; i < pairs; ++i) {
+        const float angle = pos * p.freqs[i];
+        const float c = std::cos(angle);
+        const float s = p.inverse ? -std::sin(angle) : std::sin(angle);
+        const float a = x[2 * i], b = x[2 * i + 1];
+        x[2 * i] = Bf(a * c - b * s);
+        x[2 * i + 1] = Bf(a * s + b * c);
+      }
+    }
+  }
+  return OpStatus::kOk;
+}
+
+void RopeFrequencies(int dim, int64_t original, double base, double factor, double beta_fast,
+                     double beta_slow, float* freqs) {
+  for (int i = 0; i < dim / 2; ++i) {
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(dim);
+    freqs[i] = 1.0f / std::pow(static_cast<float>(base), exponent);
+  }
+  if (original <= 0) return;
+  auto corrected = [&](double rotations) {
+    return dim * std::log(original / (rotations * 2 * M_PI)) / (2 * std::log(base));
+  };
+  const double low = std::max(std::floor(corrected(beta_fast)), 0.0);
+  const double high = std::min(std::ceil(corrected(beta_slow)), static_cast<double>(dim - 1));
+  const float span = static_cast<float>(std::max(high - low, 1e-3));
+  for (int i = 0; i < dim / 2; ++i) {
+    const float ramp =
+        std::clamp((static_cast<float>(i) - static_cast<float>(low)) / span, 0.0f, 1.0f);
+    const float smooth = 1.0f - ramp;
+    freqs[i] = freqs[i] / static_cast<float>(factor) * (1.0f - smooth) + freqs[i] * smooth;
+  }
+}
+
+OpStatus FakeQuant(const FakeQuantParams& p) {
+  if (p.n < 0 || p.block <= 0 || p.n % p.block != 0) return OpStatus::kBadShape;
+  const size_t n = static_cast<size_t>(p.n), block = static_cast<size_t>(p.block);
+  switch (p.format) {
+    case FakeQuantFormat::kFp8E8M0:
+      RoundTripFp8(p.x, n, block);
+      break;
+    case FakeQuantFormat::kFp4E8M0:
+      RoundTripFp4E8M0(p.x, n, block);
+      break;
+    case FakeQuantFormat::kFp4E4M3:
+      RoundTripFp4E4M3(p.x, n, block);
+      break;
+  }
+  return OpStatus::kOk;
+}
+
+}  // namespace flashd::kernels::cpu

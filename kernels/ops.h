@@ -1,0 +1,355 @@
+// The operations of the DeepSeek-V4.1-Flash forward pass, as plain parameter structs shared by
+// every backend (kernels/cpu/ops.h today; the GPU namespace implements the same structs).
+//
+// Rules every op follows:
+// - A params struct holds pointers, sizes, strides and a stream; an op never allocates device
+//   memory, never throws and returns an OpStatus (shape and dtype checks happen once, in the
+//   engine). Buffers sized by the step are the caller's; the CPU ops keep small per-thread host
+//   scratch (a decoded key, a queue for top-k) of their own.
+// - Activations are fp32 arrays whose values are BF16 numbers wherever the reference rounds to
+//   BF16 (each op says which outputs it rounds). Keeping them in fp32 containers makes a backend's
+//   results comparable bit for bit with the CPU reference; the bytes they cost are small next to
+//   the weights.
+// - Weights come as stored in the checkpoint: FP8 E4M3 with UE8M0 scales per 32x32, FP4 E2M1
+//   with UE8M0 scales per 32 inputs, or fp32 values decoded from BF16.
+// - Compressed KV and index keys live in fixed-size blocks addressed by row id: row r of a
+//   region is block r / rows_per_block, row r % rows_per_block (PagedRows); -1 means none.
+// - `stream` is the backend's queue. The CPU reads it, when set, as a CpuStream (how many
+//   threads an op may use); a GPU backend passes its gpuStream_t.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashd::kernels {
+
+enum class OpStatus { kOk = 0, kBadShape, kBadArgument };
+
+#define FLASHD_OP_RETURN_IF_ERROR(expr)                                                  \
+  do {                                                                                   \
+    const ::flashd::kernels::OpStatus flashd_op_status_ = (expr);                        \
+    if (flashd_op_status_ != ::flashd::kernels::OpStatus::kOk) return flashd_op_status_; \
+  } while (0)
+
+// The CPU's stream: the most threads an op may use (0: every core).
+struct CpuStream {
+  int threads = 0;
+};
+
+// One region (KV rows, index-key codes or their scales) of every block of a pool: row r lives
+// at blocks[r / rows_per_block] + offset + (r % rows_per_block) * stride.
+struct PagedRows {
+  uint8_t* const* blocks = nullptr;  // Block id -> its bytes.
+  int64_t rows_per_block = 0;
+  size_t offset = 0;
+  size_t stride = 0;
+  uint8_t* Row(int64_t r) const {
+    return blocks[r / rows_per_block] + offset + static_cast<size_t>(r % rows_per_block) * stride;
+  }
+};
+
+// --- Linear layers ----------------------------------------------------------------------------
+enum class WeightFormat { kFp8, kFp4, kDense };
+
+// y[rows, out] = x[rows, in] . W^T in fp32 (not rounded). For FP8 and FP4 weights the input is
+// first quantized to FP8 with a UE8M0 scale per 32 (as the model's linear() does), into
+// x_codes/x_scales ([rows, in] and [rows, in / 32], caller-owned workspace).
+struct LinearParams {
+  const float* x = nullptr;
+  int64_t rows = 0, in = 0, out = 0;
+  WeightFormat format = WeightFormat::kDense;
+  const uint8_t* w = nullptr;         // FP8 [out, in] or FP4 packed [out, in / 2].
+  const uint8_t* w_scales = nullptr;  // FP8: [ceil(out/32), in/32]; FP4: [out, in/32].
+  const float* dense = nullptr;       // kDense: [out, in].
+  uint8_t* x_codes = nullptr;
+  uint8_t* x_scales = nullptr;
+  float* y = nullptr;
+  void* stream = nullptr;
+};
+
+// --- Element-wise and row ops -----------------------------------------------------------------
+// x = BF16(x).
+struct RoundBf16Params {
+  float* x = nullptr;
+  int64_t n = 0;
+  void* stream = nullptr;
+};
+
+// x = BF16(weight * (x * rsqrt(mean(x^2) + eps))) per row, the mean accumulated in double; with
+// round_input the row is rounded to BF16 first (the projection it comes from is fp32).
+struct RmsNormParams {
+  float* x = nullptr;
+  int64_t rows = 0, dim = 0, stride = 0;  // stride: floats between rows.
+  const float* weight = nullptr;
+  float eps = 0;
+  bool round_input = false;
+  void* stream = nullptr;
+};
+
+// Rotates the last rope_dim values of each head of each row by the row's position, rounding to
+// BF16: x[r, h, head_dim - rope_dim + 2i : +2] by angle positions[r] * freqs[i] (negated when
+// inverse). freqs comes from RopeFrequencies (YaRN when original_max_positions > 0).
+struct RopeParams {
+  float* x = nullptr;
+  int64_t rows = 0, heads = 1, head_dim = 0, rope_dim = 0;
+  int64_t row_stride = 0;  // Floats between rows; heads are head_dim apart.
+  const int64_t* positions = nullptr;
+  const float* freqs = nullptr;  // [rope_dim / 2]
+  bool inverse = false;
+  void* stream = nullptr;
+};
+
+// The model's fake quantizers: x = dequantize(quantize(x)) in blocks of `block` along each row.
+enum class FakeQuantFormat { kFp8E8M0, kFp4E8M0, kFp4E4M3 };
+struct FakeQuantParams {
+  float* x = nullptr;
+  int64_t n = 0, block = 32;
+  FakeQuantFormat format = FakeQuantFormat::kFp8E8M0;
+  void* stream = nullptr;
+};
+
+// --- mHC: the hc residual copies ----------------------------------------------------------------
+// mixes = (flatten(X[r]) . fn^T) * rsqrt(mean(X[r]^2) + norm_eps), split into pre (sigmoid + eps),
+// post (2 sigmoid) and comb (a softmax, then `iters` alternating Sinkhorn normalisations).
+struct HcMixParams {
+  const float* X = nullptr;  // [rows, hc, dim]
+  int64_t rows = 0, hc = 0, dim = 0;
+  const float* fn = nullptr;     // [(2 + hc) * hc, hc * dim]
+  const float* scale = nullptr;  // [3]
+  const float* base = nullptr;   // [(2 + hc) * hc]
+  int iters = 0;
+  float hc_eps = 0, norm_eps = 0;
+  float* mixes = nullptr;  // Workspace [rows, (2 + hc) * hc].
+  float* pre = nullptr;    // [rows, hc]
+  float* post = nullptr;   // [rows, hc]
+  float* comb = nullptr;   // [rows, hc, hc]
+  void* stream = nullptr;
+};
+
+// x[r] = BF16(sum_h weights[r, h] * X[r, h]), then RMSNorm with norm_weight when it is set.
+struct HcCollapseParams {
+  const float* X = nullptr;
+  const float* weights = nullptr;  // [rows, hc]
+  int64_t rows = 0, hc = 0, dim = 0;
+  const float* norm_weight = nullptr;
+  float eps = 0;
+  float* x = nullptr;  // [rows, dim]
+  void* stream = nullptr;
+};
+
+// out[r, j] = BF16(post[r, j] * sub[r] + sum_i comb[r, i, j] * X[r, i]).
+struct HcExpandParams {
+  const float* X = nullptr;
+  const float* sub = nullptr;  // [rows, dim]
+  const float* post = nullptr;
+  const float* comb = nullptr;
+  int64_t rows = 0, hc = 0, dim = 0;
+  float* out = nullptr;  // [rows, hc, dim], not aliasing X.
+  void* stream = nullptr;
+};
+
+// --- Compressor ---------------------------------------------------------------------------------
+// Gated pooling of `ratio` consecutive tokens (ratio > 1): each row's projections go into slot
+// positions[r] % ratio of the sequence's partial group; a row that completes a group (position
+// + 1 a multiple of ratio) pools it: per dimension a softmax of the scores over the group weights
+// the values, rounded to BF16, written to pooled[g] for the g-th completing row.
+struct CompressPoolParams {
+  const float* kv = nullptr;     // [rows, dim] fp32 projections
+  const float* score = nullptr;  // [rows, dim]
+  int64_t rows = 0, dim = 0, ratio = 0;
+  const int64_t* positions = nullptr;
+  float* kv_partial = nullptr;     // [ratio, dim], the sequence's state
+  float* score_partial = nullptr;  // [ratio, dim]
+  float* pooled = nullptr;         // [completing rows, dim]
+  void* stream = nullptr;
+};
+
+// Writes compressed entries: each latent (normalised, not yet rotated) is rotated at its group's
+// first position and stored as FP4 with an E4M3 scale per 16 into KV row rows[g]; with keys,
+// the index key (normalised, not rotated) likewise as FP4 with a UE8M0 scale per 32 into the
+// key regions. rows[g] == -1 skips the entry (it is final already). Inputs are modified.
+struct CompressWriteParams {
+  float* latent = nullptr;  // [groups, head_dim]
+  float* key = nullptr;     // [groups, index_dim] or null
+  int64_t groups = 0, head_dim = 0, index_dim = 0, rope_dim = 0;
+  const int64_t* positions = nullptr;  // Rotation position of each entry.
+  const float* freqs = nullptr;
+  const int64_t* rows = nullptr;
+  PagedRows kv_codes, kv_scales, key_codes, key_scales;
+  void* stream = nullptr;
+};
+
+// --- Indexer ------------------------------------------------------------------------------------
+// score[t, j] = BF16(sum_h BF16(max(BF16(q[t, h] . key_j), 0) * weights[t, h])) for the visible
+// entries j < visible[t] of query t (all of one sequence), key_j decoded exactly from its FP4
+// codes and UE8M0 scales at row BlockRow(block_table, j); the dot product sums in eight lanes
+// (element d in lane d % 8, lanes added pairwise at the end). Entries with mask[t, j] == 0 (when
+// a mask is given) and entries past visible[t] score -inf.
+struct IndexerScoreParams {
+  const float* q = nullptr;        // [tokens, heads, dim], rotated and FP4 round-tripped
+  const float* weights = nullptr;  // [tokens, heads]
+  int64_t tokens = 0, heads = 0, dim = 0;
+  const int64_t* visible = nullptr;      // [tokens], each <= stride
+  const int32_t* block_table = nullptr;  // The sequence's blocks, in order.
+  PagedRows key_codes, key_scales;
+  const uint8_t* mask = nullptr;  // Optional [tokens, stride].
+  int64_t stride = 0;
+  float* scores = nullptr;  // [tokens, stride]
+  void* stream = nullptr;
+};
+
+// The pool row of a sequence's entry j: its block from the block table, its row within it.
+inline int64_t BlockRow(const int32_t* block_table, int64_t rows_per_block, int64_t j) {
+  return static_cast<int64_t>(block_table[j / rows_per_block]) * rows_per_block +
+         j % rows_per_block;
+}
+
+// How equal values are ordered when a top-k must choose among them.
+enum class TopKOrder {
+  // Value descending, then index ascending: a total order any backend can reproduce.
+  kTotal,
+  // The official reference's CPU selection (libstdc++'s partial_sort or nth_element over
+  // (value, index) pairs in index order, comparing values alone): what the golden data was made
+  // with. NaN ranks above every number in both orders.
+  kReference,
+};
+
+// The indices of the k largest of each row's first n[t] values (fewer when n[t] < k), padded
+// with -1 to k. kTotal lists them in rank order; kReference in the order its selection leaves
+// them (which decides, e.g., the order the router sums the chosen weights in).
+struct TopKParams {
+  const float* values = nullptr;  // [rows, stride]
+  int64_t rows = 0, stride = 0, k = 0;
+  const int64_t* n = nullptr;  // [rows]
+  TopKOrder order = TopKOrder::kTotal;
+  int64_t* out = nullptr;  // [rows, k]
+  void* stream = nullptr;
+};
+
+// The indexer's candidate pre-filter: per query, the best `top_blocks` blocks of `block`
+// consecutive entries by their highest score (the newest block always kept, blocks with no
+// finite score never), as a 0/1 mask over the visible entries.
+struct CandidateFilterParams {
+  const float* scores = nullptr;  // [tokens, stride]
+  int64_t tokens = 0, stride = 0, block = 0, top_blocks = 0;
+  const int64_t* visible = nullptr;
+  TopKOrder order = TopKOrder::kTotal;
+  float* block_scores = nullptr;  // Workspace [tokens, ceil(stride / block)]
+  int64_t* block_top = nullptr;   // Workspace [tokens, top_blocks]
+  uint8_t* mask = nullptr;        // [tokens, stride]
+  void* stream = nullptr;
+};
+
+// --- Attention ----------------------------------------------------------------------------------
+// Sparse attention of each query over its window rows (FP8 with a UE8M0 scale per 32, in the
+// sequence's ring: positions window_first[t] .. window_last[t], slot p % window, or taken from
+// this call's fresh rows when p >= fresh_first) and its selected compressed rows (FP4 with E4M3
+// scales per 16), with a per-head sink logit in the softmax. Keys are the values. Each output
+// head is rounded to BF16 and rotated back (inverse RoPE at the query's position).
+struct SparseAttentionParams {
+  const float* q = nullptr;  // [tokens, heads, head_dim], BF16 values, rotated
+  int64_t tokens = 0, heads = 0, head_dim = 0, rope_dim = 0;
+  const int64_t* positions = nullptr;
+  // Window.
+  const uint8_t* ring_codes = nullptr;   // [window, head_dim]
+  const uint8_t* ring_scales = nullptr;  // [window, head_dim / 32]
+  int64_t window = 0;
+  const float* fresh = nullptr;  // [tokens, head_dim] this call's window rows, FP8 round-tripped
+  int64_t fresh_first = 0;       // Position of fresh[0].
+  const int64_t* window_first = nullptr;  // [tokens]
+  // Compressed rows: the sequence's entries, read through its block table.
+  const int64_t* selected = nullptr;  // [tokens, selected_stride] entries, -1 = none
+  int64_t selected_stride = 0;
+  const int32_t* block_table = nullptr;
+  PagedRows kv_codes, kv_scales;
+  const float* sink = nullptr;   // [heads]
+  const float* freqs = nullptr;  // For the inverse rotation.
+  float* out = nullptr;          // [tokens, heads, head_dim]
+  void* stream = nullptr;
+};
+
+// --- MoE ----------------------------------------------------------------------------------------
+enum class RouteScoring { kSoftmax, kSigmoid, kSqrtSoftplus };
+
+// Per token: expert scores from the router logits, the top k by score + bias (the bias only
+// chooses), weights = the chosen scores, normalised when norm_topk (and k > 1), times scale.
+struct MoeRouteParams {
+  const float* logits = nullptr;  // [tokens, experts]
+  const float* bias = nullptr;    // [experts]
+  int64_t tokens = 0, experts = 0, k = 0;
+  RouteScoring scoring = RouteScoring::kSqrtSoftplus;
+  bool norm_topk = false;
+  float scale = 1;
+  TopKOrder order = TopKOrder::kTotal;
+  float* scores = nullptr;    // Workspace [tokens, experts]
+  float* biased = nullptr;    // Workspace [tokens, experts]
+  int64_t* chosen = nullptr;  // [tokens, k] expert ids, in ranked order
+  float* weights = nullptr;   // [tokens, k]
+  void* stream = nullptr;
+};
+
+// The expert's activation: h = BF16(weight * silu(gate) * up) with gate and up rounded to BF16
+// and clamped by limit (> 0): up to [-limit, limit], gate to at most limit.
+struct SwigluParams {
+  const float* gate = nullptr;  // [rows, inter]
+  const float* up = nullptr;
+  int64_t rows = 0, inter = 0;
+  const float* row_weights = nullptr;  // [rows] or null (1)
+  float limit = 0;
+  float* h = nullptr;
+  void* stream = nullptr;
+};
+
+// Scatter-adds expert outputs into the routed sum: y[rows[i]] += expert_out[i], i in order (the
+// engine runs experts in ascending id, so each token's sum has a fixed order).
+struct MoeCombineParams {
+  const float* expert_out = nullptr;  // [count, dim]
+  const int64_t* rows = nullptr;      // [count] token rows
+  int64_t count = 0, dim = 0;
+  float* y = nullptr;
+  void* stream = nullptr;
+};
+
+// out = BF16(a + b), element-wise (out may alias a or b).
+struct AddRoundParams {
+  const float* a = nullptr;
+  const float* b = nullptr;
+  int64_t n = 0;
+  float* out = nullptr;
+  void* stream = nullptr;
+};
+
+// --- Engram -------------------------------------------------------------------------------------
+// Gathers the FP8 n-gram rows of each token (row ids per column) into BF16 values [tokens,
+// columns * head_dim].
+struct EngramGatherParams {
+  const uint8_t* table = nullptr;         // [table rows, head_dim] FP8
+  const uint8_t* table_scales = nullptr;  // [table rows, head_dim / 32] UE8M0
+  const int64_t* row_ids = nullptr;       // [tokens, row_stride], columns used from `column0`
+  int64_t tokens = 0, columns = 0, head_dim = 0, row_stride = 0, column0 = 0;
+  float* out = nullptr;
+  void* stream = nullptr;
+};
+
+// Each hc copy of the stream gets gate * value, gate from the normalised dot product of the copy
+// with its key (weighted by qk), through a signed square root and a sigmoid.
+struct EngramGateParams {
+  float* X = nullptr;         // [tokens, hc, dim]
+  const float* kv = nullptr;  // [tokens, hc + 1, dim]: hc keys, then the value
+  const float* qk = nullptr;  // [hc, dim]
+  int64_t tokens = 0, hc = 0, dim = 0;
+  float eps = 0;
+  void* stream = nullptr;
+};
+
+// --- Embedding ----------------------------------------------------------------------------------
+// X[t, h] = embed[tokens[t]] for every copy h.
+struct EmbedParams {
+  const int32_t* tokens = nullptr;
+  int64_t count = 0, hc = 0, dim = 0;
+  const float* embed = nullptr;  // [vocab, dim]
+  float* X = nullptr;
+  void* stream = nullptr;
+};
+
+}  // namespace flashd::kernels
