@@ -575,8 +575,10 @@ bool Engine::Step() {
 
   int64_t prompt_tokens = 0;
   if (!owners.empty()) {
+    // A sequence whose KV blocks do not fit ends with its own error; the others go on.
+    std::vector<Status> item_status(owners.size());
     for (size_t i = 0; i < owners.size(); ++i) {
-      items.push_back({&owners[i]->state, inputs[i], &logits[i]});
+      items.push_back({&owners[i]->state, inputs[i], &logits[i], &item_status[i]});
     }
     ForwardOptions fo;
     fo.threads = options_.threads;
@@ -587,6 +589,11 @@ bool Engine::Step() {
     } else {
       for (size_t i = 0; i < owners.size(); ++i) {
         Sequence& q = *owners[i];
+        if (!item_status[i].ok()) {
+          spdlog::warn("engine step {}: {}", step_, item_status[i].ToString());
+          Finish(q, "error", item_status[i]);
+          continue;
+        }
         const bool was_prefill = q.prompt_done < q.request.prompt.size();
         if (options_.cache) {
           q.fed.insert(q.fed.end(), inputs[i].begin(), inputs[i].end());
