@@ -233,7 +233,8 @@ int main(int argc, char** argv) {
     std::printf("| %zu | %.2f | %.3f | %.1fx | %lld | %.3f |\n", n, cold, warm, cold / warm,
                 static_cast<long long>(cached), e->stats().cache_restore_seconds);
     std::fflush(stdout);
-    ctx = cache::KeyContext{fingerprint, engine::Engine::kCacheFormat, "default"};
+    ctx = cache::KeyContext{fingerprint, engine::Engine::kCacheFormat, "default",
+                            engine::kCpuNumerics};
     if (prompt.size() > largest.keys.size() * 64) {
       largest = ChainOf(prompt, ctx);
       largest_dir = dir;
@@ -254,14 +255,16 @@ int main(int argc, char** argv) {
       TimeToFirstToken(*e, Tokens(4096, 5), &c);
       fingerprint = e->model_fingerprint();
       store->Flush();
-      const cache::KeyContext ctx{fingerprint, engine::Engine::kCacheFormat, "default"};
+      const cache::KeyContext ctx{fingerprint, engine::Engine::kCacheFormat, "default",
+                                  engine::kCpuNumerics};
       Chain ch = ChainOf(Tokens(4096, 5), ctx);
       std::vector<std::span<const int32_t>> spans(ch.tokens.begin(), ch.tokens.end());
       for (auto& p : store->ReadBlocks(ch.keys, spans)) sample.push_back(*p);
     }
     // Short of the context by a block, so that the next turn still fits the model's context.
     const std::vector<int32_t> prompt = Tokens(n - 64, 6);
-    const cache::KeyContext ctx{fingerprint, engine::Engine::kCacheFormat, "default"};
+    const cache::KeyContext ctx{fingerprint, engine::Engine::kCacheFormat, "default",
+                                engine::kCpuNumerics};
     const Chain ch = ChainOf(prompt, ctx);
     {
       auto store = Store(dir, 0);

@@ -41,7 +41,7 @@ BlockKey ChainBlockKey(const BlockKey& parent, std::span<const int32_t> tokens,
                        const KeyContext& context) {
   // A fixed little-endian serialisation, so the key does not depend on the host's layout.
   std::vector<unsigned char> buf;
-  buf.reserve(64 + context.tenant_namespace.size() + tokens.size() * 4);
+  buf.reserve(64 + context.tenant_namespace.size() + context.numerics.size() + tokens.size() * 4);
   PutU64(&buf, parent.hi);
   PutU64(&buf, parent.lo);
   PutU64(&buf, context.model_fingerprint.hi);
@@ -49,6 +49,8 @@ BlockKey ChainBlockKey(const BlockKey& parent, std::span<const int32_t> tokens,
   PutU32(&buf, context.format_version);
   PutU32(&buf, static_cast<uint32_t>(context.tenant_namespace.size()));
   buf.insert(buf.end(), context.tenant_namespace.begin(), context.tenant_namespace.end());
+  PutU32(&buf, static_cast<uint32_t>(context.numerics.size()));
+  buf.insert(buf.end(), context.numerics.begin(), context.numerics.end());
   PutU32(&buf, static_cast<uint32_t>(tokens.size()));
   for (int32_t t : tokens) PutU32(&buf, static_cast<uint32_t>(t));
   XXH128_hash_t h = XXH3_128bits(buf.data(), buf.size());

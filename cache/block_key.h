@@ -30,6 +30,9 @@ struct KeyContext {
   BlockKey model_fingerprint;
   uint32_t format_version = 0;
   std::string_view tenant_namespace;
+  // The backend's numerics ("cpu/1"): KV computed by backends whose last bits differ never
+  // share a key, so a resume is bit-exact; backends proven equal declare the same string.
+  std::string_view numerics;
 };
 
 // The key of the block holding `tokens` whose prefix ends at `parent` (the root key for the

@@ -175,6 +175,7 @@ StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions& optio
   }
   if (!s.ok()) return IoError("cache: cannot open RocksDB at " + options.dir + ": " + s.ToString());
   store->db_.reset(db);
+  FLASHD_RETURN_IF_ERROR(store->CheckPayloadFormat());
   FLASHD_RETURN_IF_ERROR(store->Load());
   store->writer_ = std::thread([raw = store.get()] { raw->WriterLoop(); });
   return store;
@@ -210,6 +211,41 @@ std::string BlockStore::MetaValue(const Entry& e) {
 
 rocksdb::ColumnFamilyHandle* BlockStore::Family(Kind kind) const {
   return kind == Kind::kBlock ? families_[1] : families_[2];
+}
+
+Status BlockStore::CheckPayloadFormat() {
+  if (options_.payload_format.empty()) return Status::Ok();
+  static const std::string kTag = "payload_format";
+  std::string stored;
+  const bool recorded = db_->Get(rocksdb::ReadOptions(), families_[0], kTag, &stored).ok();
+  if (recorded && stored == options_.payload_format) return Status::Ok();
+  // Entries written in another layout: count them from the index, then remove every one.
+  Dropped d;
+  d.format = recorded ? stored : "";
+  {
+    std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), families_[3]));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      d.entries += 1;
+      if (it->value().size() >= kMetaBytes) {
+        d.bytes += Get<uint64_t>(std::string_view(it->value().data(), it->value().size()), 21);
+      }
+    }
+  }
+  if (d.entries > 0) {
+    const std::string first, last(17, '\xff');  // Keys are 16 bytes.
+    for (size_t f = 1; f <= 3; ++f) {
+      rocksdb::Status s = db_->DeleteRange(rocksdb::WriteOptions(), families_[f], first, last);
+      if (!s.ok()) return IoError("cache: dropping entries of another format: " + s.ToString());
+      rocksdb::Slice b(first), e(last);
+      (void)db_->CompactRange(rocksdb::CompactRangeOptions(), families_[f], &b, &e);
+    }
+    dropped_ = d;
+  }
+  rocksdb::WriteOptions sync;
+  sync.sync = true;
+  rocksdb::Status s = db_->Put(sync, families_[0], kTag, options_.payload_format);
+  if (!s.ok()) return IoError("cache: recording the payload format: " + s.ToString());
+  return Status::Ok();
 }
 
 Status BlockStore::Load() {

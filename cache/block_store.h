@@ -59,6 +59,11 @@ struct StoreOptions {
   uint64_t ram_bytes = 256ull << 20;
   uint64_t disk_quota_bytes = 16ull << 30;
   int64_t ttl_seconds = 0;  // 0: entries never expire by age.
+  // What the payloads' bytes mean (the KV block layout and snapshot versions). A store whose
+  // entries were written under another format, or before formats were recorded, is emptied at
+  // open (dropped_at_open() says what went), so no payload is ever read under the wrong layout.
+  // Empty: not checked.
+  std::string payload_format;
 };
 
 class BlockStore {
@@ -130,6 +135,13 @@ class BlockStore {
   };
   Stats stats() const;
   const std::string& dir() const { return options_.dir; }
+
+  // What Open dropped because it was written in another payload format.
+  struct Dropped {
+    uint64_t entries = 0, bytes = 0;
+    std::string format;  // The old format, or "" when the store predates recorded formats.
+  };
+  const std::optional<Dropped>& dropped_at_open() const { return dropped_; }
 
   // The checks every read makes on a stored value (magic, format, sizes, the CRC32C over key and
   // value, the token ids); the payload when all pass. Never reads outside `value`.
@@ -215,6 +227,8 @@ class BlockStore {
   bool busy_ = false;     // Guarded by queue_mu_: the writer holds ops not yet applied.
   bool stopping_ = false;
   std::thread writer_;
+  std::optional<Dropped> dropped_;
+  Status CheckPayloadFormat();
 };
 
 }  // namespace flashd::cache

@@ -192,12 +192,8 @@ void Daemon::LoadModel() {
   api_->SetPhase(api::Phase::kLoading, "loading the model from " + dir);
   ReadModelFiles(dir);
   engine::EngineOptions options;
+  static_cast<EngineConfig&>(options) = config_.engine;
   options.model_dir = dir;
-  options.step_token_budget = config_.engine.step_token_budget;
-  options.prefill_chunk = config_.engine.prefill_chunk;
-  options.max_running = config_.engine.max_running;
-  options.memory_budget_bytes = config_.engine.memory_budget_bytes;
-  options.threads = config_.engine.threads;
   options.block_tokens = config_.cache.block_tokens;
   if (Status s = OpenCache(); !s.ok()) {
     // Serving without the cache beats not serving: every prompt is prefilled, /health says so.
@@ -278,6 +274,7 @@ Status Daemon::OpenCache() {
   o.ram_bytes = config_.cache.ram_bytes;
   o.disk_quota_bytes = config_.cache.disk_quota_bytes;
   o.ttl_seconds = config_.cache.ttl_seconds;
+  o.payload_format = engine::Engine::kCachePayloadFormat;
   const std::string catalog_path =
       (std::filesystem::path(config_.state_dir) / "catalog.db").string();
   auto catalog = cache::Catalog::Open(catalog_path);
@@ -289,6 +286,13 @@ Status Daemon::OpenCache() {
     return opened.status();
   }
   auto store = std::move(*opened);
+  if (const auto& dropped = store->dropped_at_open()) {
+    spdlog::warn(
+        "prefix cache {}: {} entries ({:.1f} MiB) were written in an older format ({}); this "
+        "build writes '{}', so they were dropped and their prefixes will be prefilled again",
+        o.dir, dropped->entries, dropped->bytes / 1048576.0,
+        dropped->format.empty() ? "unrecorded" : "'" + dropped->format + "'", o.payload_format);
+  }
   if (!catalog.ok()) {
     // The cache serves without it; sessions and pins wait for the operator, and the file is left
     // as it is (to restore from a backup, or to inspect).

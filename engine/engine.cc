@@ -212,7 +212,8 @@ void Engine::LoaderLoop() {
 
 cache::KeyContext Engine::KeyContextFor(const std::string& ns, bool snapshot) const {
   // Snapshots hash under their own format number, so no snapshot key can equal a block key.
-  return cache::KeyContext{fingerprint_, kCacheFormat | (snapshot ? 0x80000000u : 0u), ns};
+  return cache::KeyContext{fingerprint_, kCacheFormat | (snapshot ? 0x80000000u : 0u), ns,
+                           forward_->numerics()};
 }
 
 void Engine::ExtendChain(std::span<const int32_t> tokens, size_t blocks,

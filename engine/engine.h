@@ -26,6 +26,7 @@
 
 #include "cache/block_key.h"
 #include "cache/block_store.h"
+#include "config/config.h"
 #include "config/status.h"
 #include "engine/forward.h"
 #include "engine/model.h"
@@ -34,16 +35,12 @@
 
 namespace flashd::engine {
 
-struct EngineOptions {
+// The engine's settings: the scheduling and memory knobs are config.yaml's `engine` section
+// (EngineConfig, one set of defaults for both), plus what the daemon decides itself.
+struct EngineOptions : EngineConfig {
   std::string model_dir;
-  int64_t step_token_budget = 512;  // Tokens per forward step, decodes and prefill together.
-  int64_t prefill_chunk = 256;      // Most prompt tokens of one sequence per step.
-  int64_t max_running = 64;         // Sequences admitted at once.
-  // Memory for admitted sequences: their compressed KV for prompt + max_tokens, and their
-  // bounded state. A request that needs more than this alone is refused.
-  uint64_t memory_budget_bytes = 1ull << 30;
-  int threads = 0;            // Forward-pass threads; 0: all cores.
-  int64_t block_tokens = 64;  // KV pool and prefix cache block; every compress ratio divides it.
+  int64_t block_tokens = CacheConfig{}.block_tokens;  // KV pool and prefix cache block; every
+                                                      // compress ratio divides it.
   // The persistent prefix cache (none: every prompt is prefilled). Prompts resume from the
   // longest stored prefix: a snapshot of the state there (no recomputation), or the stored
   // blocks plus an exact replay of the tokens before their end (CpuForward::ResumeAt). Full
@@ -133,7 +130,10 @@ class Engine {
   // What the prefix cache's keys cover besides tokens and tenant: the model's config.json, every
   // shard's header and a sample of its first and last tensor bytes, and the cache format.
   const cache::BlockKey& model_fingerprint() const { return fingerprint_; }
-  static constexpr uint32_t kCacheFormat = 1;
+  // 2: planar KV blocks (engine/kv_pool.h) and sequence snapshots v4; keys carry the backend's
+  // numerics. The block store empties a store written in another payload format at open.
+  static constexpr uint32_t kCacheFormat = 2;
+  static constexpr const char* kCachePayloadFormat = "flashd kv blocks v2 (planar), snapshots v4";
   // The prefix cache's keys for `tokens` of `tenant`: every full block, and the snapshot at the
   // end (what a prompt of exactly these tokens leaves behind).
   struct PrefixKeys {

@@ -17,6 +17,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "config/status.h"
@@ -77,6 +78,9 @@ struct BatchItem {
   Status* status = nullptr;
 };
 
+// The CPU backend's numerics version (see CpuForward::numerics).
+inline constexpr std::string_view kCpuNumerics = "cpu/1";
+
 class CpuForward {
  public:
   // Prepares the model's weights for the CPU (decodes BF16 matrices, keeps FP8/FP4 mapped).
@@ -121,6 +125,11 @@ class CpuForward {
 
   // The compressed Engram vocabulary's class count (99,092 for the released tokenizer).
   int64_t engram_classes() const;
+
+  // The backend and the version of its numerics, part of every prefix-cache key: KV written by
+  // one backend is resumed bit for bit only by a backend with the same numerics. Bump when any
+  // op's results change in their last bits.
+  std::string_view numerics() const { return kCpuNumerics; }
 
   struct Impl;  // Opaque: the prepared weights and the pool.
 

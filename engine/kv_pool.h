@@ -7,7 +7,7 @@
 // (head_dim/16), then the FP4 index-key codes (index_head_dim/2) and their UE8M0 scales
 // (index_head_dim/32) when the source writes keys. Every region starts 16-byte aligned, so vector
 // loads and TMA can read a region's rows as one array (docs/formats.md). For the released model
-// that is 57,344 bytes a block (890 a token, plus alignment).
+// that is 64 x 890 = 56,960 bytes a block (its regions need no padding).
 //
 // Thread-safety: allocation and reference counts belong to the thread that runs the forward
 // pass (the engine thread); used_blocks() and capacity_blocks() may be read from any thread.

@@ -9,7 +9,7 @@ namespace {
 
 BOOST_AUTO_TEST_SUITE(block_key)
 
-const KeyContext kContext{HashBytes("model A"), 1, "tenant-a"};
+const KeyContext kContext{HashBytes("model A"), 1, "tenant-a", "cpu/1"};
 
 BOOST_AUTO_TEST_CASE(same_input_same_key) {
   std::vector<int32_t> tokens = {1, 2, 3, 4};
@@ -25,11 +25,13 @@ BOOST_AUTO_TEST_CASE(every_input_changes_the_key) {
       base.ToHex(),
       ChainBlockKey({}, other_tokens, kContext).ToHex(),
       ChainBlockKey(base, tokens, kContext).ToHex(),
-      ChainBlockKey({}, tokens, {HashBytes("model B"), 1, "tenant-a"}).ToHex(),
-      ChainBlockKey({}, tokens, {kContext.model_fingerprint, 2, "tenant-a"}).ToHex(),
-      ChainBlockKey({}, tokens, {kContext.model_fingerprint, 1, "tenant-b"}).ToHex(),
+      ChainBlockKey({}, tokens, {HashBytes("model B"), 1, "tenant-a", "cpu/1"}).ToHex(),
+      ChainBlockKey({}, tokens, {kContext.model_fingerprint, 2, "tenant-a", "cpu/1"}).ToHex(),
+      ChainBlockKey({}, tokens, {kContext.model_fingerprint, 1, "tenant-b", "cpu/1"}).ToHex(),
+      // KV from a backend with other numerics is another entry.
+      ChainBlockKey({}, tokens, {kContext.model_fingerprint, 1, "tenant-a", "gpu/1"}).ToHex(),
   };
-  BOOST_TEST(keys.size() == 6u);
+  BOOST_TEST(keys.size() == 7u);
 }
 
 BOOST_AUTO_TEST_CASE(chain_depends_on_whole_prefix) {
@@ -42,8 +44,8 @@ BOOST_AUTO_TEST_CASE(chain_depends_on_whole_prefix) {
 BOOST_AUTO_TEST_CASE(tenant_boundaries_are_not_ambiguous) {
   // "ab" + tokens must not collide with "a" + different bytes: lengths are hashed too.
   std::vector<int32_t> t = {0x62};
-  BlockKey k1 = ChainBlockKey({}, t, {kContext.model_fingerprint, 1, "ab"});
-  BlockKey k2 = ChainBlockKey({}, t, {kContext.model_fingerprint, 1, "a"});
+  BlockKey k1 = ChainBlockKey({}, t, {kContext.model_fingerprint, 1, "ab", "cpu/1"});
+  BlockKey k2 = ChainBlockKey({}, t, {kContext.model_fingerprint, 1, "a", "cpu/1"});
   BOOST_TEST(k1.ToHex() != k2.ToHex());
 }
 

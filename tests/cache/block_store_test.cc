@@ -8,7 +8,7 @@
 #include <thread>
 
 #include "cache/catalog.h"
-#include "tests/e2e/daemon_process.h"
+#include "tests/support/temp_dir.h"
 
 namespace flashd::cache {
 namespace {
@@ -16,7 +16,7 @@ namespace {
 using flashd::testing::TempDir;
 using Kind = BlockStore::Kind;
 
-const KeyContext kContext{HashBytes("model"), 1, "tenant"};
+const KeyContext kContext{HashBytes("model"), 1, "tenant", "cpu/1"};
 
 // A chain of `n` blocks of 4 tokens each, starting at token `first`.
 struct Chain {
@@ -94,6 +94,46 @@ BOOST_AUTO_TEST_CASE(round_trip_survives_a_restart) {
   got = store->ReadBlocks(c.keys, c.spans());
   BOOST_TEST(store->stats().bytes_read_disk == disk);
   BOOST_TEST(store->stats().bytes_read_ram == 5000u);
+}
+
+// A store written under another payload format (or before formats were recorded) is emptied at
+// open, and says so; under the same format it is kept.
+BOOST_AUTO_TEST_CASE(another_payload_format_is_dropped_at_open) {
+  TempDir dir;
+  Chain c(3, 500);
+  auto open = [&](const std::string& format) {
+    StoreOptions o;
+    o.dir = (dir.path() / "cache").string();
+    o.payload_format = format;
+    auto store = BlockStore::Open(o);
+    BOOST_REQUIRE_MESSAGE(store.ok(), store.status().ToString());
+    return std::move(store).value();
+  };
+  {
+    auto store = open("");  // An older build: records no format.
+    PutChain(*store, c, 700);
+  }
+  {
+    auto store = open("layout 2");
+    BOOST_REQUIRE(store->dropped_at_open().has_value());
+    BOOST_TEST(store->dropped_at_open()->entries == 3u);
+    BOOST_TEST(store->dropped_at_open()->bytes >= 3 * 700u);
+    BOOST_TEST(store->dropped_at_open()->format == "");
+    BOOST_TEST(store->PresentPrefix(c.keys) == 0u);
+    BOOST_TEST(store->stats().entries == 0u);
+    PutChain(*store, c, 700);
+  }
+  {
+    auto store = open("layout 2");  // Same format: kept.
+    BOOST_TEST(!store->dropped_at_open().has_value());
+    BOOST_TEST(store->PresentPrefix(c.keys) == 3u);
+  }
+  auto store = open("layout 3");
+  BOOST_REQUIRE(store->dropped_at_open().has_value());
+  BOOST_TEST(store->dropped_at_open()->format == "layout 2");
+  BOOST_TEST(store->PresentPrefix(c.keys) == 0u);
+  // Nothing of the old entries is readable, from RocksDB either.
+  BOOST_TEST(!store->RawValue(Kind::kBlock, c.keys[0]).has_value());
 }
 
 BOOST_AUTO_TEST_CASE(a_shared_prefix_is_stored_once) {

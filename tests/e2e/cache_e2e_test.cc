@@ -2,6 +2,7 @@
 // shared tiny model. Every restored answer must equal, bit for bit, the answer of a daemon that
 // never saw the prompt before.
 #include <httplib.h>
+#include <rocksdb/db.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -439,6 +440,53 @@ BOOST_AUTO_TEST_CASE(a_public_address_without_keys_refuses_to_start) {
   BOOST_TEST(!d.Start());
   BOOST_TEST(d.Wait() == 2);
   BOOST_TEST(Contains(d.log(), "is not a loopback address; serving it needs API keys"), d.log());
+}
+
+// A cache left by a build that wrote another block layout (which recorded no payload format) is
+// found at start-up, dropped with one log line, and never read: the daemon answers as a fresh
+// one and fills the cache again.
+BOOST_AUTO_TEST_CASE(a_cache_in_an_older_format_is_dropped_at_start_up) {
+  const std::vector<int> prompt = Ids(300, 9);
+  TempDir tmp;
+  {
+    DaemonProcess d({tmp.path(), "", {}, {}});
+    BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+    BOOST_REQUIRE(Ask(*Client(d), prompt).status == 200);
+    BOOST_TEST(d.Stop(SIGTERM) == 0);
+  }
+  // Make the store what an older build left: the same entries, no recorded format.
+  {
+    const std::string dir = (tmp.path() / "state" / "cache").string();
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+        {rocksdb::kDefaultColumnFamilyName, {}}, {"blocks", {}}, {"snapshots", {}}, {"meta", {}}};
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    rocksdb::DB* raw = nullptr;
+    rocksdb::Status s = rocksdb::DB::Open(rocksdb::Options(), dir, cfs, &handles, &raw);
+    BOOST_REQUIRE_MESSAGE(s.ok(), s.ToString());
+    std::unique_ptr<rocksdb::DB> db(raw);
+    BOOST_REQUIRE(db->Delete(rocksdb::WriteOptions(), handles[0], "payload_format").ok());
+    for (auto* h : handles) db->DestroyColumnFamilyHandle(h);
+  }
+  DaemonProcess d({tmp.path(), "", {}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+  auto c = Client(d);
+  const std::string log = d.log();
+  size_t lines = 0;
+  for (size_t at = log.find("older format"); at != std::string::npos;
+       at = log.find("older format", at + 1)) {
+    ++lines;
+  }
+  BOOST_TEST(lines == 1u, log);
+  BOOST_TEST(Metric(*c, "flashd_prefix_cache_snapshots") == 0);
+  BOOST_TEST(Metric(*c, "flashd_prefix_cache_blocks") == 0);
+  const Answer again = Ask(*c, prompt);
+  BOOST_TEST(again.cached == 0);
+  BOOST_TEST(Same(again, Fresh(prompt)), again.raw);
+  // The blocks are written behind the answer.
+  for (int i = 0; i < 100 && Metric(*c, "flashd_prefix_cache_blocks") < 4; ++i) {
+    std::this_thread::sleep_for(100ms);
+  }
+  BOOST_TEST(Metric(*c, "flashd_prefix_cache_blocks") >= 4);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

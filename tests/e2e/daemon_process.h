@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/support/temp_dir.h"
+
 namespace flashd::testing {
 
 // A tiny model in the released format, written once per test binary with `flashd mkmodel`
@@ -22,33 +24,12 @@ namespace flashd::testing {
 // daemon a test starts.
 const std::string& SharedTinyModelDir();
 
-// True when `s` contains `part`.
-bool Contains(const std::string& s, const std::string& part);
-
-// What a shell command printed on stdout and its exit code (add "2>&1" to capture stderr too).
-struct CommandResult {
-  int code = -1;
-  std::string out;
-};
-CommandResult RunCommand(const std::string& command);
-
 // Polls GET /health until it answers 200 or `timeout` passes; returns the last status.
 int WaitHealthy(const std::string& host, int port,
                 std::chrono::seconds timeout = std::chrono::seconds(60));
 
 // The value of an unlabelled metric from the client's GET /metrics, or -1.
 double Metric(httplib::Client& client, const std::string& name);
-
-// A fresh directory under the system temp dir, removed with the object.
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 class DaemonProcess {
  public:

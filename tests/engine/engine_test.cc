@@ -9,7 +9,7 @@
 #include <random>
 #include <thread>
 
-#include "tests/e2e/daemon_process.h"
+#include "tests/support/temp_dir.h"
 
 namespace flashd::engine {
 namespace {

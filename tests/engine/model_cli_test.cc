@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
-#include "tests/e2e/daemon_process.h"
+#include "tests/support/temp_dir.h"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <random>
 
 #include "engine/engine.h"
-#include "tests/e2e/daemon_process.h"
+#include "tests/support/temp_dir.h"
 
 namespace flashd::engine {
 namespace {
@@ -180,7 +180,7 @@ BOOST_AUTO_TEST_CASE(a_corrupt_block_is_never_used) {
     fingerprint = engine->model_fingerprint();
   }
   // Flip one byte of the third block's KV on disk.
-  cache::KeyContext ctx{fingerprint, Engine::kCacheFormat, "default"};
+  cache::KeyContext ctx{fingerprint, Engine::kCacheFormat, "default", kCpuNumerics};
   cache::BlockKey key;
   for (int j = 0; j < 3; ++j)
     key = cache::ChainBlockKey(key, std::span(p).subspan(j * 64, 64), ctx);

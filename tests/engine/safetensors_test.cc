@@ -6,7 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "tests/e2e/daemon_process.h"
+#include "tests/support/temp_dir.h"
 
 namespace flashd::engine {
 namespace {

@@ -10,7 +10,7 @@
 #include <sstream>
 
 #include "engine/model.h"
-#include "tests/e2e/daemon_process.h"
+#include "tests/support/temp_dir.h"
 
 namespace flashd::engine {
 namespace {
