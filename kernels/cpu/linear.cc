@@ -108,6 +108,38 @@ __attribute__((target("avx2"))) void ScaledBlockDot4Avx2(const float* x, size_t 
 }
 #endif
 
+float DenseDotPlain(const float* x, const float* w, size_t K) {
+  float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+  size_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    p0 += x[k] * w[k];
+    p1 += x[k + 1] * w[k + 1];
+    p2 += x[k + 2] * w[k + 2];
+    p3 += x[k + 3] * w[k + 3];
+  }
+  for (; k < K; ++k) p0 += x[k] * w[k];
+  return (p0 + p1) + (p2 + p3);
+}
+
+#if FLASHD_X86_VECTORS
+void DenseDot4Sse(const float* x, size_t x_stride, const float* w, size_t K, float* out) {
+  __m128 p[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
+  size_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const __m128 wv = _mm_loadu_ps(w + k);
+    for (size_t r = 0; r < 4; ++r) {
+      p[r] = _mm_add_ps(p[r], _mm_mul_ps(_mm_loadu_ps(x + r * x_stride + k), wv));
+    }
+  }
+  for (size_t r = 0; r < 4; ++r) {
+    float lane[4];
+    _mm_storeu_ps(lane, p[r]);
+    for (size_t t = k; t < K; ++t) lane[0] += x[r * x_stride + t] * w[t];
+    out[r] = (lane[0] + lane[1]) + (lane[2] + lane[3]);
+  }
+}
+#endif
+
 bool CpuHasAvx2() {
 #if FLASHD_X86_VECTORS
   static const bool avx2 = __builtin_cpu_supports("avx2");
@@ -282,19 +314,16 @@ void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, f
       [&](size_t begin, size_t end) {
         for (size_t n = begin; n < end; ++n) {
           const float* wn = w + n * K;
-          for (size_t m = 0; m < M; ++m) {
-            const float* xm = x + m * K;
-            float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-            size_t k = 0;
-            for (; k + 4 <= K; k += 4) {
-              p0 += xm[k] * wn[k];
-              p1 += xm[k + 1] * wn[k + 1];
-              p2 += xm[k + 2] * wn[k + 2];
-              p3 += xm[k + 3] * wn[k + 3];
-            }
-            for (; k < K; ++k) p0 += xm[k] * wn[k];
-            y[m * N + n] = (p0 + p1) + (p2 + p3);
+          size_t m = 0;
+#if FLASHD_X86_VECTORS
+          // Four rows at once, each in its own register of the same four lanes.
+          for (; m + 4 <= M; m += 4) {
+            float out[4];
+            internal::DenseDot4Sse(x + m * K, K, wn, K, out);
+            for (size_t r = 0; r < 4; ++r) y[(m + r) * N + n] = out[r];
           }
+#endif
+          for (; m < M; ++m) y[m * N + n] = internal::DenseDotPlain(x + m * K, wn, K);
         }
       },
       min_rows);

@@ -50,6 +50,10 @@ float ScaledBlockDot(const float* x, const float* w, const float* scales, size_t
 void ScaledBlockDot4Avx2(const float* x, size_t x_stride, const float* w, const float* scales,
                          size_t blocks, float* out);
 bool CpuHasAvx2();
+// The dense path's dot product (four lanes k % 4, the tail in lane 0), plain and four rows of
+// x at once in SSE registers.
+float DenseDotPlain(const float* x, const float* w, size_t K);
+void DenseDot4Sse(const float* x, size_t x_stride, const float* w, size_t K, float* out);
 }  // namespace internal
 
 }  // namespace flashd::kernels::cpu

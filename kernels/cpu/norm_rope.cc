@@ -6,6 +6,7 @@
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/thread_pool.h"
 
 namespace flashd::kernels::cpu {
 namespace {
@@ -13,9 +14,10 @@ inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
 }  // namespace
 
 int StreamThreads(const void* stream) {
+  // hardware_concurrency() reads /sys on every call; the process's pool fixes the count anyway.
+  static const int cores = static_cast<int>(ThreadPool::Process().workers()) + 1;
   const int threads = stream != nullptr ? static_cast<const CpuStream*>(stream)->threads : 0;
-  return threads > 0 ? threads
-                     : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return threads > 0 ? threads : cores;
 }
 
 OpStatus RoundBf16(const RoundBf16Params& p) {

@@ -180,6 +180,26 @@ BOOST_AUTO_TEST_CASE(vector_dot_products_equal_the_plain_one_bit_for_bit) {
   if (!internal::CpuHasAvx2()) BOOST_TEST_MESSAGE("this CPU has no AVX2: that path was not run");
 }
 
+BOOST_AUTO_TEST_CASE(dense_four_row_dot_equals_the_plain_one_bit_for_bit) {
+#if defined(__x86_64__)
+  std::mt19937 rng(9);
+  std::normal_distribution<float> dist(0.0f, 2.0f);
+  for (size_t K : {1, 3, 4, 31, 64, 130}) {
+    std::vector<float> x(4 * K), w(K);
+    for (float& v : x) v = dist(rng);
+    for (float& v : w) v = dist(rng);
+    float four[4];
+    internal::DenseDot4Sse(x.data(), K, w.data(), K, four);
+    for (size_t r = 0; r < 4; ++r) {
+      const float one = internal::DenseDotPlain(&x[r * K], w.data(), K);
+      BOOST_TEST(std::bit_cast<uint32_t>(four[r]) == std::bit_cast<uint32_t>(one), "K " << K);
+    }
+  }
+#else
+  BOOST_TEST_MESSAGE("no SSE path on this architecture");
+#endif
+}
+
 BOOST_AUTO_TEST_CASE(bad_shapes_are_refused) {
   std::vector<uint8_t> b(64);
   std::vector<float> y(4);
