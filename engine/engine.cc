@@ -46,13 +46,7 @@ struct Engine::Sequence {
   // Prefix cache.
   std::vector<int32_t> fed;            // Every token run so far: prompt, then generated.
   std::vector<cache::BlockKey> chain;  // Keys of its full blocks, in order.
-  struct Restore {
-    enum class Kind { kNone, kSnapshot, kReplay } kind = Kind::kNone;
-    int64_t start = 0;                // Position the sequence resumes at.
-    std::vector<std::string> blocks;  // Leading blocks' bytes.
-    std::string snapshot;
-    double seconds = 0;
-  } restore;
+  RestorePlan restore;                 // Found by the loader, applied at admission.
   int64_t cached_tokens = 0;
 };
 
@@ -79,7 +73,12 @@ cache::BlockKey Fingerprint(const Model& model, int64_t block_tokens) {
 
 }  // namespace
 
-Engine::Engine(EngineOptions options) : options_(std::move(options)) {}
+Engine::Engine(EngineOptions options)
+    : options_(std::move(options)),
+      scheduler_({.step_token_budget = options_.step_token_budget,
+                  .prefill_chunk = options_.prefill_chunk,
+                  .max_running = options_.max_running,
+                  .memory_budget_bytes = options_.memory_budget_bytes}) {}
 
 StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   if (options.step_token_budget < 1 || options.prefill_chunk < 1 || options.max_running < 1) {
@@ -104,6 +103,10 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
         std::max<uint64_t>(1, options.memory_budget_bytes / pool.block_bytes()));
   }
   e->fingerprint_ = Fingerprint(*e->model_, options.block_tokens);
+  if (options.cache) {
+    e->prefix_ = std::make_unique<PrefixCache>(options.cache.get(), e->forward_.get(),
+                                               e->fingerprint_, kCacheFormat);
+  }
   e->thread_ = std::thread([raw = e.get()] { raw->Loop(); });
   if (options.cache) e->loader_ = std::thread([raw = e.get()] { raw->LoaderLoop(); });
   return e;
@@ -210,164 +213,33 @@ void Engine::LoaderLoop() {
   }
 }
 
-cache::KeyContext Engine::KeyContextFor(const std::string& ns, bool snapshot) const {
-  // Snapshots hash under their own format number, so no snapshot key can equal a block key.
-  return cache::KeyContext{fingerprint_, kCacheFormat | (snapshot ? 0x80000000u : 0u), ns,
-                           forward_->numerics()};
-}
-
-void Engine::ExtendChain(std::span<const int32_t> tokens, size_t blocks,
-                         const cache::KeyContext& ctx, std::vector<cache::BlockKey>* chain) const {
-  const size_t B = static_cast<size_t>(forward_->block_tokens());
-  for (size_t j = chain->size(); j < blocks; ++j) {
-    const cache::BlockKey parent = j == 0 ? cache::BlockKey{} : (*chain)[j - 1];
-    chain->push_back(cache::ChainBlockKey(parent, tokens.subspan(j * B, B), ctx));
-  }
-}
-
 Engine::PrefixKeys Engine::KeysFor(std::span<const int32_t> tokens,
                                    const std::string& tenant) const {
-  const size_t B = static_cast<size_t>(forward_->block_tokens());
-  PrefixKeys k;
-  ExtendChain(tokens, tokens.size() / B, KeyContextFor(tenant, false), &k.blocks);
-  const cache::BlockKey parent = k.blocks.empty() ? cache::BlockKey{} : k.blocks.back();
-  k.snapshot = cache::ChainBlockKey(parent, tokens.subspan(k.blocks.size() * B),
-                                    KeyContextFor(tenant, true));
-  return k;
+  return prefix_ ? prefix_->KeysFor(tokens, tenant) : PrefixKeys{};
 }
 
 void Engine::PlanRestore(Sequence& s) {
-  const auto t0 = std::chrono::steady_clock::now();
-  cache::BlockStore& store = *options_.cache;
-  const std::vector<int32_t>& prompt = s.request.prompt;
-  const int64_t B = forward_->pool()->block_bytes() > 0 ? forward_->block_tokens() : 0;
-  if (B == 0 || prompt.size() < 2) return;
-  // At least the last prompt token is always run: its logits give the first output token.
-  const int64_t usable = static_cast<int64_t>(prompt.size()) - 1;
-  const std::string& tenant = s.request.tenant;
-  const cache::KeyContext ctx = KeyContextFor(tenant, false);
-  const cache::KeyContext snap_ctx = KeyContextFor(tenant, true);
-  const size_t full = static_cast<size_t>(usable / B);
-  // The chain of the prompt's full blocks: the tenant's own, or a prefix published to a group
-  // the tenant belongs to, continued in the tenant's namespace; whichever holds more.
-  std::vector<cache::BlockKey> keys;
-  ExtendChain(prompt, full, ctx, &keys);
-  size_t have = store.PresentPrefix(keys);
-  cache::KeyContext shared_snap_ctx = snap_ctx;
-  for (const std::string& ns : s.request.shared_namespaces) {
-    std::vector<cache::BlockKey> k;
-    ExtendChain(prompt, full, KeyContextFor(ns, false), &k);
-    const size_t shared = store.PresentPrefix(k);
-    if (shared == 0) continue;
-    k.resize(shared);
-    ExtendChain(prompt, full, ctx, &k);
-    const size_t n = store.PresentPrefix(k);
-    if (n <= have) continue;
-    keys = std::move(k);
-    have = n;
-    shared_snap_ctx = KeyContextFor(ns, true);
-  }
-  const int64_t replay = forward_->ExactReplayTokens();
-  for (int attempt = 0; attempt < 3; ++attempt) {
-    Sequence::Restore plan;
-    // The deepest snapshot along the stored chain whose tail the prompt continues.
-    int64_t snap_at = -1;
-    size_t snap_blocks = 0;
-    cache::BlockKey snap_key;
-    std::vector<int32_t> snap_tail;
-    for (size_t j = have + 1; j-- > 0 && snap_at < 0;) {
-      const cache::BlockKey under = j == 0 ? cache::BlockKey{} : keys[j - 1];
-      for (auto& ref : store.SnapshotsUnder(under)) {
-        const int64_t at = static_cast<int64_t>(j) * B + static_cast<int64_t>(ref.tail.size());
-        if (at > usable || at <= snap_at) continue;
-        if (!std::equal(ref.tail.begin(), ref.tail.end(), prompt.begin() + j * B)) continue;
-        if (!(cache::ChainBlockKey(under, ref.tail, snap_ctx) == ref.key) &&
-            !(cache::ChainBlockKey(under, ref.tail, shared_snap_ctx) == ref.key)) {
-          continue;
-        }
-        snap_at = at;
-        snap_blocks = j;
-        snap_key = ref.key;
-        snap_tail = ref.tail;
-      }
-    }
-    const int64_t replay_start = static_cast<int64_t>(have) * B - replay;
-    size_t read = 0;
-    if (snap_at > 0 && snap_at >= replay_start) {
-      plan.kind = Sequence::Restore::Kind::kSnapshot;
-      plan.start = snap_at;
-      read = snap_blocks;
-    } else if (replay_start > 0) {
-      plan.kind = Sequence::Restore::Kind::kReplay;
-      plan.start = replay_start;
-      read = have;
-    } else {
-      break;
-    }
-    std::vector<std::span<const int32_t>> spans;
-    for (size_t j = 0; j < read; ++j) spans.push_back(std::span(prompt).subspan(j * B, B));
-    auto got = store.ReadBlocks(std::span(keys).first(read), spans);
-    size_t ok = 0;
-    while (ok < read && got[ok].has_value()) ++ok;
-    if (ok < read) {
-      have = ok;  // A block went missing or failed its check: plan again with less.
-      continue;
-    }
-    if (plan.kind == Sequence::Restore::Kind::kSnapshot) {
-      std::optional<std::string> snap = store.ReadSnapshot(snap_key, snap_tail);
-      if (!snap) continue;  // Dropped as corrupt; the next plan cannot pick it again.
-      plan.snapshot = std::move(*snap);
-    }
-    for (auto& b : got) plan.blocks.push_back(std::move(*b));
-    s.chain.assign(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(read));
-    s.restore = std::move(plan);
-    break;
-  }
-  s.restore.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  s.restore = prefix_->Plan(s.request.prompt, s.request.tenant, s.request.shared_namespaces);
 }
 
 void Engine::ApplyRestore(Sequence& s) {
-  using Kind = Sequence::Restore::Kind;
-  Sequence::Restore plan = std::move(s.restore);
+  RestorePlan plan = std::move(s.restore);
   s.restore = {};
   s.fed.clear();
-  if (plan.kind == Kind::kNone) {
-    s.chain.clear();
-    return;
-  }
-  KvPool& pool = *forward_->pool();
-  std::vector<int32_t> ids;
-  bool ok = true;
-  for (const std::string& bytes : plan.blocks) {
-    const int32_t id = bytes.size() == pool.block_bytes() ? pool.Allocate() : -1;
-    if (id < 0) {
-      ok = false;
-      break;
-    }
-    std::memcpy(pool.data(id), bytes.data(), bytes.size());
-    ids.push_back(id);
-  }
-  StatusOr<SequenceState> state = Internal("not restored");
-  if (!ok) {
-    for (int32_t id : ids) pool.Unref(id);
-  } else if (plan.kind == Kind::kSnapshot) {
-    state = forward_->Restore(plan.snapshot, std::move(ids));
-  } else {
-    const std::span<const int32_t> before = std::span(s.request.prompt).first(plan.start);
-    state = forward_->ResumeAt(plan.start, before, std::move(ids));
-  }
-  if (!ok || !state.ok() || state->position != plan.start) {
-    spdlog::warn("prefix cache: restore failed, prefilling instead: {}",
-                 state.ok() ? "position mismatch" : state.status().ToString());
-    s.chain.clear();
+  s.chain.clear();
+  if (plan.kind == RestorePlan::Kind::kNone) return;
+  StatusOr<SequenceState> state = prefix_->Apply(plan, s.request.prompt);
+  if (!state.ok()) {
+    spdlog::warn("prefix cache: restore failed, prefilling instead: {}", state.status().ToString());
     return;
   }
   s.state = std::move(*state);
   s.prompt_done = static_cast<size_t>(plan.start);
   s.fed.assign(s.request.prompt.begin(), s.request.prompt.begin() + plan.start);
   s.cached_tokens = plan.start;
+  s.chain = std::move(plan.chain);
   std::lock_guard<std::mutex> lock(mu_);
-  if (plan.kind == Kind::kSnapshot) {
+  if (plan.kind == RestorePlan::Kind::kSnapshot) {
     stats_.cache_snapshot_hits += 1;
   } else {
     stats_.cache_replay_hits += 1;
@@ -378,35 +250,11 @@ void Engine::ApplyRestore(Sequence& s) {
 }
 
 void Engine::StoreNewBlocks(Sequence& s) {
-  if (!options_.cache) return;
-  const size_t B = static_cast<size_t>(forward_->block_tokens());
-  const KvPool& pool = *forward_->pool();
-  const size_t from = s.chain.size();
-  ExtendChain(s.fed, static_cast<size_t>(s.state.position) / B,
-              KeyContextFor(s.request.tenant, false), &s.chain);
-  for (size_t j = from; j < s.chain.size(); ++j) {
-    if (options_.cache->Contains(s.chain[j])) continue;
-    const uint8_t* bytes = pool.data(s.state.blocks[j]);
-    options_.cache->Put(cache::BlockStore::Kind::kBlock, s.chain[j],
-                        j == 0 ? cache::BlockKey{} : s.chain[j - 1], static_cast<uint32_t>(j + 1),
-                        std::span(s.fed).subspan(j * B, B),
-                        std::string(reinterpret_cast<const char*>(bytes), pool.block_bytes()));
-  }
+  if (prefix_) prefix_->StoreNewBlocks(s.fed, s.state, s.request.tenant, &s.chain);
 }
 
 void Engine::SaveSnapshot(Sequence& s) {
-  if (!options_.cache || s.state.position == 0) return;
-  StoreNewBlocks(s);
-  const int64_t B = forward_->block_tokens();
-  const size_t c = s.chain.size();
-  const cache::BlockKey parent = c == 0 ? cache::BlockKey{} : s.chain[c - 1];
-  const std::span<const int32_t> tail =
-      std::span(s.fed).subspan(c * B, static_cast<size_t>(s.state.position) - c * B);
-  const cache::BlockKey key =
-      cache::ChainBlockKey(parent, tail, KeyContextFor(s.request.tenant, true));
-  if (options_.cache->Contains(key)) return;
-  options_.cache->Put(cache::BlockStore::Kind::kSnapshot, key, parent, static_cast<uint32_t>(c),
-                      tail, s.state.Serialize(c));
+  if (prefix_) prefix_->SaveSnapshot(s.fed, s.state, s.request.tenant, &s.chain);
 }
 
 uint64_t Engine::MemoryNeed(const GenerationRequest& r) const {
@@ -462,50 +310,35 @@ void Engine::Loop() {
   for (auto& s : running_) Finish(*s, "cancelled");
 }
 
-bool Engine::Step() {
+// Takes what Submit and the loader queued, and the cancellations.
+std::vector<Engine::Handle> Engine::Intake() {
   std::vector<Handle> cancels;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    while (!incoming_.empty()) {
-      waiting_.push_back(std::move(incoming_.front()));
-      incoming_.pop_front();
-    }
-    cancels.swap(cancels_);
+  std::lock_guard<std::mutex> lock(mu_);
+  while (!incoming_.empty()) {
+    waiting_.push_back(std::move(incoming_.front()));
+    incoming_.pop_front();
   }
-  ++step_;
+  cancels.swap(cancels_);
+  // A request still with the loader is cancelled when it comes back.
+  for (Handle h : cancels) {
+    if (loading_.count(h)) cancel_after_load_.insert(h);
+  }
+  return cancels;
+}
+
+// Admission (the scheduler's policy), then the queue positions of whoever still waits.
+void Engine::Admit() {
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(),
+                                [](const std::unique_ptr<Sequence>& s) { return s->done; }),
+                 waiting_.end());
   uint64_t reserved = 0;
   for (auto& s : running_) reserved += s->reserved;
-
-  // Cancellations: waiting ones simply leave; running ones free what they hold.
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (Handle h : cancels) {
-      if (loading_.count(h)) cancel_after_load_.insert(h);
-    }
-  }
-  for (Handle h : cancels) {
-    for (auto& s : waiting_) {
-      if (s->handle == h) Finish(*s, "cancelled");
-    }
-    for (auto& s : running_) {
-      if (s->handle == h) Finish(*s, "cancelled");
-    }
-  }
-
-  // Admission, first come first served, while memory and slots allow.
-  for (auto it = waiting_.begin(); it != waiting_.end();) {
-    Sequence& s = **it;
-    if (s.done) {
-      it = waiting_.erase(it);
-      continue;
-    }
-    const uint64_t need = MemoryNeed(s.request);
-    if (reserved + need > options_.memory_budget_bytes ||
-        static_cast<int64_t>(running_.size()) >= options_.max_running) {
-      break;
-    }
-    s.reserved = need;
-    reserved += need;
+  std::vector<uint64_t> needs;
+  for (auto& s : waiting_) needs.push_back(MemoryNeed(s->request));
+  const size_t admit = scheduler_.Admit(needs, reserved, running_.size());
+  for (size_t i = 0; i < admit; ++i) {
+    Sequence& s = *waiting_.front();
+    s.reserved = needs[i];
     s.state = forward_->NewSequence();
     if (options_.cache) {
       ApplyRestore(s);
@@ -516,10 +349,9 @@ bool Engine::Step() {
     }
     s.sampler = std::make_unique<Sampler>(s.request.sampling, s.request.prompt);
     if (tokenizer_) s.decoder = std::make_unique<StreamDecoder>(tokenizer_.get());
-    running_.push_back(std::move(*it));
-    it = waiting_.erase(it);
+    running_.push_back(std::move(waiting_.front()));
+    waiting_.pop_front();
   }
-  // Whoever still waits learns its place in the queue when it changes.
   int64_t position = 0;
   for (auto& s : waiting_) {
     if (s->last_reported_position != position) {
@@ -532,136 +364,139 @@ bool Engine::Step() {
     }
     ++position;
   }
+}
 
-  // The batch: every decoding sequence's next token first, then prefill chunks by tenant.
-  std::vector<Sequence*> decoding, prefilling;
-  for (auto& s : running_) {
-    if (s->done) continue;
-    (s->prompt_done < s->request.prompt.size() ? prefilling : decoding).push_back(s.get());
-  }
-  int64_t budget = options_.step_token_budget;
-  std::vector<BatchItem> items;
-  std::vector<Sequence*> owners;
-  std::vector<std::vector<float>> logits(decoding.size() + prefilling.size());
-  std::vector<std::vector<int32_t>> inputs(logits.size());
-  for (Sequence* s : decoding) {
-    if (budget <= 0) break;
-    inputs[owners.size()] = {s->next_input};
-    owners.push_back(s);
-    --budget;
-  }
-  // Round-robin over tenants: each tenant's oldest prefilling sequence in turn.
-  std::map<std::string, std::deque<Sequence*>> by_tenant;
-  for (Sequence* s : prefilling) by_tenant[s->request.tenant].push_back(s);
-  std::vector<std::string> tenants;
-  for (auto& [t, q] : by_tenant) tenants.push_back(t);
-  size_t turn = tenants.empty() ? 0 : tenant_turn_ % tenants.size();
-  tenant_turn_ += 1;
-  while (budget > 0 && !by_tenant.empty()) {
-    const std::string& tenant = tenants[turn % tenants.size()];
-    ++turn;
-    auto found = by_tenant.find(tenant);
-    if (found == by_tenant.end()) continue;
-    Sequence* s = found->second.front();
-    found->second.pop_front();
-    if (found->second.empty()) by_tenant.erase(found);
-    const size_t left = s->request.prompt.size() - s->prompt_done;
-    const size_t n = std::min<size_t>(
-        {left, static_cast<size_t>(options_.prefill_chunk), static_cast<size_t>(budget)});
-    inputs[owners.size()].assign(s->request.prompt.begin() + s->prompt_done,
-                                 s->request.prompt.begin() + s->prompt_done + n);
-    owners.push_back(s);
-    budget -= static_cast<int64_t>(n);
-  }
-
-  int64_t prompt_tokens = 0;
-  if (!owners.empty()) {
-    // A sequence whose KV blocks do not fit ends with its own error; the others go on.
-    std::vector<Status> item_status(owners.size());
-    for (size_t i = 0; i < owners.size(); ++i) {
-      items.push_back({&owners[i]->state, inputs[i], &logits[i], &item_status[i]});
-    }
-    ForwardOptions fo;
-    fo.threads = options_.threads;
-    Status s = forward_->ForwardBatch(items, fo);
-    if (!s.ok()) {
-      spdlog::error("engine step {}: {}", step_, s.ToString());
-      for (Sequence* o : owners) Finish(*o, "error", s);
+// Samples the sequence's next token from its logits and delivers it, with the text it completes
+// (held back while it could be the start of a stop string); ends the sequence on a stop token,
+// a stop string or max_tokens.
+void Engine::Publish(Sequence& q, std::span<const float> logits) {
+  SampledToken t = q.sampler->Sample(logits);
+  q.generated += 1;
+  q.next_input = t.token;
+  const SamplingParams& sp = q.request.sampling;
+  const bool stop_token =
+      (t.token == config().eos_token_id && !sp.ignore_eos) ||
+      std::find(sp.stop_tokens.begin(), sp.stop_tokens.end(), t.token) != sp.stop_tokens.end();
+  GenerationEvent e;
+  e.kind = GenerationEvent::Kind::kToken;
+  e.token = t;
+  e.step = step_;
+  e.prompt_tokens = static_cast<int64_t>(q.request.prompt.size());
+  e.cached_tokens = q.cached_tokens;
+  bool stop_string = false;
+  if (q.decoder && !stop_token) {
+    q.pending_text += q.decoder->Push(t.token);
+    // A stop string ends the output before it; text that could start one waits.
+    size_t cut = std::string::npos;
+    for (const std::string& st : sp.stop) cut = std::min(cut, q.pending_text.find(st));
+    if (cut != std::string::npos) {
+      e.text = q.pending_text.substr(0, cut);
+      q.pending_text.clear();
+      stop_string = true;
     } else {
-      for (size_t i = 0; i < owners.size(); ++i) {
-        Sequence& q = *owners[i];
-        if (!item_status[i].ok()) {
-          spdlog::warn("engine step {}: {}", step_, item_status[i].ToString());
-          Finish(q, "error", item_status[i]);
-          continue;
-        }
-        const bool was_prefill = q.prompt_done < q.request.prompt.size();
-        if (options_.cache) {
-          q.fed.insert(q.fed.end(), inputs[i].begin(), inputs[i].end());
-          StoreNewBlocks(q);
-        }
-        if (was_prefill) {
-          q.prompt_done += inputs[i].size();
-          prompt_tokens += static_cast<int64_t>(inputs[i].size());
-          if (q.prompt_done < q.request.prompt.size()) continue;  // More prompt next step.
-          SaveSnapshot(q);
-        }
-        SampledToken t = q.sampler->Sample(logits[i]);
-        q.generated += 1;
-        q.next_input = t.token;
-        const SamplingParams& sp = q.request.sampling;
-        const bool stop_token = (t.token == config().eos_token_id && !sp.ignore_eos) ||
-                                std::find(sp.stop_tokens.begin(), sp.stop_tokens.end(), t.token) !=
-                                    sp.stop_tokens.end();
-        GenerationEvent e;
-        e.kind = GenerationEvent::Kind::kToken;
-        e.token = t;
-        e.step = step_;
-        e.prompt_tokens = static_cast<int64_t>(q.request.prompt.size());
-        e.cached_tokens = q.cached_tokens;
-        bool stop_string = false;
-        if (q.decoder && !stop_token) {
-          q.pending_text += q.decoder->Push(t.token);
-          // A stop string ends the output before it; text that could start one waits.
-          size_t cut = std::string::npos;
-          for (const std::string& st : sp.stop) cut = std::min(cut, q.pending_text.find(st));
-          if (cut != std::string::npos) {
-            e.text = q.pending_text.substr(0, cut);
-            q.pending_text.clear();
-            stop_string = true;
-          } else {
-            size_t hold = 0;
-            for (const std::string& st : sp.stop) {
-              for (size_t n = std::min(st.size() - 1, q.pending_text.size()); n > hold; --n) {
-                if (q.pending_text.compare(q.pending_text.size() - n, n, st, 0, n) == 0) {
-                  hold = n;
-                  break;
-                }
-              }
-            }
-            e.text = q.pending_text.substr(0, q.pending_text.size() - hold);
-            q.pending_text.erase(0, q.pending_text.size() - hold);
+      size_t hold = 0;
+      for (const std::string& st : sp.stop) {
+        for (size_t n = std::min(st.size() - 1, q.pending_text.size()); n > hold; --n) {
+          if (q.pending_text.compare(q.pending_text.size() - n, n, st, 0, n) == 0) {
+            hold = n;
+            break;
           }
         }
-        q.queue->Push(std::move(e));
-        if (stop_token || stop_string) {
-          Finish(q, "stop");
-        } else if (q.generated >= sp.max_tokens) {
-          Finish(q, "length");
-        }
       }
+      e.text = q.pending_text.substr(0, q.pending_text.size() - hold);
+      q.pending_text.erase(0, q.pending_text.size() - hold);
     }
   }
+  q.queue->Push(std::move(e));
+  if (stop_token || stop_string) {
+    Finish(q, "stop");
+  } else if (q.generated >= sp.max_tokens) {
+    Finish(q, "length");
+  }
+}
+
+// Runs one batch through the model and hands each sequence its result; returns the prompt
+// tokens it processed.
+int64_t Engine::RunBatch(const std::vector<Sequence*>& owners,
+                         const std::vector<std::vector<int32_t>>& inputs) {
+  std::vector<std::vector<float>> logits(owners.size());
+  // A sequence whose KV blocks do not fit ends with its own error; the others go on.
+  std::vector<Status> item_status(owners.size());
+  std::vector<BatchItem> items;
+  for (size_t i = 0; i < owners.size(); ++i) {
+    items.push_back({&owners[i]->state, inputs[i], &logits[i], &item_status[i]});
+  }
+  ForwardOptions fo;
+  fo.threads = options_.threads;
+  if (Status s = forward_->ForwardBatch(items, fo); !s.ok()) {
+    spdlog::error("engine step {}: {}", step_, s.ToString());
+    for (Sequence* o : owners) Finish(*o, "error", s);
+    return 0;
+  }
+  int64_t prompt_tokens = 0;
+  for (size_t i = 0; i < owners.size(); ++i) {
+    Sequence& q = *owners[i];
+    if (!item_status[i].ok()) {
+      spdlog::warn("engine step {}: {}", step_, item_status[i].ToString());
+      Finish(q, "error", item_status[i]);
+      continue;
+    }
+    const bool was_prefill = q.prompt_done < q.request.prompt.size();
+    if (options_.cache) {
+      q.fed.insert(q.fed.end(), inputs[i].begin(), inputs[i].end());
+      StoreNewBlocks(q);
+    }
+    if (was_prefill) {
+      q.prompt_done += inputs[i].size();
+      prompt_tokens += static_cast<int64_t>(inputs[i].size());
+      if (q.prompt_done < q.request.prompt.size()) continue;  // More prompt next step.
+      SaveSnapshot(q);
+    }
+    Publish(q, logits[i]);
+  }
+  return prompt_tokens;
+}
+
+// The algorithm: take new requests and cancellations, admit, batch, run, publish, clean up.
+bool Engine::Step() {
+  const std::vector<Handle> cancels = Intake();
+  ++step_;
+  for (Handle h : cancels) {
+    for (auto& s : waiting_) {
+      if (s->handle == h) Finish(*s, "cancelled");
+    }
+    for (auto& s : running_) {
+      if (s->handle == h) Finish(*s, "cancelled");
+    }
+  }
+  Admit();
+  std::vector<Sequence*> live;
+  std::vector<Scheduler::Candidate> candidates;
+  for (auto& s : running_) {
+    if (s->done) continue;
+    live.push_back(s.get());
+    candidates.push_back({s->request.tenant, s->request.prompt.size() - s->prompt_done});
+  }
+  std::vector<Sequence*> owners;
+  std::vector<std::vector<int32_t>> inputs;
+  for (const Scheduler::Pick& pick : scheduler_.Batch(candidates)) {
+    Sequence* s = live[pick.index];
+    owners.push_back(s);
+    if (s->prompt_done >= s->request.prompt.size()) {
+      inputs.push_back({s->next_input});
+    } else {
+      const auto first = s->request.prompt.begin() + static_cast<std::ptrdiff_t>(s->prompt_done);
+      inputs.emplace_back(first, first + static_cast<std::ptrdiff_t>(pick.tokens));
+    }
+  }
+  const int64_t prompt_tokens = owners.empty() ? 0 : RunBatch(owners, inputs);
 
   // Finished sequences leave and give back their memory.
   int64_t generated = 0;
   for (Sequence* o : owners) generated += o->prompt_done >= o->request.prompt.size() ? 1 : 0;
-  running_.erase(std::remove_if(running_.begin(), running_.end(),
-                                [](const std::unique_ptr<Sequence>& s) { return s->done; }),
-                 running_.end());
-  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(),
-                                [](const std::unique_ptr<Sequence>& s) { return s->done; }),
-                 waiting_.end());
+  auto done = [](const std::unique_ptr<Sequence>& s) { return s->done; };
+  running_.erase(std::remove_if(running_.begin(), running_.end(), done), running_.end());
+  waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), done), waiting_.end());
   uint64_t still_reserved = 0;
   for (auto& s : running_) still_reserved += s->reserved;
   std::lock_guard<std::mutex> lock(mu_);

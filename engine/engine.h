@@ -30,7 +30,9 @@
 #include "config/status.h"
 #include "engine/forward.h"
 #include "engine/model.h"
+#include "engine/prefix_cache.h"
 #include "engine/sampler.h"
+#include "engine/scheduler.h"
 #include "engine/tokenizer.h"
 
 namespace flashd::engine {
@@ -136,10 +138,7 @@ class Engine {
   static constexpr const char* kCachePayloadFormat = "flashd kv blocks v2 (planar), snapshots v4";
   // The prefix cache's keys for `tokens` of `tenant`: every full block, and the snapshot at the
   // end (what a prompt of exactly these tokens leaves behind).
-  struct PrefixKeys {
-    std::vector<cache::BlockKey> blocks;
-    cache::BlockKey snapshot;
-  };
+  using PrefixKeys = engine::PrefixKeys;
   PrefixKeys KeysFor(std::span<const int32_t> tokens, const std::string& tenant) const;
   // Bytes of one KV block (the prefix cache's unit).
   size_t block_bytes() const { return forward_->pool()->block_bytes(); }
@@ -153,16 +152,17 @@ class Engine {
   void Loop();
   void LoaderLoop();
   bool Step();  // One scheduling round; false when there was nothing to do.
-  // Prefix cache: what to restore (loader thread), restoring it at admission, and writing.
+  std::vector<Handle> Intake();
+  void Admit();
+  int64_t RunBatch(const std::vector<Sequence*>& owners,
+                   const std::vector<std::vector<int32_t>>& inputs);
+  void Publish(Sequence& q, std::span<const float> logits);
+  // Prefix cache (PrefixCache's policy): what to restore (loader thread), restoring it at
+  // admission, and writing.
   void PlanRestore(Sequence& s);
   void ApplyRestore(Sequence& s);
   void StoreNewBlocks(Sequence& s);
   void SaveSnapshot(Sequence& s);
-  // The key context of namespace `ns` (a tenant, or "group:NAME"), for blocks or snapshots.
-  cache::KeyContext KeyContextFor(const std::string& ns, bool snapshot) const;
-  // Appends to `chain` the keys of `tokens`' blocks from chain->size() up to `blocks`.
-  void ExtendChain(std::span<const int32_t> tokens, size_t blocks, const cache::KeyContext& ctx,
-                   std::vector<cache::BlockKey>* chain) const;
   void Finish(Sequence& s, const std::string& reason, Status error = Status::Ok());
   // KV for the prompt and max_tokens, plus the bounded per-sequence state.
   uint64_t MemoryNeed(const GenerationRequest& request) const;
@@ -174,6 +174,7 @@ class Engine {
   uint64_t per_token_bytes_ = 0;
   uint64_t per_sequence_bytes_ = 0;
   cache::BlockKey fingerprint_;
+  std::unique_ptr<PrefixCache> prefix_;  // With a cache only.
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -190,7 +191,7 @@ class Engine {
   // Engine-thread state.
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
-  size_t tenant_turn_ = 0;
+  Scheduler scheduler_;
   int64_t step_ = 0;
   std::thread thread_;
   std::thread loader_;
