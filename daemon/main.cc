@@ -12,6 +12,7 @@
 
 #include "config/config.h"
 #include "daemon/daemon.h"
+#include "daemon/eval_command.h"
 #include "daemon/model_commands.h"
 #include "daemon/version.h"
 
@@ -33,6 +34,7 @@ void PrintMainHelp() {
       "  serve       run the daemon in the foreground\n"
       "  mkmodel     write a tiny checkpoint in the released format (random weights)\n"
       "  model-info  parameters, KV bytes per token and state of a model or config.json\n"
+      "  eval        token ids -> logits (and layer streams) of a model, as .npy/safetensors\n"
       "  tokenize    text on stdin -> token ids (JSON array)\n"
       "  detokenize  token ids (JSON array) on stdin -> text\n"
       "  version     print the version and build\n"
@@ -170,6 +172,7 @@ int main(int argc, char** argv) {
   if (command == "serve") return Serve(args);
   if (command == "version" || command == "--version") return Version(args);
   if (command == "mkmodel") return daemon::MkModelCommand(args);
+  if (command == "eval") return daemon::EvalCommand(args);
   if (command == "model-info") return daemon::ModelInfoCommand(args);
   if (command == "tokenize") return daemon::TokenizeCommand(args);
   if (command == "detokenize") return daemon::DetokenizeCommand(args);

@@ -3,10 +3,15 @@
 
 #include <algorithm>
 #include <boost/test/unit_test.hpp>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "tests/support/temp_dir.h"
 
@@ -112,6 +117,170 @@ BOOST_AUTO_TEST_CASE(mkmodel_spec_file_and_print_config) {
   BOOST_TEST(c["text_config"]["hidden_size"] == 128);
   BOOST_TEST(c["text_config"]["engram_num_embeddings"].size() == 1u);
   BOOST_TEST(c["quantization_config"]["expert_dtype"] == "fp4");
+}
+
+// --- flashd eval -------------------------------------------------------------------------------
+
+// A float32 .npy as numpy writes it (the header is checked, not trusted blindly).
+std::vector<float> ReadNpy(const std::string& path, std::vector<int64_t>* shape) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  BOOST_REQUIRE(bytes.size() > 10 && bytes.compare(0, 6, "\x93NUMPY") == 0);
+  const size_t len = static_cast<unsigned char>(bytes[8]) | static_cast<unsigned char>(bytes[9])
+                                                                << 8;
+  const std::string header = bytes.substr(10, len);
+  BOOST_REQUIRE(Contains(header, "'descr': '<f4'"));
+  BOOST_REQUIRE((10 + len) % 64 == 0);  // numpy's alignment.
+  shape->clear();
+  std::string dims = header.substr(header.find('(') + 1);
+  dims = dims.substr(0, dims.find(')'));
+  for (size_t at = 0; at < dims.size();) {
+    const size_t comma = dims.find(',', at);
+    const std::string d =
+        dims.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    if (d.find_first_not_of(' ') != std::string::npos) shape->push_back(std::stoll(d));
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  std::vector<float> v((bytes.size() - 10 - len) / 4);
+  std::memcpy(v.data(), bytes.data() + 10 + len, v.size() * 4);
+  return v;
+}
+
+// One F32 tensor of a safetensors file.
+std::vector<float> ReadTensor(const std::string& path, const std::string& name,
+                              std::vector<int64_t>* shape) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  const json header = json::parse(bytes.substr(8, n));
+  const json& t = header.at(name);
+  BOOST_REQUIRE(t["dtype"] == "F32");
+  *shape = t["shape"].get<std::vector<int64_t>>();
+  const size_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
+  std::vector<float> v((end - begin) / 4);
+  std::memcpy(v.data(), bytes.data() + 8 + n + begin, end - begin);
+  return v;
+}
+
+void WriteNpy(const std::string& path, const std::vector<int64_t>& shape,
+              const std::vector<float>& v) {
+  std::string dims;
+  for (int64_t d : shape) dims += std::to_string(d) + ", ";
+  std::string header = "{'descr': '<f4', 'fortran_order': False, 'shape': (" + dims + "), }";
+  header.append(64 - (10 + header.size() + 1) % 64, ' ');
+  header += '\n';
+  std::ofstream out(path, std::ios::binary);
+  out.write("\x93NUMPY\x01\x00", 8);
+  out.put(static_cast<char>(header.size() & 0xFF));
+  out.put(static_cast<char>(header.size() >> 8));
+  out << header;
+  out.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * 4));
+}
+
+// The golden short prompt and its continuation, as the reference ran them.
+struct GoldenRun {
+  std::vector<int32_t> tokens;
+  size_t prompt = 0;
+  std::vector<float> logits;   // The reference's, [tokens, vocab].
+  std::vector<float> streams;  // The reference's, [tokens, layers, hc, dim] (BF16 widened).
+};
+
+GoldenRun LoadGoldenRun() {
+  const json meta = json::parse(std::ifstream(FLASHD_GOLDEN_DIR "/golden.json"));
+  const json& run = meta["runs"][0];
+  GoldenRun g;
+  g.tokens = run["prompt"].get<std::vector<int32_t>>();
+  g.prompt = g.tokens.size();
+  for (int32_t t : run["continuation"].get<std::vector<int32_t>>()) g.tokens.push_back(t);
+  const size_t vocab = meta["vocab_size"].get<size_t>(), width = 10 * 4 * 128;
+  std::ifstream lf(FLASHD_GOLDEN_DIR "/logits.f32", std::ios::binary);
+  g.logits.resize(g.tokens.size() * vocab);
+  lf.read(reinterpret_cast<char*>(g.logits.data()),
+          static_cast<std::streamsize>(g.logits.size() * 4));
+  std::ifstream sf(FLASHD_GOLDEN_DIR "/streams.bf16", std::ios::binary);
+  std::vector<uint16_t> bf(g.tokens.size() * width);
+  sf.read(reinterpret_cast<char*>(bf.data()), static_cast<std::streamsize>(bf.size() * 2));
+  for (uint16_t b : bf) {
+    const uint32_t bits = static_cast<uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    g.streams.push_back(f);
+  }
+  return g;
+}
+
+double MaxAbsDiff(const float* a, const float* b, size_t n) {
+  double worst = 0;
+  for (size_t i = 0; i < n; ++i) worst = std::max(worst, double(std::fabs(a[i] - b[i])));
+  return worst;
+}
+
+BOOST_AUTO_TEST_CASE(eval_writes_the_logits_the_reference_computed) {
+  TempDir tmp;
+  const GoldenRun g = LoadGoldenRun();
+  std::string ids = "[";
+  for (int32_t t : g.tokens) ids += std::to_string(t) + ",";
+  ids.back() = ']';
+  std::ofstream(tmp.path() / "tokens.json") << ids;
+  const std::string base = "eval " FLASHD_GOLDEN_DIR " --topk-order reference --tokens " +
+                           (tmp.path() / "tokens.json").string();
+  const std::string whole = (tmp.path() / "whole.npy").string();
+  const Run r = Flashd(base + " --out " + whole);
+  BOOST_REQUIRE_MESSAGE(r.code == 0, r.out);
+  std::vector<int64_t> shape;
+  const std::vector<float> logits = ReadNpy(whole, &shape);
+  const int64_t T = static_cast<int64_t>(g.tokens.size());
+  BOOST_REQUIRE((shape == std::vector<int64_t>{T, 480}));
+  // The prompt and the first continuation token agree with the reference within the golden
+  // test's tolerance (later rows may carry one rounding flip there too).
+  BOOST_TEST(MaxAbsDiff(logits.data(), g.logits.data(), (g.prompt + 1) * 480) < 1e-3);
+  // Chunked prefill through the command gives the same bytes.
+  const std::string chunked = (tmp.path() / "chunked.npy").string();
+  BOOST_REQUIRE(Flashd(base + " --chunk 3 --out " + chunked).code == 0);
+  BOOST_TEST((ReadNpy(chunked, &shape) == logits));
+  // Streams out, then fed back in: forcing a run's own streams reproduces it exactly.
+  const std::string st = (tmp.path() / "run.safetensors").string();
+  BOOST_REQUIRE(Flashd(base + " --streams --out " + st).code == 0);
+  std::vector<int64_t> sshape;
+  const std::vector<float> streams = ReadTensor(st, "streams", &sshape);
+  BOOST_REQUIRE((sshape == std::vector<int64_t>{T, 10, 4, 128}));
+  BOOST_TEST((ReadTensor(st, "logits", &shape) == logits));
+  const std::string own = (tmp.path() / "own.npy").string();
+  WriteNpy(own, sshape, streams);
+  const std::string forced = (tmp.path() / "forced.npy").string();
+  BOOST_REQUIRE(Flashd(base + " --forced-streams " + own + " --out " + forced).code == 0);
+  BOOST_TEST((ReadNpy(forced, &shape) == logits));
+  // The reference's own streams, layer by layer: every position's logits then come from the
+  // reference's final stream, so they agree with its logits everywhere, continuation included.
+  const std::string ref = (tmp.path() / "reference.npy").string();
+  WriteNpy(ref, sshape, g.streams);
+  const std::string layered = (tmp.path() / "layered.npy").string();
+  BOOST_REQUIRE(Flashd(base + " --forced-streams " + ref + " --out " + layered).code == 0);
+  const std::vector<float> by_layer = ReadNpy(layered, &shape);
+  BOOST_TEST(MaxAbsDiff(by_layer.data(), g.logits.data(), by_layer.size()) < 1e-2);
+}
+
+BOOST_AUTO_TEST_CASE(eval_refuses_bad_arguments_clearly) {
+  TempDir tmp;
+  std::ofstream(tmp.path() / "t.txt") << "1 2 x";
+  const Run bad_token =
+      Flashd("eval " FLASHD_GOLDEN_DIR " --tokens " + (tmp.path() / "t.txt").string() + " --out " +
+             (tmp.path() / "o.npy").string());
+  BOOST_TEST(bad_token.code == 1);
+  BOOST_TEST(Contains(bad_token.out, "'x' is not a token id"), bad_token.out);
+  const Run streams_npy = Flashd("eval " FLASHD_GOLDEN_DIR " --streams --out x.npy");
+  BOOST_TEST(streams_npy.code == 2);
+  BOOST_TEST(Contains(streams_npy.out, "needs a .safetensors output"), streams_npy.out);
+  std::ofstream(tmp.path() / "ok.txt") << "5 6 7";
+  std::ofstream(tmp.path() / "junk.npy") << "5 6 7";
+  const Run wrong_shape =
+      Flashd("eval " FLASHD_GOLDEN_DIR " --tokens " + (tmp.path() / "ok.txt").string() +
+             " --forced-streams " + (tmp.path() / "junk.npy").string() + " --out " +
+             (tmp.path() / "o.npy").string());
+  BOOST_TEST(wrong_shape.code == 1);
+  BOOST_TEST(Contains(wrong_shape.out, "not a .npy file"), wrong_shape.out);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
