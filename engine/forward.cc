@@ -243,6 +243,11 @@ class Step {
   Status Apply(const Linear& lin, const float* x, int64_t rows, float* y);
   Status Engram(int l);
   Status Attention(int l);
+  Status QueriesAndWindow(int l, std::vector<float>* qr, std::vector<float>* q,
+                          std::vector<float>* kv);
+  Status AttendSegment(int l, size_t i, const std::vector<float>& q, const std::vector<float>& kv,
+                       std::vector<float>* o);
+  Status Output(int l, const std::vector<float>& o);
   Status Compress(int l, size_t seg, const float* kvp, const float* score);
   Status Index(int l, size_t seg, const float* qr_all, const float* weights_all);
   Status Moe(int l);
@@ -471,14 +476,19 @@ Status Step::Engram(int l) {
   return Status::Ok();
 }
 
-Status Step::Attention(int l) {
+// The layer's queries (low-rank projection, norm, up-projection, rotation) and window keys
+// (= values: normed, rotated, FP8 with a UE8M0 scale per 32).
+Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<float>* q_out,
+                              std::vector<float>* kv_out) {
   const Layer& L = m_.layers[l];
-  const LayerPlan& lp = c_.layers[l];
   const int64_t rows = static_cast<int64_t>(n()), H = c_.num_attention_heads;
   const int64_t hd = c_.head_dim, rd = c_.qk_rope_head_dim, qlr = c_.q_lora_rank;
   const float eps = static_cast<float>(c_.rms_norm_eps);
-  // Queries: low-rank projection, norm, up-projection, rotation.
-  std::vector<float> qr(static_cast<size_t>(rows * qlr)), q(static_cast<size_t>(rows * H * hd));
+  std::vector<float>& qr = *qr_out;
+  std::vector<float>& q = *q_out;
+  std::vector<float>& kv = *kv_out;
+  qr.resize(static_cast<size_t>(rows * qlr));
+  q.resize(static_cast<size_t>(rows * H * hd));
   FLASHD_RETURN_IF_ERROR(Apply(L.wq_a, x_.data(), rows, qr.data()));
   FLASHD_OP(RmsNorm, {.x = qr.data(),
                       .rows = rows,
@@ -497,8 +507,7 @@ Status Step::Attention(int l) {
                    .row_stride = H * hd,
                    .positions = plan_.positions.data(),
                    .freqs = L.freqs.data()});
-  // Window keys (= values): normed, rotated, FP8 with a UE8M0 scale per 32.
-  std::vector<float> kv(static_cast<size_t>(rows * hd));
+  kv.resize(static_cast<size_t>(rows * hd));
   FLASHD_RETURN_IF_ERROR(Apply(L.wkv, x_.data(), rows, kv.data()));
   FLASHD_OP(RmsNorm, {.x = kv.data(),
                       .rows = rows,
@@ -518,6 +527,104 @@ Status Step::Attention(int l) {
                         .n = static_cast<int64_t>(kv.size()),
                         .block = 32,
                         .format = kernels::FakeQuantFormat::kFp8E8M0});
+  return Status::Ok();
+}
+
+// Sparse attention of one sequence's rows over its window and selected entries; stages the
+// window rows its ring keeps.
+Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
+                           const std::vector<float>& kv, std::vector<float>* o) {
+  const Layer& L = m_.layers[l];
+  const LayerPlan& lp = c_.layers[l];
+  const ForwardPlan::Segment& sg = plan_.segments[i];
+  const int64_t H = c_.num_attention_heads, hd = c_.head_dim, rd = c_.qk_rope_head_dim;
+  SequenceState& st = *items_[i].state;
+  // Selections as rows of a fixed width, -1 padded.
+  int64_t width = 0;
+  if (lp.compress_ratio > 0) {
+    for (size_t t = sg.offset; t < sg.offset + sg.count; ++t) {
+      width = std::max<int64_t>(width, static_cast<int64_t>(selection_[t].size()));
+    }
+  }
+  std::vector<int64_t> selected(sg.count * static_cast<size_t>(width), -1);
+  for (size_t t = 0; t < sg.count && width > 0; ++t) {
+    std::copy(selection_[sg.offset + t].begin(), selection_[sg.offset + t].end(),
+              selected.begin() + t * width);
+  }
+  kernels::PagedRows kv_codes, kv_scales;
+  if (width > 0) {
+    const KvBlockLayout::Source& src = m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
+    kv_codes = {m_.pool->block_table(), src.entries_per_block, src.kv_codes.offset,
+                src.kv_codes.row_bytes};
+    kv_scales = {m_.pool->block_table(), src.entries_per_block, src.kv_scales.offset,
+                 src.kv_scales.row_bytes};
+  }
+  const SequenceState::Ring& ring = st.rings[l];
+  FLASHD_OP(SparseAttention, {.q = &q[sg.offset * H * hd],
+                              .tokens = static_cast<int64_t>(sg.count),
+                              .heads = H,
+                              .head_dim = hd,
+                              .rope_dim = rd,
+                              .positions = &plan_.positions[sg.offset],
+                              .ring_codes = ring.codes.data(),
+                              .ring_scales = ring.scales.data(),
+                              .window = c_.sliding_window,
+                              .fresh = &kv[sg.offset * hd],
+                              .fresh_first = sg.start,
+                              .window_first = &plan_.window_first[sg.offset],
+                              .selected = selected.data(),
+                              .selected_stride = width,
+                              .block_table = st.blocks.data(),
+                              .kv_codes = kv_codes,
+                              .kv_scales = kv_scales,
+                              .sink = L.attn_sink.data(),
+                              .freqs = L.freqs.data(),
+                              .out = &(*o)[sg.offset * H * hd],
+                              .stream = &stream_});
+  // The window ring keeps the last `window` rows; written when the step commits.
+  const size_t keep = std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window));
+  RingRows& rr = ring_rows_[i][l];
+  rr.first_position = sg.start + static_cast<int64_t>(sg.count - keep);
+  rr.rows.assign(kv.begin() + (sg.offset + sg.count - keep) * hd,
+                 kv.begin() + (sg.offset + sg.count) * hd);
+  return Status::Ok();
+}
+
+// Grouped output LoRA (BF16), then wo_b, into sub_.
+Status Step::Output(int l, const std::vector<float>& o) {
+  const Layer& L = m_.layers[l];
+  const int64_t rows = static_cast<int64_t>(n()), H = c_.num_attention_heads, hd = c_.head_dim;
+  const int64_t G = c_.o_groups, olr = c_.o_lora_rank, gin = H * hd / G;
+  std::vector<float> og(static_cast<size_t>(rows * G * olr)), gx(static_cast<size_t>(rows * gin));
+  std::vector<float> gy(static_cast<size_t>(rows * olr));
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t t = 0; t < rows; ++t) {
+      std::memcpy(&gx[t * gin], &o[t * H * hd + g * gin], gin * sizeof(float));
+    }
+    FLASHD_OP(Linear, {.x = gx.data(),
+                       .rows = rows,
+                       .in = gin,
+                       .out = olr,
+                       .dense = &L.wo_a[g * olr * gin],
+                       .y = gy.data(),
+                       .stream = &stream_});
+    for (int64_t t = 0; t < rows; ++t) {
+      std::memcpy(&og[(t * G + g) * olr], &gy[t * olr], olr * sizeof(float));
+    }
+  }
+  FLASHD_OP(RoundBf16, {.x = og.data(), .n = static_cast<int64_t>(og.size())});
+  FLASHD_RETURN_IF_ERROR(Apply(L.wo_b, og.data(), rows, sub_.data()));
+  FLASHD_OP(RoundBf16, {.x = sub_.data(), .n = static_cast<int64_t>(sub_.size())});
+  return Status::Ok();
+}
+
+Status Step::Attention(int l) {
+  const Layer& L = m_.layers[l];
+  const LayerPlan& lp = c_.layers[l];
+  const int64_t rows = static_cast<int64_t>(n()), H = c_.num_attention_heads;
+  const int64_t hd = c_.head_dim;
+  std::vector<float> qr, q, kv;
+  FLASHD_RETURN_IF_ERROR(QueriesAndWindow(l, &qr, &q, &kv));
   // The compressor's projections, then per sequence its entries, selections and attention.
   std::vector<float> kvp, score, iw;
   if (lp.is_kv_source) {
@@ -545,80 +652,9 @@ Status Step::Attention(int l) {
           Compress(l, i, &kvp[sg.offset * hd], score.empty() ? nullptr : &score[sg.offset * hd]));
     }
     if (lp.is_index_source) FLASHD_RETURN_IF_ERROR(Index(l, i, qr.data(), iw.data()));
-    SequenceState& st = *items_[i].state;
-    // Selections as rows of a fixed width, -1 padded.
-    int64_t width = 0;
-    if (lp.compress_ratio > 0) {
-      for (size_t t = sg.offset; t < sg.offset + sg.count; ++t) {
-        width = std::max<int64_t>(width, static_cast<int64_t>(selection_[t].size()));
-      }
-    }
-    std::vector<int64_t> selected(sg.count * static_cast<size_t>(width), -1);
-    for (size_t t = 0; t < sg.count && width > 0; ++t) {
-      std::copy(selection_[sg.offset + t].begin(), selection_[sg.offset + t].end(),
-                selected.begin() + t * width);
-    }
-    kernels::PagedRows kv_codes, kv_scales;
-    if (width > 0) {
-      const KvBlockLayout::Source& src =
-          m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
-      kv_codes = {m_.pool->block_table(), src.entries_per_block, src.kv_codes.offset,
-                  src.kv_codes.row_bytes};
-      kv_scales = {m_.pool->block_table(), src.entries_per_block, src.kv_scales.offset,
-                   src.kv_scales.row_bytes};
-    }
-    const SequenceState::Ring& ring = st.rings[l];
-    FLASHD_OP(SparseAttention, {.q = &q[sg.offset * H * hd],
-                                .tokens = static_cast<int64_t>(sg.count),
-                                .heads = H,
-                                .head_dim = hd,
-                                .rope_dim = rd,
-                                .positions = &plan_.positions[sg.offset],
-                                .ring_codes = ring.codes.data(),
-                                .ring_scales = ring.scales.data(),
-                                .window = c_.sliding_window,
-                                .fresh = &kv[sg.offset * hd],
-                                .fresh_first = sg.start,
-                                .window_first = &plan_.window_first[sg.offset],
-                                .selected = selected.data(),
-                                .selected_stride = width,
-                                .block_table = st.blocks.data(),
-                                .kv_codes = kv_codes,
-                                .kv_scales = kv_scales,
-                                .sink = L.attn_sink.data(),
-                                .freqs = L.freqs.data(),
-                                .out = &o[sg.offset * H * hd],
-                                .stream = &stream_});
-    // The window ring keeps the last `window` rows; written when the step commits.
-    const size_t keep = std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window));
-    RingRows& rr = ring_rows_[i][l];
-    rr.first_position = sg.start + static_cast<int64_t>(sg.count - keep);
-    rr.rows.assign(kv.begin() + (sg.offset + sg.count - keep) * hd,
-                   kv.begin() + (sg.offset + sg.count) * hd);
+    FLASHD_RETURN_IF_ERROR(AttendSegment(l, i, q, kv, &o));
   }
-  // Grouped output LoRA (BF16), then wo_b.
-  const int64_t G = c_.o_groups, olr = c_.o_lora_rank, gin = H * hd / G;
-  std::vector<float> og(static_cast<size_t>(rows * G * olr)), gx(static_cast<size_t>(rows * gin));
-  std::vector<float> gy(static_cast<size_t>(rows * olr));
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t t = 0; t < rows; ++t) {
-      std::memcpy(&gx[t * gin], &o[t * H * hd + g * gin], gin * sizeof(float));
-    }
-    FLASHD_OP(Linear, {.x = gx.data(),
-                       .rows = rows,
-                       .in = gin,
-                       .out = olr,
-                       .dense = &L.wo_a[g * olr * gin],
-                       .y = gy.data(),
-                       .stream = &stream_});
-    for (int64_t t = 0; t < rows; ++t) {
-      std::memcpy(&og[(t * G + g) * olr], &gy[t * olr], olr * sizeof(float));
-    }
-  }
-  FLASHD_OP(RoundBf16, {.x = og.data(), .n = static_cast<int64_t>(og.size())});
-  FLASHD_RETURN_IF_ERROR(Apply(L.wo_b, og.data(), rows, sub_.data()));
-  FLASHD_OP(RoundBf16, {.x = sub_.data(), .n = static_cast<int64_t>(sub_.size())});
-  return Status::Ok();
+  return Output(l, o);
 }
 
 // Compressed KV of one sequence, written by a KV source before anyone reads it.
