@@ -100,10 +100,16 @@ std::string Item(const char* list, size_t i) {
   return std::string("text_config.") + list + "[" + std::to_string(i) + "]";
 }
 
-Status Validate(ModelConfig* c, const std::string& source) {
-  auto bad = [&](const std::string& field, const std::string& what) {
+// Builds an InvalidArgument naming the file and the field.
+struct Complaint {
+  const std::string& source;
+  Status operator()(const std::string& field, const std::string& what) const {
     return InvalidArgument(source + ": " + field + ": " + what);
-  };
+  }
+};
+
+// Model type, sizes, divisibility, routing and quantization settings.
+Status ValidateShapes(const ModelConfig* c, const Complaint& bad) {
   if (c->model_type != "deepseek_v41") {
     return bad("model_type",
                "unknown model type \"" + c->model_type + "\" (flashd serves deepseek_v41)");
@@ -182,6 +188,11 @@ Status Validate(ModelConfig* c, const std::string& source) {
     return bad("quantization_config.expert_dtype", "expected \"fp4\"");
   }
 
+  return Status::Ok();
+}
+
+// compress_ratios and the source layer lists, turned into one LayerPlan per layer.
+Status PlanLayers(ModelConfig* c, const Complaint& bad) {
   const int L = c->num_hidden_layers;
   const int total = L + c->num_nextn_predict_layers;
   if (static_cast<int>(c->compress_ratios.size()) != total) {
@@ -280,7 +291,11 @@ Status Validate(ModelConfig* c, const std::string& source) {
     }
   }
 
-  // Engram.
+  return Status::Ok();
+}
+
+Status ValidateEngram(ModelConfig* c, const Complaint& bad) {
+  const int L = c->num_hidden_layers;
   if (c->engram_layer_ids.size() != c->engram_num_embeddings.size()) {
     return bad("text_config.engram_num_embeddings", "needs one entry per engram_layer_ids entry (" +
                                                         std::to_string(c->engram_layer_ids.size()) +
@@ -319,7 +334,11 @@ Status Validate(ModelConfig* c, const std::string& source) {
     }
   }
 
-  // DSpark.
+  return Status::Ok();
+}
+
+Status ValidateDSpark(const ModelConfig* c, const Complaint& bad) {
+  const int L = c->num_hidden_layers;
   if (c->num_nextn_predict_layers > 0) {
     if (c->dspark_block_size <= 0) return bad("text_config.dspark_block_size", "must be positive");
     if (c->dspark_target_layer_ids.empty()) {
@@ -335,6 +354,15 @@ Status Validate(ModelConfig* c, const std::string& source) {
                  "DSpark expert counts must be positive, top-k at most the expert count");
     }
   }
+  return Status::Ok();
+}
+
+Status Validate(ModelConfig* c, const std::string& source) {
+  const Complaint bad{source};
+  FLASHD_RETURN_IF_ERROR(ValidateShapes(c, bad));
+  FLASHD_RETURN_IF_ERROR(PlanLayers(c, bad));
+  FLASHD_RETURN_IF_ERROR(ValidateEngram(c, bad));
+  return ValidateDSpark(c, bad);
   return Status::Ok();
 }
 
