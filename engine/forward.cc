@@ -7,6 +7,7 @@
 #include <limits>
 #include <thread>
 
+#include "engine/backend.h"
 #include "engine/block_manager.h"
 #include "engine/forward_plan.h"
 #include "kernels/cpu/formats.h"
@@ -25,7 +26,8 @@ Status Check(OpStatus s, const char* op) {
   return Internal(std::string("forward: op ") + op + " refused its arguments (" +
                   (s == OpStatus::kBadShape ? "shape" : "argument") + ")");
 }
-#define FLASHD_OP(op, ...) FLASHD_RETURN_IF_ERROR(Check(k::op(__VA_ARGS__), #op))
+// Every op goes through the step's backend.
+#define FLASHD_OP(op, ...) FLASHD_RETURN_IF_ERROR(Check(b_.op(__VA_ARGS__), #op))
 
 std::vector<float> DecodeFloats(const TensorView& t) {
   std::vector<float> out(t.elements());
@@ -99,6 +101,7 @@ struct CpuForward::Impl {
   int64_t block_tokens = 64;
   std::shared_ptr<KvPool> pool;
   std::unique_ptr<BlockManager> blocks;
+  CpuBackend backend;
 
   Status Prepare(const Model& m, const std::string& tokenizer_json);
   const TensorView& T(const std::string& name) const { return *model->weights().tensors.at(name); }
@@ -231,7 +234,7 @@ class Step {
  public:
   Step(const CpuForward::Impl& m, std::span<BatchItem> items, const ForwardOptions& options,
        ForwardPlan plan)
-      : m_(m), c_(m.c), items_(items), options_(options), plan_(std::move(plan)) {
+      : m_(m), b_(m.backend), c_(m.c), items_(items), options_(options), plan_(std::move(plan)) {
     stream_.threads = options.threads;
   }
 
@@ -258,6 +261,7 @@ class Step {
   Status Logits();
 
   const CpuForward::Impl& m_;
+  const Backend& b_;
   const ModelConfig& c_;
   std::span<BatchItem> items_;
   const ForwardOptions& options_;
@@ -336,7 +340,7 @@ Status Step::Run() {
   const bool record = options_.trace != nullptr && options_.trace->record_streams;
   auto hc_mix = [&](const std::vector<float>& fn, const std::vector<float>& scale,
                     const std::vector<float>& base, float* pre) {
-    return Check(k::HcMix({.X = X_.data(),
+    return Check(b_.HcMix({.X = X_.data(),
                            .rows = static_cast<int64_t>(n()),
                            .hc = hc,
                            .dim = dim,
@@ -970,6 +974,7 @@ StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const Model& model,
 }
 
 const ModelConfig& CpuForward::config() const { return impl_->c; }
+std::string_view CpuForward::numerics() const { return impl_->backend.numerics(); }
 int64_t CpuForward::block_tokens() const { return impl_->layout->block_tokens; }
 
 const std::shared_ptr<KvPool>& CpuForward::pool() const { return impl_->pool; }

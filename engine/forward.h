@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "config/status.h"
+#include "engine/backend.h"
 #include "engine/engram.h"
 #include "engine/kv_pool.h"
 #include "engine/model.h"
@@ -78,9 +79,6 @@ struct BatchItem {
   Status* status = nullptr;
 };
 
-// The CPU backend's numerics version (see CpuForward::numerics).
-inline constexpr std::string_view kCpuNumerics = "cpu/1";
-
 class CpuForward {
  public:
   // Prepares the model's weights for the CPU (decodes BF16 matrices, keeps FP8/FP4 mapped).
@@ -129,7 +127,7 @@ class CpuForward {
   // The backend and the version of its numerics, part of every prefix-cache key: KV written by
   // one backend is resumed bit for bit only by a backend with the same numerics. Bump when any
   // op's results change in their last bits.
-  std::string_view numerics() const { return kCpuNumerics; }
+  std::string_view numerics() const;
 
   struct Impl;  // Opaque: the prepared weights and the pool.
 

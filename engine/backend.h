@@ -1,0 +1,124 @@
+// Backend: the seam between the layer loop and the kernels. The forward pass (engine/forward.cc)
+// is written once against this interface, one call per op of kernels/ops.h; a backend runs each
+// op on its device. CpuBackend runs the CPU references (kernels/cpu); the GPU backend implements
+// the same calls with the kernels of kernels/gpu.
+//
+// A backend also names its numerics: the version of the exact results its ops give, which the
+// prefix cache puts in every key (two backends share cached KV only when their numerics are the
+// same, i.e. bit-equal).
+//
+// Thread-safety: ops may be called from one thread at a time per stream; a backend holds no
+// per-call state.
+#pragma once
+
+#include <string_view>
+
+#include "kernels/cpu/ops.h"
+#include "kernels/ops.h"
+
+namespace flashd::engine {
+
+// The CPU backend's numerics version.
+inline constexpr std::string_view kCpuNumerics = "cpu/1";
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;
+  virtual std::string_view numerics() const = 0;
+
+  virtual kernels::OpStatus Linear(const kernels::LinearParams& p) const = 0;
+  virtual kernels::OpStatus RoundBf16(const kernels::RoundBf16Params& p) const = 0;
+  virtual kernels::OpStatus RmsNorm(const kernels::RmsNormParams& p) const = 0;
+  virtual kernels::OpStatus Rope(const kernels::RopeParams& p) const = 0;
+  virtual kernels::OpStatus FakeQuant(const kernels::FakeQuantParams& p) const = 0;
+  virtual kernels::OpStatus Embed(const kernels::EmbedParams& p) const = 0;
+  virtual kernels::OpStatus HcMix(const kernels::HcMixParams& p) const = 0;
+  virtual kernels::OpStatus HcCollapse(const kernels::HcCollapseParams& p) const = 0;
+  virtual kernels::OpStatus HcExpand(const kernels::HcExpandParams& p) const = 0;
+  virtual kernels::OpStatus CompressPool(const kernels::CompressPoolParams& p) const = 0;
+  virtual kernels::OpStatus CompressWrite(const kernels::CompressWriteParams& p) const = 0;
+  virtual kernels::OpStatus IndexerScores(const kernels::IndexerScoreParams& p) const = 0;
+  virtual kernels::OpStatus TopK(const kernels::TopKParams& p) const = 0;
+  virtual kernels::OpStatus CandidateFilter(const kernels::CandidateFilterParams& p) const = 0;
+  virtual kernels::OpStatus SparseAttention(const kernels::SparseAttentionParams& p) const = 0;
+  virtual kernels::OpStatus MoeRoute(const kernels::MoeRouteParams& p) const = 0;
+  virtual kernels::OpStatus Swiglu(const kernels::SwigluParams& p) const = 0;
+  virtual kernels::OpStatus MoeCombine(const kernels::MoeCombineParams& p) const = 0;
+  virtual kernels::OpStatus AddRound(const kernels::AddRoundParams& p) const = 0;
+  virtual kernels::OpStatus EngramGather(const kernels::EngramGatherParams& p) const = 0;
+  virtual kernels::OpStatus EngramGate(const kernels::EngramGateParams& p) const = 0;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  std::string_view name() const override { return "cpu"; }
+  // Bump when any CPU op's results change in their last bits.
+  std::string_view numerics() const override { return kCpuNumerics; }
+
+  kernels::OpStatus Linear(const kernels::LinearParams& p) const override {
+    return kernels::cpu::Linear(p);
+  }
+  kernels::OpStatus RoundBf16(const kernels::RoundBf16Params& p) const override {
+    return kernels::cpu::RoundBf16(p);
+  }
+  kernels::OpStatus RmsNorm(const kernels::RmsNormParams& p) const override {
+    return kernels::cpu::RmsNorm(p);
+  }
+  kernels::OpStatus Rope(const kernels::RopeParams& p) const override {
+    return kernels::cpu::Rope(p);
+  }
+  kernels::OpStatus FakeQuant(const kernels::FakeQuantParams& p) const override {
+    return kernels::cpu::FakeQuant(p);
+  }
+  kernels::OpStatus Embed(const kernels::EmbedParams& p) const override {
+    return kernels::cpu::Embed(p);
+  }
+  kernels::OpStatus HcMix(const kernels::HcMixParams& p) const override {
+    return kernels::cpu::HcMix(p);
+  }
+  kernels::OpStatus HcCollapse(const kernels::HcCollapseParams& p) const override {
+    return kernels::cpu::HcCollapse(p);
+  }
+  kernels::OpStatus HcExpand(const kernels::HcExpandParams& p) const override {
+    return kernels::cpu::HcExpand(p);
+  }
+  kernels::OpStatus CompressPool(const kernels::CompressPoolParams& p) const override {
+    return kernels::cpu::CompressPool(p);
+  }
+  kernels::OpStatus CompressWrite(const kernels::CompressWriteParams& p) const override {
+    return kernels::cpu::CompressWrite(p);
+  }
+  kernels::OpStatus IndexerScores(const kernels::IndexerScoreParams& p) const override {
+    return kernels::cpu::IndexerScores(p);
+  }
+  kernels::OpStatus TopK(const kernels::TopKParams& p) const override {
+    return kernels::cpu::TopK(p);
+  }
+  kernels::OpStatus CandidateFilter(const kernels::CandidateFilterParams& p) const override {
+    return kernels::cpu::CandidateFilter(p);
+  }
+  kernels::OpStatus SparseAttention(const kernels::SparseAttentionParams& p) const override {
+    return kernels::cpu::SparseAttention(p);
+  }
+  kernels::OpStatus MoeRoute(const kernels::MoeRouteParams& p) const override {
+    return kernels::cpu::MoeRoute(p);
+  }
+  kernels::OpStatus Swiglu(const kernels::SwigluParams& p) const override {
+    return kernels::cpu::Swiglu(p);
+  }
+  kernels::OpStatus MoeCombine(const kernels::MoeCombineParams& p) const override {
+    return kernels::cpu::MoeCombine(p);
+  }
+  kernels::OpStatus AddRound(const kernels::AddRoundParams& p) const override {
+    return kernels::cpu::AddRound(p);
+  }
+  kernels::OpStatus EngramGather(const kernels::EngramGatherParams& p) const override {
+    return kernels::cpu::EngramGather(p);
+  }
+  kernels::OpStatus EngramGate(const kernels::EngramGateParams& p) const override {
+    return kernels::cpu::EngramGate(p);
+  }
+};
+
+}  // namespace flashd::engine
