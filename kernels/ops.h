@@ -23,7 +23,8 @@
 
 namespace flashd::kernels {
 
-enum class OpStatus { kOk = 0, kBadShape, kBadArgument };
+// kDeviceError: a GPU launch or runtime call failed (never returned by the CPU ops).
+enum class OpStatus { kOk = 0, kBadShape, kBadArgument, kDeviceError };
 
 #define FLASHD_OP_RETURN_IF_ERROR(expr)                                                  \
   do {                                                                                   \

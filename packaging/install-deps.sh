@@ -10,7 +10,7 @@ packages=(
   nlohmann-json3-dev libspdlog-dev libsqlite3-dev libboost-test-dev
   libpcre2-dev libutf8proc-dev liburing-dev libsystemd-dev
   python3 python3-venv python3-pip clang-format util-linux
-  debootstrap lintian git jq
+  debootstrap lintian git jq libtbb-dev
 )
 # HIP adds about 650 MB and is only needed to build the AMD backend; clang and its runtime
 # libraries (libFuzzer, the sanitizers) only for make fuzz.

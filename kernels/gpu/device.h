@@ -15,4 +15,12 @@ int DeviceCount(std::string* reason);
 // A toolchain check: it proves that the backend compiles, links, launches and computes.
 std::string ScaleAddRoundTrip(const float* x, float a, float b, float* y, size_t n);
 
+// Device memory for callers that include no GPU header (tests, the backend's host side). Each
+// returns "" or the runtime's error. Copies are synchronous.
+std::string DeviceAlloc(void** ptr, size_t bytes);
+std::string DeviceFree(void* ptr);
+std::string CopyToDevice(void* dst, const void* src, size_t bytes);
+std::string CopyToHost(void* dst, const void* src, size_t bytes);
+std::string Synchronize();
+
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

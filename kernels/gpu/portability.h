@@ -1,14 +1,20 @@
-// One kernel source for NVIDIA (nvcc) and AMD (hipcc / clang -x hip): this header maps the few
-// runtime names the kernels use onto CUDA or HIP. Test __HIPCC__, which the HIP compiler defines
-// before any header; __HIP_PLATFORM_AMD__ only appears after a HIP header is included.
+// One kernel source for NVIDIA (nvcc), AMD (hipcc / clang -x hip) and the HIP CPU runtime (g++,
+// for testing kernels' logic on machines without a GPU): this header maps the few runtime names
+// the kernels use onto CUDA or HIP. Test __HIPCC__, which the HIP compiler defines before any
+// header; __HIP_PLATFORM_AMD__ only appears after a HIP header is included. The CPU runtime
+// build defines FLASHD_HIP_CPU.
+//
+// Kernels never assume a warp size (read warpSize: 32 on NVIDIA, 64 on AMD and in the CPU
+// runtime) and launch through FLASHD_LAUNCH, because g++ cannot parse <<<>>>.
 #pragma once
 
-// The build names the backend (cuda or hip): it is the namespace of the compiled entry points.
+// The build names the backend (cuda, hip or hipcpu): it is the namespace of the compiled entry
+// points.
 #ifndef FLASHD_GPU_BACKEND
-#error "FLASHD_GPU_BACKEND must be defined by the build (cuda or hip)"
+#error "FLASHD_GPU_BACKEND must be defined by the build (cuda, hip or hipcpu)"
 #endif
 
-#if defined(__HIPCC__)
+#if defined(__HIPCC__) || defined(FLASHD_HIP_CPU)
 #include <hip/hip_runtime.h>
 using gpuError_t = hipError_t;
 using gpuStream_t = hipStream_t;
@@ -21,7 +27,11 @@ using gpuStream_t = hipStream_t;
 #define gpuMemcpy hipMemcpy
 #define gpuMemcpyHostToDevice hipMemcpyHostToDevice
 #define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define gpuStreamSynchronize hipStreamSynchronize
+#define gpuDeviceSynchronize hipDeviceSynchronize
+#define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
+  hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), shared, stream, __VA_ARGS__)
 #else
 #include <cuda_runtime.h>
 using gpuError_t = cudaError_t;
@@ -35,5 +45,12 @@ using gpuStream_t = cudaStream_t;
 #define gpuMemcpy cudaMemcpy
 #define gpuMemcpyHostToDevice cudaMemcpyHostToDevice
 #define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
+#define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
 #define gpuStreamSynchronize cudaStreamSynchronize
+#define gpuDeviceSynchronize cudaDeviceSynchronize
+#define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
+  kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
 #endif
+
+// Functions the kernels and their host-side checks share.
+#define FLASHD_HD __host__ __device__

@@ -43,7 +43,7 @@ std::string ScaleAddRoundTrip(const float* x, float a, float b, float* y, size_t
   if (error.empty()) {
     const unsigned threads = 256;
     const unsigned blocks = static_cast<unsigned>((n + threads - 1) / threads);
-    ScaleAddKernel<<<blocks, threads>>>(dx, a, b, dy, n);
+    FLASHD_LAUNCH(ScaleAddKernel, blocks, threads, 0, nullptr, dx, a, b, dy, n);
     err = gpuGetLastError();
     if (err != gpuSuccess) error = Describe("launch", err);
   }
@@ -57,6 +57,31 @@ std::string ScaleAddRoundTrip(const float* x, float a, float b, float* y, size_t
     if (free_err != gpuSuccess && error.empty()) error = Describe("free", free_err);
   }
   return error;
+}
+
+std::string DeviceAlloc(void** ptr, size_t bytes) {
+  const gpuError_t err = gpuMalloc(ptr, bytes);
+  return err == gpuSuccess ? "" : Describe("malloc", err);
+}
+
+std::string DeviceFree(void* ptr) {
+  const gpuError_t err = gpuFree(ptr);
+  return err == gpuSuccess ? "" : Describe("free", err);
+}
+
+std::string CopyToDevice(void* dst, const void* src, size_t bytes) {
+  const gpuError_t err = gpuMemcpy(dst, src, bytes, gpuMemcpyHostToDevice);
+  return err == gpuSuccess ? "" : Describe("copy to device", err);
+}
+
+std::string CopyToHost(void* dst, const void* src, size_t bytes) {
+  const gpuError_t err = gpuMemcpy(dst, src, bytes, gpuMemcpyDeviceToHost);
+  return err == gpuSuccess ? "" : Describe("copy to host", err);
+}
+
+std::string Synchronize() {
+  const gpuError_t err = gpuDeviceSynchronize();
+  return err == gpuSuccess ? "" : Describe("synchronize", err);
 }
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -1,0 +1,81 @@
+// The number formats of kernels/cpu/formats.h for device code: the same bit-level definitions,
+// callable on the host and the device, so a kernel's codes equal the CPU reference's bit for bit
+// (gpu_ops_test checks them on every code).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/gpu/portability.h"
+
+namespace flashd::kernels::gpu_codecs {
+
+FLASHD_HD inline uint32_t Bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+FLASHD_HD inline float FromBits(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to the nearest BF16 value, ties to even; NaN stays NaN (quiet).
+FLASHD_HD inline float RoundBf16(float x) {
+  const uint32_t u = Bits(x);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return FromBits((u | 0x00400000u) & 0xFFFF0000u);
+  return FromBits((u + 0x7FFFu + ((u >> 16) & 1)) & 0xFFFF0000u);
+}
+
+FLASHD_HD inline float Pow2Ceil(float x) {
+  const uint32_t u = Bits(x);
+  const int exponent = static_cast<int>((u >> 23) & 0xFF) - 127 + ((u & 0x7FFFFF) != 0 ? 1 : 0);
+  return FromBits(static_cast<uint32_t>(exponent + 127) << 23);
+}
+
+FLASHD_HD inline float E4M3ToFloat(uint8_t code) {
+  const uint32_t magnitude = code & 0x7Fu;
+  if (magnitude == 0x7F) return FromBits(0x7FC00000u);
+  const float v = FromBits(magnitude << 20) * 0x1p120f;
+  return (code & 0x80) ? -v : v;
+}
+
+// RNE, saturating at +-448; NaN -> 0x7F with its sign.
+FLASHD_HD inline uint8_t FloatToE4M3(float value) {
+  const uint32_t u = Bits(value);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  if (mag > 0x7F800000u) return sign | 0x7F;
+  const float a = FromBits(mag);
+  if (a >= 448.0f) return sign | 0x7E;
+  if (a < 0.015625f) {
+    const float m = (a * 512.0f + 0x1p23f) - 0x1p23f;
+    return sign | static_cast<uint8_t>(m);
+  }
+  const uint32_t rounded = (mag + 0x7FFFFu + ((mag >> 20) & 1)) >> 20;
+  return sign | static_cast<uint8_t>(rounded - ((127 - 7) << 3));
+}
+
+FLASHD_HD inline float E2M1ToFloat(uint8_t code) {
+  return FromBits(((code & 8u) << 28) | ((code & 7u) << 22)) * 0x1p126f;
+}
+
+// RNE to the even code at a midpoint, saturating at +-6; NaN -> 0.
+FLASHD_HD inline uint8_t FloatToE2M1(float value) {
+  const uint32_t u = Bits(value);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0;
+  const uint8_t sign = (u >> 31) ? 8 : 0;
+  const float a = FromBits(u & 0x7FFFFFFFu);
+  const float mids[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+  uint8_t code = 0;
+  while (code < 7 && a > mids[code]) ++code;
+  if (code < 7 && a == mids[code] && (code & 1)) ++code;
+  return sign | code;
+}
+
+FLASHD_HD inline float Clamp(float v, float lo, float hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+}  // namespace flashd::kernels::gpu_codecs

@@ -1,0 +1,139 @@
+// Element-wise and row-local ops: BF16 rounding, add-and-round, SwiGLU, the fake quantizers, the
+// embedding copy and the MoE combine. Each thread computes what the CPU reference computes for
+// its element, in the same order, so results are equal bit for bit except where exp() is used
+// (SwiGLU's sigmoid), whose device implementation may differ in the last bit.
+#include <cmath>
+
+#include "kernels/gpu/codecs.h"
+#include "kernels/gpu/ops.h"
+#include "kernels/gpu/portability.h"
+
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+namespace {
+
+namespace c = flashd::kernels::gpu_codecs;
+constexpr unsigned kThreads = 256;
+
+unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+gpuStream_t Stream(void* s) { return static_cast<gpuStream_t>(s); }
+OpStatus Launched() {
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
+__global__ void RoundKernel(float* x, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = c::RoundBf16(x[i]);
+}
+
+__global__ void AddRoundKernel(const float* a, const float* b, float* out, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = c::RoundBf16(a[i] + b[i]);
+}
+
+__global__ void SwigluKernel(const float* gate_in, const float* up_in, int64_t n, int64_t inter,
+                             const float* row_weights, float limit, float* h) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float gate = c::RoundBf16(gate_in[i]), up = c::RoundBf16(up_in[i]);
+  if (limit > 0) {
+    up = c::Clamp(up, -limit, limit);
+    gate = gate < limit ? gate : limit;
+  }
+  float v = gate * (1.0f / (1.0f + expf(-gate))) * up;
+  if (row_weights != nullptr) v = row_weights[i / inter] * v;
+  h[i] = c::RoundBf16(v);
+}
+
+// One thread per block of `block` values: the block's scale from its largest magnitude, then
+// each value through the format and back.
+__global__ void FakeQuantKernel(float* x, int64_t blocks, int64_t block, int format) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= blocks) return;
+  float* xb = x + b * block;
+  float amax = 0.0f;
+  for (int64_t i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+  float s;
+  if (format == static_cast<int>(FakeQuantFormat::kFp8E8M0)) {
+    s = c::Pow2Ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+  } else if (format == static_cast<int>(FakeQuantFormat::kFp4E8M0)) {
+    s = c::Pow2Ceil(fmaxf(amax, 6.0f * 0x1p-126f) * (1.0f / 6.0f));
+  } else {
+    s = c::E4M3ToFloat(c::FloatToE4M3(fminf(fmaxf(amax, 6.0f * 0x1p-9f) / 6.0f, 448.0f)));
+  }
+  for (int64_t i = 0; i < block; ++i) {
+    const float v = xb[i] / s;
+    const float r = format == static_cast<int>(FakeQuantFormat::kFp8E8M0)
+                        ? c::E4M3ToFloat(c::FloatToE4M3(c::Clamp(v, -448.0f, 448.0f)))
+                        : c::E2M1ToFloat(c::FloatToE2M1(c::Clamp(v, -6.0f, 6.0f)));
+    xb[i] = r * s;
+  }
+}
+
+__global__ void EmbedKernel(const int32_t* tokens, int64_t count, int64_t hc, int64_t dim,
+                            const float* embed, float* X) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= count * hc * dim) return;
+  const int64_t t = i / (hc * dim), d = i % dim;
+  X[i] = embed[static_cast<int64_t>(tokens[t]) * dim + d];
+}
+
+// One thread per dimension: the contributions added in their given order.
+__global__ void CombineKernel(const float* expert_out, const int64_t* rows, int64_t count,
+                              int64_t dim, float* y) {
+  const int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (d >= dim) return;
+  for (int64_t i = 0; i < count; ++i) y[rows[i] * dim + d] += expert_out[i * dim + d];
+}
+
+}  // namespace
+
+OpStatus RoundBf16(const RoundBf16Params& p) {
+  if (p.n < 0) return OpStatus::kBadArgument;
+  if (p.n == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(RoundKernel, Blocks(p.n), kThreads, 0, Stream(p.stream), p.x, p.n);
+  return Launched();
+}
+
+OpStatus AddRound(const AddRoundParams& p) {
+  if (p.n < 0) return OpStatus::kBadShape;
+  if (p.n == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(AddRoundKernel, Blocks(p.n), kThreads, 0, Stream(p.stream), p.a, p.b, p.out, p.n);
+  return Launched();
+}
+
+OpStatus Swiglu(const SwigluParams& p) {
+  if (p.rows < 0 || p.inter <= 0) return OpStatus::kBadShape;
+  const int64_t n = p.rows * p.inter;
+  if (n == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(SwigluKernel, Blocks(n), kThreads, 0, Stream(p.stream), p.gate, p.up, n, p.inter,
+                p.row_weights, p.limit, p.h);
+  return Launched();
+}
+
+OpStatus FakeQuant(const FakeQuantParams& p) {
+  if (p.n < 0 || p.block <= 0 || p.n % p.block != 0) return OpStatus::kBadShape;
+  const int64_t blocks = p.n / p.block;
+  if (blocks == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(FakeQuantKernel, Blocks(blocks), kThreads, 0, Stream(p.stream), p.x, blocks,
+                p.block, static_cast<int>(p.format));
+  return Launched();
+}
+
+OpStatus Embed(const EmbedParams& p) {
+  if (p.count < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;
+  const int64_t n = p.count * p.hc * p.dim;
+  if (n == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(EmbedKernel, Blocks(n), kThreads, 0, Stream(p.stream), p.tokens, p.count, p.hc,
+                p.dim, p.embed, p.X);
+  return Launched();
+}
+
+OpStatus MoeCombine(const MoeCombineParams& p) {
+  if (p.count < 0 || p.dim <= 0) return OpStatus::kBadShape;
+  if (p.count == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(CombineKernel, Blocks(p.dim), kThreads, 0, Stream(p.stream), p.expert_out, p.rows,
+                p.count, p.dim, p.y);
+  return Launched();
+}
+
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -1,0 +1,28 @@
+// The GPU implementation of the ops of kernels/ops.h, compiled from one source per op family
+// (kernels/gpu/*.cu) into namespace flashd::kernels::cuda, ::hip or ::hipcpu (the HIP CPU
+// runtime, which runs the same kernels on the CPU so that their logic is tested everywhere).
+// Every pointer in the params is device memory; `stream` is a gpuStream_t (null: the default
+// stream). An op launches its kernels on the stream and returns without waiting.
+//
+// Numerics: element-wise ops and fixed-order sums are bit-equal to the CPU references (kernels
+// are compiled without fused multiply-add); transcendental functions (exp, sin, cos) and the
+// tree reduction of RMSNorm's sum of squares may differ in the last bit, which moves a BF16
+// result by at most one step. tests/kernels/gpu_ops_test.cc holds each op to its reference.
+#pragma once
+
+#include "kernels/ops.h"
+
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+
+OpStatus RoundBf16(const RoundBf16Params& p);
+OpStatus AddRound(const AddRoundParams& p);
+OpStatus Swiglu(const SwigluParams& p);
+OpStatus FakeQuant(const FakeQuantParams& p);
+OpStatus Embed(const EmbedParams& p);
+OpStatus MoeCombine(const MoeCombineParams& p);
+OpStatus RmsNorm(const RmsNormParams& p);
+OpStatus Rope(const RopeParams& p);
+OpStatus HcCollapse(const HcCollapseParams& p);
+OpStatus HcExpand(const HcExpandParams& p);
+
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND
