@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Gathers what a GPU machine needs to run flashd's device tests into build-device/ (git-ignored):
+# the GPU test binaries of an existing build and every shared library they load that is not part
+# of the C library, because the device machine has the CUDA toolkit but none of the project's
+# Debian libraries. Then tests/gpu/run-on-device.sh runs them there.
+#
+# Usage: tests/gpu/prepare-device-run.sh [BUILD_DIR]   (default: build; run `make build` first)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+build=${1:-build}
+dest=build-device
+rm -rf "$dest"
+mkdir -p "$dest/bin" "$dest/lib"
+shopt -s nullglob
+tests=("$build"/tests/gpu_*_cuda_test)
+if [[ ${#tests[@]} -eq 0 ]]; then
+  echo "prepare-device-run: no CUDA test binaries in $build/tests (is nvcc installed?)" >&2
+  exit 1
+fi
+cp "${tests[@]}" "$dest/bin/"
+cp tests/gpu/run-on-device.sh "$dest/"
+for t in "${tests[@]}"; do
+  # Libraries the loader resolves here, except the C library and the CUDA driver (the device
+  # machine has its own, matching its GPU).
+  ldd "$t" | awk '/=> \// {print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in
+      libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libcuda.so*) ;;
+      *) cp -L -n "$lib" "$dest/lib/" ;;
+    esac
+  done
+done
+echo "prepare-device-run: $(ls "$dest/bin" | wc -l) tests, $(ls "$dest/lib" | wc -l) libraries," \
+  "$(du -sh "$dest" | cut -f1) in $dest"

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Runs flashd's GPU tests on a machine with a device, from binaries gathered beforehand by
+# tests/gpu/prepare-device-run.sh, and writes every log and a summary to OUT (default: the
+# $OUT directory the device machine provides, else ./device-out). Needs no network, no compiler
+# and none of the project's libraries; each test gets at most 4 minutes.
+#
+# Usage (on the device machine, from the repository root): build-device/run-on-device.sh [OUT]
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+out=${1:-${OUT:-./device-out}}
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 ||
+    echo "nvidia-smi not available"
+} > "$out/device.txt"
+status=0
+: > "$out/summary.txt"
+for t in "$here"/bin/*_test; do
+  name=$(basename "$t")
+  start=$(date +%s.%N)
+  timeout 240 "$t" --log_level=test_suite --report_level=short > "$out/$name.log" 2>&1
+  rc=$?
+  end=$(date +%s.%N)
+  case $rc in
+    0) verdict=passed ;;
+    77) verdict="skipped ($(grep -m1 SKIP "$out/$name.log"))" ;;
+    *) verdict="FAILED (exit $rc)"; status=1 ;;
+  esac
+  awk -v n="$name" -v v="$verdict" -v a="$start" -v b="$end" 'BEGIN { printf "%s: %s in %.1f s\n", n, v, b - a }' >> "$out/summary.txt"
+done
+cat "$out/summary.txt"
+exit $status
