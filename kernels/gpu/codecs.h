@@ -74,6 +74,17 @@ FLASHD_HD inline uint8_t FloatToE2M1(float value) {
   return sign | code;
 }
 
+// 2^(code-127); code 0 is the subnormal 2^-127, 0xFF NaN.
+FLASHD_HD inline float E8M0ToFloat(uint8_t code) {
+  if (code == 0xFF) return FromBits(0x7FC00000u);
+  return FromBits(code == 0 ? 0x00400000u : static_cast<uint32_t>(code) << 23);
+}
+
+// The code of a power of two in the normal range (what Pow2Ceil gives the scale rules).
+FLASHD_HD inline uint8_t NormalPow2ToE8M0(float pow2) {
+  return static_cast<uint8_t>((Bits(pow2) >> 23) & 0xFF);
+}
+
 FLASHD_HD inline float Clamp(float v, float lo, float hi) {
   return v < lo ? lo : (v > hi ? hi : v);
 }

@@ -14,6 +14,7 @@
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 
+OpStatus Linear(const LinearParams& p);
 OpStatus RoundBf16(const RoundBf16Params& p);
 OpStatus AddRound(const AddRoundParams& p);
 OpStatus Swiglu(const SwigluParams& p);

@@ -88,6 +88,70 @@ const int64_t kRows[] = {1, 3, 257};
 
 BOOST_AUTO_TEST_SUITE(gpu_ops)
 
+// The portable GEMMs sum in the CPU fast path's order: equal bit for bit, all three formats.
+BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
+  std::mt19937 rng(6);
+  struct Case {
+    WeightFormat format;
+    int64_t in, out;
+  };
+  const Case cases[] = {{WeightFormat::kFp8, 64, 33},
+                        {WeightFormat::kFp8, 160, 70},
+                        {WeightFormat::kFp4, 96, 33},
+                        {WeightFormat::kDense, 45, 31}};
+  for (const Case& c : cases) {
+    for (int64_t rows : kRows) {
+      std::vector<float> x = Normal(rng, rows * c.in), w = Normal(rng, c.out * c.in, 0.2f);
+      std::vector<uint8_t> wq, ws;
+      if (c.format == WeightFormat::kFp8) {
+        wq.resize(w.size());
+        ws.resize(((c.out + 31) / 32) * (c.in / 32));
+        cpu::QuantizeFp8Weight(w.data(), c.out, c.in, wq.data(), ws.data());
+      } else if (c.format == WeightFormat::kFp4) {
+        wq.resize(w.size() / 2);
+        ws.resize(w.size() / 32);
+        for (int64_t r = 0; r < c.out; ++r) {
+          cpu::QuantizeFp4E8M0(&w[r * c.in], c.in, 32, &wq[r * c.in / 2], &ws[r * c.in / 32]);
+        }
+      } else {
+        wq.resize(1);
+        ws.resize(1);
+      }
+      std::vector<uint8_t> xq(x.size()), xs(x.size() / 32 + 1);
+      std::vector<float> want(rows * c.out);
+      BOOST_REQUIRE(cpu::Linear({.x = x.data(),
+                                 .rows = rows,
+                                 .in = c.in,
+                                 .out = c.out,
+                                 .format = c.format,
+                                 .w = wq.data(),
+                                 .w_scales = ws.data(),
+                                 .dense = w.data(),
+                                 .x_codes = xq.data(),
+                                 .x_scales = xs.data(),
+                                 .y = want.data()}) == OpStatus::kOk);
+      Dev<float> dx(x), dw(w), dy(std::vector<float>(want.size()));
+      Dev<uint8_t> dwq(wq), dws(ws), dxq(xq), dxs(xs);
+      BOOST_REQUIRE(gpu::Linear({.x = dx.get(),
+                                 .rows = rows,
+                                 .in = c.in,
+                                 .out = c.out,
+                                 .format = c.format,
+                                 .w = dwq.get(),
+                                 .w_scales = dws.get(),
+                                 .dense = dw.get(),
+                                 .x_codes = dxq.get(),
+                                 .x_scales = dxs.get(),
+                                 .y = dy.get()}) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dy.Host(), want),
+                 "format " << static_cast<int>(c.format) << " rows " << rows);
+      if (c.format != WeightFormat::kDense) {
+        BOOST_TEST((dxq.Host() == xq));  // The activation codes too.
+      }
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(round_add_and_combine_are_bit_equal) {
   std::mt19937 rng(1);
   std::normal_distribution<float> d(0.0f, 50.0f);

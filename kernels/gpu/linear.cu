@@ -1,0 +1,107 @@
+// The linear layers on the device, as the portable correctness path: activations quantized to
+// FP8 per 32 (one thread per block), then one thread per output value summing exactly as the CPU
+// fast path does (per 32-block four lanes k % 4, the lanes' sum times the weight scale added in
+// block order; dense weights: four lanes over K, the tail in lane 0). Results equal the CPU's bit
+// for bit. Matrix-core GEMMs come beside it, checked against it.
+#include "kernels/gpu/codecs.h"
+#include "kernels/gpu/ops.h"
+#include "kernels/gpu/portability.h"
+
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+namespace {
+
+namespace c = flashd::kernels::gpu_codecs;
+constexpr unsigned kThreads = 256;
+constexpr int64_t kBlock = 32;
+
+__global__ void QuantizeKernel(const float* x, int64_t blocks, uint8_t* q, uint8_t* scales) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= blocks) return;
+  const float* xb = x + b * kBlock;
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kBlock; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+  const float s = c::Pow2Ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+  scales[b] = c::NormalPow2ToE8M0(s);
+  for (int64_t i = 0; i < kBlock; ++i) {
+    q[b * kBlock + i] = c::FloatToE4M3(c::Clamp(xb[i] / s, -448.0f, 448.0f));
+  }
+}
+
+// format 0: FP8 weights [N, K] with scales [ceil(N/32), K/32]; 1: FP4 [N, K/2], scales [N, K/32].
+__global__ void QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
+                                    const uint8_t* w, const uint8_t* ws, int64_t N, int format,
+                                    float* y) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= M * N) return;
+  const int64_t m = i / N, n = i % N, blocks = K / kBlock;
+  float acc = 0.0f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float x_scale = c::E8M0ToFloat(xs[m * blocks + b]);
+    float p[4] = {0, 0, 0, 0};
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int64_t col = b * kBlock + k;
+      const float xv = c::E4M3ToFloat(xq[m * K + col]) * x_scale;
+      float wv;
+      if (format == 0) {
+        wv = c::E4M3ToFloat(w[n * K + col]);
+      } else {
+        const uint8_t byte = w[n * (K / 2) + col / 2];
+        wv = c::E2M1ToFloat((col % 2 == 0) ? (byte & 0xF) : (byte >> 4));
+      }
+      p[k % 4] += xv * wv;
+    }
+    const uint8_t code = format == 0 ? ws[(n / kBlock) * blocks + b] : ws[n * blocks + b];
+    acc += ((p[0] + p[1]) + (p[2] + p[3])) * c::E8M0ToFloat(code);
+  }
+  y[m * N + n] = acc;
+}
+
+__global__ void DenseGemmKernel(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
+                                float* y) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= M * N) return;
+  const int64_t m = i / N, n = i % N;
+  const float* xm = x + m * K;
+  const float* wn = w + n * K;
+  float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    p0 += xm[k] * wn[k];
+    p1 += xm[k + 1] * wn[k + 1];
+    p2 += xm[k + 2] * wn[k + 2];
+    p3 += xm[k + 3] * wn[k + 3];
+  }
+  for (; k < K; ++k) p0 += xm[k] * wn[k];
+  y[m * N + n] = (p0 + p1) + (p2 + p3);
+}
+
+unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+
+}  // namespace
+
+OpStatus Linear(const LinearParams& p) {
+  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
+    return OpStatus::kBadShape;
+  }
+  if (p.rows == 0) return OpStatus::kOk;
+  const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
+  if (p.format == WeightFormat::kDense) {
+    if (p.dense == nullptr) return OpStatus::kBadArgument;
+    FLASHD_LAUNCH(DenseGemmKernel, Blocks(p.rows * p.out), kThreads, 0, stream, p.x, p.rows, p.in,
+                  p.dense, p.out, p.y);
+    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  }
+  if (p.in % kBlock != 0) return OpStatus::kBadShape;
+  if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
+    return OpStatus::kBadArgument;
+  }
+  const int64_t blocks = p.rows * p.in / kBlock;
+  FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
+                p.x_scales);
+  FLASHD_LAUNCH(QuantizedGemmKernel, Blocks(p.rows * p.out), kThreads, 0, stream, p.x_codes,
+                p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out,
+                p.format == WeightFormat::kFp8 ? 0 : 1, p.y);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND
