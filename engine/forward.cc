@@ -429,19 +429,11 @@ void Step::Force(int layer) {
 // The bounded replay: only the last `keep` rows of each sequence go on.
 void Step::Truncate(size_t keep) {
   const std::vector<size_t> kept = plan_.Truncate(keep);
-  auto gather = [&](auto& v, size_t width) {
-    std::remove_reference_t<decltype(v)> out(kept.size() * width);
-    for (size_t i = 0; i < kept.size(); ++i) {
-      std::copy(v.begin() + kept[i] * width, v.begin() + (kept[i] + 1) * width,
-                out.begin() + i * width);
-    }
-    v.swap(out);
-  };
   const size_t hc = static_cast<size_t>(c_.hc_mult), dim = static_cast<size_t>(c_.hidden_size);
-  gather(X_, hc * dim);
-  gather(pre_mix_, hc);
-  gather(selection_, 1);
-  gather(candidates_, 1);
+  GatherRows(&X_, kept, hc * dim);
+  GatherRows(&pre_mix_, kept, hc);
+  GatherRows(&selection_, kept, 1);
+  GatherRows(&candidates_, kept, 1);
   const size_t rows = kept.size();
   x_.resize(rows * dim);
   sub_.resize(rows * dim);

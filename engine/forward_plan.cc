@@ -102,18 +102,10 @@ std::vector<size_t> ForwardPlan::Truncate(size_t keep) {
     sg.offset = offset;
     offset += sg.count;
   }
-  auto gather = [&](auto& v, size_t width) {
-    std::remove_reference_t<decltype(v)> out(kept.size() * width);
-    for (size_t i = 0; i < kept.size(); ++i) {
-      std::copy(v.begin() + kept[i] * width, v.begin() + (kept[i] + 1) * width,
-                out.begin() + i * width);
-    }
-    v.swap(out);
-  };
-  gather(tokens, 1);
-  gather(positions, 1);
-  gather(window_first, 1);
-  if (engram_stride > 0) gather(engram_rows, static_cast<size_t>(engram_stride));
+  GatherRows(&tokens, kept, 1);
+  GatherRows(&positions, kept, 1);
+  GatherRows(&window_first, kept, 1);
+  if (engram_stride > 0) GatherRows(&engram_rows, kept, static_cast<size_t>(engram_stride));
   for (const Segment& sg : segments) {
     for (size_t t = sg.offset; t < sg.offset + sg.count; ++t) {
       window_first[t] = std::max(window_first[t], sg.window_floor);

@@ -8,6 +8,7 @@
 // (positions, entries, histories) only once every op has succeeded.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -52,6 +53,17 @@ struct ForwardPlan {
   // then starts at its first kept row. Returns the kept rows' old indices.
   std::vector<size_t> Truncate(size_t keep);
 };
+
+// Keeps the rows `kept` (indices, in order) of `v`, each `width` elements wide.
+template <typename V>
+void GatherRows(V* v, const std::vector<size_t>& kept, size_t width) {
+  V out(kept.size() * width);
+  for (size_t i = 0; i < kept.size(); ++i) {
+    std::copy(v->begin() + kept[i] * width, v->begin() + (kept[i] + 1) * width,
+              out.begin() + i * width);
+  }
+  v->swap(out);
+}
 
 struct PlanRequest {
   const SequenceState* state;

@@ -535,13 +535,21 @@ BOOST_AUTO_TEST_CASE(tcp_keep_alive_connections_have_nodelay) {
   // The daemon's end of this connection: the socket inode whose remote port is our local port.
   char hex[16];
   std::snprintf(hex, sizeof hex, ":%04X", ntohs(local.sin_port));
+  char daemon_port[16];
+  std::snprintf(daemon_port, sizeof daemon_port, ":%04X", d.port());
   std::string inode;
   std::ifstream tcp("/proc/net/tcp");
   for (std::string line; std::getline(tcp, line);) {
     std::istringstream in(line);
     std::string sl, local_addr, remote_addr, st, queues, timer, retr, uid, timeout, ino;
     in >> sl >> local_addr >> remote_addr >> st >> queues >> timer >> retr >> uid >> timeout >> ino;
-    if (remote_addr.size() > 5 && remote_addr.substr(remote_addr.size() - 5) == hex) inode = ino;
+    // An established socket from the daemon's port to ours; a TIME_WAIT entry left by an
+    // earlier connection on the same ephemeral port has inode 0 and is not it.
+    if (st == "01" && ino != "0" && remote_addr.size() > 5 &&
+        remote_addr.substr(remote_addr.size() - 5) == hex && local_addr.size() > 5 &&
+        local_addr.substr(local_addr.size() - 5) == daemon_port) {
+      inode = ino;
+    }
   }
   BOOST_REQUIRE(!inode.empty());
   int daemon_fd = -1;

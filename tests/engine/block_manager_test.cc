@@ -9,6 +9,7 @@
 
 #include "engine/forward.h"
 #include "engine/forward_plan.h"
+#include "tests/support/golden_forward.h"
 
 namespace flashd::engine {
 namespace {
@@ -57,19 +58,7 @@ BOOST_AUTO_TEST_CASE(rollback_and_a_full_pool_change_nothing) {
   BOOST_TEST(pool->used_blocks() == 1u);
 }
 
-const CpuForward& Golden() {
-  static std::unique_ptr<Model> model = [] {
-    auto m = Model::Load(FLASHD_GOLDEN_DIR);
-    BOOST_REQUIRE_MESSAGE(m.ok(), m.status().ToString());
-    return std::move(*m);
-  }();
-  static std::unique_ptr<CpuForward> fwd = [] {
-    auto f = CpuForward::Create(*model);
-    BOOST_REQUIRE_MESSAGE(f.ok(), f.status().ToString());
-    return std::move(*f);
-  }();
-  return *fwd;
-}
+const CpuForward& Golden() { return testing::GoldenForward(); }
 
 std::vector<int32_t> Tokens(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);

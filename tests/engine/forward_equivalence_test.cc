@@ -4,25 +4,14 @@
 #include <random>
 
 #include "engine/forward.h"
+#include "tests/support/golden_forward.h"
 
 namespace flashd::engine {
 namespace {
 
 const std::string kDir = FLASHD_GOLDEN_DIR;
 
-const CpuForward& Forward() {
-  static std::unique_ptr<Model> model = [] {
-    auto m = Model::Load(kDir);
-    BOOST_REQUIRE_MESSAGE(m.ok(), m.status().ToString());
-    return std::move(*m);
-  }();
-  static std::unique_ptr<CpuForward> fwd = [] {
-    auto f = CpuForward::Create(*model);
-    BOOST_REQUIRE_MESSAGE(f.ok(), f.status().ToString());
-    return std::move(*f);
-  }();
-  return *fwd;
-}
+const CpuForward& Forward() { return testing::GoldenForward(); }
 
 std::vector<int32_t> Tokens(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
