@@ -17,6 +17,8 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/gpu/device.h"
 #include "kernels/gpu/ops.h"
+#include "tests/support/quantized_weights.h"
+#include "tests/support/require_device.h"
 
 namespace gpu = flashd::kernels::FLASHD_GPU_BACKEND;
 namespace cpu = flashd::kernels::cpu;
@@ -24,16 +26,7 @@ using namespace flashd::kernels;
 
 namespace {
 
-struct RequireDevice {
-  RequireDevice() {
-    std::string reason;
-    if (gpu::DeviceCount(&reason) == 0) {
-      std::printf("SKIP: %s\n", reason.c_str());
-      std::fflush(stdout);
-      std::exit(77);
-    }
-  }
-};
+using flashd::testing::RequireDevice;
 BOOST_TEST_GLOBAL_FIXTURE(RequireDevice);
 
 // A device copy of a host vector, copied back on request.
@@ -102,21 +95,10 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
   for (const Case& c : cases) {
     for (int64_t rows : kRows) {
       std::vector<float> x = Normal(rng, rows * c.in), w = Normal(rng, c.out * c.in, 0.2f);
-      std::vector<uint8_t> wq, ws;
-      if (c.format == WeightFormat::kFp8) {
-        wq.resize(w.size());
-        ws.resize(((c.out + 31) / 32) * (c.in / 32));
-        cpu::QuantizeFp8Weight(w.data(), c.out, c.in, wq.data(), ws.data());
-      } else if (c.format == WeightFormat::kFp4) {
-        wq.resize(w.size() / 2);
-        ws.resize(w.size() / 32);
-        for (int64_t r = 0; r < c.out; ++r) {
-          cpu::QuantizeFp4E8M0(&w[r * c.in], c.in, 32, &wq[r * c.in / 2], &ws[r * c.in / 32]);
-        }
-      } else {
-        wq.resize(1);
-        ws.resize(1);
-      }
+      const flashd::testing::QuantizedWeights qw =
+          flashd::testing::QuantizeWeights(c.format, w, c.out, c.in);
+      const std::vector<uint8_t>& wq = qw.codes;
+      const std::vector<uint8_t>& ws = qw.scales;
       std::vector<uint8_t> xq(x.size()), xs(x.size() / 32 + 1);
       std::vector<float> want(rows * c.out);
       BOOST_REQUIRE(cpu::Linear({.x = x.data(),

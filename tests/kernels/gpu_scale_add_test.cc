@@ -7,22 +7,13 @@
 
 #include "kernels/cpu/scale_add.h"
 #include "kernels/gpu/device.h"
+#include "tests/support/require_device.h"
 
 namespace backend = flashd::kernels::FLASHD_GPU_BACKEND;
 
 namespace {
 
-struct RequireDevice {
-  RequireDevice() {
-    std::string reason;
-    if (backend::DeviceCount(&reason) == 0) {
-      std::printf("SKIP: %s\n", reason.c_str());
-      std::fflush(stdout);
-      std::exit(77);
-    }
-  }
-};
-
+using flashd::testing::RequireDevice;
 BOOST_TEST_GLOBAL_FIXTURE(RequireDevice);
 
 BOOST_AUTO_TEST_CASE(scale_add_matches_cpu_reference) {

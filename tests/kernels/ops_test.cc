@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/cpu/formats.h"
+#include "tests/support/quantized_weights.h"
 
 namespace flashd::kernels::cpu {
 namespace {
@@ -97,23 +98,9 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_against_a_double_product) {
   for (const Case& c : cases) {
     for (int64_t rows : kRowCounts) {
       std::vector<float> x = rng.Bf16Normal(rows * c.in), w = rng.Normal(c.out * c.in, 0.2f);
-      std::vector<uint8_t> wq, ws;
-      std::vector<float> wd(w.size());  // The weights as the op sees them.
-      if (c.format == WeightFormat::kFp8) {
-        wq.resize(w.size());
-        ws.resize(((c.out + 31) / 32) * (c.in / 32));
-        QuantizeFp8Weight(w.data(), c.out, c.in, wq.data(), ws.data());
-        DequantizeFp8Weight(wq.data(), ws.data(), c.out, c.in, wd.data());
-      } else if (c.format == WeightFormat::kFp4) {
-        wq.resize(w.size() / 2);
-        ws.resize(w.size() / 32);
-        for (int64_t r = 0; r < c.out; ++r) {
-          QuantizeFp4E8M0(&w[r * c.in], c.in, 32, &wq[r * c.in / 2], &ws[r * c.in / 32]);
-          DequantizeFp4E8M0(&wq[r * c.in / 2], &ws[r * c.in / 32], c.in, 32, &wd[r * c.in]);
-        }
-      } else {
-        wd = w;
-      }
+      // The weights as stored, and as the op sees them.
+      const testing::QuantizedWeights qw = testing::QuantizeWeights(c.format, w, c.out, c.in);
+      const std::vector<float>& wd = qw.decoded;
       // The activations as the op sees them: FP8 per 32 for quantized weights.
       std::vector<float> xd = x;
       if (c.format != WeightFormat::kDense) RoundTripFp8(xd.data(), xd.size(), 32);
@@ -133,8 +120,8 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_against_a_double_product) {
                             .in = c.in,
                             .out = c.out,
                             .format = c.format,
-                            .w = wq.data(),
-                            .w_scales = ws.data(),
+                            .w = qw.codes.data(),
+                            .w_scales = qw.scales.data(),
                             .dense = w.data(),
                             .x_codes = xq.data(),
                             .x_scales = xs.data(),
