@@ -25,5 +25,10 @@ OpStatus RmsNorm(const RmsNormParams& p);
 OpStatus Rope(const RopeParams& p);
 OpStatus HcCollapse(const HcCollapseParams& p);
 OpStatus HcExpand(const HcExpandParams& p);
+OpStatus EngramGather(const EngramGatherParams& p);
+OpStatus EngramGate(const EngramGateParams& p);
+// The total order only (kReference gives kBadArgument: it is the CPU library's order).
+OpStatus TopK(const TopKParams& p);
+OpStatus MoeRoute(const MoeRouteParams& p);
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -353,6 +353,139 @@ BOOST_AUTO_TEST_CASE(hc_collapse_and_expand) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(engram_gather_exact_and_gate_within_one_step) {
+  std::mt19937 rng(7);
+  const int64_t table_rows = 40, hd = 32, columns = 3, stride = 6, hc = 4, dim = 24;
+  std::vector<float> t = Normal(rng, table_rows * hd, 3.0f);
+  std::vector<uint8_t> codes(t.size()), scales(t.size() / 32);
+  cpu::QuantizeFp8PerBlock(t.data(), t.size(), 32, codes.data(), scales.data());
+  std::uniform_int_distribution<int64_t> row(0, table_rows - 1);
+  for (int64_t tokens : kRows) {
+    std::vector<int64_t> ids(tokens * stride);
+    for (int64_t& id : ids) id = row(rng);
+    std::vector<float> want(tokens * columns * hd);
+    cpu::EngramGather({.table = codes.data(),
+                       .table_scales = scales.data(),
+                       .row_ids = ids.data(),
+                       .tokens = tokens,
+                       .columns = columns,
+                       .head_dim = hd,
+                       .row_stride = stride,
+                       .column0 = 3,
+                       .out = want.data()});
+    Dev<uint8_t> dc(codes), ds(scales);
+    Dev<int64_t> di(ids);
+    Dev<float> dout(std::vector<float>(want.size()));
+    BOOST_REQUIRE(gpu::EngramGather({.table = dc.get(),
+                                     .table_scales = ds.get(),
+                                     .row_ids = di.get(),
+                                     .tokens = tokens,
+                                     .columns = columns,
+                                     .head_dim = hd,
+                                     .row_stride = stride,
+                                     .column0 = 3,
+                                     .out = dout.get()}) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dout.Host(), want));
+    std::vector<float> X = Normal(rng, tokens * hc * dim),
+                       kv = Normal(rng, tokens * (hc + 1) * dim);
+    std::vector<float> qk = Normal(rng, hc * dim), gate_want = X;
+    cpu::EngramGate({.X = gate_want.data(),
+                     .kv = kv.data(),
+                     .qk = qk.data(),
+                     .tokens = tokens,
+                     .hc = hc,
+                     .dim = dim,
+                     .eps = 1e-6f});
+    Dev<float> dX(X), dkv(kv), dqk(qk);
+    BOOST_REQUIRE(gpu::EngramGate({.X = dX.get(),
+                                   .kv = dkv.get(),
+                                   .qk = dqk.get(),
+                                   .tokens = tokens,
+                                   .hc = hc,
+                                   .dim = dim,
+                                   .eps = 1e-6f}) == OpStatus::kOk);
+    BOOST_TEST(Bf16Steps(dX.Host(), gate_want) <= 1.0);
+  }
+}
+
+BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
+  std::mt19937 rng(8);
+  std::uniform_int_distribution<int> level(0, 5);
+  const int64_t rows = 257, stride = 70, k = 8;
+  std::vector<float> v(rows * stride);
+  for (float& x : v) x = static_cast<float>(level(rng));  // Ties everywhere.
+  v[5] = std::nanf("");
+  std::vector<int64_t> n(rows);
+  for (int64_t r = 0; r < rows; ++r) n[r] = r % 71;  // Including rows shorter than k.
+  std::vector<int64_t> want(rows * k);
+  cpu::TopK({.values = v.data(),
+             .rows = rows,
+             .stride = stride,
+             .k = k,
+             .n = n.data(),
+             .order = TopKOrder::kTotal,
+             .out = want.data()});
+  Dev<float> dv(v);
+  Dev<int64_t> dn(n), dout(std::vector<int64_t>(want.size()));
+  BOOST_REQUIRE(gpu::TopK({.values = dv.get(),
+                           .rows = rows,
+                           .stride = stride,
+                           .k = k,
+                           .n = dn.get(),
+                           .order = TopKOrder::kTotal,
+                           .out = dout.get()}) == OpStatus::kOk);
+  BOOST_TEST((dout.Host() == want));
+  BOOST_TEST((gpu::TopK({.values = dv.get(),
+                         .rows = rows,
+                         .stride = stride,
+                         .k = k,
+                         .n = dn.get(),
+                         .order = TopKOrder::kReference,
+                         .out = dout.get()}) == OpStatus::kBadArgument));
+  const RouteScoring scorings[] = {RouteScoring::kSoftmax, RouteScoring::kSigmoid,
+                                   RouteScoring::kSqrtSoftplus};
+  for (RouteScoring sc : scorings) {
+    const int64_t tokens = 257, experts = 12, top = 3;
+    std::vector<float> logits(tokens * experts), bias(experts);
+    std::normal_distribution<float> d(0.0f, 2.0f);
+    for (float& x : logits) x = d(rng);
+    for (float& x : bias) x = d(rng);
+    std::vector<float> s(logits.size()), b(logits.size()), w(tokens * top);
+    std::vector<int64_t> chosen(tokens * top);
+    cpu::MoeRoute({.logits = logits.data(),
+                   .bias = bias.data(),
+                   .tokens = tokens,
+                   .experts = experts,
+                   .k = top,
+                   .scoring = sc,
+                   .norm_topk = true,
+                   .scale = 2.5f,
+                   .scores = s.data(),
+                   .biased = b.data(),
+                   .chosen = chosen.data(),
+                   .weights = w.data()});
+    Dev<float> dl(logits), db(bias), dsc(s), dbi(b), dw(w);
+    Dev<int64_t> dch(chosen);
+    BOOST_REQUIRE(gpu::MoeRoute({.logits = dl.get(),
+                                 .bias = db.get(),
+                                 .tokens = tokens,
+                                 .experts = experts,
+                                 .k = top,
+                                 .scoring = sc,
+                                 .norm_topk = true,
+                                 .scale = 2.5f,
+                                 .scores = dsc.get(),
+                                 .biased = dbi.get(),
+                                 .chosen = dch.get(),
+                                 .weights = dw.get()}) == OpStatus::kOk);
+    BOOST_TEST((dch.Host() == chosen));  // Random scores: no ties within an ulp here.
+    const std::vector<float> gw = dw.Host();
+    for (size_t i = 0; i < w.size(); ++i) {
+      BOOST_TEST(std::fabs(gw[i] - w[i]) <= 1e-6f * std::fabs(w[i]), "weight " << i);
+    }
+  }
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 }  // namespace

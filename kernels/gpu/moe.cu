@@ -1,0 +1,102 @@
+// Top-k in the total order and the MoE router on the device. Top-k: one thread per row picks the
+// k best one after another, each the best of those ranking below the previous one (value
+// descending, then index ascending, NaN first), so it needs no memory and gives the CPU's total
+// order exactly. The reference's libstdc++ order exists on the CPU only.
+#include <cmath>
+
+#include "kernels/gpu/ops.h"
+#include "kernels/gpu/portability.h"
+
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+namespace {
+
+constexpr unsigned kThreads = 128;
+
+// True when (a, ia) ranks above (b, ib).
+__device__ __host__ inline bool Above(float a, int64_t ia, float b, int64_t ib) {
+  const bool an = a != a, bn = b != b;
+  if (an != bn) return an;
+  if (!an && a != b) return a > b;
+  return ia < ib;
+}
+
+__device__ __host__ inline int64_t SelectTop(const float* v, int64_t n, int64_t k, int64_t* out) {
+  k = k < n ? k : n;
+  for (int64_t i = 0; i < k; ++i) {
+    int64_t best = -1;
+    for (int64_t j = 0; j < n; ++j) {
+      if (i > 0 && !Above(v[out[i - 1]], out[i - 1], v[j], j)) continue;  // Taken already.
+      if (best < 0 || Above(v[j], j, v[best], best)) best = j;
+    }
+    out[i] = best;
+  }
+  return k;
+}
+
+__global__ void TopKKernel(const float* values, int64_t rows, int64_t stride, int64_t k,
+                           const int64_t* n, int64_t* out) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const int64_t count = n[r] < stride ? n[r] : stride;
+  const int64_t got = SelectTop(values + r * stride, count, k, out + r * k);
+  for (int64_t i = got; i < k; ++i) out[r * k + i] = -1;
+}
+
+__global__ void RouteKernel(const float* logits, const float* bias, int64_t tokens, int64_t E,
+                            int64_t k, int scoring, bool norm_topk, float scale, float* scores,
+                            float* biased, int64_t* chosen, float* weights) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= tokens) return;
+  float* s = scores + t * E;
+  float* b = biased + t * E;
+  for (int64_t e = 0; e < E; ++e) {
+    const float v = logits[t * E + e];
+    if (scoring == static_cast<int>(RouteScoring::kSoftmax)) {
+      s[e] = v;
+    } else if (scoring == static_cast<int>(RouteScoring::kSigmoid)) {
+      s[e] = 1.0f / (1.0f + expf(-v));
+    } else {
+      s[e] = sqrtf(v > 20.0f ? v : log1pf(expf(v)));
+    }
+  }
+  if (scoring == static_cast<int>(RouteScoring::kSoftmax)) {
+    float mx = s[0], sum = 0;
+    for (int64_t e = 1; e < E; ++e) mx = s[e] > mx ? s[e] : mx;
+    for (int64_t e = 0; e < E; ++e) sum += (s[e] = expf(s[e] - mx));
+    for (int64_t e = 0; e < E; ++e) s[e] /= sum;
+  }
+  for (int64_t e = 0; e < E; ++e) b[e] = s[e] + bias[e];
+  int64_t* top = chosen + t * k;
+  SelectTop(b, E, k, top);
+  float sum = 0;
+  for (int64_t i = 0; i < k; ++i) sum += s[top[i]];
+  for (int64_t i = 0; i < k; ++i) {
+    float w = s[top[i]];
+    if (norm_topk && k > 1) w /= sum + 1e-20f;
+    weights[t * k + i] = w * scale;
+  }
+}
+
+}  // namespace
+
+OpStatus TopK(const TopKParams& p) {
+  if (p.rows < 0 || p.k < 0 || p.n == nullptr || p.out == nullptr) return OpStatus::kBadShape;
+  if (p.order != TopKOrder::kTotal) return OpStatus::kBadArgument;
+  if (p.rows == 0 || p.k == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(TopKKernel, static_cast<unsigned>((p.rows + kThreads - 1) / kThreads), kThreads, 0,
+                static_cast<gpuStream_t>(p.stream), p.values, p.rows, p.stride, p.k, p.n, p.out);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
+OpStatus MoeRoute(const MoeRouteParams& p) {
+  if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.k > p.experts) return OpStatus::kBadShape;
+  if (p.order != TopKOrder::kTotal) return OpStatus::kBadArgument;
+  if (p.tokens == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(RouteKernel, static_cast<unsigned>((p.tokens + kThreads - 1) / kThreads), kThreads,
+                0, static_cast<gpuStream_t>(p.stream), p.logits, p.bias, p.tokens, p.experts, p.k,
+                static_cast<int>(p.scoring), p.norm_topk, p.scale, p.scores, p.biased, p.chosen,
+                p.weights);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND
