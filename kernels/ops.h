@@ -21,6 +21,13 @@
 #include <cstddef>
 #include <cstdint>
 
+// Helpers that kernels call on the device too.
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define FLASHD_OPS_HD __host__ __device__
+#else
+#define FLASHD_OPS_HD
+#endif
+
 namespace flashd::kernels {
 
 // kDeviceError: a GPU launch or runtime call failed (never returned by the CPU ops).
@@ -44,7 +51,7 @@ struct PagedRows {
   int64_t rows_per_block = 0;
   size_t offset = 0;
   size_t stride = 0;
-  uint8_t* Row(int64_t r) const {
+  FLASHD_OPS_HD uint8_t* Row(int64_t r) const {
     return blocks[r / rows_per_block] + offset + static_cast<size_t>(r % rows_per_block) * stride;
   }
 };
@@ -200,7 +207,8 @@ struct IndexerScoreParams {
 };
 
 // The pool row of a sequence's entry j: its block from the block table, its row within it.
-inline int64_t BlockRow(const int32_t* block_table, int64_t rows_per_block, int64_t j) {
+FLASHD_OPS_HD inline int64_t BlockRow(const int32_t* block_table, int64_t rows_per_block,
+                                      int64_t j) {
   return static_cast<int64_t>(block_table[j / rows_per_block]) * rows_per_block +
          j % rows_per_block;
 }

@@ -30,5 +30,6 @@ OpStatus EngramGate(const EngramGateParams& p);
 // The total order only (kReference gives kBadArgument: it is the CPU library's order).
 OpStatus TopK(const TopKParams& p);
 OpStatus MoeRoute(const MoeRouteParams& p);
+OpStatus SparseAttention(const SparseAttentionParams& p);
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -483,6 +484,94 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
     for (size_t i = 0; i < w.size(); ++i) {
       BOOST_TEST(std::fabs(gw[i] - w[i]) <= 1e-6f * std::fabs(w[i]), "weight " << i);
     }
+  }
+}
+
+// Attention over window rows (fresh and from the FP8 ring) and selected FP4 rows read through
+// device block pointers, -1 entries and a block shared by two entry ranges included.
+BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
+  std::mt19937 rng(9);
+  const int64_t heads = 2, hd = 64, rd = 16, window = 8, per = 4, nblocks = 5;
+  const size_t block_bytes = per * (hd / 2 + hd / 16);
+  std::vector<std::vector<uint8_t>> host_blocks(nblocks, std::vector<uint8_t>(block_bytes));
+  for (auto& b : host_blocks) {
+    for (int64_t r = 0; r < per; ++r) {
+      std::vector<float> k = Normal(rng, hd);
+      cpu::QuantizeFp4E4M3(k.data(), hd, 16, b.data() + r * hd / 2,
+                           b.data() + per * hd / 2 + r * hd / 16);
+    }
+  }
+  std::vector<uint8_t*> host_table;
+  for (auto& b : host_blocks) host_table.push_back(b.data());
+  std::vector<std::unique_ptr<Dev<uint8_t>>> dev_blocks;
+  std::vector<uint8_t*> dev_ptrs;
+  for (auto& b : host_blocks) {
+    dev_blocks.push_back(std::make_unique<Dev<uint8_t>>(b));
+    dev_ptrs.push_back(dev_blocks.back()->get());
+  }
+  Dev<uint8_t*> dev_table(dev_ptrs);
+  const std::vector<int32_t> table = {3, 0, 0, 4};
+  std::vector<float> freqs(rd / 2);
+  cpu::RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
+  for (int64_t tokens : {int64_t{1}, int64_t{5}, int64_t{20}}) {
+    const int64_t first = 30, width = 5;
+    std::vector<float> ring_rows = Normal(rng, window * hd);
+    std::vector<uint8_t> ring_codes(window * hd), ring_scales(window * hd / 32);
+    cpu::QuantizeFp8PerBlock(ring_rows.data(), ring_rows.size(), 32, ring_codes.data(),
+                             ring_scales.data());
+    std::vector<float> fresh = Normal(rng, tokens * hd);
+    cpu::RoundTripFp8(fresh.data(), fresh.size(), 32);
+    std::vector<float> q = Normal(rng, tokens * heads * hd, 0.3f), sink = Normal(rng, heads);
+    std::vector<int64_t> pos(tokens), wfirst(tokens), sel(tokens * width);
+    std::uniform_int_distribution<int64_t> entry(0, 15);
+    for (int64_t t = 0; t < tokens; ++t) {
+      pos[t] = first + t;
+      wfirst[t] = std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
+      for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : entry(rng);
+    }
+    SparseAttentionParams params{
+        .q = q.data(),
+        .tokens = tokens,
+        .heads = heads,
+        .head_dim = hd,
+        .rope_dim = rd,
+        .positions = pos.data(),
+        .ring_codes = ring_codes.data(),
+        .ring_scales = ring_scales.data(),
+        .window = window,
+        .fresh = fresh.data(),
+        .fresh_first = first,
+        .window_first = wfirst.data(),
+        .selected = sel.data(),
+        .selected_stride = width,
+        .block_table = table.data(),
+        .kv_codes = {host_table.data(), per, 0, static_cast<size_t>(hd / 2)},
+        .kv_scales = {host_table.data(), per, static_cast<size_t>(per * hd / 2),
+                      static_cast<size_t>(hd / 16)},
+        .sink = sink.data(),
+        .freqs = freqs.data()};
+    std::vector<float> want(tokens * heads * hd);
+    params.out = want.data();
+    BOOST_REQUIRE(cpu::SparseAttention(params) == OpStatus::kOk);
+    Dev<float> dq(q), dfresh(fresh), dsink(sink), dfreqs(freqs), dout(want);
+    Dev<uint8_t> drc(ring_codes), drs(ring_scales);
+    Dev<int64_t> dpos(pos), dwf(wfirst), dsel(sel);
+    Dev<int32_t> dtab(table);
+    params.q = dq.get();
+    params.positions = dpos.get();
+    params.ring_codes = drc.get();
+    params.ring_scales = drs.get();
+    params.fresh = dfresh.get();
+    params.window_first = dwf.get();
+    params.selected = dsel.get();
+    params.block_table = dtab.get();
+    params.kv_codes.blocks = dev_table.get();
+    params.kv_scales.blocks = dev_table.get();
+    params.sink = dsink.get();
+    params.freqs = dfreqs.get();
+    params.out = dout.get();
+    BOOST_REQUIRE(gpu::SparseAttention(params) == OpStatus::kOk);
+    BOOST_TEST(Bf16Steps(dout.Host(), want) <= 1.0, "tokens " << tokens);
   }
 }
 
