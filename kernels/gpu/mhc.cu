@@ -1,6 +1,8 @@
 // mHC's collapse and expansion on the device: one thread per output value, the copies summed in
 // the CPU reference's order, so results are equal bit for bit (the collapse's optional norm is
 // RmsNorm's).
+#include <cmath>
+
 #include "kernels/gpu/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
@@ -32,7 +34,75 @@ __global__ void ExpandKernel(const float* X, const float* sub, const float* post
   out[i] = c::RoundBf16(acc + mixed);
 }
 
+// pre, post and the Sinkhorn-normalised comb from one row of mixes: the CPU's steps in its order.
+__device__ void HcSplit(const float* mixes, const float* scale, const float* base, int hc,
+                        int iters, float eps, float* pre, float* post, float* comb) {
+  for (int i = 0; i < hc; ++i) {
+    pre[i] = 1.0f / (1.0f + expf(-(mixes[i] * scale[0] + base[i]))) + eps;
+    post[i] = 2.0f * (1.0f / (1.0f + expf(-(mixes[hc + i] * scale[1] + base[hc + i]))));
+  }
+  for (int i = 0; i < hc; ++i) {
+    float row_max = -INFINITY;
+    for (int j = 0; j < hc; ++j) {
+      comb[i * hc + j] = mixes[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
+      row_max = fmaxf(row_max, comb[i * hc + j]);
+    }
+    float sum = 0;
+    for (int j = 0; j < hc; ++j) sum += (comb[i * hc + j] = expf(comb[i * hc + j] - row_max));
+    for (int j = 0; j < hc; ++j) comb[i * hc + j] = comb[i * hc + j] / sum + eps;
+  }
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) {
+      for (int i = 0; i < hc; ++i) {
+        float sum = 0;
+        for (int j = 0; j < hc; ++j) sum += comb[i * hc + j];
+        for (int j = 0; j < hc; ++j) comb[i * hc + j] /= sum + eps;
+      }
+    }
+    for (int j = 0; j < hc; ++j) {
+      float sum = 0;
+      for (int i = 0; i < hc; ++i) sum += comb[i * hc + j];
+      for (int i = 0; i < hc; ++i) comb[i * hc + j] /= sum + eps;
+    }
+  }
+}
+
+// One thread per token: the norm of the flattened stream (a double sum in order), the mixes
+// scaled by it, then the split.
+__global__ void MixSplitKernel(const float* X, int64_t rows, int64_t hc, int64_t dim,
+                               const float* scale, const float* base, int iters, float hc_eps,
+                               float norm_eps, float* mixes, float* pre, float* post, float* comb) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= rows) return;
+  const int64_t width = hc * dim, mix = (2 + hc) * hc;
+  double sum = 0;
+  for (int64_t i = 0; i < width; ++i)
+    sum += static_cast<double>(X[t * width + i]) * X[t * width + i];
+  const float r = 1.0f / sqrtf(static_cast<float>(sum / width) + norm_eps);
+  for (int64_t j = 0; j < mix; ++j) mixes[t * mix + j] *= r;
+  HcSplit(mixes + t * mix, scale, base, static_cast<int>(hc), iters, hc_eps, pre + t * hc,
+          post + t * hc, comb + t * hc * hc);
+}
+
 }  // namespace
+
+OpStatus HcMix(const HcMixParams& p) {
+  if (p.rows < 0 || p.hc <= 0 || p.dim <= 0 || p.iters < 1) return OpStatus::kBadShape;
+  if (p.rows == 0) return OpStatus::kOk;
+  const OpStatus s = Linear({.x = p.X,
+                             .rows = p.rows,
+                             .in = p.hc * p.dim,
+                             .out = (2 + p.hc) * p.hc,
+                             .format = WeightFormat::kDense,
+                             .dense = p.fn,
+                             .y = p.mixes,
+                             .stream = p.stream});
+  if (s != OpStatus::kOk) return s;
+  FLASHD_LAUNCH(MixSplitKernel, static_cast<unsigned>((p.rows + kThreads - 1) / kThreads), kThreads,
+                0, static_cast<gpuStream_t>(p.stream), p.X, p.rows, p.hc, p.dim, p.scale, p.base,
+                p.iters, p.hc_eps, p.norm_eps, p.mixes, p.pre, p.post, p.comb);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
 
 OpStatus HcCollapse(const HcCollapseParams& p) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;

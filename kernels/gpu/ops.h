@@ -23,8 +23,11 @@ OpStatus Embed(const EmbedParams& p);
 OpStatus MoeCombine(const MoeCombineParams& p);
 OpStatus RmsNorm(const RmsNormParams& p);
 OpStatus Rope(const RopeParams& p);
+OpStatus HcMix(const HcMixParams& p);
 OpStatus HcCollapse(const HcCollapseParams& p);
 OpStatus HcExpand(const HcExpandParams& p);
+OpStatus CompressPool(const CompressPoolParams& p);
+OpStatus CompressWrite(const CompressWriteParams& p);
 OpStatus EngramGather(const EngramGatherParams& p);
 OpStatus EngramGate(const EngramGateParams& p);
 // The total order only (kReference gives kBadArgument: it is the CPU library's order).

@@ -299,6 +299,160 @@ BOOST_AUTO_TEST_CASE(rms_norm_and_rope_within_one_step) {
   }
 }
 
+BOOST_AUTO_TEST_CASE(hc_mix_close_and_its_mixes_exact) {
+  std::mt19937 rng(10);
+  const int64_t hc = 4, dim = 40, mix = (2 + hc) * hc;
+  for (int64_t rows : kRows) {
+    std::vector<float> X = Normal(rng, rows * hc * dim), fn = Normal(rng, mix * hc * dim, 0.05f);
+    std::vector<float> scale = {0.7f, 1.3f, 0.9f}, base = Normal(rng, mix, 0.5f);
+    std::vector<float> mixes(rows * mix), pre(rows * hc), post(rows * hc), comb(rows * hc * hc);
+    cpu::HcMix({.X = X.data(),
+                .rows = rows,
+                .hc = hc,
+                .dim = dim,
+                .fn = fn.data(),
+                .scale = scale.data(),
+                .base = base.data(),
+                .iters = 20,
+                .hc_eps = 1e-6f,
+                .norm_eps = 1e-6f,
+                .mixes = mixes.data(),
+                .pre = pre.data(),
+                .post = post.data(),
+                .comb = comb.data()});
+    Dev<float> dX(X), dfn(fn), dsc(scale), dba(base), dmx(mixes), dpre(pre), dpost(post),
+        dcomb(comb);
+    BOOST_REQUIRE(gpu::HcMix({.X = dX.get(),
+                              .rows = rows,
+                              .hc = hc,
+                              .dim = dim,
+                              .fn = dfn.get(),
+                              .scale = dsc.get(),
+                              .base = dba.get(),
+                              .iters = 20,
+                              .hc_eps = 1e-6f,
+                              .norm_eps = 1e-6f,
+                              .mixes = dmx.get(),
+                              .pre = dpre.get(),
+                              .post = dpost.get(),
+                              .comb = dcomb.get()}) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dmx.Host(), mixes));
+    for (const auto& [got, want] : {std::pair{dpre.Host(), pre}, std::pair{dpost.Host(), post},
+                                    std::pair{dcomb.Host(), comb}}) {
+      for (size_t i = 0; i < want.size(); ++i) {
+        BOOST_TEST(std::fabs(got[i] - want[i]) <= 1e-5f * std::fabs(want[i]) + 1e-7f);
+      }
+    }
+  }
+}
+
+BOOST_AUTO_TEST_CASE(compressor_pool_and_row_write) {
+  std::mt19937 rng(11);
+  const int64_t dim = 64;
+  for (int64_t ratio : {2, 4}) {
+    for (int64_t rows : kRows) {
+      std::vector<float> kv = Normal(rng, rows * dim), score = Normal(rng, rows * dim);
+      std::vector<int64_t> pos(rows);
+      for (int64_t t = 0; t < rows; ++t) pos[t] = 5 + t;  // Starts inside a group.
+      std::vector<float> kp = Normal(rng, ratio * dim), sp = Normal(rng, ratio * dim);
+      std::vector<float> pooled(rows * dim, 0.0f), ckp = kp, csp = sp;
+      cpu::CompressPool({.kv = kv.data(),
+                         .score = score.data(),
+                         .rows = rows,
+                         .dim = dim,
+                         .ratio = ratio,
+                         .positions = pos.data(),
+                         .kv_partial = ckp.data(),
+                         .score_partial = csp.data(),
+                         .pooled = pooled.data()});
+      Dev<float> dkv(kv), dsc(score), dkp(kp), dsp(sp), dpooled(std::vector<float>(pooled.size()));
+      Dev<int64_t> dpos(pos);
+      BOOST_REQUIRE(gpu::CompressPool({.kv = dkv.get(),
+                                       .score = dsc.get(),
+                                       .rows = rows,
+                                       .dim = dim,
+                                       .ratio = ratio,
+                                       .positions = dpos.get(),
+                                       .kv_partial = dkp.get(),
+                                       .score_partial = dsp.get(),
+                                       .pooled = dpooled.get()}) == OpStatus::kOk);
+      BOOST_TEST(Bf16Steps(dpooled.Host(), pooled) <= 1.0, "ratio " << ratio << " rows " << rows);
+      BOOST_TEST(BitEqual(dkp.Host(), ckp));
+      BOOST_TEST(BitEqual(dsp.Host(), csp));
+    }
+  }
+  // Row write into a pool of 3 blocks of 8 rows: KV codes, KV scales, key codes, key scales.
+  const int64_t hd = 64, idd = 32, per = 8, groups = 13;
+  const size_t kc = 0, ks = per * hd / 2, qc = ks + per * hd / 16, qs = qc + per * idd / 2;
+  const size_t bytes = qs + per * idd / 32;
+  std::vector<float> freqs(8);
+  cpu::RopeFrequencies(16, 0, 10000.0, 1, 0, 0, freqs.data());
+  for (int64_t rope_dim : {0, 16}) {
+    std::vector<float> latent = Normal(rng, groups * hd), key = Normal(rng, groups * idd);
+    std::vector<int64_t> gpos(groups), rows(groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      gpos[g] = 4 * g;
+      rows[g] = g % 5 == 2 ? -1 : (g * 7) % (3 * per);
+    }
+    std::vector<std::vector<uint8_t>> host(3, std::vector<uint8_t>(bytes, 0xAB));
+    std::vector<uint8_t*> host_table;
+    for (auto& b : host) host_table.push_back(b.data());
+    std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
+    std::vector<uint8_t*> dev_ptrs;
+    for (auto& b : host) {
+      dev.push_back(std::make_unique<Dev<uint8_t>>(b));
+      dev_ptrs.push_back(dev.back()->get());
+    }
+    Dev<uint8_t*> dev_table(dev_ptrs);
+    auto region = [&](uint8_t* const* table, size_t offset, size_t row_bytes) {
+      return PagedRows{table, per, offset, row_bytes};
+    };
+    std::vector<float> cl = latent, ck = key;
+    cpu::CompressWrite({.latent = cl.data(),
+                        .key = ck.data(),
+                        .groups = groups,
+                        .head_dim = hd,
+                        .index_dim = idd,
+                        .rope_dim = rope_dim,
+                        .positions = gpos.data(),
+                        .freqs = freqs.data(),
+                        .rows = rows.data(),
+                        .kv_codes = region(host_table.data(), kc, hd / 2),
+                        .kv_scales = region(host_table.data(), ks, hd / 16),
+                        .key_codes = region(host_table.data(), qc, idd / 2),
+                        .key_scales = region(host_table.data(), qs, idd / 32)});
+    Dev<float> dl(latent), dk(key), df(freqs);
+    Dev<int64_t> dp(gpos), dr(rows);
+    BOOST_REQUIRE(gpu::CompressWrite({.latent = dl.get(),
+                                      .key = dk.get(),
+                                      .groups = groups,
+                                      .head_dim = hd,
+                                      .index_dim = idd,
+                                      .rope_dim = rope_dim,
+                                      .positions = dp.get(),
+                                      .freqs = df.get(),
+                                      .rows = dr.get(),
+                                      .kv_codes = region(dev_table.get(), kc, hd / 2),
+                                      .kv_scales = region(dev_table.get(), ks, hd / 16),
+                                      .key_codes = region(dev_table.get(), qc, idd / 2),
+                                      .key_scales = region(dev_table.get(), qs, idd / 32)}) ==
+                  OpStatus::kOk);
+    size_t differ = 0, total = 0;
+    for (size_t b = 0; b < host.size(); ++b) {
+      const std::vector<uint8_t> got = dev[b]->Host();
+      for (size_t i = 0; i < bytes; ++i) differ += got[i] != host[b][i];
+      total += bytes;
+    }
+    // Unrotated rows are the codec's bit for bit; a rotation may move a value across an FP4
+    // rounding boundary where the device's cos/sin differ in the last bit.
+    if (rope_dim == 0) {
+      BOOST_TEST(differ == 0u);
+    } else {
+      BOOST_TEST(differ <= total / 100, differ << " of " << total << " bytes differ");
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(hc_collapse_and_expand) {
   std::mt19937 rng(5);
   const int64_t hc = 4, dim = 40;
