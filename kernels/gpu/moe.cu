@@ -6,32 +6,13 @@
 
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
+#include "kernels/gpu/select.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
+using gpu_select::SelectTop;
 constexpr unsigned kThreads = 128;
-
-// True when (a, ia) ranks above (b, ib).
-__device__ __host__ inline bool Above(float a, int64_t ia, float b, int64_t ib) {
-  const bool an = a != a, bn = b != b;
-  if (an != bn) return an;
-  if (!an && a != b) return a > b;
-  return ia < ib;
-}
-
-__device__ __host__ inline int64_t SelectTop(const float* v, int64_t n, int64_t k, int64_t* out) {
-  k = k < n ? k : n;
-  for (int64_t i = 0; i < k; ++i) {
-    int64_t best = -1;
-    for (int64_t j = 0; j < n; ++j) {
-      if (i > 0 && !Above(v[out[i - 1]], out[i - 1], v[j], j)) continue;  // Taken already.
-      if (best < 0 || Above(v[j], j, v[best], best)) best = j;
-    }
-    out[i] = best;
-  }
-  return k;
-}
 
 __global__ void TopKKernel(const float* values, int64_t rows, int64_t stride, int64_t k,
                            const int64_t* n, int64_t* out) {

@@ -32,6 +32,8 @@ OpStatus EngramGather(const EngramGatherParams& p);
 OpStatus EngramGate(const EngramGateParams& p);
 // The total order only (kReference gives kBadArgument: it is the CPU library's order).
 OpStatus TopK(const TopKParams& p);
+OpStatus IndexerScores(const IndexerScoreParams& p);
+OpStatus CandidateFilter(const CandidateFilterParams& p);  // Total order only.
 OpStatus MoeRoute(const MoeRouteParams& p);
 OpStatus SparseAttention(const SparseAttentionParams& p);
 

@@ -453,6 +453,102 @@ BOOST_AUTO_TEST_CASE(compressor_pool_and_row_write) {
   }
 }
 
+// Index scores, bit-equal: keys decoded exactly, the same lanes and roundings; then the
+// candidate filter's mask.
+BOOST_AUTO_TEST_CASE(indexer_scores_and_candidates_bit_equal) {
+  std::mt19937 rng(12);
+  const int64_t heads = 3, dim = 64, per = 16, nblocks = 6;
+  const size_t bytes = per * (dim / 2 + dim / 32);
+  std::vector<std::vector<uint8_t>> host(nblocks, std::vector<uint8_t>(bytes));
+  for (auto& b : host) {
+    for (int64_t r = 0; r < per; ++r) {
+      std::vector<float> k = Normal(rng, dim, 2.0f);
+      cpu::QuantizeFp4E8M0(k.data(), dim, 32, b.data() + r * dim / 2,
+                           b.data() + per * dim / 2 + r * dim / 32);
+    }
+  }
+  std::vector<uint8_t*> host_table;
+  for (auto& b : host) host_table.push_back(b.data());
+  std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
+  std::vector<uint8_t*> dev_ptrs;
+  for (auto& b : host) {
+    dev.push_back(std::make_unique<Dev<uint8_t>>(b));
+    dev_ptrs.push_back(dev.back()->get());
+  }
+  Dev<uint8_t*> dev_table(dev_ptrs);
+  const std::vector<int32_t> table = {4, 2, 0, 2, 5, 1};
+  Dev<int32_t> dtab(table);
+  const int64_t stride = 90;
+  for (int64_t tokens : kRows) {
+    std::vector<float> q = Normal(rng, tokens * heads * dim), w = Normal(rng, tokens * heads);
+    cpu::FakeQuant({.x = q.data(),
+                    .n = static_cast<int64_t>(q.size()),
+                    .block = 32,
+                    .format = FakeQuantFormat::kFp4E8M0});
+    std::vector<int64_t> visible(tokens);
+    std::uniform_int_distribution<int64_t> vis(0, stride);
+    for (int64_t& v : visible) v = vis(rng);
+    std::vector<uint8_t> mask(tokens * stride);
+    for (size_t i = 0; i < mask.size(); ++i) mask[i] = (i * 7) % 3 != 0;
+    std::vector<float> want(tokens * stride);
+    IndexerScoreParams params{
+        .q = q.data(),
+        .weights = w.data(),
+        .tokens = tokens,
+        .heads = heads,
+        .dim = dim,
+        .visible = visible.data(),
+        .block_table = table.data(),
+        .key_codes = {host_table.data(), per, 0, static_cast<size_t>(dim / 2)},
+        .key_scales = {host_table.data(), per, static_cast<size_t>(per * dim / 2),
+                       static_cast<size_t>(dim / 32)},
+        .mask = mask.data(),
+        .stride = stride,
+        .scores = want.data()};
+    BOOST_REQUIRE(cpu::IndexerScoresRef(params) == OpStatus::kOk);
+    Dev<float> dq(q), dw(w), dscores(std::vector<float>(want.size()));
+    Dev<int64_t> dvis(visible);
+    Dev<uint8_t> dmask(mask);
+    params.q = dq.get();
+    params.weights = dw.get();
+    params.visible = dvis.get();
+    params.block_table = dtab.get();
+    params.key_codes.blocks = dev_table.get();
+    params.key_scales.blocks = dev_table.get();
+    params.mask = dmask.get();
+    params.scores = dscores.get();
+    BOOST_REQUIRE(gpu::IndexerScores(params) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dscores.Host(), want), "tokens " << tokens);
+    // The candidate filter over these scores.
+    const int64_t block = 4, top = 3, nb = (stride + block - 1) / block;
+    std::vector<float> bs(tokens * nb);
+    std::vector<int64_t> bt(tokens * top);
+    std::vector<uint8_t> cmask(tokens * stride);
+    cpu::CandidateFilter({.scores = want.data(),
+                          .tokens = tokens,
+                          .stride = stride,
+                          .block = block,
+                          .top_blocks = top,
+                          .visible = visible.data(),
+                          .block_scores = bs.data(),
+                          .block_top = bt.data(),
+                          .mask = cmask.data()});
+    Dev<float> dbs(bs);
+    Dev<int64_t> dbt(bt);
+    Dev<uint8_t> dcmask(std::vector<uint8_t>(cmask.size(), 9));
+    BOOST_REQUIRE(gpu::CandidateFilter({.scores = dscores.get(),
+                                        .tokens = tokens,
+                                        .stride = stride,
+                                        .block = block,
+                                        .top_blocks = top,
+                                        .visible = dvis.get(),
+                                        .block_scores = dbs.get(),
+                                        .block_top = dbt.get(),
+                                        .mask = dcmask.get()}) == OpStatus::kOk);
+    BOOST_TEST((dcmask.Host() == cmask));
+  }
+}
+
 BOOST_AUTO_TEST_CASE(hc_collapse_and_expand) {
   std::mt19937 rng(5);
   const int64_t hc = 4, dim = 40;

@@ -1,0 +1,98 @@
+// The indexer on the device: scores (one thread per query and entry: the key decoded exactly from
+// its FP4 codes, each head's dot product in the CPU's eight lanes, the same BF16 roundings, so the
+// scores are equal bit for bit) and the candidate pre-filter (one thread per query: block maxima,
+// the newest block pinned, the best blocks in the total order).
+#include <cmath>
+
+#include "kernels/gpu/codecs.h"
+#include "kernels/gpu/ops.h"
+#include "kernels/gpu/portability.h"
+#include "kernels/gpu/select.h"
+
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+namespace {
+
+namespace c = flashd::kernels::gpu_codecs;
+constexpr unsigned kThreads = 128;
+
+__global__ void ScoreKernel(IndexerScoreParams p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= p.tokens * p.stride) return;
+  const int64_t t = i / p.stride, j = i % p.stride;
+  if (j >= p.visible[t] || (p.mask != nullptr && p.mask[i] == 0)) {
+    p.scores[i] = -INFINITY;
+    return;
+  }
+  const int64_t row = BlockRow(p.block_table, p.key_codes.rows_per_block, j);
+  const uint8_t* codes = p.key_codes.Row(row);
+  const uint8_t* scales = p.key_scales.Row(row);
+  float total = 0;
+  for (int64_t h = 0; h < p.heads; ++h) {
+    const float* q = p.q + (t * p.heads + h) * p.dim;
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t d = 0; d < p.dim; ++d) {
+      const uint8_t byte = codes[d / 2];
+      const float key = c::E2M1ToFloat((d % 2 == 0) ? (byte & 0xF) : (byte >> 4)) *
+                        c::E8M0ToFloat(scales[d / 32]);
+      lane[d % 8] += q[d] * key;
+    }
+    const float dot =
+        ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    total += c::RoundBf16(fmaxf(c::RoundBf16(dot), 0.0f) * p.weights[t * p.heads + h]);
+  }
+  p.scores[i] = c::RoundBf16(total);
+}
+
+__global__ void CandidateKernel(CandidateFilterParams p) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= p.tokens) return;
+  const int64_t bs = p.block, nb_stride = (p.stride + bs - 1) / bs;
+  const int64_t visible = p.visible[t] < p.stride ? p.visible[t] : p.stride;
+  const float* score = p.scores + t * p.stride;
+  float* block_score = p.block_scores + t * nb_stride;
+  const int64_t blocks = (visible + bs - 1) / bs;
+  for (int64_t b = 0; b < blocks; ++b) block_score[b] = -INFINITY;
+  for (int64_t j = 0; j < visible; ++j) {
+    // std::max(a, b) keeps a unless a < b: the same with NaN scores.
+    if (block_score[j / bs] < score[j]) block_score[j / bs] = score[j];
+  }
+  if (visible > 0) block_score[(visible - 1) / bs] = INFINITY;
+  uint8_t* mask = p.mask + t * p.stride;
+  for (int64_t j = 0; j < p.stride; ++j) mask[j] = 0;
+  int64_t* top = p.block_top + t * p.top_blocks;
+  const int64_t got = gpu_select::SelectTop(block_score, blocks, p.top_blocks, top);
+  for (int64_t i = 0; i < got; ++i) {
+    const int64_t b = top[i];
+    if (block_score[b] == -INFINITY) continue;
+    const int64_t end = (b + 1) * bs < visible ? (b + 1) * bs : visible;
+    for (int64_t j = b * bs; j < end; ++j) mask[j] = 1;
+  }
+}
+
+}  // namespace
+
+OpStatus IndexerScores(const IndexerScoreParams& p) {
+  if (p.tokens < 0 || p.heads <= 0 || p.dim <= 0 || p.dim % 32 != 0 || p.stride < 0 ||
+      (p.tokens > 0 && p.visible == nullptr) ||
+      (p.stride > 0 && p.tokens > 0 && (p.scores == nullptr || p.block_table == nullptr))) {
+    return OpStatus::kBadShape;
+  }
+  const int64_t n = p.tokens * p.stride;
+  if (n == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(ScoreKernel, static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0,
+                static_cast<gpuStream_t>(p.stream), p);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
+OpStatus CandidateFilter(const CandidateFilterParams& p) {
+  if (p.tokens < 0 || p.block <= 0 || p.top_blocks < 0 || p.visible == nullptr) {
+    return OpStatus::kBadShape;
+  }
+  if (p.order != TopKOrder::kTotal) return OpStatus::kBadArgument;
+  if (p.tokens == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(CandidateKernel, static_cast<unsigned>((p.tokens + kThreads - 1) / kThreads),
+                kThreads, 0, static_cast<gpuStream_t>(p.stream), p);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND
