@@ -22,7 +22,9 @@
 #include <cstdint>
 
 // Helpers that kernels call on the device too.
-#if defined(__CUDACC__) || defined(__HIPCC__)
+#if defined(__HIPCC__) && defined(__clang__)
+#define FLASHD_OPS_HD __attribute__((host, device))
+#elif defined(__CUDACC__)
 #define FLASHD_OPS_HD __host__ __device__
 #else
 #define FLASHD_OPS_HD
