@@ -54,6 +54,26 @@ class Dev {
   size_t n_;
 };
 
+// KV blocks on the host and the same blocks on the device, each side with its table of block
+// pointers (what PagedRows reads).
+struct Blocks {
+  std::vector<std::vector<uint8_t>> host;
+  std::vector<uint8_t*> host_table, dev_ptrs;
+  std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
+  std::unique_ptr<Dev<uint8_t*>> dev_table;
+
+  // Copies the host blocks to the device (call after filling them).
+  void Upload() {
+    host_table.clear();
+    for (auto& b : host) host_table.push_back(b.data());
+    for (auto& b : host) {
+      dev.push_back(std::make_unique<Dev<uint8_t>>(b));
+      dev_ptrs.push_back(dev.back()->get());
+    }
+    dev_table = std::make_unique<Dev<uint8_t*>>(dev_ptrs);
+  }
+};
+
 std::vector<float> Normal(std::mt19937& rng, size_t n, float sd = 1.0f) {
   std::normal_distribution<float> d(0.0f, sd);
   std::vector<float> v(n);
@@ -394,16 +414,12 @@ BOOST_AUTO_TEST_CASE(compressor_pool_and_row_write) {
       gpos[g] = 4 * g;
       rows[g] = g % 5 == 2 ? -1 : (g * 7) % (3 * per);
     }
-    std::vector<std::vector<uint8_t>> host(3, std::vector<uint8_t>(bytes, 0xAB));
-    std::vector<uint8_t*> host_table;
-    for (auto& b : host) host_table.push_back(b.data());
-    std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
-    std::vector<uint8_t*> dev_ptrs;
-    for (auto& b : host) {
-      dev.push_back(std::make_unique<Dev<uint8_t>>(b));
-      dev_ptrs.push_back(dev.back()->get());
-    }
-    Dev<uint8_t*> dev_table(dev_ptrs);
+    Blocks blocks;
+    blocks.host.assign(3, std::vector<uint8_t>(bytes, 0xAB));
+    blocks.Upload();
+    std::vector<std::vector<uint8_t>>& host = blocks.host;
+    uint8_t* const* host_table = blocks.host_table.data();
+    uint8_t* const* dev_table = blocks.dev_table->get();
     auto region = [&](uint8_t* const* table, size_t offset, size_t row_bytes) {
       return PagedRows{table, per, offset, row_bytes};
     };
@@ -417,10 +433,10 @@ BOOST_AUTO_TEST_CASE(compressor_pool_and_row_write) {
                         .positions = gpos.data(),
                         .freqs = freqs.data(),
                         .rows = rows.data(),
-                        .kv_codes = region(host_table.data(), kc, hd / 2),
-                        .kv_scales = region(host_table.data(), ks, hd / 16),
-                        .key_codes = region(host_table.data(), qc, idd / 2),
-                        .key_scales = region(host_table.data(), qs, idd / 32)});
+                        .kv_codes = region(host_table, kc, hd / 2),
+                        .kv_scales = region(host_table, ks, hd / 16),
+                        .key_codes = region(host_table, qc, idd / 2),
+                        .key_scales = region(host_table, qs, idd / 32)});
     Dev<float> dl(latent), dk(key), df(freqs);
     Dev<int64_t> dp(gpos), dr(rows);
     BOOST_REQUIRE(gpu::CompressWrite({.latent = dl.get(),
@@ -432,14 +448,14 @@ BOOST_AUTO_TEST_CASE(compressor_pool_and_row_write) {
                                       .positions = dp.get(),
                                       .freqs = df.get(),
                                       .rows = dr.get(),
-                                      .kv_codes = region(dev_table.get(), kc, hd / 2),
-                                      .kv_scales = region(dev_table.get(), ks, hd / 16),
-                                      .key_codes = region(dev_table.get(), qc, idd / 2),
-                                      .key_scales = region(dev_table.get(), qs, idd / 32)}) ==
+                                      .kv_codes = region(dev_table, kc, hd / 2),
+                                      .kv_scales = region(dev_table, ks, hd / 16),
+                                      .key_codes = region(dev_table, qc, idd / 2),
+                                      .key_scales = region(dev_table, qs, idd / 32)}) ==
                   OpStatus::kOk);
     size_t differ = 0, total = 0;
     for (size_t b = 0; b < host.size(); ++b) {
-      const std::vector<uint8_t> got = dev[b]->Host();
+      const std::vector<uint8_t> got = blocks.dev[b]->Host();
       for (size_t i = 0; i < bytes; ++i) differ += got[i] != host[b][i];
       total += bytes;
     }
@@ -467,15 +483,11 @@ BOOST_AUTO_TEST_CASE(indexer_scores_and_candidates_bit_equal) {
                            b.data() + per * dim / 2 + r * dim / 32);
     }
   }
-  std::vector<uint8_t*> host_table;
-  for (auto& b : host) host_table.push_back(b.data());
-  std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
-  std::vector<uint8_t*> dev_ptrs;
-  for (auto& b : host) {
-    dev.push_back(std::make_unique<Dev<uint8_t>>(b));
-    dev_ptrs.push_back(dev.back()->get());
-  }
-  Dev<uint8_t*> dev_table(dev_ptrs);
+  Blocks blocks;
+  blocks.host = host;
+  blocks.Upload();
+  uint8_t* const* host_table = blocks.host_table.data();
+  uint8_t* const* dev_table = blocks.dev_table->get();
   const std::vector<int32_t> table = {4, 2, 0, 2, 5, 1};
   Dev<int32_t> dtab(table);
   const int64_t stride = 90;
@@ -491,20 +503,19 @@ BOOST_AUTO_TEST_CASE(indexer_scores_and_candidates_bit_equal) {
     std::vector<uint8_t> mask(tokens * stride);
     for (size_t i = 0; i < mask.size(); ++i) mask[i] = (i * 7) % 3 != 0;
     std::vector<float> want(tokens * stride);
-    IndexerScoreParams params{
-        .q = q.data(),
-        .weights = w.data(),
-        .tokens = tokens,
-        .heads = heads,
-        .dim = dim,
-        .visible = visible.data(),
-        .block_table = table.data(),
-        .key_codes = {host_table.data(), per, 0, static_cast<size_t>(dim / 2)},
-        .key_scales = {host_table.data(), per, static_cast<size_t>(per * dim / 2),
-                       static_cast<size_t>(dim / 32)},
-        .mask = mask.data(),
-        .stride = stride,
-        .scores = want.data()};
+    IndexerScoreParams params{.q = q.data(),
+                              .weights = w.data(),
+                              .tokens = tokens,
+                              .heads = heads,
+                              .dim = dim,
+                              .visible = visible.data(),
+                              .block_table = table.data(),
+                              .key_codes = {host_table, per, 0, static_cast<size_t>(dim / 2)},
+                              .key_scales = {host_table, per, static_cast<size_t>(per * dim / 2),
+                                             static_cast<size_t>(dim / 32)},
+                              .mask = mask.data(),
+                              .stride = stride,
+                              .scores = want.data()};
     BOOST_REQUIRE(cpu::IndexerScoresRef(params) == OpStatus::kOk);
     Dev<float> dq(q), dw(w), dscores(std::vector<float>(want.size()));
     Dev<int64_t> dvis(visible);
@@ -513,8 +524,8 @@ BOOST_AUTO_TEST_CASE(indexer_scores_and_candidates_bit_equal) {
     params.weights = dw.get();
     params.visible = dvis.get();
     params.block_table = dtab.get();
-    params.key_codes.blocks = dev_table.get();
-    params.key_scales.blocks = dev_table.get();
+    params.key_codes.blocks = dev_table;
+    params.key_scales.blocks = dev_table;
     params.mask = dmask.get();
     params.scores = dscores.get();
     BOOST_REQUIRE(gpu::IndexerScores(params) == OpStatus::kOk);
@@ -751,15 +762,11 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
                            b.data() + per * hd / 2 + r * hd / 16);
     }
   }
-  std::vector<uint8_t*> host_table;
-  for (auto& b : host_blocks) host_table.push_back(b.data());
-  std::vector<std::unique_ptr<Dev<uint8_t>>> dev_blocks;
-  std::vector<uint8_t*> dev_ptrs;
-  for (auto& b : host_blocks) {
-    dev_blocks.push_back(std::make_unique<Dev<uint8_t>>(b));
-    dev_ptrs.push_back(dev_blocks.back()->get());
-  }
-  Dev<uint8_t*> dev_table(dev_ptrs);
+  Blocks blocks;
+  blocks.host = host_blocks;
+  blocks.Upload();
+  uint8_t* const* host_table = blocks.host_table.data();
+  uint8_t* const* dev_table = blocks.dev_table->get();
   const std::vector<int32_t> table = {3, 0, 0, 4};
   std::vector<float> freqs(rd / 2);
   cpu::RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
@@ -779,27 +786,26 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
       wfirst[t] = std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
       for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : entry(rng);
     }
-    SparseAttentionParams params{
-        .q = q.data(),
-        .tokens = tokens,
-        .heads = heads,
-        .head_dim = hd,
-        .rope_dim = rd,
-        .positions = pos.data(),
-        .ring_codes = ring_codes.data(),
-        .ring_scales = ring_scales.data(),
-        .window = window,
-        .fresh = fresh.data(),
-        .fresh_first = first,
-        .window_first = wfirst.data(),
-        .selected = sel.data(),
-        .selected_stride = width,
-        .block_table = table.data(),
-        .kv_codes = {host_table.data(), per, 0, static_cast<size_t>(hd / 2)},
-        .kv_scales = {host_table.data(), per, static_cast<size_t>(per * hd / 2),
-                      static_cast<size_t>(hd / 16)},
-        .sink = sink.data(),
-        .freqs = freqs.data()};
+    SparseAttentionParams params{.q = q.data(),
+                                 .tokens = tokens,
+                                 .heads = heads,
+                                 .head_dim = hd,
+                                 .rope_dim = rd,
+                                 .positions = pos.data(),
+                                 .ring_codes = ring_codes.data(),
+                                 .ring_scales = ring_scales.data(),
+                                 .window = window,
+                                 .fresh = fresh.data(),
+                                 .fresh_first = first,
+                                 .window_first = wfirst.data(),
+                                 .selected = sel.data(),
+                                 .selected_stride = width,
+                                 .block_table = table.data(),
+                                 .kv_codes = {host_table, per, 0, static_cast<size_t>(hd / 2)},
+                                 .kv_scales = {host_table, per, static_cast<size_t>(per * hd / 2),
+                                               static_cast<size_t>(hd / 16)},
+                                 .sink = sink.data(),
+                                 .freqs = freqs.data()};
     std::vector<float> want(tokens * heads * hd);
     params.out = want.data();
     BOOST_REQUIRE(cpu::SparseAttention(params) == OpStatus::kOk);
@@ -815,8 +821,8 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
     params.window_first = dwf.get();
     params.selected = dsel.get();
     params.block_table = dtab.get();
-    params.kv_codes.blocks = dev_table.get();
-    params.kv_scales.blocks = dev_table.get();
+    params.kv_codes.blocks = dev_table;
+    params.kv_scales.blocks = dev_table;
     params.sink = dsink.get();
     params.freqs = dfreqs.get();
     params.out = dout.get();
