@@ -1076,13 +1076,15 @@ Status CpuForward::ForwardBatch(std::span<BatchItem> items, const ForwardOptions
   }
   // Every block the step writes, allocated before any math. A sequence that does not fit is left
   // out when it can report so on its own; otherwise the call fails with nothing changed.
-  std::vector<BatchItem> run;
   std::vector<PlanRequest> requests;
+  for (const BatchItem& it : items) requests.push_back({it.state, it.tokens});
+  ForwardPlan plan = PlanForward(c, *impl_->layout, impl_->engram.get(), requests);
+  std::vector<BatchItem> run;
+  std::vector<PlanRequest> kept;
   std::vector<BlockReservation> reservations;
-  for (BatchItem& it : items) {
-    const PlanRequest request{it.state, it.tokens};
-    ForwardPlan own = PlanForward(c, *impl_->layout, impl_->engram.get(), {&request, 1});
-    const auto [first, last] = own.write_blocks[0];
+  for (size_t i = 0; i < items.size(); ++i) {
+    BatchItem& it = items[i];
+    const auto [first, last] = plan.write_blocks[i];
     StatusOr<BlockReservation> r = impl_->blocks->Reserve(&it.state->blocks, first, last);
     if (!r.ok()) {
       if (it.status == nullptr) return r.status();  // The reservations so far roll back.
@@ -1092,10 +1094,15 @@ Status CpuForward::ForwardBatch(std::span<BatchItem> items, const ForwardOptions
     if (it.status != nullptr) *it.status = Status::Ok();
     reservations.push_back(std::move(*r));
     run.push_back(it);
-    requests.push_back(request);
+    kept.push_back(requests[i]);
   }
   if (run.empty()) return Status::Ok();
-  ForwardPlan plan = PlanForward(c, *impl_->layout, impl_->engram.get(), requests);
+  // Planning reads the sequences only, so a plan of the sequences that fit equals the full plan
+  // without the others; it is made again only when one was left out.
+  if (run.size() != items.size()) {
+    requests = std::move(kept);
+    plan = PlanForward(c, *impl_->layout, impl_->engram.get(), requests);
+  }
   AssignRows(*impl_->layout, requests, &plan);
   Step step(*impl_, run, options, std::move(plan));
   FLASHD_RETURN_IF_ERROR(step.Run());
