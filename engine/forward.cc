@@ -12,6 +12,7 @@
 #include "engine/forward_plan.h"
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/scalar.h"
 
 namespace flashd::engine {
 namespace {
@@ -637,8 +638,7 @@ Status Step::Attention(int l) {
     FLASHD_RETURN_IF_ERROR(Apply(L.idx_weights_proj, x_.data(), rows, iw.data()));
     const float wscale =
         static_cast<float>(std::pow(double(idd), -0.5) * std::pow(double(ih), -0.5));
-    for (float& v : iw)
-      v = k::Bf16ToFloat(k::FloatToBf16(k::Bf16ToFloat(k::FloatToBf16(v)) * wscale));
+    for (float& v : iw) v = k::Bf(k::Bf(v) * wscale);
   }
   std::vector<float> o(static_cast<size_t>(rows * H * hd));
   for (size_t i = 0; i < plan_.segments.size(); ++i) {

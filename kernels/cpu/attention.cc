@@ -8,11 +8,11 @@
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/scalar.h"
 #include "kernels/cpu/simd.h"
 
 namespace flashd::kernels::cpu {
 namespace {
-inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
 
 // logit[j] = (sum over d, in order, of q[d] * key_j[d]) * scale, keys_t[d * nk + j] = key_j[d]:
 // one vector lane per key, each summing its products in the plain order.

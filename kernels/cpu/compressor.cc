@@ -7,12 +7,9 @@
 
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/scalar.h"
 
 namespace flashd::kernels::cpu {
-namespace {
-inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
-}  // namespace
-
 OpStatus CompressPool(const CompressPoolParams& p) {
   if (p.rows < 0 || p.dim <= 0 || p.ratio < 2 || p.positions == nullptr) {
     return OpStatus::kBadShape;

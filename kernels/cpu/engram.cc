@@ -4,13 +4,9 @@
 
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/scalar.h"
 
 namespace flashd::kernels::cpu {
-namespace {
-inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
-inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-}  // namespace
-
 OpStatus EngramGather(const EngramGatherParams& p) {
   if (p.tokens < 0 || p.columns <= 0 || p.head_dim <= 0 || p.head_dim % 32 != 0 ||
       p.column0 + p.columns > p.row_stride) {

@@ -101,6 +101,18 @@ float E2M1ToFloat(uint8_t code) {
   return (code & 8) ? -v : v;
 }
 
+const float* E2M1PairTable() {
+  static const std::array<float, 512> pairs = [] {
+    std::array<float, 512> t{};
+    for (int b = 0; b < 256; ++b) {
+      t[2 * b] = E2M1ToFloat(static_cast<uint8_t>(b & 0xF));
+      t[2 * b + 1] = E2M1ToFloat(static_cast<uint8_t>(b >> 4));
+    }
+    return t;
+  }();
+  return pairs.data();
+}
+
 uint8_t FloatToE2M1(float value) {
   if (std::isnan(value)) return 0;
   const uint8_t sign = std::signbit(value) ? 8 : 0;

@@ -63,7 +63,10 @@ inline float E4M3ToFloatArith(uint8_t code) {
 // REQUIRES: value is a power of two in [2^-127, 2^127] (what Pow2Ceil produces).
 uint8_t FloatToE8M0(float value);
 
-float E2M1ToFloat(uint8_t code);   // Low 4 bits: sign (bit 3) and magnitude code (bits 0-2).
+float E2M1ToFloat(uint8_t code);  // Low 4 bits: sign (bit 3) and magnitude code (bits 0-2).
+// Both E2M1 values of every byte, low nibble first ([2 * byte], [2 * byte + 1]), for kernels that
+// decode packed FP4 a byte at a time.
+const float* E2M1PairTable();
 uint8_t FloatToE2M1(float value);  // RNE to the even code; |value| > 6 saturates; NaN -> 0.
 
 // 2^ceil(log2(x)) read off the float's exponent and mantissa bits, exact at powers of two. This

@@ -1,7 +1,6 @@
 // The indexer: scores of compressed entries for each query, the candidate pre-filter, and top-k
 // under either tie order.
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -10,13 +9,13 @@
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/scalar.h"
 #include "kernels/cpu/simd.h"
 
 namespace flashd::kernels::cpu {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
 
 // The indexer's dot product, by definition: eight running sums, lane d % 8 taking element d,
 // added pairwise at the end. The order never depends on batch or chunk.
@@ -71,19 +70,6 @@ DotFn PickDot8() {
 #else
   return Dot8Plain;
 #endif
-}
-
-// Both E2M1 values of every byte (low nibble first), for decoding keys a byte at a time.
-const std::array<float, 512>& Fp4Pairs() {
-  static const std::array<float, 512> pairs = [] {
-    std::array<float, 512> t{};
-    for (int b = 0; b < 256; ++b) {
-      t[2 * b] = E2M1ToFloat(static_cast<uint8_t>(b & 0xF));
-      t[2 * b + 1] = E2M1ToFloat(static_cast<uint8_t>(b >> 4));
-    }
-    return t;
-  }();
-  return pairs;
 }
 
 bool ScoreShapeOk(const IndexerScoreParams& p) {
@@ -165,7 +151,7 @@ OpStatus IndexerScores(const IndexerScoreParams& p) {
     std::fill(p.scores + t * p.stride, p.scores + (t + 1) * p.stride, kNegInf);
     widest = std::max(widest, std::min(p.visible[t], p.stride));
   }
-  const float* pairs = Fp4Pairs().data();
+  const float* pairs = E2M1PairTable();
   // Entry-major: each key is decoded once, exactly (an E2M1 value times a power of two), and
   // scored for every query of the call that sees it.
   ParallelRanges(

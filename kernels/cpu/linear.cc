@@ -1,7 +1,6 @@
 #include "kernels/cpu/linear.h"
 
 #include <algorithm>
-#include <bit>
 #include <thread>
 #include <vector>
 
@@ -172,21 +171,8 @@ FLASHD_VECTOR_CLONES void DecodeFp8Row(const uint8_t* w, size_t K, float* out) {
   for (size_t k = 0; k < K; ++k) out[k] = E4M3ToFloatArith(w[k]);
 }
 
-// E2M1 decoded from its bits: sign to bit 31, exponent and mantissa under the float's exponent
-// field, times 2^126 (the same construction as E4M3ToFloatArith); exact for all 16 codes.
-inline float E2M1Arith(uint32_t code) {
-  return std::bit_cast<float>(((code & 8u) << 28) | ((code & 7u) << 22)) * 0x1p126f;
-}
-
 void DecodeFp4Row(const uint8_t* w, size_t K, float* out) {
-  static const std::vector<float> pairs = [] {
-    std::vector<float> t(512);
-    for (int b = 0; b < 256; ++b) {
-      t[2 * b] = E2M1Arith(b & 0xF);
-      t[2 * b + 1] = E2M1Arith(b >> 4);
-    }
-    return t;
-  }();
+  const float* pairs = E2M1PairTable();
   for (size_t k = 0; k < K; k += 2) {
     const float* p = &pairs[2 * w[k / 2]];
     out[k] = p[0];

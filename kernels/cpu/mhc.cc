@@ -8,12 +8,10 @@
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/scalar.h"
 
 namespace flashd::kernels::cpu {
 namespace {
-
-inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
-inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 // pre, post and the Sinkhorn-normalised comb from one row of mixes.
 void HcSplit(const float* mixes, const float* scale, const float* base, int hc, int iters,

@@ -5,11 +5,10 @@
 
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/scalar.h"
 
 namespace flashd::kernels::cpu {
 namespace {
-inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
-inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float SqrtSoftplus(float x) { return std::sqrt(x > 20.0f ? x : std::log1p(std::exp(x))); }
 }  // namespace
 

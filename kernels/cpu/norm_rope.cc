@@ -6,13 +6,10 @@
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/cpu/parallel.h"
+#include "kernels/cpu/scalar.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace flashd::kernels::cpu {
-namespace {
-inline float Bf(float x) { return Bf16ToFloat(FloatToBf16(x)); }
-}  // namespace
-
 int StreamThreads(const void* stream) {
   // hardware_concurrency() reads /sys on every call; the process's pool fixes the count anyway.
   static const int cores = static_cast<int>(ThreadPool::Process().workers()) + 1;
