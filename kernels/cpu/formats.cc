@@ -8,18 +8,6 @@
 namespace flashd::kernels::cpu {
 namespace {
 
-uint32_t Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-}
-
-float FromBits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 constexpr float kE2M1Values[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 
 const std::array<float, 256>& E4M3Table() {
@@ -72,21 +60,7 @@ float E4M3ToFloat(uint8_t code) { return E4M3Table()[code]; }
 const float* E4M3DecodeTable() { return E4M3Table().data(); }
 
 uint8_t FloatToE4M3(float value) {
-  const uint32_t u = Bits(value);
-  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
-  const uint32_t mag = u & 0x7FFFFFFFu;
-  if (mag > 0x7F800000u) return sign | 0x7F;  // NaN.
-  const float a = FromBits(mag);
-  if (a >= kFp8Max) return sign | 0x7E;  // Saturate (also +-inf).
-  if (a < 0.015625f) {                   // Below 2^-6: subnormal steps of 2^-9.
-    // a * 512 < 8 is exact, and adding 2^23 rounds it to an integer, ties to even.
-    const float m = (a * 512.0f + 0x1p23f) - 0x1p23f;
-    return sign | static_cast<uint8_t>(m);  // m == 8 is exactly the smallest normal, code 0x08.
-  }
-  // Round the float's mantissa to 3 bits, ties to even, carrying into the exponent; then move
-  // the exponent from bias 127 to bias 7. a < 448 keeps the result at most 0x7E.
-  const uint32_t rounded = (mag + 0x7FFFFu + ((mag >> 20) & 1)) >> 20;
-  return sign | static_cast<uint8_t>(rounded - ((127 - 7) << 3));
+  return codecs::FloatToE4M3(value);  // RNE, saturating at +-448.
 }
 
 uint8_t FloatToE8M0(float value) {
@@ -114,21 +88,11 @@ const float* E2M1PairTable() {
 }
 
 uint8_t FloatToE2M1(float value) {
-  if (std::isnan(value)) return 0;
-  const uint8_t sign = std::signbit(value) ? 8 : 0;
-  float a = std::fabs(value);
-  // Midpoints between neighbouring codes; at a midpoint the even code wins.
-  static constexpr float kMid[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
-  uint8_t code = 0;
-  while (code < 7 && a > kMid[code]) ++code;
-  if (code < 7 && a == kMid[code] && (code & 1)) ++code;
-  return sign | code;
+  return codecs::FloatToE2M1(value);  // RNE to the even code, saturating at +-6.
 }
 
 float Pow2Ceil(float x) {
-  uint32_t u = Bits(x);
-  int exponent = static_cast<int>((u >> 23) & 0xFF) - 127 + ((u & 0x7FFFFF) != 0 ? 1 : 0);
-  return FromBits(static_cast<uint32_t>(exponent + 127) << 23);
+  return codecs::Pow2Ceil(x);  // Read off the exponent and mantissa bits.
 }
 
 float Fp8BlockScale(float amax) { return Pow2Ceil(std::max(amax, 1e-4f) * (1.0f / kFp8Max)); }

@@ -22,21 +22,17 @@
 #include <cstdint>
 #include <limits>
 
+#include "kernels/codecs.h"
+
 namespace flashd::kernels::cpu {
 
 inline constexpr float kFp8Max = 448.0f;
 inline constexpr float kFp4Max = 6.0f;
 
 // --- Scalars --------------------------------------------------------------------------------
-inline float Bf16ToFloat(uint16_t bits) {
-  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
-}
+inline float Bf16ToFloat(uint16_t bits) { return codecs::Bf16ToFloat(bits); }
 // Round to nearest even; NaN stays NaN (quiet).
-inline uint16_t FloatToBf16(float value) {
-  const uint32_t u = std::bit_cast<uint32_t>(value);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
-}
+inline uint16_t FloatToBf16(float value) { return codecs::FloatToBf16(value); }
 float F16ToFloat(uint16_t bits);
 
 float E4M3ToFloat(uint8_t code);
@@ -46,20 +42,10 @@ uint8_t FloatToE4M3(float value);  // RNE; |value| >= 448 saturates to +-448; Na
 
 // 2^(code-127) built from its bits (code 0 is the subnormal 2^-127), equal to
 // std::ldexp(1.0f, code - 127) for every code; inline because kernels call it per block.
-inline float E8M0ToFloat(uint8_t code) {
-  if (code == 0xFF) return std::numeric_limits<float>::quiet_NaN();
-  return std::bit_cast<float>(code == 0 ? uint32_t{0x00400000} : uint32_t{code} << 23);
-}
-// The E4M3 value of `code` without a table: its low seven bits placed under the float's
-// exponent field read as a float that is 2^-120 times the value (subnormal codes land on float
-// subnormals, which scale just as exactly), so one multiply by 2^120 gives it; the NaN codes
-// are mapped separately. Branch-free, so loops of it vectorize. Equal to E4M3ToFloat.
-inline float E4M3ToFloatArith(uint8_t code) {
-  const uint32_t magnitude = code & 0x7Fu;
-  const float v = std::bit_cast<float>(magnitude << 20) * 0x1p120f;
-  const float signed_v = (code & 0x80) ? -v : v;
-  return magnitude == 0x7F ? std::numeric_limits<float>::quiet_NaN() : signed_v;
-}
+inline float E8M0ToFloat(uint8_t code) { return codecs::E8M0ToFloat(code); }
+// The E4M3 value of `code` by bit arithmetic, branch-free so loops of it vectorize; equal to
+// E4M3ToFloat (the table) on every code.
+inline float E4M3ToFloatArith(uint8_t code) { return codecs::E4M3ToFloat(code); }
 // REQUIRES: value is a power of two in [2^-127, 2^127] (what Pow2Ceil produces).
 uint8_t FloatToE8M0(float value);
 

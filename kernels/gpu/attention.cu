@@ -7,14 +7,14 @@
 // Rope op. The split-KV kernels for long contexts come beside it, checked against it.
 #include <cmath>
 
-#include "kernels/gpu/codecs.h"
+#include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
-namespace c = flashd::kernels::gpu_codecs;
+namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 64;
 
 // Value d of key `j` of query t: window keys first (positions window_first .. position), then the

@@ -4,14 +4,14 @@
 // entry rotates its latent (and key) and quantizes them into their rows with the shared codecs.
 #include <cmath>
 
-#include "kernels/gpu/codecs.h"
+#include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
-namespace c = flashd::kernels::gpu_codecs;
+namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 128;
 
 __global__ void PoolKernel(const float* kv, const float* score, int64_t rows, int64_t dim,

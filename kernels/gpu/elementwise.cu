@@ -4,14 +4,14 @@
 // (SwiGLU's sigmoid), whose device implementation may differ in the last bit.
 #include <cmath>
 
-#include "kernels/gpu/codecs.h"
+#include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
-namespace c = flashd::kernels::gpu_codecs;
+namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 256;
 
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }

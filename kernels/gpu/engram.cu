@@ -3,14 +3,14 @@
 // sigmoid's exp may differ in the last bit).
 #include <cmath>
 
-#include "kernels/gpu/codecs.h"
+#include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
-namespace c = flashd::kernels::gpu_codecs;
+namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 256;
 
 __global__ void GatherKernel(const uint8_t* table, const uint8_t* scales, const int64_t* row_ids,

@@ -4,7 +4,7 @@
 // the newest block pinned, the best blocks in the total order).
 #include <cmath>
 
-#include "kernels/gpu/codecs.h"
+#include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 #include "kernels/gpu/select.h"
@@ -12,7 +12,7 @@
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
-namespace c = flashd::kernels::gpu_codecs;
+namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 128;
 
 __global__ void ScoreKernel(IndexerScoreParams p) {

@@ -3,14 +3,14 @@
 // fast path does (per 32-block four lanes k % 4, the lanes' sum times the weight scale added in
 // block order; dense weights: four lanes over K, the tail in lane 0). Results equal the CPU's bit
 // for bit. Matrix-core GEMMs come beside it, checked against it.
-#include "kernels/gpu/codecs.h"
+#include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
-namespace c = flashd::kernels::gpu_codecs;
+namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 256;
 constexpr int64_t kBlock = 32;
 

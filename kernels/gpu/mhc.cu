@@ -3,14 +3,14 @@
 // RmsNorm's).
 #include <cmath>
 
-#include "kernels/gpu/codecs.h"
+#include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
-namespace c = flashd::kernels::gpu_codecs;
+namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 256;
 
 __global__ void CollapseKernel(const float* X, const float* weights, int64_t rows, int64_t hc,

@@ -3,14 +3,14 @@
 // rounding as the CPU. RoPE: one thread per rotated pair, the angle an fp32 product as on the CPU.
 #include <cmath>
 
-#include "kernels/gpu/codecs.h"
+#include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
-namespace c = flashd::kernels::gpu_codecs;
+namespace c = flashd::kernels::codecs;
 constexpr unsigned kNormThreads = 256;
 
 __global__ void RmsNormKernel(float* x, int64_t dim, int64_t stride, const float* weight, float eps,

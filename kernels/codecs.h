@@ -1,48 +1,53 @@
-// The number formats of kernels/cpu/formats.h for device code: the same bit-level definitions,
-// callable on the host and the device, so a kernel's codes equal the CPU reference's bit for bit
-// (gpu_ops_test checks them on every code).
+// The bit-level definitions of the checkpoint's number formats (BF16 rounding, E4M3, E2M1, E8M0
+// and the power-of-two scale rule), callable on the host and on a device, so the CPU reference
+// (kernels/cpu/formats.h builds on them) and every GPU kernel encode and decode with the same
+// code. formats_test checks them on every code against the plain definitions.
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
-#include "kernels/gpu/portability.h"
+#include "kernels/ops.h"  // FLASHD_OPS_HD
 
-namespace flashd::kernels::gpu_codecs {
+namespace flashd::kernels::codecs {
 
-FLASHD_HD inline uint32_t Bits(float f) {
+FLASHD_OPS_HD inline uint32_t Bits(float f) {
   uint32_t u;
-  memcpy(&u, &f, 4);
+  __builtin_memcpy(&u, &f, 4);  // The builtin: device code too.
   return u;
 }
-FLASHD_HD inline float FromBits(uint32_t u) {
+FLASHD_OPS_HD inline float FromBits(uint32_t u) {
   float f;
-  memcpy(&f, &u, 4);
+  __builtin_memcpy(&f, &u, 4);
   return f;
 }
 
-// Round to the nearest BF16 value, ties to even; NaN stays NaN (quiet).
-FLASHD_HD inline float RoundBf16(float x) {
+// The BF16 bits nearest to x, ties to even; NaN stays NaN (quiet).
+FLASHD_OPS_HD inline uint16_t FloatToBf16(float x) {
   const uint32_t u = Bits(x);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return FromBits((u | 0x00400000u) & 0xFFFF0000u);
-  return FromBits((u + 0x7FFFu + ((u >> 16) & 1)) & 0xFFFF0000u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1)) >> 16);
 }
+FLASHD_OPS_HD inline float Bf16ToFloat(uint16_t bits) {
+  return FromBits(static_cast<uint32_t>(bits) << 16);
+}
+// x rounded to the nearest BF16 value.
+FLASHD_OPS_HD inline float RoundBf16(float x) { return Bf16ToFloat(FloatToBf16(x)); }
 
-FLASHD_HD inline float Pow2Ceil(float x) {
+FLASHD_OPS_HD inline float Pow2Ceil(float x) {
   const uint32_t u = Bits(x);
   const int exponent = static_cast<int>((u >> 23) & 0xFF) - 127 + ((u & 0x7FFFFF) != 0 ? 1 : 0);
   return FromBits(static_cast<uint32_t>(exponent + 127) << 23);
 }
 
-FLASHD_HD inline float E4M3ToFloat(uint8_t code) {
+FLASHD_OPS_HD inline float E4M3ToFloat(uint8_t code) {
   const uint32_t magnitude = code & 0x7Fu;
-  if (magnitude == 0x7F) return FromBits(0x7FC00000u);
   const float v = FromBits(magnitude << 20) * 0x1p120f;
-  return (code & 0x80) ? -v : v;
+  const float signed_v = (code & 0x80) ? -v : v;
+  return magnitude == 0x7F ? FromBits(0x7FC00000u) : signed_v;  // Selects: loops vectorize.
 }
 
 // RNE, saturating at +-448; NaN -> 0x7F with its sign.
-FLASHD_HD inline uint8_t FloatToE4M3(float value) {
+FLASHD_OPS_HD inline uint8_t FloatToE4M3(float value) {
   const uint32_t u = Bits(value);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80);
   const uint32_t mag = u & 0x7FFFFFFFu;
@@ -57,12 +62,12 @@ FLASHD_HD inline uint8_t FloatToE4M3(float value) {
   return sign | static_cast<uint8_t>(rounded - ((127 - 7) << 3));
 }
 
-FLASHD_HD inline float E2M1ToFloat(uint8_t code) {
+FLASHD_OPS_HD inline float E2M1ToFloat(uint8_t code) {
   return FromBits(((code & 8u) << 28) | ((code & 7u) << 22)) * 0x1p126f;
 }
 
 // RNE to the even code at a midpoint, saturating at +-6; NaN -> 0.
-FLASHD_HD inline uint8_t FloatToE2M1(float value) {
+FLASHD_OPS_HD inline uint8_t FloatToE2M1(float value) {
   const uint32_t u = Bits(value);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0;
   const uint8_t sign = (u >> 31) ? 8 : 0;
@@ -75,18 +80,18 @@ FLASHD_HD inline uint8_t FloatToE2M1(float value) {
 }
 
 // 2^(code-127); code 0 is the subnormal 2^-127, 0xFF NaN.
-FLASHD_HD inline float E8M0ToFloat(uint8_t code) {
+FLASHD_OPS_HD inline float E8M0ToFloat(uint8_t code) {
   if (code == 0xFF) return FromBits(0x7FC00000u);
   return FromBits(code == 0 ? 0x00400000u : static_cast<uint32_t>(code) << 23);
 }
 
 // The code of a power of two in the normal range (what Pow2Ceil gives the scale rules).
-FLASHD_HD inline uint8_t NormalPow2ToE8M0(float pow2) {
+FLASHD_OPS_HD inline uint8_t NormalPow2ToE8M0(float pow2) {
   return static_cast<uint8_t>((Bits(pow2) >> 23) & 0xFF);
 }
 
-FLASHD_HD inline float Clamp(float v, float lo, float hi) {
+FLASHD_OPS_HD inline float Clamp(float v, float lo, float hi) {
   return v < lo ? lo : (v > hi ? hi : v);
 }
 
-}  // namespace flashd::kernels::gpu_codecs
+}  // namespace flashd::kernels::codecs
