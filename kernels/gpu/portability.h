@@ -57,6 +57,3 @@ using gpuStream_t = cudaStream_t;
 #define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
   kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
 #endif
-
-// Functions the kernels and their host-side checks share.
-#define FLASHD_HD __host__ __device__

@@ -5,19 +5,19 @@
 
 #include <cstdint>
 
-#include "kernels/gpu/portability.h"
+#include "kernels/ops.h"  // FLASHD_OPS_HD
 
 namespace flashd::kernels::gpu_select {
 
 // True when (a, ia) ranks above (b, ib).
-FLASHD_HD inline bool Above(float a, int64_t ia, float b, int64_t ib) {
+FLASHD_OPS_HD inline bool Above(float a, int64_t ia, float b, int64_t ib) {
   const bool an = a != a, bn = b != b;
   if (an != bn) return an;
   if (!an && a != b) return a > b;
   return ia < ib;
 }
 
-FLASHD_HD inline int64_t SelectTop(const float* v, int64_t n, int64_t k, int64_t* out) {
+FLASHD_OPS_HD inline int64_t SelectTop(const float* v, int64_t n, int64_t k, int64_t* out) {
   k = k < n ? k : n;
   for (int64_t i = 0; i < k; ++i) {
     int64_t best = -1;
