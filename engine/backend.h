@@ -11,6 +11,9 @@
 // per-call state.
 #pragma once
 
+#include <cstdint>
+#include <memory>
+#include <string>
 #include <string_view>
 
 #include "kernels/cpu/ops.h"
@@ -21,11 +24,20 @@ namespace flashd::engine {
 // The CPU backend's numerics version.
 inline constexpr std::string_view kCpuNumerics = "cpu/1";
 
+// What a backend runs on, for /health, /v1/models and the start-up log.
+struct BackendReport {
+  std::string backend;         // "cpu", "cuda", "hip" or "hipcpu".
+  std::string device;          // The device's name ("cpu" for the CPU).
+  uint64_t memory_in_use = 0;  // Device bytes the backend holds (weights and workspace).
+  uint64_t memory_total = 0;   // The device's memory; 0 for the CPU.
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string_view name() const = 0;
   virtual std::string_view numerics() const = 0;
+  virtual BackendReport Report() const { return {std::string(name()), "cpu", 0, 0}; }
 
   virtual kernels::OpStatus Linear(const kernels::LinearParams& p) const = 0;
   virtual kernels::OpStatus RoundBf16(const kernels::RoundBf16Params& p) const = 0;

@@ -24,6 +24,9 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // An op that refuses its arguments is a bug in the engine's op layer, not bad input.
 Status Check(OpStatus s, const char* op) {
   if (s == OpStatus::kOk) return Status::Ok();
+  if (s == OpStatus::kDeviceError) {
+    return Unavailable(std::string("forward: op ") + op + " failed on the device");
+  }
   return Internal(std::string("forward: op ") + op + " refused its arguments (" +
                   (s == OpStatus::kBadShape ? "shape" : "argument") + ")");
 }
@@ -102,7 +105,7 @@ struct CpuForward::Impl {
   int64_t block_tokens = 64;
   std::shared_ptr<KvPool> pool;
   std::unique_ptr<BlockManager> blocks;
-  CpuBackend backend;
+  std::unique_ptr<Backend> backend;
 
   Status Prepare(const Model& m, const std::string& tokenizer_json);
   const TensorView& T(const std::string& name) const { return *model->weights().tensors.at(name); }
@@ -235,7 +238,7 @@ class Step {
  public:
   Step(const CpuForward::Impl& m, std::span<BatchItem> items, const ForwardOptions& options,
        ForwardPlan plan)
-      : m_(m), b_(m.backend), c_(m.c), items_(items), options_(options), plan_(std::move(plan)) {
+      : m_(m), b_(*m.backend), c_(m.c), items_(items), options_(options), plan_(std::move(plan)) {
     stream_.threads = options.threads;
   }
 
@@ -311,6 +314,7 @@ Status Step::Run() {
                     .count = static_cast<int64_t>(rows),
                     .hc = hc,
                     .dim = dim,
+                    .vocab = c_.vocab_size,
                     .embed = m_.embed.data(),
                     .X = X_.data()});
   pre_mix_.assign(rows * hc, 0.0f);
@@ -958,15 +962,18 @@ CpuForward::~CpuForward() = default;
 
 StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const Model& model,
                                                          const std::string& tokenizer_json,
-                                                         int64_t block_tokens) {
+                                                         int64_t block_tokens,
+                                                         std::unique_ptr<Backend> backend) {
   auto impl = std::make_unique<Impl>();
   impl->block_tokens = block_tokens;
+  impl->backend = backend ? std::move(backend) : std::make_unique<CpuBackend>();
   FLASHD_RETURN_IF_ERROR(impl->Prepare(model, tokenizer_json));
   return std::unique_ptr<CpuForward>(new CpuForward(std::move(impl)));
 }
 
 const ModelConfig& CpuForward::config() const { return impl_->c; }
-std::string_view CpuForward::numerics() const { return impl_->backend.numerics(); }
+std::string_view CpuForward::numerics() const { return impl_->backend->numerics(); }
+const Backend& CpuForward::backend() const { return *impl_->backend; }
 int64_t CpuForward::block_tokens() const { return impl_->layout->block_tokens; }
 
 const std::shared_ptr<KvPool>& CpuForward::pool() const { return impl_->pool; }

@@ -83,10 +83,12 @@ class CpuForward {
  public:
   // Prepares the model's weights for the CPU (decodes BF16 matrices, keeps FP8/FP4 mapped).
   // `tokenizer_json` is needed for Engram; "" means the model directory's own tokenizer.json.
-  // `block_tokens` is the KV pool's block, which is also the prefix cache's block.
+  // `block_tokens` is the KV pool's block, which is also the prefix cache's block. Every op runs
+  // on `backend` (null: the CPU's).
   static StatusOr<std::unique_ptr<CpuForward>> Create(const Model& model,
                                                       const std::string& tokenizer_json = "",
-                                                      int64_t block_tokens = 64);
+                                                      int64_t block_tokens = 64,
+                                                      std::unique_ptr<Backend> backend = nullptr);
   int64_t block_tokens() const;
   ~CpuForward();
 
@@ -128,6 +130,8 @@ class CpuForward {
   // one backend is resumed bit for bit only by a backend with the same numerics. Bump when any
   // op's results change in their last bits.
   std::string_view numerics() const;
+  // The backend every op runs on.
+  const Backend& backend() const;
 
   struct Impl;  // Opaque: the prepared weights and the pool.
 

@@ -354,10 +354,11 @@ struct EngramGateParams {
 };
 
 // --- Embedding ----------------------------------------------------------------------------------
-// X[t, h] = embed[tokens[t]] for every copy h.
+// X[t, h] = embed[tokens[t]] for every copy h. A token outside [0, vocab) is kBadArgument (the
+// GPU kernels cannot check device-resident ids; their backend checks them before the launch).
 struct EmbedParams {
   const int32_t* tokens = nullptr;
-  int64_t count = 0, hc = 0, dim = 0;
+  int64_t count = 0, hc = 0, dim = 0, vocab = 0;
   const float* embed = nullptr;  // [vocab, dim]
   float* X = nullptr;
   void* stream = nullptr;

@@ -54,7 +54,10 @@ void HcSplit(const float* mixes, const float* scale, const float* base, int hc, 
 }  // namespace
 
 OpStatus Embed(const EmbedParams& p) {
-  if (p.count < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;
+  if (p.count < 0 || p.hc <= 0 || p.dim <= 0 || p.vocab <= 0) return OpStatus::kBadShape;
+  for (int64_t t = 0; t < p.count; ++t) {
+    if (p.tokens[t] < 0 || p.tokens[t] >= p.vocab) return OpStatus::kBadArgument;
+  }
   const size_t dim = static_cast<size_t>(p.dim);
   for (int64_t t = 0; t < p.count; ++t) {
     for (int64_t h = 0; h < p.hc; ++h) {

@@ -120,7 +120,7 @@ OpStatus FakeQuant(const FakeQuantParams& p) {
 }
 
 OpStatus Embed(const EmbedParams& p) {
-  if (p.count < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;
+  if (p.count < 0 || p.hc <= 0 || p.dim <= 0 || p.vocab <= 0) return OpStatus::kBadShape;
   const int64_t n = p.count * p.hc * p.dim;
   if (n == 0) return OpStatus::kOk;
   FLASHD_LAUNCH(EmbedKernel, Blocks(n), kThreads, 0, Stream(p.stream), p.tokens, p.count, p.hc,

@@ -246,6 +246,7 @@ BOOST_AUTO_TEST_CASE(swiglu_within_one_step_embed_exact) {
               .count = 5,
               .hc = hc,
               .dim = dim,
+              .vocab = vocab,
               .embed = table.data(),
               .X = want.data()});
   Dev<float> dt(table), dX(std::vector<float>(want.size()));
@@ -254,6 +255,7 @@ BOOST_AUTO_TEST_CASE(swiglu_within_one_step_embed_exact) {
                             .count = 5,
                             .hc = hc,
                             .dim = dim,
+                            .vocab = vocab,
                             .embed = dt.get(),
                             .X = dX.get()}) == OpStatus::kOk);
   BOOST_TEST(BitEqual(dX.Host(), want));

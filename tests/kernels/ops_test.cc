@@ -295,6 +295,7 @@ BOOST_AUTO_TEST_CASE(embed_copies_each_row_hc_times) {
                        .count = 4,
                        .hc = hc,
                        .dim = dim,
+                       .vocab = vocab,
                        .embed = table.data(),
                        .X = X.data()}) == OpStatus::kOk);
   for (size_t t = 0; t < tokens.size(); ++t) {
@@ -302,6 +303,15 @@ BOOST_AUTO_TEST_CASE(embed_copies_each_row_hc_times) {
       BOOST_TEST(std::memcmp(&X[(t * hc + h) * dim], &table[tokens[t] * dim], dim * 4) == 0);
     }
   }
+  // A token past the table is refused, not read.
+  tokens[1] = static_cast<int32_t>(vocab);
+  BOOST_TEST((Embed({.tokens = tokens.data(),
+                     .count = 4,
+                     .hc = hc,
+                     .dim = dim,
+                     .vocab = vocab,
+                     .embed = table.data(),
+                     .X = X.data()}) == OpStatus::kBadArgument));
 }
 
 BOOST_AUTO_TEST_CASE(hc_mix_against_double_sinkhorn) {
