@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
@@ -21,6 +22,14 @@ std::string DeviceAlloc(void** ptr, size_t bytes);
 std::string DeviceFree(void* ptr);
 std::string CopyToDevice(void* dst, const void* src, size_t bytes);
 std::string CopyToHost(void* dst, const void* src, size_t bytes);
+std::string CopyOnDevice(void* dst, const void* src, size_t bytes);
 std::string Synchronize();
+// Fill device memory without a host copy (benchmarks): bytes uniform in [lo, hi], or floats
+// uniform in [-scale, scale] rounded to BF16; the same seed gives the same contents.
+std::string FillBytes(void* dst, size_t bytes, uint64_t seed, uint8_t lo, uint8_t hi);
+std::string FillFloats(float* dst, size_t n, uint64_t seed, float scale);
+// The current device's name and its memory (free and total bytes), or the runtime's error.
+std::string DeviceName(std::string* name);
+std::string MemoryInfo(size_t* free_bytes, size_t* total_bytes);
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

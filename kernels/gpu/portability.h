@@ -36,6 +36,10 @@ using gpuStream_t = hipStream_t;
 #define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define gpuStreamSynchronize hipStreamSynchronize
 #define gpuDeviceSynchronize hipDeviceSynchronize
+#define gpuGetDevice hipGetDevice
+#define gpuGetDeviceProperties hipGetDeviceProperties
+#define gpuMemGetInfo hipMemGetInfo
+using gpuDeviceProp_t = hipDeviceProp_t;
 #define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
   hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), shared, stream, __VA_ARGS__)
 #else
@@ -54,6 +58,10 @@ using gpuStream_t = cudaStream_t;
 #define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
 #define gpuStreamSynchronize cudaStreamSynchronize
 #define gpuDeviceSynchronize cudaDeviceSynchronize
+#define gpuGetDevice cudaGetDevice
+#define gpuGetDeviceProperties cudaGetDeviceProperties
+#define gpuMemGetInfo cudaMemGetInfo
+using gpuDeviceProp_t = cudaDeviceProp;
 #define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
   kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
 #endif

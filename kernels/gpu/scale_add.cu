@@ -1,4 +1,7 @@
 // The first kernel compiled for both GPU backends from this one source.
+#include <algorithm>
+
+#include "kernels/codecs.h"
 #include "kernels/gpu/device.h"
 #include "kernels/gpu/portability.h"
 
@@ -8,6 +11,30 @@ namespace {
 __global__ void ScaleAddKernel(const float* x, float a, float b, float* y, size_t n) {
   size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = a * x[i] + b;
+}
+
+// A counter-based generator (splitmix64 of seed + index): any thread, any order, same bytes.
+__device__ uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+__global__ void FillBytesKernel(uint8_t* dst, size_t n, uint64_t seed, uint8_t lo, uint8_t hi) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const unsigned span = unsigned(hi) - lo + 1;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    dst[i] = static_cast<uint8_t>(lo + Mix(seed * 0x100000001b3ull + i) % span);
+  }
+}
+
+__global__ void FillFloatsKernel(float* dst, size_t n, uint64_t seed, float scale) {
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float u = static_cast<float>(Mix(seed * 0x100000001b3ull + i) >> 40) / 16777216.0f;
+    dst[i] = codecs::RoundBf16((2.0f * u - 1.0f) * scale);
+  }
 }
 
 std::string Describe(const char* what, gpuError_t err) {
@@ -79,9 +106,50 @@ std::string CopyToHost(void* dst, const void* src, size_t bytes) {
   return err == gpuSuccess ? "" : Describe("copy to host", err);
 }
 
+std::string CopyOnDevice(void* dst, const void* src, size_t bytes) {
+  const gpuError_t err = gpuMemcpy(dst, src, bytes, gpuMemcpyDeviceToDevice);
+  return err == gpuSuccess ? "" : Describe("copy on device", err);
+}
+
+std::string FillBytes(void* dst, size_t bytes, uint64_t seed, uint8_t lo, uint8_t hi) {
+  if (bytes == 0) return "";
+  const unsigned threads = 256;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<size_t>((bytes + threads - 1) / threads, size_t{1} << 20));
+  FLASHD_LAUNCH(FillBytesKernel, blocks, threads, 0, nullptr, static_cast<uint8_t*>(dst), bytes,
+                seed, lo, hi);
+  const gpuError_t err = gpuGetLastError();
+  return err == gpuSuccess ? "" : Describe("fill", err);
+}
+
+std::string FillFloats(float* dst, size_t n, uint64_t seed, float scale) {
+  if (n == 0) return "";
+  const unsigned threads = 256;
+  const unsigned blocks =
+      static_cast<unsigned>(std::min<size_t>((n + threads - 1) / threads, size_t{1} << 20));
+  FLASHD_LAUNCH(FillFloatsKernel, blocks, threads, 0, nullptr, dst, n, seed, scale);
+  const gpuError_t err = gpuGetLastError();
+  return err == gpuSuccess ? "" : Describe("fill", err);
+}
+
 std::string Synchronize() {
   const gpuError_t err = gpuDeviceSynchronize();
   return err == gpuSuccess ? "" : Describe("synchronize", err);
+}
+
+std::string DeviceName(std::string* name) {
+  int device = 0;
+  gpuError_t err = gpuGetDevice(&device);
+  gpuDeviceProp_t props{};
+  if (err == gpuSuccess) err = gpuGetDeviceProperties(&props, device);
+  if (err != gpuSuccess) return Describe("device properties", err);
+  *name = props.name;
+  return "";
+}
+
+std::string MemoryInfo(size_t* free_bytes, size_t* total_bytes) {
+  const gpuError_t err = gpuMemGetInfo(free_bytes, total_bytes);
+  return err == gpuSuccess ? "" : Describe("memory info", err);
 }
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -9,6 +9,7 @@
 #include <random>
 #include <thread>
 
+#include "engine/gpu_backend.h"
 #include "tests/support/temp_dir.h"
 
 namespace flashd::engine {
@@ -79,6 +80,38 @@ GenerationRequest Request(std::vector<int32_t> prompt, float temperature, uint64
 }
 
 BOOST_AUTO_TEST_SUITE(engine)
+
+// engine.backend: a named backend is used or refused with the reason; auto always finds one.
+BOOST_AUTO_TEST_CASE(backends_are_chosen_by_name_or_automatically) {
+  using testing::Contains;
+  std::string why;
+  auto cpu = SelectBackend("cpu", &why);
+  BOOST_REQUIRE(cpu.ok());
+  BOOST_TEST((*cpu)->name() == "cpu");
+  auto bad = SelectBackend("tpu", &why);
+  BOOST_TEST(bad.status().code() == StatusCode::kInvalidArgument);
+  BOOST_TEST(Contains(bad.status().message(), "expected auto, cpu, cuda, hip or hipcpu"));
+  auto automatic = SelectBackend("auto", &why);
+  BOOST_REQUIRE(automatic.ok());
+  BOOST_TEST(Contains(why, "(auto)"), why);
+  if ((*automatic)->name() == "cpu") BOOST_TEST(Contains(why, "no usable GPU"), why);
+  for (const char* gpu : {"cuda", "hip", "hipcpu"}) {
+    auto b = SelectBackend(gpu, &why);
+    const bool compiled = Contains(CompiledBackends() + "+", "+" + std::string(gpu) + "+");
+    if (!compiled) {
+      BOOST_TEST(b.status().code() == StatusCode::kUnavailable);
+      BOOST_TEST(Contains(b.status().message(), "has no " + std::string(gpu)));
+    } else if (b.ok()) {
+      BOOST_TEST((*b)->name() == gpu);
+      BOOST_TEST((*b)->numerics() != (*cpu)->numerics());
+    } else {
+      BOOST_TEST_MESSAGE(gpu << ": " << b.status().ToString());
+    }
+  }
+#ifdef FLASHD_TEST_HIPCPU
+  BOOST_TEST(SelectBackend("hipcpu", &why).ok(), why);  // Runs wherever the build has it.
+#endif
+}
 
 BOOST_AUTO_TEST_CASE(batched_generation_equals_each_request_alone) {
   auto engine = Engine::Open(GoldenOptions());

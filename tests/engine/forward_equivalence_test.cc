@@ -9,7 +9,7 @@
 namespace flashd::engine {
 namespace {
 
-const std::string kDir = FLASHD_GOLDEN_DIR;
+const std::string kDir = testing::GoldenDir();
 
 const CpuForward& Forward() { return testing::GoldenForward(); }
 

@@ -28,6 +28,7 @@
 #include "engine/forward.h"
 #include "engine/numpy_rng.h"
 #include "kernels/cpu/formats.h"
+#include "tests/support/test_backend.h"
 
 namespace flashd::engine {
 namespace {
@@ -40,7 +41,7 @@ ForwardOptions Reference() {
 }
 
 using nlohmann::json;
-const std::string kDir = FLASHD_GOLDEN_DIR;
+const std::string kDir = testing::GoldenDir();
 constexpr double kLogitTolerance = 1e-3;
 
 std::string ReadFile(const std::string& path) {
@@ -77,7 +78,7 @@ const Golden& Load() {
     auto model = Model::Load(kDir);
     BOOST_REQUIRE_MESSAGE(model.ok(), model.status().ToString());
     out->model = std::move(*model);
-    auto fwd = CpuForward::Create(*out->model);
+    auto fwd = CpuForward::Create(*out->model, "", 64, testing::TestBackend());
     BOOST_REQUIRE_MESSAGE(fwd.ok(), fwd.status().ToString());
     out->forward = std::move(*fwd);
     const ModelConfig& c = out->forward->config();

@@ -1,0 +1,608 @@
+// The GPU backend: every op of the forward pass run by the kernels of kernels/gpu. Compiled once
+// per GPU runtime; FLASHD_GPU_BACKEND (cuda, hip or hipcpu) names the kernels' namespace and
+// this backend's.
+//
+// Memory. The weights an op reads are uploaded the first time and stay on the device, as stored:
+// FP8 and FP4 codes with their scales, and the matrices the forward pass keeps as fp32 values of
+// BF16 numbers. Everything else an op touches (activations, the sequence's window ring and
+// compressor groups, the KV blocks it reads or writes) is copied to device workspace for the op
+// and its outputs copied back, so the forward pass's host state stays the one authority: the
+// prefix cache, snapshots, forks and copy on write work unchanged, and each op's results are
+// exactly its kernel's. What this costs in transfers is the price of a first, checked version;
+// activations and the KV arena resident on the device remove it.
+//
+// Two ops stay on the host: the Engram gather (its tables live in host memory by design; the
+// rows a step needs are known from its tokens) and, for the reference's own top-k order (the
+// CPU library's, which only the golden test asks for), TopK, CandidateFilter and MoeRoute.
+//
+// Thread-safety: ops are serialised by a mutex (one stream, one workspace).
+#include "engine/gpu_backend.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "engine/backend.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/gpu/device.h"
+#include "kernels/gpu/ops.h"
+
+#define FLASHD_GPU_STR2(x) #x
+#define FLASHD_GPU_STR(x) FLASHD_GPU_STR2(x)
+
+namespace flashd::engine::FLASHD_GPU_BACKEND {
+namespace {
+
+namespace k = flashd::kernels;
+namespace g = flashd::kernels::FLASHD_GPU_BACKEND;
+using k::OpStatus;
+
+constexpr size_t kAlign = 256;
+constexpr size_t kMinChunk = size_t{64} << 20;
+
+size_t Count(int64_t n) { return n > 0 ? static_cast<size_t>(n) : 0; }
+
+// The device memory a backend holds: resident weights, and workspace reused by every op.
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  ~DeviceMemory() {
+    for (auto& [host, w] : weights_) g::DeviceFree(w.device);
+    for (Chunk& c : chunks_) g::DeviceFree(c.device);
+  }
+
+  // The device copy of a weight, made on first use. Weights never change after the model is
+  // prepared, so their host address names them.
+  void* Weight(const void* host, size_t bytes, std::string* error) {
+    auto it = weights_.find(host);
+    if (it != weights_.end() && it->second.bytes >= bytes) return it->second.device;
+    void* device = nullptr;
+    std::string e = g::DeviceAlloc(&device, std::max<size_t>(bytes, 1));
+    if (e.empty()) e = g::CopyToDevice(device, host, bytes);
+    if (!e.empty()) {
+      if (device != nullptr) g::DeviceFree(device);
+      *error = e;
+      return nullptr;
+    }
+    if (it != weights_.end()) {
+      resident_ -= it->second.bytes;
+      g::DeviceFree(it->second.device);
+    }
+    weights_[host] = {device, bytes};
+    resident_ += bytes;
+    return device;
+  }
+
+  // Workspace for one op, valid until Reset().
+  void* Scratch(size_t bytes, std::string* error) {
+    bytes = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
+    for (; current_ < chunks_.size(); ++current_) {
+      Chunk& c = chunks_[current_];
+      if (c.size - c.used >= bytes) {
+        void* p = static_cast<uint8_t*>(c.device) + c.used;
+        c.used += bytes;
+        return p;
+      }
+    }
+    const size_t size = std::max({bytes, kMinChunk, 2 * workspace_});
+    void* device = nullptr;
+    const std::string e = g::DeviceAlloc(&device, size);
+    if (!e.empty()) {
+      *error = e;
+      return nullptr;
+    }
+    chunks_.push_back({device, size, bytes});
+    workspace_ += size;
+    return device;
+  }
+
+  void Reset() {
+    for (Chunk& c : chunks_) c.used = 0;
+    current_ = 0;
+  }
+
+  uint64_t bytes() const { return resident_ + workspace_; }
+
+ private:
+  struct Resident {
+    void* device;
+    size_t bytes;
+  };
+  struct Chunk {
+    void* device;
+    size_t size, used;
+  };
+  std::map<const void*, Resident> weights_;
+  std::vector<Chunk> chunks_;
+  size_t current_ = 0;
+  uint64_t resident_ = 0, workspace_ = 0;
+};
+
+// One op's transfers: host buffers mapped to device workspace (the same host buffer twice maps to
+// one device buffer, so aliasing outputs stay aliased), outputs copied back when the kernels
+// succeeded.
+class Call {
+ public:
+  explicit Call(DeviceMemory* memory) : memory_(memory) {}
+  ~Call() { memory_->Reset(); }
+
+  template <class T>
+  const T* Weight(const T* host, int64_t count) {
+    if (host == nullptr || !error_.empty()) return nullptr;
+    return static_cast<const T*>(memory_->Weight(host, Count(count) * sizeof(T), &error_));
+  }
+  template <class T>
+  const T* In(const T* host, int64_t count) {
+    return Map(const_cast<T*>(host), count, false);
+  }
+  // Uploaded and copied back: also for outputs, since a kernel need not write every element.
+  template <class T>
+  T* InOut(T* host, int64_t count) {
+    return Map(host, count, true);
+  }
+  template <class T>
+  T* Work(int64_t count) {
+    if (!error_.empty()) return nullptr;
+    return static_cast<T*>(memory_->Scratch(Count(count) * sizeof(T), &error_));
+  }
+
+  // The pool blocks holding `rows` (pool row ids; -1 skipped), for every region given: each block
+  // copied to the device, a device table of block pointers made, and the regions pointed at it.
+  void Blocks(const std::vector<int64_t>& rows, std::initializer_list<k::PagedRows*> regions,
+              bool write) {
+    std::map<uint8_t* const*, std::vector<k::PagedRows*>> by_table;
+    for (k::PagedRows* r : regions) {
+      if (r->blocks != nullptr && r->rows_per_block > 0) by_table[r->blocks].push_back(r);
+    }
+    for (auto& [host_table, group] : by_table) {
+      size_t extent = 0;
+      for (const k::PagedRows* r : group) {
+        extent = std::max(extent, r->offset + Count(r->rows_per_block) * r->stride);
+      }
+      const int64_t per_block = group.front()->rows_per_block;
+      std::vector<int64_t> ids;
+      for (int64_t row : rows) {
+        if (row >= 0) ids.push_back(row / per_block);
+      }
+      std::sort(ids.begin(), ids.end());
+      ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      std::vector<uint8_t*> table(ids.empty() ? 1 : Count(ids.back() + 1), nullptr);
+      for (int64_t id : ids) {
+        uint8_t* device = Work<uint8_t>(static_cast<int64_t>(extent));
+        if (device == nullptr) return;
+        if (!Check(g::CopyToDevice(device, host_table[id], extent))) return;
+        table[Count(id)] = device;
+        if (write) back_.push_back({host_table[id], device, extent});
+      }
+      uint8_t** device_table = Work<uint8_t*>(static_cast<int64_t>(table.size()));
+      if (device_table == nullptr ||
+          !Check(g::CopyToDevice(device_table, table.data(), table.size() * sizeof(uint8_t*)))) {
+        return;
+      }
+      for (k::PagedRows* r : group) {
+        if (r->rows_per_block != per_block) {
+          error_ = "regions of one pool with different block sizes";
+          return;
+        }
+        r->blocks = device_table;
+      }
+    }
+  }
+
+  bool ok() const { return error_.empty(); }
+  const std::string& error() const { return error_; }
+
+  // After the launch: waits for the kernels and copies the outputs back.
+  OpStatus Finish(OpStatus launched) {
+    if (!error_.empty()) return OpStatus::kDeviceError;
+    if (launched != OpStatus::kOk) return launched;
+    if (!Check(g::Synchronize())) return OpStatus::kDeviceError;
+    for (const Copy& c : back_) {
+      if (!Check(g::CopyToHost(c.host, c.device, c.bytes))) return OpStatus::kDeviceError;
+    }
+    return OpStatus::kOk;
+  }
+
+ private:
+  struct Copy {
+    void* host;
+    const void* device;
+    size_t bytes;
+  };
+
+  template <class T>
+  T* Map(T* host, int64_t count, bool write) {
+    if (host == nullptr || !error_.empty()) return nullptr;
+    const size_t bytes = Count(count) * sizeof(T);
+    for (Copy& c : mapped_) {
+      if (c.host == host && bytes <= c.bytes) {
+        if (write) back_.push_back({host, c.device, bytes});
+        return static_cast<T*>(const_cast<void*>(c.device));
+      }
+    }
+    void* device = memory_->Scratch(bytes, &error_);
+    if (device == nullptr) return nullptr;
+    if (bytes > 0 && !Check(g::CopyToDevice(device, host, bytes))) return nullptr;
+    mapped_.push_back({host, device, bytes});
+    if (write) back_.push_back({host, device, bytes});
+    return static_cast<T*>(device);
+  }
+
+  bool Check(const std::string& e) {
+    if (!e.empty() && error_.empty()) error_ = e;
+    return e.empty();
+  }
+
+  DeviceMemory* memory_;
+  std::vector<Copy> mapped_, back_;
+  std::string error_;
+};
+
+// The pool rows a block table covers: its first `blocks` entries.
+std::vector<int64_t> TableRows(const int32_t* table, int64_t blocks, int64_t per_block) {
+  std::vector<int64_t> rows;
+  for (int64_t b = 0; b < blocks; ++b) rows.push_back(static_cast<int64_t>(table[b]) * per_block);
+  return rows;
+}
+
+class GpuBackend final : public Backend {
+ public:
+  std::string_view name() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND); }
+  // The kernels' results differ from the CPU's in the last bit where they use the device's
+  // exp/sin/cos or a tree reduction (kernels/gpu/ops.h), so the cache keys them apart.
+  std::string_view numerics() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND) "/1"; }
+
+  BackendReport Report() const override {
+    BackendReport r{std::string(name()), "", 0, 0};
+    if (!g::DeviceName(&r.device).empty()) r.device = "unknown";
+    size_t free_bytes = 0, total = 0;
+    if (g::MemoryInfo(&free_bytes, &total).empty()) r.memory_total = total;
+    std::lock_guard<std::mutex> lock(mu_);
+    r.memory_in_use = memory_.bytes();
+    return r;
+  }
+
+  OpStatus Linear(const k::LinearParams& p) const override {
+    return Run([&](Call& c) {
+      k::LinearParams d = p;
+      d.stream = nullptr;
+      d.x = c.In(p.x, p.rows * p.in);
+      d.w = d.w_scales = nullptr;
+      d.dense = nullptr;
+      if (p.format == k::WeightFormat::kFp8) {
+        d.w = c.Weight(p.w, p.out * p.in);
+        d.w_scales = c.Weight(p.w_scales, (p.out + 31) / 32 * (p.in / 32));
+      } else if (p.format == k::WeightFormat::kFp4) {
+        d.w = c.Weight(p.w, p.out * p.in / 2);
+        d.w_scales = c.Weight(p.w_scales, p.out * (p.in / 32));
+      } else {
+        d.dense = c.Weight(p.dense, p.out * p.in);
+      }
+      d.x_codes = c.Work<uint8_t>(p.rows * p.in);
+      d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
+      d.y = c.InOut(p.y, p.rows * p.out);
+      return Launch(c, [&] { return g::Linear(d); });
+    });
+  }
+
+  OpStatus RoundBf16(const k::RoundBf16Params& p) const override {
+    return Run([&](Call& c) {
+      k::RoundBf16Params d = p;
+      d.stream = nullptr;
+      d.x = c.InOut(p.x, p.n);
+      return Launch(c, [&] { return g::RoundBf16(d); });
+    });
+  }
+
+  OpStatus RmsNorm(const k::RmsNormParams& p) const override {
+    return Run([&](Call& c) {
+      k::RmsNormParams d = p;
+      d.stream = nullptr;
+      d.x = c.InOut(p.x, p.rows > 0 ? (p.rows - 1) * p.stride + p.dim : 0);
+      d.weight = c.Weight(p.weight, p.dim);
+      return Launch(c, [&] { return g::RmsNorm(d); });
+    });
+  }
+
+  OpStatus Rope(const k::RopeParams& p) const override {
+    return Run([&](Call& c) {
+      k::RopeParams d = p;
+      d.stream = nullptr;
+      d.x = c.InOut(p.x, p.rows > 0 ? (p.rows - 1) * p.row_stride + p.heads * p.head_dim : 0);
+      d.positions = c.In(p.positions, p.rows);
+      d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
+      return Launch(c, [&] { return g::Rope(d); });
+    });
+  }
+
+  OpStatus FakeQuant(const k::FakeQuantParams& p) const override {
+    return Run([&](Call& c) {
+      k::FakeQuantParams d = p;
+      d.stream = nullptr;
+      d.x = c.InOut(p.x, p.n);
+      return Launch(c, [&] { return g::FakeQuant(d); });
+    });
+  }
+
+  OpStatus Embed(const k::EmbedParams& p) const override {
+    for (int64_t t = 0; t < p.count; ++t) {
+      if (p.tokens[t] < 0 || p.tokens[t] >= p.vocab) return OpStatus::kBadArgument;
+    }
+    return Run([&](Call& c) {
+      k::EmbedParams d = p;
+      d.stream = nullptr;
+      d.tokens = c.In(p.tokens, p.count);
+      d.embed = c.Weight(p.embed, p.vocab * p.dim);
+      d.X = c.InOut(p.X, p.count * p.hc * p.dim);
+      return Launch(c, [&] { return g::Embed(d); });
+    });
+  }
+
+  OpStatus HcMix(const k::HcMixParams& p) const override {
+    return Run([&](Call& c) {
+      const int64_t mix = (2 + p.hc) * p.hc;
+      k::HcMixParams d = p;
+      d.stream = nullptr;
+      d.X = c.In(p.X, p.rows * p.hc * p.dim);
+      d.fn = c.Weight(p.fn, mix * p.hc * p.dim);
+      d.scale = c.Weight(p.scale, 3);
+      d.base = c.Weight(p.base, mix);
+      d.mixes = c.InOut(p.mixes, p.rows * mix);
+      d.pre = c.InOut(p.pre, p.rows * p.hc);
+      d.post = c.InOut(p.post, p.rows * p.hc);
+      d.comb = c.InOut(p.comb, p.rows * p.hc * p.hc);
+      return Launch(c, [&] { return g::HcMix(d); });
+    });
+  }
+
+  OpStatus HcCollapse(const k::HcCollapseParams& p) const override {
+    return Run([&](Call& c) {
+      k::HcCollapseParams d = p;
+      d.stream = nullptr;
+      d.X = c.In(p.X, p.rows * p.hc * p.dim);
+      d.weights = c.In(p.weights, p.rows * p.hc);
+      d.norm_weight = c.Weight(p.norm_weight, p.dim);
+      d.x = c.InOut(p.x, p.rows * p.dim);
+      return Launch(c, [&] { return g::HcCollapse(d); });
+    });
+  }
+
+  OpStatus HcExpand(const k::HcExpandParams& p) const override {
+    return Run([&](Call& c) {
+      k::HcExpandParams d = p;
+      d.stream = nullptr;
+      d.X = c.In(p.X, p.rows * p.hc * p.dim);
+      d.sub = c.In(p.sub, p.rows * p.dim);
+      d.post = c.In(p.post, p.rows * p.hc);
+      d.comb = c.In(p.comb, p.rows * p.hc * p.hc);
+      d.out = c.InOut(p.out, p.rows * p.hc * p.dim);
+      return Launch(c, [&] { return g::HcExpand(d); });
+    });
+  }
+
+  OpStatus CompressPool(const k::CompressPoolParams& p) const override {
+    int64_t completing = 0;
+    for (int64_t r = 0; r < p.rows && p.ratio > 0; ++r) {
+      if ((p.positions[r] + 1) % p.ratio == 0) ++completing;
+    }
+    return Run([&](Call& c) {
+      k::CompressPoolParams d = p;
+      d.stream = nullptr;
+      d.kv = c.In(p.kv, p.rows * p.dim);
+      d.score = c.In(p.score, p.rows * p.dim);
+      d.positions = c.In(p.positions, p.rows);
+      d.kv_partial = c.InOut(p.kv_partial, p.ratio * p.dim);
+      d.score_partial = c.InOut(p.score_partial, p.ratio * p.dim);
+      d.pooled = c.InOut(p.pooled, completing * p.dim);
+      return Launch(c, [&] { return g::CompressPool(d); });
+    });
+  }
+
+  OpStatus CompressWrite(const k::CompressWriteParams& p) const override {
+    return Run([&](Call& c) {
+      k::CompressWriteParams d = p;
+      d.stream = nullptr;
+      d.latent = c.InOut(p.latent, p.groups * p.head_dim);
+      d.key = c.InOut(p.key, p.groups * p.index_dim);
+      d.positions = c.In(p.positions, p.groups);
+      d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
+      d.rows = c.In(p.rows, p.groups);
+      const std::vector<int64_t> rows(p.rows, p.rows + Count(p.groups));
+      if (p.key != nullptr) {
+        c.Blocks(rows, {&d.kv_codes, &d.kv_scales, &d.key_codes, &d.key_scales}, true);
+      } else {
+        c.Blocks(rows, {&d.kv_codes, &d.kv_scales}, true);
+      }
+      return Launch(c, [&] { return g::CompressWrite(d); });
+    });
+  }
+
+  OpStatus IndexerScores(const k::IndexerScoreParams& p) const override {
+    int64_t visible = 0;
+    for (int64_t t = 0; t < p.tokens; ++t) visible = std::max(visible, p.visible[t]);
+    return Run([&](Call& c) {
+      k::IndexerScoreParams d = p;
+      d.stream = nullptr;
+      d.q = c.In(p.q, p.tokens * p.heads * p.dim);
+      d.weights = c.In(p.weights, p.tokens * p.heads);
+      d.visible = c.In(p.visible, p.tokens);
+      const int64_t per_block = std::max<int64_t>(p.key_codes.rows_per_block, 1);
+      const int64_t blocks = (visible + per_block - 1) / per_block;
+      d.block_table = c.In(p.block_table, blocks);
+      c.Blocks(TableRows(p.block_table, blocks, per_block), {&d.key_codes, &d.key_scales}, false);
+      d.mask = c.In(p.mask, p.tokens * p.stride);
+      d.scores = c.InOut(p.scores, p.tokens * p.stride);
+      return Launch(c, [&] { return g::IndexerScores(d); });
+    });
+  }
+
+  OpStatus TopK(const k::TopKParams& p) const override {
+    if (p.order == k::TopKOrder::kReference) return k::cpu::TopK(p);
+    return Run([&](Call& c) {
+      k::TopKParams d = p;
+      d.stream = nullptr;
+      d.values = c.In(p.values, p.rows * p.stride);
+      d.n = c.In(p.n, p.rows);
+      d.out = c.InOut(p.out, p.rows * p.k);
+      return Launch(c, [&] { return g::TopK(d); });
+    });
+  }
+
+  OpStatus CandidateFilter(const k::CandidateFilterParams& p) const override {
+    if (p.order == k::TopKOrder::kReference) return k::cpu::CandidateFilter(p);
+    return Run([&](Call& c) {
+      k::CandidateFilterParams d = p;
+      d.stream = nullptr;
+      d.scores = c.In(p.scores, p.tokens * p.stride);
+      d.visible = c.In(p.visible, p.tokens);
+      const int64_t blocks = p.block > 0 ? (p.stride + p.block - 1) / p.block : 0;
+      d.block_scores = c.InOut(p.block_scores, p.tokens * blocks);
+      d.block_top = c.InOut(p.block_top, p.tokens * p.top_blocks);
+      d.mask = c.InOut(p.mask, p.tokens * p.stride);
+      return Launch(c, [&] { return g::CandidateFilter(d); });
+    });
+  }
+
+  OpStatus SparseAttention(const k::SparseAttentionParams& p) const override {
+    int64_t last = p.fresh_first - 1, table_blocks = 0;
+    const int64_t per_block = std::max<int64_t>(p.kv_codes.rows_per_block, 1);
+    std::vector<int64_t> entries;
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      last = std::max(last, p.positions[t]);
+      for (int64_t s = 0; s < p.selected_stride; ++s) {
+        const int64_t j = p.selected[t * p.selected_stride + s];
+        if (j >= 0) table_blocks = std::max(table_blocks, j / per_block + 1);
+      }
+    }
+    return Run([&](Call& c) {
+      k::SparseAttentionParams d = p;
+      d.stream = nullptr;
+      d.q = c.In(p.q, p.tokens * p.heads * p.head_dim);
+      d.positions = c.In(p.positions, p.tokens);
+      d.ring_codes = c.In(p.ring_codes, p.window * p.head_dim);
+      d.ring_scales = c.In(p.ring_scales, p.window * p.head_dim / 32);
+      d.fresh = c.In(p.fresh, (last - p.fresh_first + 1) * p.head_dim);
+      d.window_first = c.In(p.window_first, p.tokens);
+      d.selected = c.In(p.selected, p.tokens * p.selected_stride);
+      d.block_table = c.In(p.block_table, table_blocks);
+      c.Blocks(TableRows(p.block_table, table_blocks, per_block), {&d.kv_codes, &d.kv_scales},
+               false);
+      d.sink = c.Weight(p.sink, p.heads);
+      d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
+      d.out = c.InOut(p.out, p.tokens * p.heads * p.head_dim);
+      return Launch(c, [&] { return g::SparseAttention(d); });
+    });
+  }
+
+  OpStatus MoeRoute(const k::MoeRouteParams& p) const override {
+    if (p.order == k::TopKOrder::kReference) return k::cpu::MoeRoute(p);
+    return Run([&](Call& c) {
+      k::MoeRouteParams d = p;
+      d.stream = nullptr;
+      d.logits = c.In(p.logits, p.tokens * p.experts);
+      d.bias = c.Weight(p.bias, p.experts);
+      d.scores = c.InOut(p.scores, p.tokens * p.experts);
+      d.biased = c.InOut(p.biased, p.tokens * p.experts);
+      d.chosen = c.InOut(p.chosen, p.tokens * p.k);
+      d.weights = c.InOut(p.weights, p.tokens * p.k);
+      return Launch(c, [&] { return g::MoeRoute(d); });
+    });
+  }
+
+  OpStatus Swiglu(const k::SwigluParams& p) const override {
+    return Run([&](Call& c) {
+      k::SwigluParams d = p;
+      d.stream = nullptr;
+      d.gate = c.In(p.gate, p.rows * p.inter);
+      d.up = c.In(p.up, p.rows * p.inter);
+      d.row_weights = c.In(p.row_weights, p.rows);
+      d.h = c.InOut(p.h, p.rows * p.inter);
+      return Launch(c, [&] { return g::Swiglu(d); });
+    });
+  }
+
+  OpStatus MoeCombine(const k::MoeCombineParams& p) const override {
+    int64_t rows = 0;
+    for (int64_t i = 0; i < p.count; ++i) {
+      if (p.rows[i] < 0) return OpStatus::kBadArgument;
+      rows = std::max(rows, p.rows[i] + 1);
+    }
+    return Run([&](Call& c) {
+      k::MoeCombineParams d = p;
+      d.stream = nullptr;
+      d.expert_out = c.In(p.expert_out, p.count * p.dim);
+      d.rows = c.In(p.rows, p.count);
+      d.y = c.InOut(p.y, rows * p.dim);
+      return Launch(c, [&] { return g::MoeCombine(d); });
+    });
+  }
+
+  OpStatus AddRound(const k::AddRoundParams& p) const override {
+    return Run([&](Call& c) {
+      k::AddRoundParams d = p;
+      d.stream = nullptr;
+      d.a = c.In(p.a, p.n);
+      d.b = c.In(p.b, p.n);
+      d.out = c.InOut(p.out, p.n);
+      return Launch(c, [&] { return g::AddRound(d); });
+    });
+  }
+
+  OpStatus EngramGather(const k::EngramGatherParams& p) const override {
+    return k::cpu::EngramGather(p);
+  }
+
+  OpStatus EngramGate(const k::EngramGateParams& p) const override {
+    return Run([&](Call& c) {
+      k::EngramGateParams d = p;
+      d.stream = nullptr;
+      d.X = c.InOut(p.X, p.tokens * p.hc * p.dim);
+      d.kv = c.In(p.kv, p.tokens * (p.hc + 1) * p.dim);
+      d.qk = c.Weight(p.qk, p.hc * p.dim);
+      return Launch(c, [&] { return g::EngramGate(d); });
+    });
+  }
+
+  // The last device error, for the log.
+  std::string last_error() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_error_;
+  }
+
+ private:
+  template <class F>
+  OpStatus Run(F body) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    Call c(&memory_);
+    const OpStatus s = body(c);
+    if (s == OpStatus::kDeviceError) last_error_ = c.error();
+    return s;
+  }
+
+  template <class L>
+  static OpStatus Launch(Call& c, L launch) {
+    if (!c.ok()) return c.Finish(OpStatus::kDeviceError);
+    return c.Finish(launch());
+  }
+
+  mutable std::mutex mu_;
+  mutable DeviceMemory memory_;
+  mutable std::string last_error_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend() {
+  std::string reason;
+  if (g::DeviceCount(&reason) == 0) {
+    return Unavailable(std::string(FLASHD_GPU_STR(FLASHD_GPU_BACKEND)) + ": " + reason);
+  }
+  return std::unique_ptr<Backend>(std::make_unique<GpuBackend>());
+}
+
+}  // namespace flashd::engine::FLASHD_GPU_BACKEND

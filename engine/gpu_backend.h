@@ -1,0 +1,34 @@
+// Choosing the backend the forward pass runs on (engine.backend), and the GPU backends: the ops
+// of kernels/gpu behind the Backend interface, compiled once per GPU runtime from
+// engine/gpu_backend.cc (namespace cuda, hip or hipcpu, as the kernels are).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "config/status.h"
+#include "engine/backend.h"
+
+namespace flashd::engine {
+
+namespace cuda {
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend();
+}
+namespace hip {
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend();
+}
+namespace hipcpu {
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend();
+}
+
+// The backends this build has, e.g. "cpu+cuda+hipcpu".
+std::string CompiledBackends();
+
+// The backend named by engine.backend: "cpu", "cuda", "hip", "hipcpu" (the GPU kernels run on
+// the CPU by the HIP CPU runtime, for checking them), or "auto": the first usable GPU (CUDA,
+// then HIP), else the CPU. `reason` gets one line saying which was chosen and why. A named
+// backend that this build lacks or that finds no device is an error.
+StatusOr<std::unique_ptr<Backend>> SelectBackend(std::string_view kind, std::string* reason);
+
+}  // namespace flashd::engine

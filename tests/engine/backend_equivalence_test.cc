@@ -1,0 +1,183 @@
+// A GPU backend (FLASHD_TEST_BACKEND: cuda, hip, or hipcpu, which runs the same kernels on the
+// CPU) against the CPU backend on the golden model: sublayer by sublayer on identical inputs,
+// logits of whole prompts, and greedy continuations.
+//
+// What agreement to expect: the GPU kernels equal the CPU ops bit for bit except where they use
+// the device's exp/sin/cos or a tree reduction (kernels/gpu/ops.h), which can move a BF16 value
+// by one step. A step can carry through later ops, so layers are compared on the CPU's own input
+// streams (ForwardOptions::forced_streams), which keeps one difference from compounding.
+#include <boost/test/unit_test.hpp>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "engine/forward.h"
+#include "kernels/cpu/formats.h"
+#include "tests/support/test_backend.h"
+
+namespace flashd::engine {
+namespace {
+
+using nlohmann::json;
+const std::string kDir = testing::GoldenDir();
+
+struct Pair {
+  std::unique_ptr<Model> model;
+  std::unique_ptr<CpuForward> cpu, gpu;
+  json meta;
+};
+
+const Pair& Load() {
+  static Pair* p = [] {
+    const std::string name = testing::TestBackendName();
+    if (name == "cpu") {
+      std::printf("SKIP: FLASHD_TEST_BACKEND names no GPU backend (cuda, hip or hipcpu)\n");
+      std::exit(77);
+    }
+    auto* out = new Pair();
+    std::unique_ptr<Backend> backend = testing::TestBackend(name);
+    auto model = Model::Load(kDir);
+    BOOST_REQUIRE_MESSAGE(model.ok(), model.status().ToString());
+    out->model = std::move(*model);
+    auto cpu = CpuForward::Create(*out->model);
+    BOOST_REQUIRE_MESSAGE(cpu.ok(), cpu.status().ToString());
+    out->cpu = std::move(*cpu);
+    auto gpu = CpuForward::Create(*out->model, "", 64, std::move(backend));
+    BOOST_REQUIRE_MESSAGE(gpu.ok(), gpu.status().ToString());
+    out->gpu = std::move(*gpu);
+    std::ifstream in(kDir + "/golden.json");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    out->meta = json::parse(ss.str());
+    return out;
+  }();
+  return *p;
+}
+
+std::vector<int32_t> Prompt(size_t run) {
+  return Load().meta["runs"][run]["prompt"].get<std::vector<int32_t>>();
+}
+
+// BF16 steps between two BF16 values (their codes' distance on the ordered line).
+int64_t Steps(float a, float b) {
+  auto ordered = [](float v) {
+    const int32_t code = kernels::cpu::FloatToBf16(v);
+    return (code & 0x8000) ? -(code & 0x7fff) : code;
+  };
+  return std::llabs(int64_t{ordered(a)} - ordered(b));
+}
+
+struct Agreement {
+  size_t values = 0, equal = 0, one_step = 0;
+  int64_t worst = 0;
+  void Add(const std::vector<float>& want, const std::vector<float>& got) {
+    BOOST_REQUIRE(want.size() == got.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      const int64_t s = Steps(want[i], got[i]);
+      ++values;
+      equal += s == 0;
+      one_step += s <= 1;
+      worst = std::max(worst, s);
+    }
+  }
+};
+
+BOOST_AUTO_TEST_SUITE(backend_equivalence)
+
+BOOST_AUTO_TEST_CASE(the_backend_is_the_one_named) {
+  const Pair& p = Load();
+  BOOST_TEST(p.gpu->backend().name() == testing::TestBackendName());
+  BOOST_TEST(p.gpu->numerics() != p.cpu->numerics());
+  const BackendReport r = p.gpu->backend().Report();
+  BOOST_TEST(!r.device.empty());
+  BOOST_TEST_MESSAGE("device " << r.device << ", " << r.memory_in_use << " bytes in use of "
+                               << r.memory_total);
+}
+
+// Each layer on the CPU's input stream: its attention and FFN outputs and the stream it
+// produces, for every token of every golden prompt.
+BOOST_AUTO_TEST_CASE(every_sublayer_on_identical_inputs) {
+  const Pair& p = Load();
+  const ModelConfig& c = p.cpu->config();
+  const size_t layers = static_cast<size_t>(c.num_hidden_layers);
+  const size_t width = static_cast<size_t>(c.hc_mult * c.hidden_size);
+  Agreement sub, streams;
+  for (size_t run = 0; run < p.meta["runs"].size(); ++run) {
+    const std::vector<int32_t> prompt = Prompt(run);
+    const size_t tokens = prompt.size();
+    ForwardTrace want_trace;
+    want_trace.record_streams = true;
+    ForwardOptions options;
+    options.trace = &want_trace;
+    SequenceState cs = p.cpu->NewSequence();
+    std::vector<float> want_logits, got_logits;
+    BOOST_REQUIRE(p.cpu->Forward(&cs, prompt, &want_logits, options).ok());
+    BOOST_REQUIRE(want_trace.streams.size() == layers);
+    std::vector<float> forced(tokens * layers * width);
+    for (size_t l = 0; l < layers; ++l) {
+      for (size_t t = 0; t < tokens; ++t) {
+        std::memcpy(&forced[(t * layers + l) * width], &want_trace.streams[l][t * width],
+                    width * sizeof(float));
+      }
+    }
+    ForwardTrace got_trace;
+    got_trace.record_streams = true;
+    options.trace = &got_trace;
+    options.forced_streams = forced.data();
+    SequenceState gs = p.gpu->NewSequence();
+    const Status s = p.gpu->Forward(&gs, prompt, &got_logits, options);
+    BOOST_REQUIRE_MESSAGE(s.ok(), s.ToString());
+    BOOST_REQUIRE(got_trace.sublayers.size() == want_trace.sublayers.size());
+    for (size_t i = 0; i < want_trace.sublayers.size(); ++i) {
+      sub.Add(want_trace.sublayers[i], got_trace.sublayers[i]);
+    }
+    for (size_t l = 0; l < layers; ++l) streams.Add(want_trace.streams[l], got_trace.streams[l]);
+  }
+  BOOST_TEST_MESSAGE("sublayers: " << sub.equal << " of " << sub.values << " values equal, "
+                                   << sub.one_step << " within one BF16 step, worst " << sub.worst);
+  BOOST_TEST_MESSAGE("streams: " << streams.equal << " of " << streams.values << " equal, "
+                                 << streams.one_step << " within one step, worst "
+                                 << streams.worst);
+  // Nearly every value is bit-equal, and nearly every other one is a single step away.
+  BOOST_TEST(sub.equal >= sub.values * 99 / 100);
+  BOOST_TEST(sub.one_step >= sub.values * 999 / 1000);
+  BOOST_TEST(streams.equal >= streams.values * 99 / 100);
+  BOOST_TEST(streams.one_step >= streams.values * 999 / 1000);
+}
+
+// Whole prompts, then 16 greedy steps one token per call: the same tokens on both backends.
+BOOST_AUTO_TEST_CASE(greedy_continuations_are_identical) {
+  const Pair& p = Load();
+  const size_t vocab = static_cast<size_t>(p.cpu->config().vocab_size);
+  for (size_t run = 0; run < p.meta["runs"].size(); ++run) {
+    std::vector<std::vector<int32_t>> out(2);
+    double worst = 0;
+    std::vector<float> first_logits;
+    for (int b = 0; b < 2; ++b) {
+      const CpuForward& f = b == 0 ? *p.cpu : *p.gpu;
+      SequenceState st = f.NewSequence();
+      std::vector<float> logits;
+      BOOST_REQUIRE(f.Forward(&st, Prompt(run), &logits).ok());
+      if (b == 0) first_logits = logits;
+      for (size_t v = 0; b == 1 && v < vocab; ++v) {
+        worst = std::max(worst, double(std::fabs(logits[v] - first_logits[v])));
+      }
+      for (int step = 0; step < 16; ++step) {
+        const int32_t next =
+            static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        out[b].push_back(next);
+        BOOST_REQUIRE(f.Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+      }
+    }
+    BOOST_TEST(out[0] == out[1], boost::test_tools::per_element());
+    BOOST_TEST_MESSAGE("run " << run << ": prompt logits within " << worst);
+    BOOST_TEST(worst < 0.05);
+  }
+}
+
+BOOST_AUTO_TEST_SUITE_END()
+
+}  // namespace
+}  // namespace flashd::engine
