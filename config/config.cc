@@ -148,6 +148,14 @@ const std::vector<Field>& Schema() {
        }},
       {"engine.threads", "an integer in [0, 1024] (0: all cores)",
        [](const std::string& t, Config* c) { return SetInt(t, 0, 1024, &c->engine.threads); }},
+      {"engine.backend", "one of auto, cpu, cuda, hip, hipcpu",
+       [](const std::string& t, Config* c) {
+         if (t != "auto" && t != "cpu" && t != "cuda" && t != "hip" && t != "hipcpu") {
+           return InvalidArgument("not a backend");
+         }
+         c->engine.backend = t;
+         return Status::Ok();
+       }},
       {"cache.block_tokens", "a power of two in [16, 4096]",
        [](const std::string& t, Config* c) {
          FLASHD_RETURN_IF_ERROR(SetInt(t, 16, 4096, &c->cache.block_tokens));
@@ -504,7 +512,7 @@ Status ApplyEnvironment(Config* config, const EnvLookup& env) {
   static const std::pair<const char*, const char*> kOverrides[] = {
       {"FLASHD_LISTEN", "server.listen"}, {"FLASHD_SOCKET", "server.socket"},
       {"FLASHD_STATE_DIR", "state_dir"},  {"FLASHD_MODEL_DIR", "model.dir"},
-      {"FLASHD_LOG_LEVEL", "log.level"},
+      {"FLASHD_LOG_LEVEL", "log.level"},  {"FLASHD_BACKEND", "engine.backend"},
   };
   for (const auto& [var, key] : kOverrides) {
     std::optional<std::string> value = env(var);

@@ -60,6 +60,9 @@ struct EngineConfig {
   int64_t max_running = 64;          // Sequences generating at once.
   uint64_t memory_budget_bytes = 8ull << 30;  // KV and state of admitted sequences.
   int threads = 0;                            // Forward-pass threads; 0: all cores.
+  // Where the forward pass runs: auto (a usable GPU, else the CPU), cpu, cuda, hip, or hipcpu
+  // (the GPU kernels on the CPU, for checking them).
+  std::string backend = "auto";
 };
 
 struct CacheConfig {

@@ -55,7 +55,8 @@ void PrintServeHelp() {
       "  FLASHD_SOCKET     Unix socket path (\"\" disables the socket)\n"
       "  FLASHD_STATE_DIR  state directory\n"
       "  FLASHD_MODEL_DIR  model directory (\"\" serves the embedded default model)\n"
-      "  FLASHD_LOG_LEVEL  trace, debug, info, warn, error or off\n\n"
+      "  FLASHD_LOG_LEVEL  trace, debug, info, warn, error or off\n"
+      "  FLASHD_BACKEND    engine.backend: auto, cpu, cuda, hip or hipcpu\n\n"
       "Prints \"flashd ready: ...\" on stdout once every listener accepts requests.\n"
       "Exit codes: 0 clean shutdown, 1 runtime failure, 2 bad configuration or usage.\n",
       kDefaultConfigPath);

@@ -10,6 +10,8 @@
 #include <set>
 #include <sstream>
 
+#include "engine/gpu_backend.h"
+
 namespace flashd::engine {
 
 void EventQueue::Push(GenerationEvent event) {
@@ -86,7 +88,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   }
   std::unique_ptr<Engine> e(new Engine(options));
   FLASHD_ASSIGN_OR_RETURN(e->model_, Model::Load(options.model_dir));
-  FLASHD_ASSIGN_OR_RETURN(e->forward_, CpuForward::Create(*e->model_, "", options.block_tokens));
+  std::string why;
+  FLASHD_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, SelectBackend(options.backend, &why));
+  spdlog::info("engine: {}", why);
+  FLASHD_ASSIGN_OR_RETURN(
+      e->forward_, CpuForward::Create(*e->model_, "", options.block_tokens, std::move(backend)));
   const std::string tokenizer =
       (std::filesystem::path(options.model_dir) / "tokenizer.json").string();
   if (std::filesystem::exists(tokenizer)) {
@@ -124,6 +130,7 @@ Engine::~Engine() {
 }
 
 const ModelConfig& Engine::config() const { return forward_->config(); }
+BackendReport Engine::backend() const { return forward_->backend().Report(); }
 
 Engine::Stats Engine::stats() const {
   std::lock_guard<std::mutex> lock(mu_);

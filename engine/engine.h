@@ -126,6 +126,8 @@ class Engine {
   };
   Stats stats() const;
   const ModelConfig& config() const;
+  // The backend the forward pass runs on, its device and the device memory it holds.
+  BackendReport backend() const;
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
   // The prefix cache (thread-safe itself), or null.
   cache::BlockStore* cache() const { return options_.cache.get(); }

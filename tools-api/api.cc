@@ -38,6 +38,14 @@ struct RequestClock {
 };
 thread_local RequestClock request_clock;
 
+// Where the model runs, for /health and /v1/models.
+nlohmann::json BackendJson(const engine::BackendReport& r) {
+  return {{"name", r.backend},
+          {"device", r.device},
+          {"memory_in_use_bytes", r.memory_in_use},
+          {"memory_total_bytes", r.memory_total}};
+}
+
 }  // namespace
 
 Api::Api(const Config& config, ServedModel model)
@@ -212,17 +220,20 @@ void Api::Health(const httplib::Request&, httplib::Response& res) const {
     } else {
       body["cache"] = {{"status", "ok"}, {"blocks", c.blocks}, {"disk_bytes", c.disk_bytes}};
     }
+    body["backend"] = BackendJson(engine_->backend());
   }
   res.set_content(body.dump(), "application/json");
 }
 
 nlohmann::json Api::ModelEntry() const {
-  return {{"id", model_.id},
-          {"object", "model"},
-          {"created", model_.created},
-          {"owned_by", "flashd"},
-          {"description", model_.description},
-          {"embedded_default", model_.embedded_default}};
+  nlohmann::json entry = {{"id", model_.id},
+                          {"object", "model"},
+                          {"created", model_.created},
+                          {"owned_by", "flashd"},
+                          {"description", model_.description},
+                          {"embedded_default", model_.embedded_default}};
+  if (const engine::Engine* eng = engine()) entry["backend"] = BackendJson(eng->backend());
+  return entry;
 }
 
 void Api::Models(const httplib::Request&, httplib::Response& res) const {

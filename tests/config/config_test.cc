@@ -123,6 +123,7 @@ BOOST_AUTO_TEST_CASE(out_of_range_values_are_rejected) {
       {"cache:\n  block_tokens: 8\n", "cache.block_tokens"},
       {"cache:\n  ttl_seconds: -5\n", "cache.ttl_seconds"},
       {"log:\n  level: loud\n", "log.level"},
+      {"engine:\n  backend: gpu\n", "engine.backend"},
       {"model:\n  id: \"\"\n", "model.id"},
       {"state_dir: \"\"\n", "state_dir"},
   };
@@ -158,7 +159,8 @@ BOOST_AUTO_TEST_CASE(environment_overrides_the_file) {
                                             {"FLASHD_SOCKET", "/tmp/a.sock"},
                                             {"FLASHD_STATE_DIR", "/tmp/st"},
                                             {"FLASHD_MODEL_DIR", "/m"},
-                                            {"FLASHD_LOG_LEVEL", "debug"}}));
+                                            {"FLASHD_LOG_LEVEL", "debug"},
+                                            {"FLASHD_BACKEND", "cpu"}}));
   BOOST_REQUIRE_MESSAGE(s.ok(), s.ToString());
   BOOST_TEST(c->server.listen_host == "0.0.0.0");
   BOOST_TEST(c->server.listen_port == 0);
@@ -167,6 +169,8 @@ BOOST_AUTO_TEST_CASE(environment_overrides_the_file) {
   BOOST_TEST(c->model.dir == "/m");
   BOOST_TEST(c->log.level == "debug");
   BOOST_TEST(c->Where("log.level") == "environment FLASHD_LOG_LEVEL: log.level");
+  BOOST_TEST(c->engine.backend == "cpu");
+  BOOST_TEST(Config().engine.backend == "auto");
 }
 
 BOOST_AUTO_TEST_CASE(api_keys_map_tenants) {
@@ -238,6 +242,9 @@ BOOST_AUTO_TEST_CASE(bad_environment_value_names_the_variable) {
   BOOST_TEST(Contains(s.message(), "environment FLASHD_LISTEN: server.listen"), s.message());
   Status level = ApplyEnvironment(&c, FakeEnv({{"FLASHD_LOG_LEVEL", "chatty"}}));
   BOOST_TEST(Contains(level.message(), "FLASHD_LOG_LEVEL"), level.message());
+  Status backend = ApplyEnvironment(&c, FakeEnv({{"FLASHD_BACKEND", "tpu"}}));
+  BOOST_TEST(Contains(backend.message(), "FLASHD_BACKEND: engine.backend: expected one of auto"),
+             backend.message());
 }
 
 BOOST_AUTO_TEST_CASE(byte_sizes) {

@@ -74,6 +74,51 @@ json Request(int i) {
 
 BOOST_AUTO_TEST_SUITE(completions_e2e)
 
+// The backend the engine runs on is reported; with the GPU kernels (run on the CPU by the HIP
+// CPU runtime where this build has it) the daemon serves the same seeded tokens as the CPU's.
+BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same_tokens) {
+  std::vector<std::string> backends = {"cpu"};
+#ifdef FLASHD_TEST_HIPCPU
+  backends.push_back("hipcpu");
+#else
+  BOOST_TEST_MESSAGE("this build has no HIP CPU runtime: the CPU backend only");
+#endif
+  std::vector<std::vector<Completion>> answers;
+  for (const std::string& backend : backends) {
+    TempDir tmp;
+    DaemonProcess d({tmp.path(), "", {{"FLASHD_BACKEND", backend}}, {}});
+    BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+    BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
+    BOOST_TEST(Contains(d.log(), "engine: backend " + backend + ": as configured"), d.log());
+    auto c = UnixClient(d);
+    answers.emplace_back();
+    for (int i = 0; i < 3; ++i) {
+      answers.back().push_back(Complete(*c, Request(i)));
+      BOOST_REQUIRE_MESSAGE(answers.back().back().status == 200, answers.back().back().raw);
+    }
+    auto health = c->Get("/health");
+    BOOST_REQUIRE(health);
+    const json h = json::parse(health->body);
+    BOOST_TEST(h["backend"]["name"] == backend, h.dump());
+    BOOST_TEST(!h["backend"]["device"].get<std::string>().empty());
+    if (backend != "cpu") {
+      // Weights uploaded and workspace held on the device.
+      BOOST_TEST(h["backend"]["memory_in_use_bytes"].get<uint64_t>() > 0u, h.dump());
+      BOOST_TEST(h["backend"]["memory_total_bytes"].get<uint64_t>() > 0u, h.dump());
+    }
+    auto models = c->Get("/v1/models");
+    BOOST_REQUIRE(models);
+    BOOST_TEST(json::parse(models->body)["data"][0]["backend"]["name"] == backend);
+    BOOST_TEST(d.Stop(SIGTERM) == 0);
+  }
+  for (size_t b = 1; b < answers.size(); ++b) {
+    for (size_t i = 0; i < answers[0].size(); ++i) {
+      BOOST_TEST(answers[b][i].tokens == answers[0][i].tokens, "request " << i);
+      BOOST_TEST(answers[b][i].token_logprobs == answers[0][i].token_logprobs, "request " << i);
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(concurrent_generations_equal_each_alone_and_share_steps) {
   TempDir tmp;
   DaemonProcess d({tmp.path(), "", {}, {}});

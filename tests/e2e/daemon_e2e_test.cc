@@ -505,7 +505,7 @@ BOOST_AUTO_TEST_CASE(version_and_help) {
   CommandResult help = RunCommand(std::string(FLASHD_BINARY) + " serve --help");
   BOOST_TEST(help.code == 0);
   for (const char* var : {"FLASHD_LISTEN", "FLASHD_SOCKET", "FLASHD_STATE_DIR", "FLASHD_MODEL_DIR",
-                          "FLASHD_LOG_LEVEL", "--config"}) {
+                          "FLASHD_LOG_LEVEL", "FLASHD_BACKEND", "--config"}) {
     BOOST_TEST(Contains(help.out, var), var);
   }
 
