@@ -1,8 +1,10 @@
-// Decode and prefill speed of the CPU forward pass, with the weight bytes one decode step reads
-// and the share of the machine's memory bandwidth that is, measured in the same run.
+// Decode and prefill speed of the forward pass, with the weight bytes one decode step reads and
+// the share of the machine's memory bandwidth that is, measured in the same run.
 //
 //   build/bench/engine_bench MODEL_DIR [PREFILL_CONTEXT...] [--decode-at CONTEXT]...
+//                            [--backend auto|cpu|cuda|hip|hipcpu]
 //
+// --backend runs every op on that backend (default cpu); the bandwidth figure is the host's.
 // --decode-at measures decode at batch 1 behind a context of CONTEXT tokens without prefilling
 // it: the sequence resumes from KV blocks filled with valid random codes (every byte in
 // 0x30-0x3F: finite FP4 pairs, E4M3 scales in [0.5, 2), small UE8M0 scales), so a million-token
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "engine/forward.h"
+#include "engine/gpu_backend.h"
 #include "engine/weights.h"
 
 using namespace flashd::engine;
@@ -58,8 +61,11 @@ int main(int argc, char** argv) {
   }
   // Prefill contexts; 131072 takes tens of minutes on a small CPU, so it is asked for by name.
   std::vector<size_t> contexts, decode_at;
+  std::string backend_name = "cpu";
   for (int i = 2; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--decode-at") == 0 && i + 1 < argc) {
+    if (std::strcmp(argv[i], "--backend") == 0 && i + 1 < argc) {
+      backend_name = argv[++i];
+    } else if (std::strcmp(argv[i], "--decode-at") == 0 && i + 1 < argc) {
       decode_at.push_back(std::stoul(argv[++i]));
     } else {
       contexts.push_back(std::stoul(argv[i]));
@@ -68,7 +74,11 @@ int main(int argc, char** argv) {
   if (contexts.empty() && decode_at.empty()) contexts = {1024, 4096, 32768};
   auto model = Model::Load(argv[1]);
   if (!model.ok()) return (std::fprintf(stderr, "%s\n", model.status().ToString().c_str()), 1);
-  auto fwd = CpuForward::Create(**model);
+  std::string why;
+  auto backend = SelectBackend(backend_name, &why);
+  if (!backend.ok()) return (std::fprintf(stderr, "%s\n", backend.status().ToString().c_str()), 1);
+  std::printf("%s\n", why.c_str());
+  auto fwd = CpuForward::Create(**model, "", 64, std::move(*backend));
   if (!fwd.ok()) return (std::fprintf(stderr, "%s\n", fwd.status().ToString().c_str()), 1);
   const ModelConfig& c = (*fwd)->config();
   std::mt19937 rng(1);

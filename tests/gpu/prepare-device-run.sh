@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Gathers what a GPU machine needs to run flashd's device tests into build-device/ (git-ignored):
-# the GPU test binaries of an existing build and every shared library they load that is not part
-# of the C library, because the device machine has the CUDA toolkit but none of the project's
-# Debian libraries. Then tests/gpu/run-on-device.sh runs them there.
+# the GPU test binaries of an existing build (the kernels' tests, and the forward pass's tests,
+# which run on the backend FLASHD_TEST_BACKEND names), engine_bench, gpu_bench, and every shared
+# library they load that is not part of the C library, because the device machine has the CUDA
+# toolkit but none of the project's Debian libraries. Then tests/gpu/run-on-device.sh runs them
+# there.
 #
 # Usage: tests/gpu/prepare-device-run.sh [BUILD_DIR]   (default: build; run `make build` first)
 set -euo pipefail
@@ -17,6 +19,9 @@ if [[ ${#tests[@]} -eq 0 ]]; then
   echo "prepare-device-run: no CUDA test binaries in $build/tests (is nvcc installed?)" >&2
   exit 1
 fi
+tests+=("$build"/tests/golden_test "$build"/tests/forward_equivalence_test
+        "$build"/tests/backend_equivalence_test "$build"/bench/engine_bench
+        "$build"/bench/gpu_bench_cuda)
 cp "${tests[@]}" "$dest/bin/"
 cp tests/gpu/run-on-device.sh "$dest/"
 for t in "${tests[@]}"; do

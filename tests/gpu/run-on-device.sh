@@ -2,7 +2,10 @@
 # Runs flashd's GPU tests on a machine with a device, from binaries gathered beforehand by
 # tests/gpu/prepare-device-run.sh, and writes every log and a summary to OUT (default: the
 # $OUT directory the device machine provides, else ./device-out). Needs no network, no compiler
-# and none of the project's libraries; each test gets at most 4 minutes.
+# and none of the project's libraries; each test gets at most 4 minutes. The forward pass's tests
+# run on the CUDA backend against the golden model of the repository this folder sits in; then
+# engine_bench measures that model's decode and prefill on the CPU and on the GPU, and gpu_bench
+# the kernels at the released model's dimensions (gpu_bench.txt).
 #
 # Usage (on the device machine, from the repository root): build-device/run-on-device.sh [OUT]
 set -uo pipefail
@@ -10,6 +13,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-${OUT:-./device-out}}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export FLASHD_TEST_BACKEND=cuda FLASHD_TEST_GOLDEN_DIR="$here/../tests/golden"
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 ||
@@ -25,10 +29,16 @@ for t in "$here"/bin/*_test; do
   end=$(date +%s.%N)
   case $rc in
     0) verdict=passed ;;
-    77) verdict="skipped ($(grep -m1 SKIP "$out/$name.log"))" ;;
+    77) verdict="skipped ($(grep -m1 -o "SKIP.*" "$out/$name.log"))" ;;
     *) verdict="FAILED (exit $rc)"; status=1 ;;
   esac
   awk -v n="$name" -v v="$verdict" -v a="$start" -v b="$end" 'BEGIN { printf "%s: %s in %.1f s\n", n, v, b - a }' >> "$out/summary.txt"
+done
+timeout 240 "$here/bin/gpu_bench_cuda" > "$out/gpu_bench.txt" 2>&1 ||
+  echo "gpu_bench: exit $?" >> "$out/summary.txt"
+for backend in cpu cuda; do
+  timeout 120 "$here/bin/engine_bench" "$FLASHD_TEST_GOLDEN_DIR" 512 4096 --backend "$backend" \
+    > "$out/engine_bench_$backend.txt" 2>&1 || echo "engine_bench $backend: exit $?" >> "$out/summary.txt"
 done
 cat "$out/summary.txt"
 exit $status

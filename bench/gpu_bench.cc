@@ -1,0 +1,553 @@
+// The GPU kernels at the released model's dimensions, on random weights made in device memory
+// (no checkpoint, no file): each op of one decoding layer timed alone, the layer's step time at
+// batch 1, 8 and 64 (as the sum of its ops), extrapolated to the 40-layer model, and the prefill
+// GEMMs at 4,096 tokens against the device's dense FP8 peak. Compiled once per GPU runtime
+// (gpu_bench_cuda, gpu_bench_hip, gpu_bench_hipcpu; the last only checks the bench runs).
+//
+//   build/bench/gpu_bench_cuda [--tiny] [--reps N]
+//
+// Bytes are what an op must read or write at least: its weights as stored, its activations, and
+// the KV rows it attends; achieved bandwidth is divided by the device's measured copy bandwidth
+// (a device-to-device copy, read plus write). --tiny uses small dimensions (a dry run on a CPU).
+//
+// What the layer leaves out: the compressor and indexer ops of the layers that have them and
+// the Engram gather of two layers; the layer estimate is the attention and MoE path every layer
+// runs.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/gpu/device.h"
+#include "kernels/gpu/ops.h"
+
+namespace {
+
+namespace k = flashd::kernels;
+namespace g = flashd::kernels::FLASHD_GPU_BACKEND;
+using Clock = std::chrono::steady_clock;
+
+struct Dims {
+  int64_t hidden = 5120, q_lora = 1280, heads = 64, head_dim = 512, rope = 64, o_lora = 1024,
+          o_groups = 8, inter = 2304, experts = 384, topk = 6, hc = 4, window = 128, selected = 512,
+          layers = 40, rows_per_block = 16;
+};
+
+Dims Tiny() {
+  Dims d;
+  d.hidden = 256, d.q_lora = 64, d.heads = 4, d.head_dim = 64, d.rope = 16, d.o_lora = 32;
+  d.o_groups = 2, d.inter = 128, d.experts = 16, d.topk = 2, d.window = 16, d.selected = 32;
+  return d;
+}
+
+void Check(const std::string& error, const char* what) {
+  if (!error.empty()) {
+    std::fprintf(stderr, "gpu_bench: %s: %s\n", what, error.c_str());
+    std::exit(1);
+  }
+}
+
+void CheckOp(k::OpStatus s, const char* what) {
+  if (s != k::OpStatus::kOk) {
+    std::fprintf(stderr, "gpu_bench: %s refused (status %d)\n", what, static_cast<int>(s));
+    std::exit(1);
+  }
+}
+
+uint64_t seed = 1;
+
+template <class T>
+T* Alloc(size_t count) {
+  void* p = nullptr;
+  Check(g::DeviceAlloc(&p, std::max<size_t>(count * sizeof(T), 1)), "alloc");
+  return static_cast<T*>(p);
+}
+
+// FP8/FP4 codes and UE8M0/E4M3 scales all in 0x30-0x3F: finite values, scales near 1.
+uint8_t* Codes(size_t bytes) {
+  uint8_t* p = Alloc<uint8_t>(bytes);
+  Check(g::FillBytes(p, bytes, seed++, 0x30, 0x3F), "fill");
+  return p;
+}
+float* Floats(size_t n, float scale = 1.0f) {
+  float* p = Alloc<float>(n);
+  Check(g::FillFloats(p, n, seed++, scale), "fill");
+  return p;
+}
+
+struct Weight {
+  k::WeightFormat format;
+  const uint8_t* w = nullptr;
+  const uint8_t* scales = nullptr;
+  const float* dense = nullptr;
+  int64_t in = 0, out = 0;
+  uint64_t bytes() const {
+    switch (format) {
+      case k::WeightFormat::kFp8:
+        return uint64_t(out * in) + uint64_t((out + 31) / 32 * (in / 32));
+      case k::WeightFormat::kFp4:
+        return uint64_t(out * in / 2) + uint64_t(out * (in / 32));
+      default:
+        return uint64_t(out * in) * 4;
+    }
+  }
+};
+
+Weight Fp8(int64_t out, int64_t in) {
+  return {
+      k::WeightFormat::kFp8, Codes(out * in), Codes((out + 31) / 32 * (in / 32)), nullptr, in, out};
+}
+Weight Fp4(int64_t out, int64_t in) {
+  return {k::WeightFormat::kFp4, Codes(out * in / 2), Codes(out * (in / 32)), nullptr, in, out};
+}
+Weight Dense(int64_t out, int64_t in) {
+  return {k::WeightFormat::kDense, nullptr, nullptr, Floats(out * in, 0.05f), in, out};
+}
+
+// Seconds per call of `op`, best of three rounds of `reps` calls each.
+double Time(const std::function<void()>& op, int reps) {
+  op();
+  Check(g::Synchronize(), "sync");
+  double best = 1e30;
+  for (int round = 0; round < 3; ++round) {
+    const auto t = Clock::now();
+    for (int r = 0; r < reps; ++r) op();
+    Check(g::Synchronize(), "sync");
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t).count() / reps);
+  }
+  return best;
+}
+
+struct Row {
+  std::string op;
+  double seconds;
+  uint64_t bytes;
+};
+
+class Layer {
+ public:
+  Layer(const Dims& d, int64_t max_rows) : d_(d) {
+    const int64_t mix = (2 + d.hc) * d.hc;
+    hc_fn_ = Floats(mix * d.hc * d.hidden, 0.01f);
+    hc_scale_ = Floats(3, 1.0f);
+    hc_base_ = Floats(mix, 0.1f);
+    norm_ = Floats(std::max(d.hidden, d.q_lora), 1.0f);
+    wq_a_ = Fp8(d.q_lora, d.hidden);
+    wq_b_ = Fp8(d.heads * d.head_dim, d.q_lora);
+    wkv_ = Fp8(d.head_dim, d.hidden);
+    for (int64_t gi = 0; gi < d.o_groups; ++gi) {
+      wo_a_.push_back(Dense(d.o_lora, d.heads * d.head_dim / d.o_groups));
+    }
+    wo_b_ = Fp8(d.hidden, d.o_groups * d.o_lora);
+    router_ = Dense(d.experts, d.hidden);
+    router_bias_ = Floats(d.experts, 0.01f);
+    for (int64_t e = 0; e < d.experts; ++e) {
+      experts_.push_back({Fp4(d.inter, d.hidden), Fp4(d.inter, d.hidden), Fp4(d.hidden, d.inter)});
+    }
+    shared_ = {Fp8(d.inter, d.hidden), Fp8(d.inter, d.hidden), Fp8(d.hidden, d.inter)};
+    freqs_ = Floats(d.rope / 2, 0.5f);
+    sink_ = Floats(d.heads, 1.0f);
+    // Activations for up to max_rows tokens.
+    const int64_t n = max_rows;
+    X_ = Floats(n * d.hc * d.hidden, 1.0f);
+    out_X_ = Floats(n * d.hc * d.hidden, 1.0f);
+    mixes_ = Floats(n * mix), pre_ = Floats(n * d.hc), post_ = Floats(n * d.hc);
+    comb_ = Floats(n * d.hc * d.hc);
+    x_ = Floats(n * d.hidden, 1.0f);
+    sub_ = Floats(n * d.hidden);
+    const int64_t widest =
+        std::max({d.hidden, d.heads * d.head_dim, d.o_groups * d.o_lora, d.inter, d.experts});
+    xq_ = Alloc<uint8_t>(n * widest), xs_ = Alloc<uint8_t>(n * widest / 32);
+    qa_ = Floats(n * d.q_lora, 1.0f);
+    q_ = Floats(n * d.heads * d.head_dim, 1.0f);
+    o_ = Floats(n * d.heads * d.head_dim, 1.0f);
+    og_ = Floats(n * d.o_groups * d.o_lora, 1.0f);
+    kv_ = Floats(n * d.head_dim, 1.0f);
+    logits_ = Floats(n * d.experts), scores_ = Floats(n * d.experts),
+    biased_ = Floats(n * d.experts);
+    chosen_ = Alloc<int64_t>(n * d.topk), weights_ = Floats(n * d.topk);
+    gate_ = Floats(n * d.inter, 1.0f), up_ = Floats(n * d.inter, 1.0f),
+    h_ = Floats(n * d.inter, 1.0f);
+    y_ = Floats(n * d.hidden), expert_out_ = Floats(n * d.topk * d.hidden, 0.1f);
+    std::vector<int64_t> host_rows(n * d.topk);
+    for (size_t i = 0; i < host_rows.size(); ++i) host_rows[i] = int64_t(i) / d.topk;
+    combine_rows_ = Alloc<int64_t>(host_rows.size());
+    Check(g::CopyToDevice(combine_rows_, host_rows.data(), host_rows.size() * 8), "copy");
+    // One sequence's attention state at position 65,536: a full window ring and `selected`
+    // compressed entries spread over its blocks.
+    position_ = 65536;
+    ring_codes_ = Codes(d.window * d.head_dim), ring_scales_ = Codes(d.window * d.head_dim / 32);
+    const int64_t entries = position_ / 4, blocks = entries / d.rows_per_block;
+    const size_t kv_row = size_t(d.head_dim / 2), scale_row = size_t(d.head_dim / 16);
+    block_bytes_ = size_t(d.rows_per_block) * (kv_row + scale_row);
+    arena_ = Codes(size_t(blocks) * block_bytes_);
+    std::vector<uint8_t*> table(blocks);
+    std::vector<int32_t> block_table(blocks);
+    for (int64_t b = 0; b < blocks; ++b) {
+      table[b] = arena_ + size_t(b) * block_bytes_;
+      block_table[b] = static_cast<int32_t>(b);
+    }
+    blocks_ = Alloc<uint8_t*>(blocks);
+    Check(g::CopyToDevice(blocks_, table.data(), blocks * sizeof(uint8_t*)), "copy");
+    block_table_ = Alloc<int32_t>(blocks);
+    Check(g::CopyToDevice(block_table_, block_table.data(), blocks * 4), "copy");
+    std::mt19937_64 rng(7);
+    std::vector<int64_t> selected(d.selected);
+    for (int64_t& s : selected) s = static_cast<int64_t>(rng() % uint64_t(entries));
+    std::sort(selected.begin(), selected.end());
+    selected_ = Alloc<int64_t>(d.selected);
+    Check(g::CopyToDevice(selected_, selected.data(), d.selected * 8), "copy");
+    const int64_t host_pos = position_, host_first = position_ - d.window + 1;
+    positions_ = Alloc<int64_t>(1), window_first_ = Alloc<int64_t>(1);
+    Check(g::CopyToDevice(positions_, &host_pos, 8), "copy");
+    Check(g::CopyToDevice(window_first_, &host_first, 8), "copy");
+    kv_rows_ = {blocks_, d.rows_per_block, 0, kv_row};
+    kv_scales_ = {blocks_, d.rows_per_block, size_t(d.rows_per_block) * kv_row, scale_row};
+  }
+
+  // One decode step of this layer for `batch` sequences, op by op.
+  std::vector<Row> Decode(int64_t batch, int reps, std::mt19937_64& rng) {
+    std::vector<Row> rows;
+    const Dims& d = d_;
+    const int64_t mix = (2 + d.hc) * d.hc;
+    auto add = [&](const std::string& name, uint64_t bytes, const std::function<void()>& op) {
+      rows.push_back({name, Time(op, reps), bytes});
+    };
+    const uint64_t act = uint64_t(batch) * 4;
+    add("hc mix (x2)", 2 * (uint64_t(mix * d.hc * d.hidden) * 4 + act * d.hc * d.hidden), [&] {
+      for (int i = 0; i < 2; ++i) CheckOp(g::HcMix(MixParams(batch)), "HcMix");
+    });
+    add("hc collapse + norm (x2)", 2 * act * d.hc * d.hidden, [&] {
+      for (int i = 0; i < 2; ++i) {
+        CheckOp(g::HcCollapse({.X = X_,
+                               .weights = pre_,
+                               .rows = batch,
+                               .hc = d.hc,
+                               .dim = d.hidden,
+                               .norm_weight = norm_,
+                               .eps = 1e-6f,
+                               .x = x_}),
+                "HcCollapse");
+      }
+    });
+    add("wq_a (FP8)", wq_a_.bytes(), [&] { Apply(wq_a_, x_, batch, qa_); });
+    add("q norm", act * d.q_lora * 2, [&] {
+      CheckOp(g::RmsNorm({.x = qa_,
+                          .rows = batch,
+                          .dim = d.q_lora,
+                          .stride = d.q_lora,
+                          .weight = norm_,
+                          .eps = 1e-6f}),
+              "RmsNorm");
+    });
+    add("wq_b (FP8)", wq_b_.bytes(), [&] { Apply(wq_b_, qa_, batch, q_); });
+    add("q rope", act * d.heads * d.head_dim * 2, [&] {
+      CheckOp(g::Rope({.x = q_,
+                       .rows = batch,
+                       .heads = d.heads,
+                       .head_dim = d.head_dim,
+                       .rope_dim = d.rope,
+                       .row_stride = d.heads * d.head_dim,
+                       .positions = positions_,
+                       .freqs = freqs_}),
+              "Rope");
+    });
+    add("wkv (FP8)", wkv_.bytes(), [&] { Apply(wkv_, x_, batch, kv_); });
+    const uint64_t kv_bytes = uint64_t(d.window) * (d.head_dim + d.head_dim / 32) +
+                              uint64_t(d.selected) * (d.head_dim / 2 + d.head_dim / 16) +
+                              uint64_t(d.heads) * d.head_dim * 8;
+    add("sparse attention", uint64_t(batch) * kv_bytes, [&] {
+      for (int64_t s = 0; s < batch; ++s) CheckOp(g::SparseAttention(Attention(s)), "Attention");
+    });
+    uint64_t wo_a_bytes = 0;
+    for (const Weight& w : wo_a_) wo_a_bytes += w.bytes();
+    add("wo_a (dense, per group)", wo_a_bytes, [&] {
+      for (int64_t gi = 0; gi < d.o_groups; ++gi) {
+        // Each group's slice of the heads, as the forward pass's grouped LoRA.
+        Apply(wo_a_[gi], o_ + gi * (d.heads * d.head_dim / d.o_groups), batch, og_ + gi * d.o_lora);
+      }
+    });
+    add("wo_b (FP8)", wo_b_.bytes(), [&] { Apply(wo_b_, og_, batch, sub_); });
+    add("hc expand (x2)", 2 * act * (2 * d.hc * d.hidden + d.hidden), [&] {
+      for (int i = 0; i < 2; ++i) {
+        CheckOp(g::HcExpand({.X = X_,
+                             .sub = sub_,
+                             .post = post_,
+                             .comb = comb_,
+                             .rows = batch,
+                             .hc = d.hc,
+                             .dim = d.hidden,
+                             .out = out_X_}),
+                "HcExpand");
+      }
+    });
+    add("router (dense) + route", router_.bytes(), [&] {
+      Apply(router_, x_, batch, logits_);
+      CheckOp(g::MoeRoute({.logits = logits_,
+                           .bias = router_bias_,
+                           .tokens = batch,
+                           .experts = d.experts,
+                           .k = d.topk,
+                           .scoring = k::RouteScoring::kSqrtSoftplus,
+                           .norm_topk = true,
+                           .scale = 1.5f,
+                           .scores = scores_,
+                           .biased = biased_,
+                           .chosen = chosen_,
+                           .weights = weights_}),
+              "MoeRoute");
+    });
+    // Routed experts: each token picks topk distinct experts at random; each expert touched
+    // runs once on its tokens.
+    std::map<int64_t, int64_t> tokens_of;
+    for (int64_t t = 0; t < batch; ++t) {
+      std::vector<int64_t> picked;
+      while (static_cast<int64_t>(picked.size()) < d.topk) {
+        const int64_t e = static_cast<int64_t>(rng() % uint64_t(d.experts));
+        if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
+      }
+      for (int64_t e : picked) ++tokens_of[e];
+    }
+    uint64_t expert_bytes = 0;
+    for (const auto& [e, m] : tokens_of) {
+      for (const Weight& w : experts_[e]) expert_bytes += w.bytes();
+    }
+    add("routed experts (FP4, " + std::to_string(tokens_of.size()) + " touched)", expert_bytes,
+        [&] {
+          for (const auto& [e, m] : tokens_of) Expert(experts_[e], m);
+        });
+    uint64_t shared_bytes = 0;
+    for (const Weight& w : shared_) shared_bytes += w.bytes();
+    add("shared expert (FP8)", shared_bytes, [&] { Expert(shared_, batch); });
+    add("combine + add", act * d.hidden * (d.topk + 3), [&] {
+      CheckOp(g::MoeCombine({.expert_out = expert_out_,
+                             .rows = combine_rows_,
+                             .count = batch * d.topk,
+                             .dim = d.hidden,
+                             .y = y_}),
+              "MoeCombine");
+      CheckOp(g::AddRound({.a = y_, .b = sub_, .n = batch * d.hidden, .out = sub_}), "AddRound");
+    });
+    return rows;
+  }
+
+  // A linear layer at `rows` tokens: seconds per call.
+  double TimeLinear(const Weight& w, int64_t rows, int reps) {
+    float* x = Floats(rows * w.in, 1.0f);
+    float* y = Alloc<float>(rows * w.out);
+    uint8_t* xq = Alloc<uint8_t>(rows * w.in);
+    uint8_t* xs = Alloc<uint8_t>(rows * w.in / 32);
+    const double s = Time(
+        [&] {
+          CheckOp(g::Linear({.x = x,
+                             .rows = rows,
+                             .in = w.in,
+                             .out = w.out,
+                             .format = w.format,
+                             .w = w.w,
+                             .w_scales = w.scales,
+                             .dense = w.dense,
+                             .x_codes = xq,
+                             .x_scales = xs,
+                             .y = y}),
+                  "Linear");
+        },
+        reps);
+    for (void* p : {static_cast<void*>(x), static_cast<void*>(y), static_cast<void*>(xq),
+                    static_cast<void*>(xs)}) {
+      g::DeviceFree(p);
+    }
+    return s;
+  }
+
+  const Weight& wq_a() const { return wq_a_; }
+  const Weight& wo_b() const { return wo_b_; }
+  const std::vector<Weight>& shared() const { return shared_; }
+  const std::vector<Weight>& expert(int64_t e) const { return experts_[e]; }
+
+ private:
+  k::HcMixParams MixParams(int64_t batch) const {
+    return {.X = X_,
+            .rows = batch,
+            .hc = d_.hc,
+            .dim = d_.hidden,
+            .fn = hc_fn_,
+            .scale = hc_scale_,
+            .base = hc_base_,
+            .iters = 20,
+            .hc_eps = 1e-6f,
+            .norm_eps = 1e-20f,
+            .mixes = mixes_,
+            .pre = pre_,
+            .post = post_,
+            .comb = comb_};
+  }
+
+  k::SparseAttentionParams Attention(int64_t s) const {
+    return {.q = q_ + s * d_.heads * d_.head_dim,
+            .tokens = 1,
+            .heads = d_.heads,
+            .head_dim = d_.head_dim,
+            .rope_dim = d_.rope,
+            .positions = positions_,
+            .ring_codes = ring_codes_,
+            .ring_scales = ring_scales_,
+            .window = d_.window,
+            .fresh = kv_ + s * d_.head_dim,
+            .fresh_first = position_,
+            .window_first = window_first_,
+            .selected = selected_,
+            .selected_stride = d_.selected,
+            .block_table = block_table_,
+            .kv_codes = kv_rows_,
+            .kv_scales = kv_scales_,
+            .sink = sink_,
+            .freqs = freqs_,
+            .out = o_ + s * d_.heads * d_.head_dim};
+  }
+
+  void Apply(const Weight& w, const float* x, int64_t rows, float* y) {
+    CheckOp(g::Linear({.x = x,
+                       .rows = rows,
+                       .in = w.in,
+                       .out = w.out,
+                       .format = w.format,
+                       .w = w.w,
+                       .w_scales = w.scales,
+                       .dense = w.dense,
+                       .x_codes = xq_,
+                       .x_scales = xs_,
+                       .y = y}),
+            "Linear");
+  }
+
+  void Expert(const std::vector<Weight>& e, int64_t rows) {
+    Apply(e[0], x_, rows, gate_);
+    Apply(e[1], x_, rows, up_);
+    CheckOp(g::Swiglu({.gate = gate_,
+                       .up = up_,
+                       .rows = rows,
+                       .inter = d_.inter,
+                       .row_weights = nullptr,
+                       .limit = 10.0f,
+                       .h = h_}),
+            "Swiglu");
+    Apply(e[2], h_, rows, expert_out_);
+  }
+
+  Dims d_;
+  float *hc_fn_, *hc_scale_, *hc_base_, *norm_, *router_bias_, *freqs_, *sink_;
+  Weight wq_a_, wq_b_, wkv_, wo_b_, router_;
+  std::vector<Weight> wo_a_, shared_;
+  std::vector<std::vector<Weight>> experts_;
+  float *X_, *out_X_, *mixes_, *pre_, *post_, *comb_, *x_, *sub_, *qa_, *q_, *o_, *og_, *kv_;
+  float *logits_, *scores_, *biased_, *weights_, *gate_, *up_, *h_, *y_, *expert_out_;
+  uint8_t *xq_, *xs_, *ring_codes_, *ring_scales_, *arena_;
+  int64_t *chosen_, *combine_rows_, *selected_, *positions_, *window_first_;
+  uint8_t** blocks_;
+  int32_t* block_table_;
+  size_t block_bytes_ = 0;
+  int64_t position_ = 0;
+  k::PagedRows kv_rows_, kv_scales_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Dims d;
+  int reps = 20;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--tiny") == 0) {
+      d = Tiny();
+    } else if (std::strcmp(argv[i], "--reps") == 0 && i + 1 < argc) {
+      reps = std::max(1, std::atoi(argv[++i]));
+    } else {
+      std::fprintf(stderr, "usage: gpu_bench [--tiny] [--reps N]\n");
+      return 2;
+    }
+  }
+  std::string reason;
+  if (g::DeviceCount(&reason) == 0) {
+    std::fprintf(stderr, "gpu_bench: %s\n", reason.c_str());
+    return 77;
+  }
+  std::string device;
+  Check(g::DeviceName(&device), "device name");
+  size_t free_bytes = 0, total = 0;
+  Check(g::MemoryInfo(&free_bytes, &total), "memory");
+  std::printf("device: %s, %.1f GiB\n", device.c_str(), total / double(1ull << 30));
+
+  // Copy bandwidth: read plus write of a device-to-device copy.
+  const size_t copy_bytes = d.hidden >= 5120 ? (size_t{2} << 30) : (size_t{64} << 20);
+  uint8_t* a = Codes(copy_bytes);
+  uint8_t* b = Alloc<uint8_t>(copy_bytes);
+  const double copy_s =
+      Time([&] { Check(g::CopyOnDevice(b, a, copy_bytes), "copy"); }, std::max(1, reps / 4));
+  const double bandwidth = 2.0 * copy_bytes / copy_s;
+  g::DeviceFree(a);
+  g::DeviceFree(b);
+  std::printf("copy bandwidth (read + write): %.0f GB/s\n\n", bandwidth / 1e9);
+
+  Layer layer(d, 64);
+  std::mt19937_64 rng(11);
+  std::printf("decode, batch 1, one layer (position 65,536: window %lld + %lld selected)\n",
+              static_cast<long long>(d.window), static_cast<long long>(d.selected));
+  std::printf("%-40s %10s %12s %10s %8s\n", "op", "us", "bytes", "GB/s", "of copy");
+  double total_s = 0;
+  uint64_t total_bytes = 0;
+  for (const Row& r : layer.Decode(1, reps, rng)) {
+    std::printf("%-40s %10.1f %12llu %10.1f %7.1f%%\n", r.op.c_str(), r.seconds * 1e6,
+                static_cast<unsigned long long>(r.bytes), r.bytes / r.seconds / 1e9,
+                100.0 * r.bytes / r.seconds / bandwidth);
+    total_s += r.seconds;
+    total_bytes += r.bytes;
+  }
+  std::printf("%-40s %10.1f %12llu %10.1f %7.1f%%\n", "layer", total_s * 1e6,
+              static_cast<unsigned long long>(total_bytes), total_bytes / total_s / 1e9,
+              100.0 * total_bytes / total_s / bandwidth);
+  std::printf("layer time / time to read its bytes at copy bandwidth: %.2fx (goal <= 1.6x)\n\n",
+              total_s / (total_bytes / bandwidth));
+
+  std::printf("%5s %14s %18s %26s\n", "batch", "layer us", "tokens/s per layer",
+              "tokens/s, 40 layers (est.)");
+  for (int64_t batch : {1, 8, 64}) {
+    double s = 0;
+    for (const Row& r : layer.Decode(batch, reps, rng)) s += r.seconds;
+    std::printf("%5lld %14.1f %18.0f %26.1f\n", static_cast<long long>(batch), s * 1e6, batch / s,
+                batch / (s * d.layers));
+  }
+
+  // Prefill GEMMs at 4,096 tokens: FP8 projections, and an FP4 expert with its share of them.
+  const int64_t tokens = 4096, per_expert = tokens * d.topk / d.experts;
+  const bool hopper =
+      device.find("H100") != std::string::npos || device.find("H200") != std::string::npos;
+  std::printf("\nprefill GEMMs (%lld tokens)%s\n", static_cast<long long>(tokens),
+              hopper ? "; peak: 1979 TFLOP/s dense FP8 (NVIDIA's H100/H200 SXM datasheet)" : "");
+  std::printf("%-28s %6s %6s %6s %10s %10s %8s\n", "GEMM", "M", "N", "K", "us", "TFLOP/s",
+              "of peak");
+  struct Gemm {
+    std::string name;
+    const Weight* w;
+    int64_t rows;
+  };
+  const std::vector<Gemm> gemms = {{"wq_a (FP8)", &layer.wq_a(), tokens},
+                                   {"wo_b (FP8)", &layer.wo_b(), tokens},
+                                   {"shared gate (FP8)", &layer.shared()[0], tokens},
+                                   {"expert gate (FP4)", &layer.expert(0)[0], per_expert},
+                                   {"expert down (FP4)", &layer.expert(0)[2], per_expert}};
+  for (const Gemm& gm : gemms) {
+    const double s = layer.TimeLinear(*gm.w, gm.rows, std::max(1, reps / 4));
+    const double tflops = 2.0 * gm.rows * gm.w->out * gm.w->in / s / 1e12;
+    std::printf("%-28s %6lld %6lld %6lld %10.1f %10.2f %7.2f%%\n", gm.name.c_str(),
+                static_cast<long long>(gm.rows), static_cast<long long>(gm.w->out),
+                static_cast<long long>(gm.w->in), s * 1e6, tflops,
+                hopper ? 100.0 * tflops / 1979.0 : 0.0);
+  }
+  return 0;
+}
