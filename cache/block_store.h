@@ -51,7 +51,7 @@ struct BlockKeyHash {
   size_t operator()(const BlockKey& k) const { return static_cast<size_t>(k.lo ^ (k.hi * 31)); }
 };
 
-// CRC32C (Castagnoli) of `bytes`, computed by RocksDB's implementation.
+// CRC32C (Castagnoli) of `bytes` (cache/crc32c.h).
 uint32_t Crc32c(std::string_view bytes);
 
 struct StoreOptions {
