@@ -31,7 +31,7 @@ Status Check(OpStatus s, const char* op) {
                   (s == OpStatus::kBadShape ? "shape" : "argument") + ")");
 }
 // Every op goes through the step's backend.
-#define FLASHD_OP(op, ...) FLASHD_RETURN_IF_ERROR(Check(b_.op(__VA_ARGS__), #op))
+#define FLASHD_OP(op, ...) FLASHD_RETURN_IF_ERROR(Check(b_->op(__VA_ARGS__), #op))
 
 std::vector<float> DecodeFloats(const TensorView& t) {
   std::vector<float> out(t.elements());
@@ -105,7 +105,13 @@ struct CpuForward::Impl {
   int64_t block_tokens = 64;
   std::shared_ptr<KvPool> pool;
   std::unique_ptr<BlockManager> blocks;
-  std::unique_ptr<Backend> backend;
+  // Where each part runs (Placement): the backends, each layer's, the routed experts'.
+  std::vector<std::unique_ptr<Backend>> backends;
+  std::vector<int> layer_backend;
+  int routed_experts = -1;
+  std::string numerics;
+  const Backend* LayerBackend(int l) const { return backends[layer_backend[l]].get(); }
+  Status Place(Placement placement);
 
   Status Prepare(const Model& m, const std::string& tokenizer_json);
   const TensorView& T(const std::string& name) const { return *model->weights().tensors.at(name); }
@@ -238,7 +244,12 @@ class Step {
  public:
   Step(const CpuForward::Impl& m, std::span<BatchItem> items, const ForwardOptions& options,
        ForwardPlan plan)
-      : m_(m), b_(*m.backend), c_(m.c), items_(items), options_(options), plan_(std::move(plan)) {
+      : m_(m),
+        b_(m.backends[0].get()),
+        c_(m.c),
+        items_(items),
+        options_(options),
+        plan_(std::move(plan)) {
     stream_.threads = options.threads;
   }
 
@@ -265,7 +276,7 @@ class Step {
   Status Logits();
 
   const CpuForward::Impl& m_;
-  const Backend& b_;
+  const Backend* b_;  // The current layer's backend (the first for the embedding).
   const ModelConfig& c_;
   std::span<BatchItem> items_;
   const ForwardOptions& options_;
@@ -345,25 +356,26 @@ Status Step::Run() {
   const bool record = options_.trace != nullptr && options_.trace->record_streams;
   auto hc_mix = [&](const std::vector<float>& fn, const std::vector<float>& scale,
                     const std::vector<float>& base, float* pre) {
-    return Check(b_.HcMix({.X = X_.data(),
-                           .rows = static_cast<int64_t>(n()),
-                           .hc = hc,
-                           .dim = dim,
-                           .fn = fn.data(),
-                           .scale = scale.data(),
-                           .base = base.data(),
-                           .iters = c_.hc_sinkhorn_iters,
-                           .hc_eps = static_cast<float>(c_.hc_eps),
-                           .norm_eps = static_cast<float>(c_.rms_norm_eps),
-                           .mixes = mixes_.data(),
-                           .pre = pre,
-                           .post = post_.data(),
-                           .comb = comb_.data(),
-                           .stream = &stream_}),
+    return Check(b_->HcMix({.X = X_.data(),
+                            .rows = static_cast<int64_t>(n()),
+                            .hc = hc,
+                            .dim = dim,
+                            .fn = fn.data(),
+                            .scale = scale.data(),
+                            .base = base.data(),
+                            .iters = c_.hc_sinkhorn_iters,
+                            .hc_eps = static_cast<float>(c_.hc_eps),
+                            .norm_eps = static_cast<float>(c_.rms_norm_eps),
+                            .mixes = mixes_.data(),
+                            .pre = pre,
+                            .post = post_.data(),
+                            .comb = comb_.data(),
+                            .stream = &stream_}),
                  "HcMix");
   };
   for (int l = 0; l < c_.num_hidden_layers; ++l) {
     const Layer& L = m_.layers[l];
+    b_ = m_.LayerBackend(l);
     if (options_.forced_streams != nullptr && l > 0) Force(l - 1);
     if (c_.layers[l].engram_index >= 0) FLASHD_RETURN_IF_ERROR(Engram(l));
     // Attention sublayer: its mixes give post/comb now and the FFN's pre.
@@ -892,6 +904,9 @@ Status Step::Moe(int l) {
     return Status::Ok();
   };
   std::vector<float> y(static_cast<size_t>(rows * dim), 0.0f);
+  // The routed experts may run elsewhere than the layer (Placement::routed_experts).
+  const Backend* layer_backend = b_;
+  if (m_.routed_experts >= 0) b_ = m_.backends[m_.routed_experts].get();
   for (int64_t e = 0; e < E; ++e) {
     const int64_t m = static_cast<int64_t>(token_rows[e].size());
     if (m == 0) continue;
@@ -906,6 +921,7 @@ Status Step::Moe(int l) {
                            .dim = dim,
                            .y = y.data()});
   }
+  b_ = layer_backend;
   std::vector<float> shared(y.size());
   FLASHD_RETURN_IF_ERROR(expert(L.shared, x_.data(), rows, nullptr, shared.data()));
   FLASHD_OP(
@@ -964,16 +980,73 @@ StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const Model& model,
                                                          const std::string& tokenizer_json,
                                                          int64_t block_tokens,
                                                          std::unique_ptr<Backend> backend) {
+  Placement placement;
+  placement.backends.push_back(backend ? std::move(backend) : std::make_unique<CpuBackend>());
+  return Create(model, tokenizer_json, block_tokens, std::move(placement));
+}
+
+StatusOr<std::unique_ptr<CpuForward>> CpuForward::Create(const Model& model,
+                                                         const std::string& tokenizer_json,
+                                                         int64_t block_tokens,
+                                                         Placement placement) {
   auto impl = std::make_unique<Impl>();
   impl->block_tokens = block_tokens;
-  impl->backend = backend ? std::move(backend) : std::make_unique<CpuBackend>();
   FLASHD_RETURN_IF_ERROR(impl->Prepare(model, tokenizer_json));
+  FLASHD_RETURN_IF_ERROR(impl->Place(std::move(placement)));
   return std::unique_ptr<CpuForward>(new CpuForward(std::move(impl)));
 }
 
+Status CpuForward::Impl::Place(Placement placement) {
+  const int layers = static_cast<int>(c.num_hidden_layers);
+  const int n = static_cast<int>(placement.backends.size());
+  if (n == 0) return InvalidArgument("placement: no backend");
+  for (const auto& b : placement.backends) {
+    if (b == nullptr) return InvalidArgument("placement: a backend is null");
+  }
+  if (placement.layer_backend.empty()) placement.layer_backend.assign(layers, 0);
+  if (static_cast<int>(placement.layer_backend.size()) != layers) {
+    return InvalidArgument("placement: " + std::to_string(placement.layer_backend.size()) +
+                           " layer entries for " + std::to_string(layers) + " layers");
+  }
+  for (int b : placement.layer_backend) {
+    if (b < 0 || b >= n) return InvalidArgument("placement: a layer names no backend");
+  }
+  if (placement.routed_experts < -1 || placement.routed_experts >= n) {
+    return InvalidArgument("placement: the routed experts name no backend");
+  }
+  // The numerics of the whole: the one backend's, or which backend ran which layers.
+  std::string parts;
+  for (int l = 0; l < layers;) {
+    int end = l;
+    while (end + 1 < layers && placement.layer_backend[end + 1] == placement.layer_backend[l]) {
+      ++end;
+    }
+    if (!parts.empty()) parts += ',';
+    parts += "layers ";
+    parts += std::to_string(l);
+    parts += '-';
+    parts += std::to_string(end);
+    parts += ':';
+    parts += placement.backends[placement.layer_backend[l]]->numerics();
+    l = end + 1;
+  }
+  const bool one = placement.routed_experts < 0 &&
+                   std::all_of(placement.layer_backend.begin(), placement.layer_backend.end(),
+                               [&](int b) { return b == placement.layer_backend[0]; });
+  numerics = one ? std::string(placement.backends[placement.layer_backend[0]]->numerics()) : parts;
+  if (placement.routed_experts >= 0) {
+    numerics += ";routed experts:";
+    numerics += placement.backends[placement.routed_experts]->numerics();
+  }
+  backends = std::move(placement.backends);
+  layer_backend = std::move(placement.layer_backend);
+  routed_experts = placement.routed_experts;
+  return Status::Ok();
+}
+
 const ModelConfig& CpuForward::config() const { return impl_->c; }
-std::string_view CpuForward::numerics() const { return impl_->backend->numerics(); }
-const Backend& CpuForward::backend() const { return *impl_->backend; }
+std::string_view CpuForward::numerics() const { return impl_->numerics; }
+const Backend& CpuForward::backend() const { return *impl_->backends[0]; }
 int64_t CpuForward::block_tokens() const { return impl_->layout->block_tokens; }
 
 const std::shared_ptr<KvPool>& CpuForward::pool() const { return impl_->pool; }

@@ -69,6 +69,16 @@ struct ForwardOptions {
   kernels::TopKOrder topk_order = kernels::TopKOrder::kTotal;
 };
 
+// Where each part of the model runs, for several backends in one forward pass: a layer split
+// across devices, or the routed experts on another backend than their layer (the CPU beside one
+// GPU). Activations cross between backends through the forward pass's host state.
+struct Placement {
+  std::vector<std::unique_ptr<Backend>> backends;  // At least one.
+  std::vector<int> layer_backend;                  // Per layer, an index into backends; empty:
+                                                   // every layer on backends[0].
+  int routed_experts = -1;                         // The routed experts' backend; -1: the layer's.
+};
+
 // One sequence's part of a batched call.
 struct BatchItem {
   SequenceState* state;
@@ -89,6 +99,11 @@ class CpuForward {
                                                       const std::string& tokenizer_json = "",
                                                       int64_t block_tokens = 64,
                                                       std::unique_ptr<Backend> backend = nullptr);
+  // The same with the model spread over several backends. The embedding runs on backends[0],
+  // the final norm and the head on the last layer's backend.
+  static StatusOr<std::unique_ptr<CpuForward>> Create(const Model& model,
+                                                      const std::string& tokenizer_json,
+                                                      int64_t block_tokens, Placement placement);
   int64_t block_tokens() const;
   ~CpuForward();
 
@@ -130,7 +145,7 @@ class CpuForward {
   // one backend is resumed bit for bit only by a backend with the same numerics. Bump when any
   // op's results change in their last bits.
   std::string_view numerics() const;
-  // The backend every op runs on.
+  // The backend the embedding runs on (the only one without a Placement).
   const Backend& backend() const;
 
   struct Impl;  // Opaque: the prepared weights and the pool.

@@ -1,6 +1,7 @@
 // A GPU backend (FLASHD_TEST_BACKEND: cuda, hip, or hipcpu, which runs the same kernels on the
 // CPU) against the CPU backend on the golden model: sublayer by sublayer on identical inputs,
-// logits of whole prompts, and greedy continuations.
+// logits of whole prompts, greedy continuations, and the two in one forward pass (a layer split,
+// and the routed experts on the CPU).
 //
 // What agreement to expect: the GPU kernels equal the CPU ops bit for bit except where they use
 // the device's exp/sin/cos or a tree reduction (kernels/gpu/ops.h), which can move a BF16 value
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -175,6 +177,133 @@ BOOST_AUTO_TEST_CASE(greedy_continuations_are_identical) {
     BOOST_TEST_MESSAGE("run " << run << ": prompt logits within " << worst);
     BOOST_TEST(worst < 0.05);
   }
+}
+
+// A backend that counts the ops it is given, by name, and passes them to another.
+class Counting final : public Backend {
+ public:
+  Counting(std::unique_ptr<Backend> inner, std::map<std::string, int>* counts)
+      : inner_(std::move(inner)), counts_(counts) {}
+  std::string_view name() const override { return inner_->name(); }
+  std::string_view numerics() const override { return inner_->numerics(); }
+#define FLASHD_COUNTED(Op, Params)                                \
+  kernels::OpStatus Op(const kernels::Params& p) const override { \
+    ++(*counts_)[#Op];                                            \
+    return inner_->Op(p);                                         \
+  }
+  FLASHD_COUNTED(Linear, LinearParams)
+  FLASHD_COUNTED(RoundBf16, RoundBf16Params)
+  FLASHD_COUNTED(RmsNorm, RmsNormParams)
+  FLASHD_COUNTED(Rope, RopeParams)
+  FLASHD_COUNTED(FakeQuant, FakeQuantParams)
+  FLASHD_COUNTED(Embed, EmbedParams)
+  FLASHD_COUNTED(HcMix, HcMixParams)
+  FLASHD_COUNTED(HcCollapse, HcCollapseParams)
+  FLASHD_COUNTED(HcExpand, HcExpandParams)
+  FLASHD_COUNTED(CompressPool, CompressPoolParams)
+  FLASHD_COUNTED(CompressWrite, CompressWriteParams)
+  FLASHD_COUNTED(IndexerScores, IndexerScoreParams)
+  FLASHD_COUNTED(TopK, TopKParams)
+  FLASHD_COUNTED(CandidateFilter, CandidateFilterParams)
+  FLASHD_COUNTED(SparseAttention, SparseAttentionParams)
+  FLASHD_COUNTED(MoeRoute, MoeRouteParams)
+  FLASHD_COUNTED(Swiglu, SwigluParams)
+  FLASHD_COUNTED(MoeCombine, MoeCombineParams)
+  FLASHD_COUNTED(AddRound, AddRoundParams)
+  FLASHD_COUNTED(EngramGather, EngramGatherParams)
+  FLASHD_COUNTED(EngramGate, EngramGateParams)
+#undef FLASHD_COUNTED
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  std::map<std::string, int>* counts_;
+};
+
+// Greedy tokens of every golden prompt (16 steps) and the prompt's last logits.
+std::vector<int32_t> Greedy(const CpuForward& f, size_t run, std::vector<float>* prompt_logits) {
+  SequenceState st = f.NewSequence();
+  std::vector<float> logits;
+  BOOST_REQUIRE(f.Forward(&st, Prompt(run), &logits).ok());
+  *prompt_logits = logits;
+  std::vector<int32_t> out;
+  for (int step = 0; step < 16; ++step) {
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    out.push_back(next);
+    BOOST_REQUIRE(f.Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+  }
+  return out;
+}
+
+// Several backends in one forward pass: the first half of the layers on the CPU and the rest on
+// the GPU backend, and every layer on the GPU backend with the routed experts on the CPU (the
+// hybrid mode of one GPU beside a large host memory). Both give the CPU's tokens.
+BOOST_AUTO_TEST_CASE(a_layer_split_and_cpu_experts_give_the_cpu_tokens) {
+  const Pair& p = Load();
+  const int layers = static_cast<int>(p.cpu->config().num_hidden_layers);
+  struct Case {
+    const char* name;
+    bool gpu_first;
+    std::vector<int> layer_backend;
+    int routed_experts;
+  };
+  std::vector<int> split(layers, 0);
+  for (int l = layers / 2; l < layers; ++l) split[l] = 1;
+  const std::vector<Case> cases = {{"layer split", false, split, -1}, {"cpu experts", true, {}, 1}};
+  for (const Case& c : cases) {
+    Placement placement;
+    std::map<std::string, int> gpu_ops, cpu_ops;
+    auto gpu = std::make_unique<Counting>(testing::TestBackend(), &gpu_ops);
+    auto cpu = std::make_unique<Counting>(std::make_unique<CpuBackend>(), &cpu_ops);
+    if (c.gpu_first) {
+      placement.backends.push_back(std::move(gpu));
+      placement.backends.push_back(std::move(cpu));
+    } else {
+      placement.backends.push_back(std::move(cpu));
+      placement.backends.push_back(std::move(gpu));
+    }
+    placement.layer_backend = c.layer_backend;
+    placement.routed_experts = c.routed_experts;
+    auto mixed = CpuForward::Create(*p.model, "", 64, std::move(placement));
+    BOOST_REQUIRE_MESSAGE(mixed.ok(), mixed.status().ToString());
+    const std::string numerics((*mixed)->numerics());
+    BOOST_TEST_MESSAGE(c.name << ": numerics " << numerics);
+    BOOST_TEST(numerics != p.cpu->numerics());
+    BOOST_TEST(numerics.find(std::string(p.gpu->numerics())) != std::string::npos, numerics);
+    for (size_t run = 0; run < p.meta["runs"].size(); ++run) {
+      std::vector<float> want_logits, got_logits;
+      const std::vector<int32_t> want = Greedy(*p.cpu, run, &want_logits);
+      const std::vector<int32_t> got = Greedy(**mixed, run, &got_logits);
+      BOOST_TEST(got == want, boost::test_tools::per_element());
+      double worst = 0;
+      for (size_t v = 0; v < want_logits.size(); ++v) {
+        worst = std::max(worst, double(std::fabs(got_logits[v] - want_logits[v])));
+      }
+      BOOST_TEST(worst < 0.05, c.name << " run " << run);
+    }
+    // Each backend ran its part: attention on both sides of a split; with the experts apart,
+    // the CPU saw only expert ops.
+    BOOST_TEST(gpu_ops["SparseAttention"] > 0);
+    if (c.routed_experts < 0) {
+      BOOST_TEST(cpu_ops["SparseAttention"] > 0);
+      BOOST_TEST(cpu_ops["Embed"] > 0);
+      BOOST_TEST(gpu_ops["Embed"] == 0);
+    } else {
+      BOOST_TEST(cpu_ops["Swiglu"] > 0);
+      BOOST_TEST(cpu_ops["MoeCombine"] > 0);
+      for (const auto& [op, n] : cpu_ops) {
+        const bool expert_op =
+            op == "Linear" || op == "Swiglu" || op == "RoundBf16" || op == "MoeCombine";
+        BOOST_TEST(expert_op, op << " ran on the CPU " << n << " times");
+      }
+      BOOST_TEST(gpu_ops["MoeCombine"] == 0);
+    }
+  }
+  // A placement that names no backend is refused.
+  Placement bad;
+  bad.backends.push_back(std::make_unique<CpuBackend>());
+  bad.layer_backend.assign(layers, 1);
+  BOOST_TEST(!CpuForward::Create(*p.model, "", 64, std::move(bad)).ok());
 }
 
 BOOST_AUTO_TEST_SUITE_END()
