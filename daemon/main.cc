@@ -34,6 +34,8 @@ void PrintMainHelp() {
       "  serve       run the daemon in the foreground\n"
       "  mkmodel     write a tiny checkpoint in the released format (random weights)\n"
       "  model-info  parameters, KV bytes per token and state of a model or config.json\n"
+      "  plan        where a model's parts go on a machine's GPUs and memory, and the KV that "
+      "fits\n"
       "  eval        token ids -> logits (and layer streams) of a model, as .npy/safetensors\n"
       "  tokenize    text on stdin -> token ids (JSON array)\n"
       "  detokenize  token ids (JSON array) on stdin -> text\n"
@@ -175,6 +177,7 @@ int main(int argc, char** argv) {
   if (command == "mkmodel") return daemon::MkModelCommand(args);
   if (command == "eval") return daemon::EvalCommand(args);
   if (command == "model-info") return daemon::ModelInfoCommand(args);
+  if (command == "plan") return daemon::PlanCommand(args);
   if (command == "tokenize") return daemon::TokenizeCommand(args);
   if (command == "detokenize") return daemon::DetokenizeCommand(args);
   if (command == "help" || command == "--help" || command == "-h") {

@@ -4,15 +4,20 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <iterator>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "config/config.h"
 #include "engine/engram.h"
+#include "engine/gpu_backend.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/model_info.h"
+#include "engine/placement_plan.h"
 #include "engine/tiny_model.h"
 #include "engine/tokenizer.h"
 
@@ -410,6 +415,109 @@ int DetokenizeCommand(const std::vector<std::string>& args) {
   std::string out = (*tok)->Decode(ids);
   std::fwrite(out.data(), 1, out.size(), stdout);
   return kExitOk;
+}
+
+}  // namespace flashd::daemon
+
+namespace flashd::daemon {
+namespace {
+
+void PrintPlanHelp() {
+  std::printf(
+      "Usage: flashd plan DIR|config.json [--gpus SPEC] [--host-ram SIZE] [--context N] "
+      "[--json]\n\n"
+      "Where the model's parts go on a machine and how much KV fits, from the config alone:\n"
+      "every layer on the GPUs (whole layers split in order across them), else the routed\n"
+      "experts in host memory on the CPU (hybrid), else everything on the CPU; the Engram\n"
+      "tables in host memory. Exits 1 when the model does not fit, saying by how much.\n\n"
+      "  --gpus SPEC       e.g. 8xH200, 4xMI300X, 2x96GiB, none (default: this machine's)\n"
+      "  --host-ram SIZE   e.g. 512GiB (default: this machine's)\n"
+      "  --context N       tokens per sequence for the sequence count (default 131072)\n"
+      "  --json            print one JSON object\n");
+}
+
+uint64_t MachineRam() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kb = 0;
+  while (in >> key >> kb) {
+    if (key == "MemTotal:") return kb * 1024;
+    in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return 0;
+}
+
+}  // namespace
+
+int PlanCommand(const std::vector<std::string>& args) {
+  if (WantsHelp(args)) {
+    PrintPlanHelp();
+    return kExitOk;
+  }
+  std::string path, gpus_text;
+  bool gpus_given = false, as_json = false;
+  engine::PlanOptions options;
+  options.host_ram_bytes = MachineRam();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    const bool has_value = i + 1 < args.size();
+    if (a == "--json") {
+      as_json = true;
+    } else if (a == "--gpus" && has_value) {
+      gpus_text = args[++i];
+      gpus_given = true;
+    } else if (a == "--host-ram" && has_value) {
+      auto bytes = ParseByteSize(args[++i]);
+      if (!bytes.ok()) {
+        std::fprintf(stderr, "flashd plan: --host-ram: %s\n", bytes.status().message().c_str());
+        return kExitUsage;
+      }
+      options.host_ram_bytes = *bytes;
+    } else if (a == "--context" && has_value) {
+      options.context_tokens = std::atoll(args[++i].c_str());
+      if (options.context_tokens < 1) {
+        std::fprintf(stderr, "flashd plan: --context: a positive token count expected\n");
+        return kExitUsage;
+      }
+    } else if (path.empty() && (a.empty() || a[0] != '-')) {
+      path = a;
+    } else {
+      std::fprintf(stderr, "flashd plan: unexpected argument %s\n", a.c_str());
+      return kExitUsage;
+    }
+  }
+  if (path.empty()) {
+    std::fprintf(stderr, "flashd plan: missing DIR or config.json\n");
+    return kExitUsage;
+  }
+  StatusOr<engine::ModelConfig> config = engine::LoadModelConfig(path);
+  if (!config.ok()) {
+    std::fprintf(stderr, "flashd plan: %s\n", config.status().message().c_str());
+    return kExitUsage;
+  }
+  if (gpus_given) {
+    auto gpus = engine::ParseGpus(gpus_text);
+    if (!gpus.ok()) {
+      std::fprintf(stderr, "flashd plan: %s\n", gpus.status().message().c_str());
+      return kExitUsage;
+    }
+    options.gpus = *gpus;
+  } else {
+    // This machine's GPU, as the engine would choose it (this build uses one device).
+    std::string why;
+    auto backend = engine::SelectBackend("auto", &why);
+    if (backend.ok() && (*backend)->name() != "cpu") {
+      const engine::BackendReport r = (*backend)->Report();
+      options.gpus.push_back({r.device, r.memory_total});
+    }
+  }
+  const engine::PlacementPlan plan = engine::MakePlan(*config, options);
+  if (as_json) {
+    std::printf("%s\n", engine::PlanJson(plan).c_str());
+  } else {
+    std::printf("%s", engine::DescribePlan(plan, options).c_str());
+  }
+  return plan.fits ? kExitOk : 1;
 }
 
 }  // namespace flashd::daemon

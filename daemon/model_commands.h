@@ -8,6 +8,8 @@ namespace flashd::daemon {
 
 int MkModelCommand(const std::vector<std::string>& args);
 int ModelInfoCommand(const std::vector<std::string>& args);
+// `flashd plan`: where the model's parts go on a machine (engine/placement_plan.h).
+int PlanCommand(const std::vector<std::string>& args);
 
 }  // namespace flashd::daemon
 

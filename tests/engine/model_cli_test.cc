@@ -46,6 +46,26 @@ BOOST_AUTO_TEST_CASE(model_info_json_for_the_released_config) {
   BOOST_TEST(j["params_backbone"].get<int64_t>() > 550'000'000'000);
 }
 
+// flashd plan: a plan per machine, exit 1 when it does not fit, 2 for a bad spec.
+BOOST_AUTO_TEST_CASE(plan_places_the_released_model_or_says_why_not) {
+  const Run eight = flashd::testing::RunCommand(std::string(FLASHD_BINARY) + " plan " + kReleased +
+                                                " --gpus 8xH200 --host-ram 512GiB --json");
+  BOOST_REQUIRE(eight.code == 0);
+  const json j = json::parse(eight.out);
+  BOOST_TEST(j["mode"] == "gpu");
+  BOOST_TEST(j["gpus"].size() == 8u);
+  BOOST_TEST(j["layer_gpu"].back() == 7);
+  const Run one = Flashd("plan " + kReleased + " --gpus 1xH200 --host-ram 512GiB");
+  BOOST_TEST(one.code == 0, one.out);
+  BOOST_TEST(Contains(one.out, "mode: hybrid"), one.out);
+  const Run small = Flashd("plan " + kReleased + " --gpus H200 --host-ram 64GiB");
+  BOOST_TEST(small.code == 1, small.out);
+  BOOST_TEST(Contains(small.out, "does not fit: host memory"), small.out);
+  const Run bad = Flashd("plan " + kReleased + " --gpus 2xTPU");
+  BOOST_TEST(bad.code == 2, bad.out);
+  BOOST_TEST(Contains(bad.out, "unknown GPU \"TPU\""), bad.out);
+}
+
 BOOST_AUTO_TEST_CASE(model_info_text_and_a_tiny_directory) {
   TempDir tmp;
   std::string dir = (tmp.path() / "m").string();
