@@ -3,13 +3,13 @@
 // this backend's.
 //
 // Memory. The weights an op reads are uploaded the first time and stay on the device, as stored:
-// FP8 and FP4 codes with their scales, and the matrices the forward pass keeps as fp32 values of
-// BF16 numbers. Everything else an op touches (activations, the sequence's window ring and
-// compressor groups, the KV blocks it reads or writes) is copied to device workspace for the op
-// and its outputs copied back, so the forward pass's host state stays the one authority: the
-// prefix cache, snapshots, forks and copy on write work unchanged, and each op's results are
-// exactly its kernel's. What this costs in transfers is the price of a first, checked version;
-// activations and the KV arena resident on the device remove it.
+// FP8 and FP4 codes with their scales, and BF16 matrices (which the forward pass keeps as fp32
+// values) as BF16 codes again, never widened. Everything else an op touches (activations, the
+// sequence's window ring and compressor groups, the KV blocks it reads or writes) is copied to
+// device workspace for the op and its outputs copied back, so the forward pass's host state stays
+// the one authority: the prefix cache, snapshots, forks and copy on write work unchanged, and each
+// op's results are exactly its kernel's. What this costs in transfers is the price of a first,
+// checked version; activations and the KV arena resident on the device remove it.
 //
 // Two ops stay on the host: the Engram gather (its tables live in host memory by design; the
 // rows a step needs are known from its tokens) and, for the reference's own top-k order (the
@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "kernels/codecs.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/gpu/device.h"
 #include "kernels/gpu/ops.h"
@@ -59,11 +60,38 @@ class DeviceMemory {
   // The device copy of a weight, made on first use. Weights never change after the model is
   // prepared, so their host address names them.
   void* Weight(const void* host, size_t bytes, std::string* error) {
+    return Upload(host, bytes, host, bytes, false, error);
+  }
+
+  // An fp32 matrix whose values are all BF16 numbers (as the forward pass decodes BF16 tensors)
+  // is kept as BF16 codes, half the bytes and never widened; `*bf16` says which it got.
+  void* DenseWeight(const float* host, size_t count, bool* bf16, std::string* error) {
     auto it = weights_.find(host);
-    if (it != weights_.end() && it->second.bytes >= bytes) return it->second.device;
+    if (it != weights_.end() && it->second.count >= count) {
+      *bf16 = it->second.bf16;
+      return it->second.device;
+    }
+    std::vector<uint16_t> codes(count);
+    *bf16 = true;
+    for (size_t i = 0; i < count && *bf16; ++i) {
+      codes[i] = k::codecs::FloatToBf16(host[i]);
+      *bf16 = k::codecs::Bf16ToFloat(codes[i]) == host[i] || host[i] != host[i];
+    }
+    if (*bf16) return Upload(host, count, codes.data(), count * 2, true, error);
+    return Upload(host, count, host, count * 4, false, error);
+  }
+
+ private:
+  // Keys the copy of `bytes` at `data` by `host` (and its element count).
+  void* Upload(const void* host, size_t count, const void* data, size_t bytes, bool bf16,
+               std::string* error) {
+    auto it = weights_.find(host);
+    if (it != weights_.end() && it->second.count >= count && it->second.bf16 == bf16) {
+      return it->second.device;
+    }
     void* device = nullptr;
     std::string e = g::DeviceAlloc(&device, std::max<size_t>(bytes, 1));
-    if (e.empty()) e = g::CopyToDevice(device, host, bytes);
+    if (e.empty()) e = g::CopyToDevice(device, data, bytes);
     if (!e.empty()) {
       if (device != nullptr) g::DeviceFree(device);
       *error = e;
@@ -73,11 +101,12 @@ class DeviceMemory {
       resident_ -= it->second.bytes;
       g::DeviceFree(it->second.device);
     }
-    weights_[host] = {device, bytes};
+    weights_[host] = {device, bytes, count, bf16};
     resident_ += bytes;
     return device;
   }
 
+ public:
   // Workspace for one op, valid until Reset().
   void* Scratch(size_t bytes, std::string* error) {
     bytes = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
@@ -111,7 +140,8 @@ class DeviceMemory {
  private:
   struct Resident {
     void* device;
-    size_t bytes;
+    size_t bytes, count;  // count: bytes, or elements of a dense weight.
+    bool bf16;
   };
   struct Chunk {
     void* device;
@@ -135,6 +165,10 @@ class Call {
   const T* Weight(const T* host, int64_t count) {
     if (host == nullptr || !error_.empty()) return nullptr;
     return static_cast<const T*>(memory_->Weight(host, Count(count) * sizeof(T), &error_));
+  }
+  const void* DenseWeight(const float* host, int64_t count, bool* bf16) {
+    if (host == nullptr || !error_.empty()) return nullptr;
+    return memory_->DenseWeight(host, Count(count), bf16, &error_);
   }
   template <class T>
   const T* In(const T* host, int64_t count) {
@@ -280,8 +314,17 @@ class GpuBackend final : public Backend {
       } else if (p.format == k::WeightFormat::kFp4) {
         d.w = c.Weight(p.w, p.out * p.in / 2);
         d.w_scales = c.Weight(p.w_scales, p.out * (p.in / 32));
+      } else if (p.format == k::WeightFormat::kDense) {
+        bool bf16 = false;
+        const void* w = c.DenseWeight(p.dense, p.out * p.in, &bf16);
+        if (bf16) {
+          d.format = k::WeightFormat::kBf16;
+          d.w = static_cast<const uint8_t*>(w);
+        } else {
+          d.dense = static_cast<const float*>(w);
+        }
       } else {
-        d.dense = c.Weight(p.dense, p.out * p.in);
+        d.w = c.Weight(p.w, p.out * p.in * 2);
       }
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
@@ -337,7 +380,14 @@ class GpuBackend final : public Backend {
       k::EmbedParams d = p;
       d.stream = nullptr;
       d.tokens = c.In(p.tokens, p.count);
-      d.embed = c.Weight(p.embed, p.vocab * p.dim);
+      if (p.embed != nullptr) {
+        bool bf16 = false;
+        const void* table = c.DenseWeight(p.embed, p.vocab * p.dim, &bf16);
+        d.embed = bf16 ? nullptr : static_cast<const float*>(table);
+        d.embed_bf16 = bf16 ? static_cast<const uint16_t*>(table) : nullptr;
+      } else {
+        d.embed_bf16 = c.Weight(p.embed_bf16, p.vocab * p.dim);
+      }
       d.X = c.InOut(p.X, p.count * p.hc * p.dim);
       return Launch(c, [&] { return g::Embed(d); });
     });

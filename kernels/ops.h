@@ -59,7 +59,9 @@ struct PagedRows {
 };
 
 // --- Linear layers ----------------------------------------------------------------------------
-enum class WeightFormat { kFp8, kFp4, kDense };
+// kDense: fp32 values; kBf16: the same values as BF16 codes (how a GPU keeps BF16 matrices,
+// never widened): both give the same results, bit for bit.
+enum class WeightFormat { kFp8, kFp4, kDense, kBf16 };
 
 // y[rows, out] = x[rows, in] . W^T in fp32 (not rounded). For FP8 and FP4 weights the input is
 // first quantized to FP8 with a UE8M0 scale per 32 (as the model's linear() does), into
@@ -68,7 +70,8 @@ struct LinearParams {
   const float* x = nullptr;
   int64_t rows = 0, in = 0, out = 0;
   WeightFormat format = WeightFormat::kDense;
-  const uint8_t* w = nullptr;         // FP8 [out, in] or FP4 packed [out, in / 2].
+  const uint8_t* w = nullptr;         // FP8 [out, in], FP4 packed [out, in / 2], or kBf16:
+                                      // [out, in] BF16 codes (2 bytes each, little-endian).
   const uint8_t* w_scales = nullptr;  // FP8: [ceil(out/32), in/32]; FP4: [out, in/32].
   const float* dense = nullptr;       // kDense: [out, in].
   uint8_t* x_codes = nullptr;
@@ -359,7 +362,8 @@ struct EngramGateParams {
 struct EmbedParams {
   const int32_t* tokens = nullptr;
   int64_t count = 0, hc = 0, dim = 0, vocab = 0;
-  const float* embed = nullptr;  // [vocab, dim]
+  const float* embed = nullptr;          // [vocab, dim]
+  const uint16_t* embed_bf16 = nullptr;  // Or the same table as BF16 codes (instead of embed).
   float* X = nullptr;
   void* stream = nullptr;
 };

@@ -291,6 +291,25 @@ void DenseLinearRef(const float* x, size_t M, size_t K, const float* w, size_t N
   }
 }
 
+namespace {
+
+// Output column n (y[m, n] for every row m) from weight row wn.
+void DenseColumn(const float* x, size_t M, size_t K, const float* wn, size_t N, size_t n,
+                 float* y) {
+  size_t m = 0;
+#if FLASHD_X86_VECTORS
+  // Four rows at once, each in its own register of the same four lanes.
+  for (; m + 4 <= M; m += 4) {
+    float out[4];
+    internal::DenseDot4Sse(x + m * K, K, wn, K, out);
+    for (size_t r = 0; r < 4; ++r) y[(m + r) * N + n] = out[r];
+  }
+#endif
+  for (; m < M; ++m) y[m * N + n] = internal::DenseDotPlain(x + m * K, wn, K);
+}
+
+}  // namespace
+
 void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, float* y,
                  int threads) {
   // A range is worth waking a worker for from about 64K multiply-adds.
@@ -298,18 +317,23 @@ void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, f
   ParallelRanges(
       N, threads,
       [&](size_t begin, size_t end) {
+        for (size_t n = begin; n < end; ++n) DenseColumn(x, M, K, w + n * K, N, n, y);
+      },
+      min_rows);
+}
+
+// DenseLinear over BF16 codes: each weight row decoded to the fp32 values DenseLinear would be
+// given, then summed the same way, so the two agree bit for bit.
+void DenseLinearBf16(const float* x, size_t M, size_t K, const uint16_t* w, size_t N, float* y,
+                     int threads) {
+  const size_t min_rows = std::max<size_t>(1, (size_t{1} << 16) / (M * K));
+  ParallelRanges(
+      N, threads,
+      [&](size_t begin, size_t end) {
+        std::vector<float> row(K);
         for (size_t n = begin; n < end; ++n) {
-          const float* wn = w + n * K;
-          size_t m = 0;
-#if FLASHD_X86_VECTORS
-          // Four rows at once, each in its own register of the same four lanes.
-          for (; m + 4 <= M; m += 4) {
-            float out[4];
-            internal::DenseDot4Sse(x + m * K, K, wn, K, out);
-            for (size_t r = 0; r < 4; ++r) y[(m + r) * N + n] = out[r];
-          }
-#endif
-          for (; m < M; ++m) y[m * N + n] = internal::DenseDotPlain(x + m * K, wn, K);
+          for (size_t k = 0; k < K; ++k) row[k] = Bf16ToFloat(w[n * K + k]);
+          DenseColumn(x, M, K, row.data(), N, n, y);
         }
       },
       min_rows);
@@ -330,6 +354,11 @@ OpStatus Linear(const LinearParams& p) {
   if (p.format == WeightFormat::kDense) {
     if (p.dense == nullptr) return OpStatus::kBadArgument;
     DenseLinear(p.x, rows, in, p.dense, out, p.y, threads);
+    return OpStatus::kOk;
+  }
+  if (p.format == WeightFormat::kBf16) {
+    if (p.w == nullptr) return OpStatus::kBadArgument;
+    DenseLinearBf16(p.x, rows, in, reinterpret_cast<const uint16_t*>(p.w), out, p.y, threads);
     return OpStatus::kOk;
   }
   if (p.in % kQuantBlock != 0) return OpStatus::kBadShape;

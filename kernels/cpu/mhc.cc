@@ -58,12 +58,17 @@ OpStatus Embed(const EmbedParams& p) {
   for (int64_t t = 0; t < p.count; ++t) {
     if (p.tokens[t] < 0 || p.tokens[t] >= p.vocab) return OpStatus::kBadArgument;
   }
+  if ((p.embed == nullptr) == (p.embed_bf16 == nullptr)) return OpStatus::kBadArgument;
   const size_t dim = static_cast<size_t>(p.dim);
   for (int64_t t = 0; t < p.count; ++t) {
-    for (int64_t h = 0; h < p.hc; ++h) {
-      std::memcpy(p.X + (t * p.hc + h) * p.dim, p.embed + static_cast<size_t>(p.tokens[t]) * dim,
-                  dim * sizeof(float));
+    float* row = p.X + t * p.hc * p.dim;
+    const size_t at = static_cast<size_t>(p.tokens[t]) * dim;
+    if (p.embed != nullptr) {
+      std::memcpy(row, p.embed + at, dim * sizeof(float));
+    } else {
+      for (size_t d = 0; d < dim; ++d) row[d] = Bf16ToFloat(p.embed_bf16[at + d]);
     }
+    for (int64_t h = 1; h < p.hc; ++h) std::memcpy(row + h * p.dim, row, dim * sizeof(float));
   }
   return OpStatus::kOk;
 }

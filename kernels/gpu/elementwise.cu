@@ -69,12 +69,14 @@ __global__ void FakeQuantKernel(float* x, int64_t blocks, int64_t block, int for
   }
 }
 
+// The table as fp32 values or as BF16 codes (embed_bf16 when embed is null).
 __global__ void EmbedKernel(const int32_t* tokens, int64_t count, int64_t hc, int64_t dim,
-                            const float* embed, float* X) {
+                            const float* embed, const uint16_t* embed_bf16, float* X) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count * hc * dim) return;
   const int64_t t = i / (hc * dim), d = i % dim;
-  X[i] = embed[static_cast<int64_t>(tokens[t]) * dim + d];
+  const int64_t at = static_cast<int64_t>(tokens[t]) * dim + d;
+  X[i] = embed != nullptr ? embed[at] : c::Bf16ToFloat(embed_bf16[at]);
 }
 
 // One thread per dimension: the contributions added in their given order.
@@ -121,10 +123,11 @@ OpStatus FakeQuant(const FakeQuantParams& p) {
 
 OpStatus Embed(const EmbedParams& p) {
   if (p.count < 0 || p.hc <= 0 || p.dim <= 0 || p.vocab <= 0) return OpStatus::kBadShape;
+  if ((p.embed == nullptr) == (p.embed_bf16 == nullptr)) return OpStatus::kBadArgument;
   const int64_t n = p.count * p.hc * p.dim;
   if (n == 0) return OpStatus::kOk;
   FLASHD_LAUNCH(EmbedKernel, Blocks(n), kThreads, 0, Stream(p.stream), p.tokens, p.count, p.hc,
-                p.dim, p.embed, p.X);
+                p.dim, p.embed, p.embed_bf16, p.X);
   return Launched();
 }
 

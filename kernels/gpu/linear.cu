@@ -56,22 +56,27 @@ __global__ void QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_
   y[m * N + n] = acc;
 }
 
-__global__ void DenseGemmKernel(const float* x, int64_t M, int64_t K, const float* w, int64_t N,
+__device__ inline float Weight(const float* w, int64_t i) { return w[i]; }
+__device__ inline float Weight(const uint16_t* w, int64_t i) { return c::Bf16ToFloat(w[i]); }
+
+// Dense weights as fp32 values or BF16 codes (the same sums either way).
+template <class W>
+__global__ void DenseGemmKernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N,
                                 float* y) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= M * N) return;
   const int64_t m = i / N, n = i % N;
   const float* xm = x + m * K;
-  const float* wn = w + n * K;
+  const W* wn = w + n * K;
   float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
-    p0 += xm[k] * wn[k];
-    p1 += xm[k + 1] * wn[k + 1];
-    p2 += xm[k + 2] * wn[k + 2];
-    p3 += xm[k + 3] * wn[k + 3];
+    p0 += xm[k] * Weight(wn, k);
+    p1 += xm[k + 1] * Weight(wn, k + 1);
+    p2 += xm[k + 2] * Weight(wn, k + 2);
+    p3 += xm[k + 3] * Weight(wn, k + 3);
   }
-  for (; k < K; ++k) p0 += xm[k] * wn[k];
+  for (; k < K; ++k) p0 += xm[k] * Weight(wn, k);
   y[m * N + n] = (p0 + p1) + (p2 + p3);
 }
 
@@ -87,8 +92,14 @@ OpStatus Linear(const LinearParams& p) {
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   if (p.format == WeightFormat::kDense) {
     if (p.dense == nullptr) return OpStatus::kBadArgument;
-    FLASHD_LAUNCH(DenseGemmKernel, Blocks(p.rows * p.out), kThreads, 0, stream, p.x, p.rows, p.in,
-                  p.dense, p.out, p.y);
+    FLASHD_LAUNCH(DenseGemmKernel<float>, Blocks(p.rows * p.out), kThreads, 0, stream, p.x, p.rows,
+                  p.in, p.dense, p.out, p.y);
+    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  }
+  if (p.format == WeightFormat::kBf16) {
+    if (p.w == nullptr) return OpStatus::kBadArgument;
+    FLASHD_LAUNCH(DenseGemmKernel<uint16_t>, Blocks(p.rows * p.out), kThreads, 0, stream, p.x,
+                  p.rows, p.in, reinterpret_cast<const uint16_t*>(p.w), p.out, p.y);
     return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
   }
   if (p.in % kBlock != 0) return OpStatus::kBadShape;

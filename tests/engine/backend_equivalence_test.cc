@@ -98,6 +98,42 @@ BOOST_AUTO_TEST_CASE(the_backend_is_the_one_named) {
                                << r.memory_total);
 }
 
+// BF16 matrices go to the device as BF16 (never widened), other fp32 ones as fp32, and both
+// multiply as the CPU does.
+BOOST_AUTO_TEST_CASE(bf16_matrices_are_held_as_bf16) {
+  Load();
+  std::unique_ptr<Backend> gpu = testing::TestBackend();
+  CpuBackend cpu;
+  const int64_t rows = 3, in = 128, out = 64;
+  std::vector<float> x(rows * in), y(rows * out), want(rows * out);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = kernels::cpu::Bf16ToFloat(0x3f80 + i % 64);
+  auto run = [&](const Backend& b, const std::vector<float>& w, std::vector<float>* into) {
+    return b.Linear({.x = x.data(),
+                     .rows = rows,
+                     .in = in,
+                     .out = out,
+                     .format = kernels::WeightFormat::kDense,
+                     .dense = w.data(),
+                     .y = into->data()});
+  };
+  std::vector<float> warm(in * out, 1.0f), bf16(in * out), wide(in * out);
+  for (size_t i = 0; i < bf16.size(); ++i) {
+    bf16[i] = kernels::cpu::Bf16ToFloat(static_cast<uint16_t>(0x3c00 + i % 997));
+    wide[i] = 1.0f / static_cast<float>(3 + i % 97);  // Not BF16 numbers.
+  }
+  BOOST_REQUIRE(run(*gpu, warm, &y) == kernels::OpStatus::kOk);  // Workspace made.
+  const uint64_t before = gpu->Report().memory_in_use;
+  BOOST_REQUIRE(run(*gpu, bf16, &y) == kernels::OpStatus::kOk);
+  const uint64_t after_bf16 = gpu->Report().memory_in_use;
+  BOOST_TEST(after_bf16 - before == uint64_t(in * out * 2));
+  BOOST_REQUIRE(run(cpu, bf16, &want) == kernels::OpStatus::kOk);
+  BOOST_TEST(std::memcmp(y.data(), want.data(), y.size() * 4) == 0);
+  BOOST_REQUIRE(run(*gpu, wide, &y) == kernels::OpStatus::kOk);
+  BOOST_TEST(gpu->Report().memory_in_use - after_bf16 == uint64_t(in * out * 4));
+  BOOST_REQUIRE(run(cpu, wide, &want) == kernels::OpStatus::kOk);
+  BOOST_TEST(std::memcmp(y.data(), want.data(), y.size() * 4) == 0);
+}
+
 // Each layer on the CPU's input stream: its attention and FFN outputs and the stream it
 // produces, for every token of every golden prompt.
 BOOST_AUTO_TEST_CASE(every_sublayer_on_identical_inputs) {

@@ -155,6 +155,87 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
   }
 }
 
+// BF16 matrices kept as BF16 codes (how the GPU backend holds them) give the fp32 path's results,
+// for the dense GEMM and the embedding, on both sides.
+BOOST_AUTO_TEST_CASE(bf16_weights_equal_their_fp32_values) {
+  std::mt19937 rng(8);
+  const int64_t in = 45, out = 31;
+  std::vector<float> w = Normal(rng, out * in, 0.2f);
+  std::vector<uint16_t> codes(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    codes[i] = flashd::kernels::codecs::FloatToBf16(w[i]);
+    w[i] = flashd::kernels::codecs::Bf16ToFloat(codes[i]);
+  }
+  const auto* code_bytes = reinterpret_cast<const uint8_t*>(codes.data());
+  for (int64_t rows : kRows) {
+    std::vector<float> x = Normal(rng, rows * in), want(rows * out), cpu_bf16(rows * out);
+    BOOST_REQUIRE(cpu::Linear({.x = x.data(),
+                               .rows = rows,
+                               .in = in,
+                               .out = out,
+                               .format = WeightFormat::kDense,
+                               .dense = w.data(),
+                               .y = want.data()}) == OpStatus::kOk);
+    BOOST_REQUIRE(cpu::Linear({.x = x.data(),
+                               .rows = rows,
+                               .in = in,
+                               .out = out,
+                               .format = WeightFormat::kBf16,
+                               .w = code_bytes,
+                               .y = cpu_bf16.data()}) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(cpu_bf16, want), "rows " << rows);
+    Dev<float> dx(x), dy(std::vector<float>(want.size()));
+    Dev<uint16_t> dw(codes);
+    BOOST_REQUIRE(gpu::Linear({.x = dx.get(),
+                               .rows = rows,
+                               .in = in,
+                               .out = out,
+                               .format = WeightFormat::kBf16,
+                               .w = reinterpret_cast<const uint8_t*>(dw.get()),
+                               .y = dy.get()}) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dy.Host(), want), "rows " << rows);
+  }
+  // The embedding: rows of the table as fp32 values or as BF16 codes.
+  const int64_t vocab = 31, dim = 45, hc = 2;
+  const std::vector<int32_t> tokens = {30, 0, 7};
+  std::vector<float> want(tokens.size() * hc * dim), got(want.size());
+  BOOST_REQUIRE(cpu::Embed({.tokens = tokens.data(),
+                            .count = 3,
+                            .hc = hc,
+                            .dim = dim,
+                            .vocab = vocab,
+                            .embed = w.data(),
+                            .X = want.data()}) == OpStatus::kOk);
+  BOOST_REQUIRE(cpu::Embed({.tokens = tokens.data(),
+                            .count = 3,
+                            .hc = hc,
+                            .dim = dim,
+                            .vocab = vocab,
+                            .embed_bf16 = codes.data(),
+                            .X = got.data()}) == OpStatus::kOk);
+  BOOST_TEST(BitEqual(got, want));
+  Dev<uint16_t> dtable(codes);
+  Dev<int32_t> dtok(tokens);
+  Dev<float> dX(std::vector<float>(want.size()));
+  BOOST_REQUIRE(gpu::Embed({.tokens = dtok.get(),
+                            .count = 3,
+                            .hc = hc,
+                            .dim = dim,
+                            .vocab = vocab,
+                            .embed_bf16 = dtable.get(),
+                            .X = dX.get()}) == OpStatus::kOk);
+  BOOST_TEST(BitEqual(dX.Host(), want));
+  // One table, not two.
+  BOOST_TEST((cpu::Embed({.tokens = tokens.data(),
+                          .count = 3,
+                          .hc = hc,
+                          .dim = dim,
+                          .vocab = vocab,
+                          .embed = w.data(),
+                          .embed_bf16 = codes.data(),
+                          .X = got.data()}) == OpStatus::kBadArgument));
+}
+
 BOOST_AUTO_TEST_CASE(round_add_and_combine_are_bit_equal) {
   std::mt19937 rng(1);
   std::normal_distribution<float> d(0.0f, 50.0f);
