@@ -13,17 +13,30 @@
 namespace flashd::engine {
 namespace {
 
-// Bytes a tensor takes as this build holds it: quantized tensors as stored; BF16 matrices as
-// the fp32 values the forward pass decodes them to.
-uint64_t HeldBytes(const TensorSpec& t) {
+uint64_t Elements(const TensorSpec& t) {
   uint64_t n = 1;
   for (int64_t d : t.shape) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+// Bytes a tensor takes as this build holds it: quantized tensors as stored (one byte per stored
+// element: FP8, packed FP4 pairs, E8M0 scales); BF16 matrices (and wo_a, dequantized) as BF16
+// on a GPU and as the fp32 values the forward pass decodes them to on the host.
+uint64_t HeldBytes(const TensorSpec& t, bool on_gpu) {
+  // wo_a is stored as FP8 and run dequantized (exact in BF16), like a BF16 matrix.
+  const auto ends_with = [&](std::string_view tail) {
+    return t.name.size() >= tail.size() &&
+           t.name.compare(t.name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  if (ends_with("attn.wo_a.weight")) return Elements(t) * (on_gpu ? 2 : 4);
+  if (ends_with("attn.wo_a.scale")) return 0;
   switch (t.kind) {
     case TensorKind::kBf16:
+      return Elements(t) * (on_gpu ? 2 : 4);
     case TensorKind::kF32:
-      return n * 4;
+      return Elements(t) * 4;
     default:
-      return n;  // One byte per stored element (FP8, packed FP4 pairs, E8M0 scales).
+      return Elements(t);
   }
 }
 
@@ -86,10 +99,16 @@ PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
   std::vector<uint64_t> dense(layers, 0), experts(layers, 0);
   std::vector<double> kv(layers, 0.0);
   for (const KvSourceBytes& k : stats.kv_sources) kv[k.layer] += k.bytes_per_token;
+  const bool gpu = !o.gpus.empty();
   uint64_t embed = 0, head = 0;
   for (const TensorSpec& t : ExpectedTensors(c)) {
     if (t.part == ModelPart::kDSpark || t.part == ModelPart::kVision) continue;
-    const uint64_t b = HeldBytes(t);
+    const uint64_t b = HeldBytes(t, gpu);
+    // The forward pass keeps its own fp32 copy of every BF16 matrix in host memory.
+    if (gpu &&
+        (t.kind == TensorKind::kBf16 || t.name.find("attn.wo_a.weight") != std::string::npos)) {
+      plan.host_copies += HeldBytes(t, false);
+    }
     if (t.kind == TensorKind::kFp8Table || t.kind == TensorKind::kFp8RowScale) {
       plan.engram_bytes += b;
     } else if (t.layer < 0) {
@@ -186,13 +205,13 @@ PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
                       " is usable");
       }
     }
-    const uint64_t host_need = plan.host_weights + plan.engram_bytes;
+    const uint64_t host_need = plan.host_weights + plan.engram_bytes + plan.host_copies;
     if (host_need >= host_usable) {
       return refuse(
-          "host memory: " + std::string(plan.host_weights > 0 ? "the routed experts and " : "") +
-          "the Engram tables need " + Gib(host_need) + " and " + Gib(host_usable) + " is usable (" +
-          Gib(o.host_ram_bytes) + " less " + Gib(o.host_reserve_bytes) +
-          " kept free); tables on SSD need the EngramStore");
+          "host memory: " + std::string(plan.host_weights > 0 ? "the routed experts, " : "") +
+          "the Engram tables and the fp32 copies of the BF16 matrices need " + Gib(host_need) +
+          " and " + Gib(host_usable) + " is usable (" + Gib(o.host_ram_bytes) + " less " +
+          Gib(o.host_reserve_bytes) + " kept free); tables on SSD need the EngramStore");
     }
     // KV: every GPU holds the KV of its layers for the same tokens; the tightest decides.
     double tokens = std::numeric_limits<double>::infinity();
@@ -224,7 +243,8 @@ std::string DescribePlan(const PlacementPlan& p, const PlanOptions& o) {
   line("machine: " + machine + ", host memory " + Gib(o.host_ram_bytes));
   line("model: " + std::to_string(p.layer_gpu.size()) + " layers; dense parts " +
        Gib(p.dense_bytes) + ", routed experts " + Gib(p.expert_bytes) + ", Engram tables " +
-       Gib(p.engram_bytes) + " (as held: FP8/FP4 as stored, BF16 as fp32)");
+       Gib(p.engram_bytes) + " (as held: FP8/FP4 as stored, BF16 as " +
+       (p.gpus.empty() ? "fp32)" : "BF16)"));
   const char* mode = p.mode == PlacementPlan::Mode::kGpu      ? "every layer on the GPUs"
                      : p.mode == PlacementPlan::Mode::kHybrid ? "hybrid: attention and dense "
                                                                 "parts on the GPUs, routed "
@@ -247,6 +267,7 @@ std::string DescribePlan(const PlacementPlan& p, const PlanOptions& o) {
          ", of " + Gib(d.memory));
   }
   line("  host: " + (p.host_weights > 0 ? "weights " + Gib(p.host_weights) + ", " : "") +
+       (p.host_copies > 0 ? "fp32 copies of BF16 matrices " + Gib(p.host_copies) + ", " : "") +
        "Engram tables " + Gib(p.engram_bytes) + (p.host_kv > 0 ? ", KV " + Gib(p.host_kv) : "") +
        ", kept free " + Gib(p.host_reserve) + ", of " + Gib(p.host_memory));
   if (!p.fits) {
@@ -277,6 +298,7 @@ std::string PlanJson(const PlacementPlan& p) {
                       {"layer_gpu", p.layer_gpu},
                       {"gpus", gpus},
                       {"host_weights_bytes", p.host_weights},
+                      {"host_copies_bytes", p.host_copies},
                       {"engram_bytes", p.engram_bytes},
                       {"host_kv_bytes", p.host_kv},
                       {"kv_bytes_per_token", p.kv_bytes_per_token},

@@ -57,6 +57,7 @@ struct PlacementPlan {
   std::vector<Device> gpus;   // Weights, KV (the bytes the plan gives it) per GPU.
   uint64_t host_weights = 0;  // Routed experts (hybrid) or everything (CPU), Engram excluded.
   uint64_t engram_bytes = 0;  // The Engram tables, in host memory.
+  uint64_t host_copies = 0;   // With GPUs: the forward pass's fp32 copies of BF16 matrices.
   uint64_t host_kv = 0;       // KV in host memory (CPU mode).
   uint64_t host_memory = 0, host_reserve = 0;
   uint64_t dense_bytes = 0, expert_bytes = 0;  // Over all layers, as stored.
