@@ -110,6 +110,21 @@ Weight Dense(int64_t out, int64_t in) {
   return {k::WeightFormat::kDense, nullptr, nullptr, Floats(out * in, 0.05f), in, out};
 }
 
+void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y) {
+  CheckOp(g::Linear({.x = x,
+                     .rows = rows,
+                     .in = w.in,
+                     .out = w.out,
+                     .format = w.format,
+                     .w = w.w,
+                     .w_scales = w.scales,
+                     .dense = w.dense,
+                     .x_codes = xq,
+                     .x_scales = xs,
+                     .y = y}),
+          "Linear");
+}
+
 // Seconds per call of `op`, best of three rounds of `reps` calls each.
 double Time(const std::function<void()>& op, int reps) {
   op();
@@ -343,22 +358,7 @@ class Layer {
     float* y = Alloc<float>(rows * w.out);
     uint8_t* xq = Alloc<uint8_t>(rows * w.in);
     uint8_t* xs = Alloc<uint8_t>(rows * w.in / 32);
-    const double s = Time(
-        [&] {
-          CheckOp(g::Linear({.x = x,
-                             .rows = rows,
-                             .in = w.in,
-                             .out = w.out,
-                             .format = w.format,
-                             .w = w.w,
-                             .w_scales = w.scales,
-                             .dense = w.dense,
-                             .x_codes = xq,
-                             .x_scales = xs,
-                             .y = y}),
-                  "Linear");
-        },
-        reps);
+    const double s = Time([&] { LinearOn(w, x, rows, xq, xs, y); }, reps);
     for (void* p : {static_cast<void*>(x), static_cast<void*>(y), static_cast<void*>(xq),
                     static_cast<void*>(xs)}) {
       g::DeviceFree(p);
@@ -413,18 +413,7 @@ class Layer {
   }
 
   void Apply(const Weight& w, const float* x, int64_t rows, float* y) {
-    CheckOp(g::Linear({.x = x,
-                       .rows = rows,
-                       .in = w.in,
-                       .out = w.out,
-                       .format = w.format,
-                       .w = w.w,
-                       .w_scales = w.scales,
-                       .dense = w.dense,
-                       .x_codes = xq_,
-                       .x_scales = xs_,
-                       .y = y}),
-            "Linear");
+    LinearOn(w, x, rows, xq_, xs_, y);
   }
 
   void Expert(const std::vector<Weight>& e, int64_t rows) {
