@@ -148,6 +148,14 @@ const std::vector<Field>& Schema() {
        }},
       {"engine.threads", "an integer in [0, 1024] (0: all cores)",
        [](const std::string& t, Config* c) { return SetInt(t, 0, 1024, &c->engine.threads); }},
+      {"engine.gpus", "an integer in [1, 64]",
+       [](const std::string& t, Config* c) { return SetInt(t, 1, 64, &c->engine.gpus); }},
+      {"engine.routed_experts", "layer or cpu",
+       [](const std::string& t, Config* c) {
+         if (t != "layer" && t != "cpu") return InvalidArgument("not a place");
+         c->engine.routed_experts = t;
+         return Status::Ok();
+       }},
       {"engine.backend", "one of auto, cpu, cuda, hip, hipcpu",
        [](const std::string& t, Config* c) {
          if (t != "auto" && t != "cpu" && t != "cuda" && t != "hip" && t != "hipcpu") {

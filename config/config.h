@@ -63,6 +63,12 @@ struct EngineConfig {
   // Where the forward pass runs: auto (a usable GPU, else the CPU), cpu, cuda, hip, or hipcpu
   // (the GPU kernels on the CPU, for checking them).
   std::string backend = "auto";
+  // GPUs of that backend to spread the layers over (whole layers in order, split by their bytes
+  // as `flashd plan` does); 1 on the CPU.
+  int gpus = 1;
+  // Where the routed experts run: with their layer, or on the CPU (the hybrid mode of one GPU
+  // beside a large host memory).
+  std::string routed_experts = "layer";
 };
 
 struct CacheConfig {

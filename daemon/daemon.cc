@@ -378,7 +378,9 @@ void Daemon::Reload() {
   if (n.engine.memory_budget_bytes != applied_.engine.memory_budget_bytes ||
       n.engine.max_running != applied_.engine.max_running ||
       n.engine.step_token_budget != applied_.engine.step_token_budget ||
-      n.engine.threads != applied_.engine.threads || n.engine.backend != applied_.engine.backend) {
+      n.engine.threads != applied_.engine.threads || n.engine.backend != applied_.engine.backend ||
+      n.engine.gpus != applied_.engine.gpus ||
+      n.engine.routed_experts != applied_.engine.routed_experts) {
     restart.push_back("engine");
   }
   // What was applied becomes the running configuration; the rest keeps its old value.

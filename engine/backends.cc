@@ -11,15 +11,15 @@ namespace flashd::engine {
 namespace {
 
 // One GPU backend by name, or why not.
-StatusOr<std::unique_ptr<Backend>> MakeNamed(std::string_view kind) {
+StatusOr<std::unique_ptr<Backend>> MakeNamed(std::string_view kind, int device) {
 #ifdef FLASHD_WITH_CUDA
-  if (kind == "cuda") return cuda::MakeGpuBackend();
+  if (kind == "cuda") return cuda::MakeGpuBackend(device);
 #endif
 #ifdef FLASHD_WITH_HIP
-  if (kind == "hip") return hip::MakeGpuBackend();
+  if (kind == "hip") return hip::MakeGpuBackend(device);
 #endif
 #ifdef FLASHD_WITH_HIPCPU
-  if (kind == "hipcpu") return hipcpu::MakeGpuBackend();
+  if (kind == "hipcpu") return hipcpu::MakeGpuBackend(device);
 #endif
   if (kind == "cuda" || kind == "hip" || kind == "hipcpu") {
     return Unavailable("this build of flashd has no " + std::string(kind) + " backend (it has " +
@@ -45,13 +45,14 @@ std::string CompiledBackends() {
   return s;
 }
 
-StatusOr<std::unique_ptr<Backend>> SelectBackend(std::string_view kind, std::string* reason) {
+StatusOr<std::unique_ptr<Backend>> SelectBackend(std::string_view kind, std::string* reason,
+                                                 int device) {
   if (kind == "cpu") {
     *reason = "backend cpu: as configured";
     return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
   }
   if (kind != "auto") {
-    auto backend = MakeNamed(kind);
+    auto backend = MakeNamed(kind, device);
     if (backend.ok()) {
       const BackendReport r = (*backend)->Report();
       *reason = "backend " + r.backend + ": as configured, on " + r.device;
@@ -60,7 +61,7 @@ StatusOr<std::unique_ptr<Backend>> SelectBackend(std::string_view kind, std::str
   }
   std::string why;
   for (std::string_view gpu : {"cuda", "hip"}) {
-    auto backend = MakeNamed(gpu);
+    auto backend = MakeNamed(gpu, 0);
     if (backend.ok()) {
       const BackendReport r = (*backend)->Report();
       *reason = "backend " + r.backend + " (auto): " + r.device;

@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "engine/gpu_backend.h"
+#include "engine/placement_plan.h"
 
 namespace flashd::engine {
 
@@ -73,6 +74,54 @@ cache::BlockKey Fingerprint(const Model& model, int64_t block_tokens) {
   return cache::HashBytes(bytes);
 }
 
+// The backends of engine.backend, engine.gpus and engine.routed_experts, and which layers run
+// on which (the layer split of `flashd plan` over the GPUs' memory).
+StatusOr<Placement> PlaceModel(const EngineOptions& options, const Model& model) {
+  Placement placement;
+  std::string why;
+  FLASHD_ASSIGN_OR_RETURN(std::unique_ptr<Backend> first, SelectBackend(options.backend, &why, 0));
+  spdlog::info("engine: {}", why);
+  const std::string kind(first->name());
+  if (options.gpus > 1 && kind == "cpu") {
+    return InvalidArgument("engine.gpus: " + std::to_string(options.gpus) +
+                           " GPUs asked for, but the engine runs on the CPU (" + why + ")");
+  }
+  placement.backends.push_back(std::move(first));
+  for (int i = 1; i < options.gpus; ++i) {
+    std::string ignored;
+    auto next = SelectBackend(kind, &ignored, i);
+    if (!next.ok()) {
+      return InvalidArgument("engine.gpus: " + std::to_string(options.gpus) +
+                             " asked for: " + next.status().message());
+    }
+    placement.backends.push_back(std::move(*next));
+  }
+  std::string where;
+  if (options.gpus > 1) {
+    PlanOptions plan_options;
+    for (const auto& b : placement.backends) {
+      const BackendReport r = b->Report();
+      plan_options.gpus.push_back({r.device, r.memory_total});
+    }
+    placement.layer_backend = MakePlan(model.config(), plan_options).layer_gpu;
+    for (size_t l = 0; l < placement.layer_backend.size(); ++l) {
+      if (l == 0 || placement.layer_backend[l] != placement.layer_backend[l - 1]) {
+        where += where.empty() ? "layers " : ", ";
+        where += std::to_string(l) + "+ on " + kind + ":";
+        where += std::to_string(placement.layer_backend[l]);
+      }
+    }
+  }
+  if (options.routed_experts == "cpu") {
+    placement.backends.push_back(std::make_unique<CpuBackend>());
+    placement.routed_experts = static_cast<int>(placement.backends.size()) - 1;
+    where += where.empty() ? "" : "; ";
+    where += "routed experts on the CPU";
+  }
+  if (!where.empty()) spdlog::info("engine: placement: {}", where);
+  return placement;
+}
+
 }  // namespace
 
 Engine::Engine(EngineOptions options)
@@ -88,11 +137,9 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   }
   std::unique_ptr<Engine> e(new Engine(options));
   FLASHD_ASSIGN_OR_RETURN(e->model_, Model::Load(options.model_dir));
-  std::string why;
-  FLASHD_ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, SelectBackend(options.backend, &why));
-  spdlog::info("engine: {}", why);
+  FLASHD_ASSIGN_OR_RETURN(Placement placement, PlaceModel(options, *e->model_));
   FLASHD_ASSIGN_OR_RETURN(
-      e->forward_, CpuForward::Create(*e->model_, "", options.block_tokens, std::move(backend)));
+      e->forward_, CpuForward::Create(*e->model_, "", options.block_tokens, std::move(placement)));
   const std::string tokenizer =
       (std::filesystem::path(options.model_dir) / "tokenizer.json").string();
   if (std::filesystem::exists(tokenizer)) {

@@ -286,6 +286,7 @@ std::vector<int64_t> TableRows(const int32_t* table, int64_t blocks, int64_t per
 
 class GpuBackend final : public Backend {
  public:
+  explicit GpuBackend(int device) : device_(device) {}
   std::string_view name() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND); }
   // The kernels' results differ from the CPU's in the last bit where they use the device's
   // exp/sin/cos or a tree reduction (kernels/gpu/ops.h), so the cache keys them apart.
@@ -293,10 +294,11 @@ class GpuBackend final : public Backend {
 
   BackendReport Report() const override {
     BackendReport r{std::string(name()), "", 0, 0};
-    if (!g::DeviceName(&r.device).empty()) r.device = "unknown";
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!g::SetDevice(device_).empty() || !g::DeviceName(&r.device).empty()) r.device = "unknown";
+    if (device_ > 0) r.device += " #" + std::to_string(device_);
     size_t free_bytes = 0, total = 0;
     if (g::MemoryInfo(&free_bytes, &total).empty()) r.memory_total = total;
-    std::lock_guard<std::mutex> lock(mu_);
     r.memory_in_use = memory_.bytes();
     return r;
   }
@@ -628,6 +630,10 @@ class GpuBackend final : public Backend {
   template <class F>
   OpStatus Run(F body) const {
     std::lock_guard<std::mutex> lock(mu_);
+    if (const std::string e = g::SetDevice(device_); !e.empty()) {
+      last_error_ = e;
+      return OpStatus::kDeviceError;
+    }
     Call c(&memory_);
     const OpStatus s = body(c);
     if (s == OpStatus::kDeviceError) last_error_ = c.error();
@@ -640,6 +646,7 @@ class GpuBackend final : public Backend {
     return c.Finish(launch());
   }
 
+  const int device_;
   mutable std::mutex mu_;
   mutable DeviceMemory memory_;
   mutable std::string last_error_;
@@ -647,12 +654,16 @@ class GpuBackend final : public Backend {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Backend>> MakeGpuBackend() {
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device) {
   std::string reason;
-  if (g::DeviceCount(&reason) == 0) {
-    return Unavailable(std::string(FLASHD_GPU_STR(FLASHD_GPU_BACKEND)) + ": " + reason);
+  const int count = g::DeviceCount(&reason);
+  const std::string kind = FLASHD_GPU_STR(FLASHD_GPU_BACKEND);
+  if (count == 0) return Unavailable(kind + ": " + reason);
+  if (device < 0 || device >= count) {
+    return Unavailable(kind + ": no device " + std::to_string(device) + " (" +
+                       std::to_string(count) + " found)");
   }
-  return std::unique_ptr<Backend>(std::make_unique<GpuBackend>());
+  return std::unique_ptr<Backend>(std::make_unique<GpuBackend>(device));
 }
 
 }  // namespace flashd::engine::FLASHD_GPU_BACKEND

@@ -13,13 +13,13 @@
 namespace flashd::engine {
 
 namespace cuda {
-StatusOr<std::unique_ptr<Backend>> MakeGpuBackend();
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device = 0);
 }
 namespace hip {
-StatusOr<std::unique_ptr<Backend>> MakeGpuBackend();
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device = 0);
 }
 namespace hipcpu {
-StatusOr<std::unique_ptr<Backend>> MakeGpuBackend();
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device = 0);
 }
 
 // The backends this build has, e.g. "cpu+cuda+hipcpu".
@@ -28,7 +28,9 @@ std::string CompiledBackends();
 // The backend named by engine.backend: "cpu", "cuda", "hip", "hipcpu" (the GPU kernels run on
 // the CPU by the HIP CPU runtime, for checking them), or "auto": the first usable GPU (CUDA,
 // then HIP), else the CPU. `reason` gets one line saying which was chosen and why. A named
-// backend that this build lacks or that finds no device is an error.
-StatusOr<std::unique_ptr<Backend>> SelectBackend(std::string_view kind, std::string* reason);
+// backend that this build lacks or that finds no device is an error. `device` picks one of
+// several GPUs of the kind (auto and cpu ignore it).
+StatusOr<std::unique_ptr<Backend>> SelectBackend(std::string_view kind, std::string* reason,
+                                                 int device = 0);
 
 }  // namespace flashd::engine

@@ -28,6 +28,8 @@ std::string Synchronize();
 // uniform in [-scale, scale] rounded to BF16; the same seed gives the same contents.
 std::string FillBytes(void* dst, size_t bytes, uint64_t seed, uint8_t lo, uint8_t hi);
 std::string FillFloats(float* dst, size_t n, uint64_t seed, float scale);
+// Makes `device` the calling thread's current device.
+std::string SetDevice(int device);
 // The current device's name and its memory (free and total bytes), or the runtime's error.
 std::string DeviceName(std::string* name);
 std::string MemoryInfo(size_t* free_bytes, size_t* total_bytes);

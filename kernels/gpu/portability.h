@@ -37,6 +37,7 @@ using gpuStream_t = hipStream_t;
 #define gpuStreamSynchronize hipStreamSynchronize
 #define gpuDeviceSynchronize hipDeviceSynchronize
 #define gpuGetDevice hipGetDevice
+#define gpuSetDevice hipSetDevice
 #define gpuGetDeviceProperties hipGetDeviceProperties
 #define gpuMemGetInfo hipMemGetInfo
 using gpuDeviceProp_t = hipDeviceProp_t;
@@ -59,6 +60,7 @@ using gpuStream_t = cudaStream_t;
 #define gpuStreamSynchronize cudaStreamSynchronize
 #define gpuDeviceSynchronize cudaDeviceSynchronize
 #define gpuGetDevice cudaGetDevice
+#define gpuSetDevice cudaSetDevice
 #define gpuGetDeviceProperties cudaGetDeviceProperties
 #define gpuMemGetInfo cudaMemGetInfo
 using gpuDeviceProp_t = cudaDeviceProp;

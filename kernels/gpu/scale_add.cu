@@ -137,6 +137,11 @@ std::string Synchronize() {
   return err == gpuSuccess ? "" : Describe("synchronize", err);
 }
 
+std::string SetDevice(int device) {
+  const gpuError_t err = gpuSetDevice(device);
+  return err == gpuSuccess ? "" : Describe("set device", err);
+}
+
 std::string DeviceName(std::string* name) {
   int device = 0;
   gpuError_t err = gpuGetDevice(&device);

@@ -124,6 +124,8 @@ BOOST_AUTO_TEST_CASE(out_of_range_values_are_rejected) {
       {"cache:\n  ttl_seconds: -5\n", "cache.ttl_seconds"},
       {"log:\n  level: loud\n", "log.level"},
       {"engine:\n  backend: gpu\n", "engine.backend"},
+      {"engine:\n  gpus: 0\n", "engine.gpus"},
+      {"engine:\n  routed_experts: gpu\n", "engine.routed_experts"},
       {"model:\n  id: \"\"\n", "model.id"},
       {"state_dir: \"\"\n", "state_dir"},
   };

@@ -77,19 +77,25 @@ BOOST_AUTO_TEST_SUITE(completions_e2e)
 // The backend the engine runs on is reported; with the GPU kernels (run on the CPU by the HIP
 // CPU runtime where this build has it) the daemon serves the same seeded tokens as the CPU's.
 BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same_tokens) {
-  std::vector<std::string> backends = {"cpu"};
+  // Backend, and the engine section of the config.
+  std::vector<std::pair<std::string, std::string>> backends = {{"cpu", ""}};
 #ifdef FLASHD_TEST_HIPCPU
-  backends.push_back("hipcpu");
+  backends.push_back({"hipcpu", ""});
+  // The hybrid mode: the routed experts on the CPU beside the GPU backend.
+  backends.push_back({"hipcpu", "engine:\n  routed_experts: cpu\n"});
 #else
   BOOST_TEST_MESSAGE("this build has no HIP CPU runtime: the CPU backend only");
 #endif
   std::vector<std::vector<Completion>> answers;
-  for (const std::string& backend : backends) {
+  for (const auto& [backend, yaml] : backends) {
     TempDir tmp;
-    DaemonProcess d({tmp.path(), "", {{"FLASHD_BACKEND", backend}}, {}});
+    DaemonProcess d({tmp.path(), yaml, {{"FLASHD_BACKEND", backend}}, {}});
     BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
     BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
     BOOST_TEST(Contains(d.log(), "engine: backend " + backend + ": as configured"), d.log());
+    if (!yaml.empty()) {
+      BOOST_TEST(Contains(d.log(), "engine: placement: routed experts on the CPU"), d.log());
+    }
     auto c = UnixClient(d);
     answers.emplace_back();
     for (int i = 0; i < 3; ++i) {
@@ -117,6 +123,24 @@ BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same
       BOOST_TEST(answers[b][i].token_logprobs == answers[0][i].token_logprobs, "request " << i);
     }
   }
+#ifdef FLASHD_TEST_HIPCPU
+  // More GPUs than the machine has: the model is not loaded, /health says why, serving goes on.
+  TempDir tmp;
+  DaemonProcess d({tmp.path(), "engine:\n  gpus: 2\n", {{"FLASHD_BACKEND", "hipcpu"}}, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  httplib::Client c("127.0.0.1", d.port());
+  json h = json::object();
+  for (int i = 0; i < 600 && h.value("status", "") != "error"; ++i) {
+    auto health = c.Get("/health");
+    BOOST_REQUIRE(health);
+    h = json::parse(health->body);
+    std::this_thread::sleep_for(50ms);
+  }
+  BOOST_TEST(h["status"] == "error", h.dump());
+  BOOST_TEST(Contains(h.value("reason", ""), "engine.gpus: 2 asked for: hipcpu: no device 1"),
+             h.dump());
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+#endif
 }
 
 BOOST_AUTO_TEST_CASE(concurrent_generations_equal_each_alone_and_share_steps) {
