@@ -43,6 +43,16 @@ CREATE TABLE usage (
   completion_tokens INTEGER NOT NULL DEFAULT 0
 );
 )sql",
+    // 1 -> 2: the tool-call ledger (call id -> the DSML text the model wrote), so that exact
+    // replay of sampled calls survives restarts.
+    R"sql(
+CREATE TABLE tool_calls (
+  id TEXT PRIMARY KEY,
+  invoke TEXT NOT NULL,
+  created INTEGER NOT NULL
+);
+CREATE INDEX tool_calls_by_age ON tool_calls (created);
+)sql",
 };
 static_assert(sizeof(kMigrations) / sizeof(kMigrations[0]) == Catalog::kSchemaVersion);
 
@@ -79,6 +89,11 @@ class Stmt {
   }
   void Int(int i, int64_t v) { sqlite3_bind_int64(s_, i, v); }
   int Step() { return sqlite3_step(s_); }
+  std::string ColumnText(int i) {
+    const auto* p = reinterpret_cast<const char*>(sqlite3_column_text(s_, i));
+    return p == nullptr ? std::string() : std::string(p, sqlite3_column_bytes(s_, i));
+  }
+  int64_t ColumnInt(int i) { return sqlite3_column_int64(s_, i); }
 
  private:
   sqlite3_stmt* s_ = nullptr;
@@ -323,6 +338,39 @@ Status Catalog::AddUsage(const std::string& tenant, const Usage& d) {
   s.Int(5, d.completion_tokens);
   if (s.Step() != SQLITE_DONE) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
   return Status::Ok();
+}
+
+Status Catalog::PutToolCall(const std::string& id, const std::string& invoke) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stmt s(db_, "INSERT OR REPLACE INTO tool_calls (id, invoke, created) VALUES (?, ?, ?)");
+  if (!s.ok()) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
+  s.Text(1, id);
+  s.Text(2, invoke);
+  s.Int(3, NowSeconds());
+  if (s.Step() != SQLITE_DONE) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
+  // Now and then, the oldest calls beyond the bound go.
+  if (++tool_call_puts_ % kToolCallTrimEvery == 0) {
+    Stmt t(db_,
+           "DELETE FROM tool_calls WHERE rowid IN (SELECT rowid FROM tool_calls ORDER BY created "
+           "DESC, rowid DESC LIMIT -1 OFFSET ?)");
+    t.Int(1, static_cast<int64_t>(tool_call_limit_));
+    if (t.Step() != SQLITE_DONE) return IoError(std::string("catalog: ") + sqlite3_errmsg(db_));
+  }
+  return Status::Ok();
+}
+
+std::optional<std::string> Catalog::FindToolCall(const std::string& id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stmt s(db_, "SELECT invoke FROM tool_calls WHERE id = ?");
+  s.Text(1, id);
+  if (s.Step() != SQLITE_ROW) return std::nullopt;
+  return s.ColumnText(0);
+}
+
+int64_t Catalog::ToolCalls() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  Stmt s(db_, "SELECT COUNT(*) FROM tool_calls");
+  return s.Step() == SQLITE_ROW ? s.ColumnInt(0) : 0;
 }
 
 std::vector<std::string> Catalog::Tenants() const {

@@ -2,9 +2,10 @@
 //
 // Tables: tenants, pins (named prefixes never evicted while pinned: tool sets, system prompts,
 // repository digests), sessions (a conversation's head: token count and the keys its state is
-// stored under), usage counters per tenant. The schema is versioned with PRAGMA user_version and
-// migrated forward on open; a catalog written by a newer flashd is refused, not guessed at.
-// Rows only ever point at entries the block store has already written.
+// stored under), usage counters per tenant, and the tool-call ledger (call id -> DSML text). The
+// schema is versioned with PRAGMA user_version and migrated forward on open; a catalog written by a
+// newer flashd is refused, not guessed at. Rows only ever point at entries the block store has
+// already written.
 //
 // Thread-safety: every method may be called from any thread (one connection, serialised).
 #pragma once
@@ -25,7 +26,7 @@ namespace flashd::cache {
 
 class Catalog {
  public:
-  static constexpr int kSchemaVersion = 1;
+  static constexpr int kSchemaVersion = 2;
 
   static StatusOr<std::unique_ptr<Catalog>> Open(const std::string& path);
   ~Catalog();
@@ -83,12 +84,22 @@ class Catalog {
   std::vector<std::string> Tenants() const;
   Usage UsageOf(const std::string& tenant) const;
 
+  // The tool-call ledger: the DSML text the model wrote for a call id. The newest `limit` calls
+  // are kept (the oldest beyond it go, checked every kToolCallTrimEvery writes).
+  static constexpr int64_t kToolCallTrimEvery = 1024;
+  Status PutToolCall(const std::string& id, const std::string& invoke);
+  std::optional<std::string> FindToolCall(const std::string& id) const;
+  int64_t ToolCalls() const;
+  void set_tool_call_limit(int64_t limit) { tool_call_limit_ = limit; }
+
  private:
   Catalog() = default;
   Status Exec(const std::string& sql);
   Status Migrate();
 
   mutable std::mutex mu_;
+  int64_t tool_call_puts_ = 0;  // Guarded by mu_.
+  int64_t tool_call_limit_ = 1000000;
   sqlite3* db_ = nullptr;
   std::string path_;
 };

@@ -382,6 +382,18 @@ void Api::SetEngine(engine::Engine* engine) {
   engine_ = engine;
 }
 
+void Api::SetCatalog(cache::Catalog* catalog) {
+  catalog_ = catalog;
+  if (catalog == nullptr) return;
+  ledger_.Attach(
+      [catalog](const std::string& id, const std::string& text) {
+        if (Status s = catalog->PutToolCall(id, text); !s.ok()) {
+          spdlog::warn("tool call {} not recorded for exact replay: {}", id, s.message());
+        }
+      },
+      [catalog](const std::string& id) { return catalog->FindToolCall(id); });
+}
+
 engine::Engine* Api::engine() const {
   std::lock_guard<std::mutex> lock(mu_);
   return engine_;

@@ -79,7 +79,8 @@ class Api {
   void SetEngine(engine::Engine* engine);
   engine::Engine* engine() const;
   // The prefix cache's catalog (pins); null when the cache is off. Set before serving.
-  void SetCatalog(cache::Catalog* catalog) { catalog_ = catalog; }
+  // The catalog (null: none). Also where the tool-call ledger persists.
+  void SetCatalog(cache::Catalog* catalog);
   // The engine's tokenizer, or null (no engine yet, or a model without tokenizer.json): then
   // /tokenize and /detokenize answer 503.
   const engine::Tokenizer* tokenizer() const;

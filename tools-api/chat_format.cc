@@ -514,16 +514,38 @@ std::string ToolCallLedger::NewId() {
   return id;
 }
 
+void ToolCallLedger::Attach(Store store, Load load) {
+  std::lock_guard<std::mutex> lock(mu_);
+  store_ = std::move(store);
+  load_ = std::move(load);
+}
+
+void ToolCallLedger::KeepLocked(const std::string& id, std::string invoke_text) const {
+  if (calls_.insert_or_assign(id, std::move(invoke_text)).second) order_.push_back(id);
+  while (calls_.size() > kMemoryCalls) {
+    calls_.erase(order_.front());
+    order_.pop_front();
+  }
+}
+
 void ToolCallLedger::Remember(const std::string& id, std::string invoke_text) {
   std::lock_guard<std::mutex> lock(mu_);
-  calls_[id] = std::move(invoke_text);
+  if (store_) store_(id, invoke_text);
+  KeepLocked(id, std::move(invoke_text));
 }
 
 bool ToolCallLedger::Lookup(const std::string& id, std::string* invoke_text) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = calls_.find(id);
-  if (it == calls_.end()) return false;
-  *invoke_text = it->second;
+  if (it != calls_.end()) {
+    *invoke_text = it->second;
+    return true;
+  }
+  if (!load_) return false;
+  std::optional<std::string> stored = load_(id);
+  if (!stored) return false;
+  *invoke_text = *stored;
+  KeepLocked(id, std::move(*stored));
   return true;
 }
 

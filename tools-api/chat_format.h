@@ -8,9 +8,12 @@
 // text, not a turn boundary.
 #pragma once
 
+#include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,17 +42,31 @@ struct RenderedPrompt {
 // wrote for each call, and renders that text when a client sends the call back, so that the
 // client's re-serialisation of the arguments cannot change the prompt's bytes.
 // Thread-safe.
+//
+// In memory it keeps the newest kMemoryCalls calls; with a store attached (the catalog) every
+// call is also written there and a lookup the memory misses reads it, so replay survives
+// restarts and a long-running daemon's memory stays bounded.
 class ToolCallLedger {
  public:
+  static constexpr size_t kMemoryCalls = 65536;
+  using Store = std::function<void(const std::string& id, const std::string& invoke_text)>;
+  using Load = std::function<std::optional<std::string>(const std::string& id)>;
+
   // A new unguessable id ("call_" + 24 random letters and digits).
   static std::string NewId();
+  void Attach(Store store, Load load);
   void Remember(const std::string& id, std::string invoke_text);
   bool Lookup(const std::string& id, std::string* invoke_text) const;
-  size_t size() const;
+  size_t size() const;  // Calls in memory.
 
  private:
+  void KeepLocked(const std::string& id, std::string invoke_text) const;
+
   mutable std::mutex mu_;
-  std::map<std::string, std::string> calls_;  // Guarded by mu_.
+  mutable std::map<std::string, std::string> calls_;  // Guarded by mu_.
+  mutable std::deque<std::string> order_;             // Ids, oldest first. Guarded by mu_.
+  Store store_;
+  Load load_;
 };
 
 // Renders `messages` (OpenAI chat shape: role, content, tool_calls, tool_call_id,

@@ -326,6 +326,44 @@ BOOST_AUTO_TEST_SUITE_END()
 
 BOOST_AUTO_TEST_SUITE(catalog)
 
+// The tool-call ledger's table: calls persist across reopening, the newest are kept.
+BOOST_AUTO_TEST_CASE(tool_calls_persist_and_the_oldest_go_beyond_the_limit) {
+  TempDir dir;
+  const std::string path = (dir.path() / "catalog.db").string();
+  {
+    auto cat = Catalog::Open(path);
+    BOOST_REQUIRE(cat.ok());
+    BOOST_TEST((*cat)->PutToolCall("call_a", "<invoke a>").ok());
+    BOOST_TEST((*cat)->PutToolCall("call_b", "<invoke b>").ok());
+  }
+  auto cat = Catalog::Open(path);
+  BOOST_REQUIRE(cat.ok());
+  BOOST_TEST((*cat)->FindToolCall("call_a").value_or("") == "<invoke a>");
+  BOOST_TEST(!(*cat)->FindToolCall("call_c").has_value());
+  (*cat)->set_tool_call_limit(100);
+  for (int i = 0; i < Catalog::kToolCallTrimEvery; ++i) {
+    BOOST_REQUIRE((*cat)->PutToolCall("call_" + std::to_string(i), "x").ok());
+  }
+  BOOST_TEST((*cat)->ToolCalls() == 100);
+  BOOST_TEST(
+      (*cat)->FindToolCall("call_" + std::to_string(Catalog::kToolCallTrimEvery - 1)).has_value());
+  cat->reset();
+  // A catalog of schema 1 (before the ledger) gains the table on open and keeps its rows.
+  sqlite3* db = nullptr;
+  BOOST_REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+  BOOST_REQUIRE(sqlite3_exec(db,
+                             "DROP TABLE tool_calls; INSERT INTO tenants VALUES ('bob', 1); "
+                             "PRAGMA user_version=1",
+                             nullptr, nullptr, nullptr) == SQLITE_OK);
+  sqlite3_close(db);
+  auto migrated = Catalog::Open(path);
+  BOOST_REQUIRE_MESSAGE(migrated.ok(), migrated.status().ToString());
+  BOOST_TEST((*migrated)->schema_version() == 2);
+  BOOST_TEST((*migrated)->Tenants().size() == 1u);
+  BOOST_TEST((*migrated)->PutToolCall("call_z", "z").ok());
+  BOOST_TEST((*migrated)->FindToolCall("call_z").value_or("") == "z");
+}
+
 BOOST_AUTO_TEST_CASE(migrates_and_keeps_pins_and_usage) {
   TempDir dir;
   const std::string path = (dir.path() / "catalog.db").string();

@@ -2,6 +2,8 @@
 
 #include <boost/test/unit_test.hpp>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <sstream>
 
 #include "engine/tokenizer.h"
@@ -121,6 +123,33 @@ BOOST_AUTO_TEST_CASE(exact_replay_renders_the_sampled_bytes) {
   BOOST_REQUIRE(without.ok());
   BOOST_TEST(with->text.find(sampled) != std::string::npos);
   BOOST_TEST(without->text.find(sampled) == std::string::npos);
+
+  // With a store attached, another ledger (a restarted daemon's) finds the call there.
+  std::map<std::string, std::string> store;
+  ToolCallLedger first, restarted;
+  for (ToolCallLedger* l : {&first, &restarted}) {
+    l->Attach([&](const std::string& k, const std::string& v) { store[k] = v; },
+              [&](const std::string& k) -> std::optional<std::string> {
+                auto it = store.find(k);
+                if (it == store.end()) return std::nullopt;
+                return it->second;
+              });
+  }
+  first.Remember(id, sampled);
+  BOOST_TEST(store.at(id) == sampled);
+  BOOST_TEST(restarted.size() == 0u);
+  auto after = RenderChat(messages, ChatOptions(), &restarted);
+  BOOST_REQUIRE(after.ok());
+  BOOST_TEST(after->text == with->text);
+  BOOST_TEST(restarted.size() == 1u);  // Now in memory too.
+  // Memory stays bounded: the oldest calls leave it (the store keeps them).
+  for (size_t i = 0; i <= ToolCallLedger::kMemoryCalls; ++i) {
+    first.Remember("call_" + std::to_string(i), "x");
+  }
+  BOOST_TEST(first.size() == ToolCallLedger::kMemoryCalls);
+  std::string text;
+  BOOST_TEST(first.Lookup(id, &text));  // Read back from the store.
+  BOOST_TEST(text == sampled);
 }
 
 BOOST_AUTO_TEST_CASE(bad_messages_name_the_field) {
