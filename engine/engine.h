@@ -128,6 +128,9 @@ class Engine {
   const ModelConfig& config() const;
   // The backend the forward pass runs on, its device and the device memory it holds.
   BackendReport backend() const;
+  // Which backend runs which layers and the routed experts, as the numerics of the whole (the
+  // one backend's numerics when a single backend runs everything).
+  std::string placement() const { return std::string(forward_->numerics()); }
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
   // The prefix cache (thread-safe itself), or null.
   cache::BlockStore* cache() const { return options_.cache.get(); }

@@ -221,6 +221,7 @@ void Api::Health(const httplib::Request&, httplib::Response& res) const {
       body["cache"] = {{"status", "ok"}, {"blocks", c.blocks}, {"disk_bytes", c.disk_bytes}};
     }
     body["backend"] = BackendJson(engine_->backend());
+    body["backend"]["placement"] = engine_->placement();
   }
   res.set_content(body.dump(), "application/json");
 }

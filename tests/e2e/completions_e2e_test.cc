@@ -96,6 +96,7 @@ BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same
     if (!yaml.empty()) {
       BOOST_TEST(Contains(d.log(), "engine: placement: routed experts on the CPU"), d.log());
     }
+    const std::string placement = yaml.empty() ? backend + "/1" : "routed experts:cpu/1";
     auto c = UnixClient(d);
     answers.emplace_back();
     for (int i = 0; i < 3; ++i) {
@@ -106,6 +107,7 @@ BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same
     BOOST_REQUIRE(health);
     const json h = json::parse(health->body);
     BOOST_TEST(h["backend"]["name"] == backend, h.dump());
+    BOOST_TEST(Contains(h["backend"]["placement"].get<std::string>(), placement), h.dump());
     BOOST_TEST(!h["backend"]["device"].get<std::string>().empty());
     if (backend != "cpu") {
       // Weights uploaded and workspace held on the device.
