@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "engine/forward.h"
+#include "engine/gpu_backend.h"
 #include "engine/model.h"
 #include "engine/safetensors.h"
 
@@ -43,7 +44,9 @@ void PrintEvalHelp() {
       "                          are the same for any N)\n"
       "  --topk-order ORDER      total (default) or reference: how equal scores are ranked in the\n"
       "                          indexer and router (reference: the official code's CPU order)\n"
-      "  --threads N             forward-pass threads (default: all cores)\n");
+      "  --threads N             forward-pass threads (default: all cores)\n"
+      "  --backend NAME          cpu (default), cuda, hip or hipcpu: where the ops run, so that\n"
+      "                          two backends' outputs can be compared\n");
 }
 
 int Fail(const std::string& message, int code = kExitUsage) {
@@ -165,6 +168,7 @@ struct EvalArgs {
   size_t chunk = 0;
   int threads = 0;
   kernels::TopKOrder order = kernels::TopKOrder::kTotal;
+  std::string backend = "cpu";
 };
 
 int Run(const EvalArgs& a) {
@@ -180,7 +184,10 @@ int Run(const EvalArgs& a) {
   if (!tokens.ok()) return Fail(tokens.status().message(), kExitFailed);
   auto model = engine::Model::Load(a.model_dir);
   if (!model.ok()) return Fail(model.status().ToString(), kExitFailed);
-  auto fwd = engine::CpuForward::Create(**model);
+  std::string why;
+  auto backend = engine::SelectBackend(a.backend, &why);
+  if (!backend.ok()) return Fail(backend.status().message(), kExitFailed);
+  auto fwd = engine::CpuForward::Create(**model, "", 64, std::move(*backend));
   if (!fwd.ok()) return Fail(fwd.status().ToString(), kExitFailed);
   const engine::ModelConfig& c = (*fwd)->config();
   const int64_t T = static_cast<int64_t>(tokens->size()), L = c.num_hidden_layers;
@@ -279,6 +286,10 @@ int EvalCommand(const std::vector<std::string>& args) {
       }
       if (arg == "--chunk") a.chunk = std::stoul(v);
       if (arg == "--threads") a.threads = std::stoi(v);
+    } else if (arg == "--backend") {
+      if (!value(&a.backend) || a.backend == "auto") {
+        return Fail("--backend is cpu, cuda, hip or hipcpu");
+      }
     } else if (arg == "--topk-order") {
       if (!value(&v) || (v != "total" && v != "reference")) {
         return Fail("--topk-order is total or reference");

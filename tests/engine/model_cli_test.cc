@@ -280,6 +280,15 @@ BOOST_AUTO_TEST_CASE(eval_writes_the_logits_the_reference_computed) {
   BOOST_REQUIRE(Flashd(base + " --forced-streams " + ref + " --out " + layered).code == 0);
   const std::vector<float> by_layer = ReadNpy(layered, &shape);
   BOOST_TEST(MaxAbsDiff(by_layer.data(), g.logits.data(), by_layer.size()) < 1e-2);
+#ifdef FLASHD_TEST_HIPCPU
+  // The same run on the GPU kernels (through the HIP CPU runtime), to compare backends.
+  const std::string gpu = (tmp.path() / "gpu.npy").string();
+  const Run on_gpu = Flashd(base + " --backend hipcpu --out " + gpu);
+  BOOST_REQUIRE_MESSAGE(on_gpu.code == 0, on_gpu.out);
+  const std::vector<float> gpu_logits = ReadNpy(gpu, &shape);
+  BOOST_REQUIRE(gpu_logits.size() == logits.size());
+  BOOST_TEST(MaxAbsDiff(gpu_logits.data(), logits.data(), logits.size()) < 1e-3);
+#endif
 }
 
 BOOST_AUTO_TEST_CASE(eval_refuses_bad_arguments_clearly) {
@@ -301,6 +310,10 @@ BOOST_AUTO_TEST_CASE(eval_refuses_bad_arguments_clearly) {
              (tmp.path() / "o.npy").string());
   BOOST_TEST(wrong_shape.code == 1);
   BOOST_TEST(Contains(wrong_shape.out, "not a .npy file"), wrong_shape.out);
+  const Run tpu = Flashd("eval " FLASHD_GOLDEN_DIR " --tokens " + (tmp.path() / "ok.txt").string() +
+                         " --backend tpu --out " + (tmp.path() / "o.npy").string());
+  BOOST_TEST(tpu.code == 1);
+  BOOST_TEST(Contains(tpu.out, "unknown backend \"tpu\""), tpu.out);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
