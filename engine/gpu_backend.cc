@@ -172,12 +172,18 @@ class Call {
   }
   template <class T>
   const T* In(const T* host, int64_t count) {
-    return Map(const_cast<T*>(host), count, false);
+    return Map(const_cast<T*>(host), count, true, false);
   }
-  // Uploaded and copied back: also for outputs, since a kernel need not write every element.
+  // Uploaded and copied back: in-place operands, and outputs a kernel need not write whole.
   template <class T>
   T* InOut(T* host, int64_t count) {
-    return Map(host, count, true);
+    return Map(host, count, true, true);
+  }
+  // Copied back only: outputs the kernel writes whole (no upload; a buffer already mapped as an
+  // input of the same op keeps its uploaded copy).
+  template <class T>
+  T* Out(T* host, int64_t count) {
+    return Map(host, count, false, true);
   }
   template <class T>
   T* Work(int64_t count) {
@@ -250,7 +256,7 @@ class Call {
   };
 
   template <class T>
-  T* Map(T* host, int64_t count, bool write) {
+  T* Map(T* host, int64_t count, bool upload, bool write) {
     if (host == nullptr || !error_.empty()) return nullptr;
     const size_t bytes = Count(count) * sizeof(T);
     for (Copy& c : mapped_) {
@@ -261,7 +267,7 @@ class Call {
     }
     void* device = memory_->Scratch(bytes, &error_);
     if (device == nullptr) return nullptr;
-    if (bytes > 0 && !Check(g::CopyToDevice(device, host, bytes))) return nullptr;
+    if (upload && bytes > 0 && !Check(g::CopyToDevice(device, host, bytes))) return nullptr;
     mapped_.push_back({host, device, bytes});
     if (write) back_.push_back({host, device, bytes});
     return static_cast<T*>(device);
@@ -330,7 +336,7 @@ class GpuBackend final : public Backend {
       }
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
-      d.y = c.InOut(p.y, p.rows * p.out);
+      d.y = c.Out(p.y, p.rows * p.out);
       return Launch(c, [&] { return g::Linear(d); });
     });
   }
@@ -390,7 +396,7 @@ class GpuBackend final : public Backend {
       } else {
         d.embed_bf16 = c.Weight(p.embed_bf16, p.vocab * p.dim);
       }
-      d.X = c.InOut(p.X, p.count * p.hc * p.dim);
+      d.X = c.Out(p.X, p.count * p.hc * p.dim);
       return Launch(c, [&] { return g::Embed(d); });
     });
   }
@@ -404,10 +410,10 @@ class GpuBackend final : public Backend {
       d.fn = c.Weight(p.fn, mix * p.hc * p.dim);
       d.scale = c.Weight(p.scale, 3);
       d.base = c.Weight(p.base, mix);
-      d.mixes = c.InOut(p.mixes, p.rows * mix);
-      d.pre = c.InOut(p.pre, p.rows * p.hc);
-      d.post = c.InOut(p.post, p.rows * p.hc);
-      d.comb = c.InOut(p.comb, p.rows * p.hc * p.hc);
+      d.mixes = c.Out(p.mixes, p.rows * mix);
+      d.pre = c.Out(p.pre, p.rows * p.hc);
+      d.post = c.Out(p.post, p.rows * p.hc);
+      d.comb = c.Out(p.comb, p.rows * p.hc * p.hc);
       return Launch(c, [&] { return g::HcMix(d); });
     });
   }
@@ -419,7 +425,7 @@ class GpuBackend final : public Backend {
       d.X = c.In(p.X, p.rows * p.hc * p.dim);
       d.weights = c.In(p.weights, p.rows * p.hc);
       d.norm_weight = c.Weight(p.norm_weight, p.dim);
-      d.x = c.InOut(p.x, p.rows * p.dim);
+      d.x = c.Out(p.x, p.rows * p.dim);
       return Launch(c, [&] { return g::HcCollapse(d); });
     });
   }
@@ -432,7 +438,7 @@ class GpuBackend final : public Backend {
       d.sub = c.In(p.sub, p.rows * p.dim);
       d.post = c.In(p.post, p.rows * p.hc);
       d.comb = c.In(p.comb, p.rows * p.hc * p.hc);
-      d.out = c.InOut(p.out, p.rows * p.hc * p.dim);
+      d.out = c.Out(p.out, p.rows * p.hc * p.dim);
       return Launch(c, [&] { return g::HcExpand(d); });
     });
   }
@@ -450,7 +456,7 @@ class GpuBackend final : public Backend {
       d.positions = c.In(p.positions, p.rows);
       d.kv_partial = c.InOut(p.kv_partial, p.ratio * p.dim);
       d.score_partial = c.InOut(p.score_partial, p.ratio * p.dim);
-      d.pooled = c.InOut(p.pooled, completing * p.dim);
+      d.pooled = c.Out(p.pooled, completing * p.dim);
       return Launch(c, [&] { return g::CompressPool(d); });
     });
   }
@@ -488,7 +494,7 @@ class GpuBackend final : public Backend {
       d.block_table = c.In(p.block_table, blocks);
       c.Blocks(TableRows(p.block_table, blocks, per_block), {&d.key_codes, &d.key_scales}, false);
       d.mask = c.In(p.mask, p.tokens * p.stride);
-      d.scores = c.InOut(p.scores, p.tokens * p.stride);
+      d.scores = c.Out(p.scores, p.tokens * p.stride);
       return Launch(c, [&] { return g::IndexerScores(d); });
     });
   }
@@ -500,7 +506,7 @@ class GpuBackend final : public Backend {
       d.stream = nullptr;
       d.values = c.In(p.values, p.rows * p.stride);
       d.n = c.In(p.n, p.rows);
-      d.out = c.InOut(p.out, p.rows * p.k);
+      d.out = c.Out(p.out, p.rows * p.k);
       return Launch(c, [&] { return g::TopK(d); });
     });
   }
@@ -546,7 +552,7 @@ class GpuBackend final : public Backend {
                false);
       d.sink = c.Weight(p.sink, p.heads);
       d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
-      d.out = c.InOut(p.out, p.tokens * p.heads * p.head_dim);
+      d.out = c.Out(p.out, p.tokens * p.heads * p.head_dim);
       return Launch(c, [&] { return g::SparseAttention(d); });
     });
   }
@@ -558,10 +564,10 @@ class GpuBackend final : public Backend {
       d.stream = nullptr;
       d.logits = c.In(p.logits, p.tokens * p.experts);
       d.bias = c.Weight(p.bias, p.experts);
-      d.scores = c.InOut(p.scores, p.tokens * p.experts);
-      d.biased = c.InOut(p.biased, p.tokens * p.experts);
-      d.chosen = c.InOut(p.chosen, p.tokens * p.k);
-      d.weights = c.InOut(p.weights, p.tokens * p.k);
+      d.scores = c.Out(p.scores, p.tokens * p.experts);
+      d.biased = c.Out(p.biased, p.tokens * p.experts);
+      d.chosen = c.Out(p.chosen, p.tokens * p.k);
+      d.weights = c.Out(p.weights, p.tokens * p.k);
       return Launch(c, [&] { return g::MoeRoute(d); });
     });
   }
@@ -573,7 +579,7 @@ class GpuBackend final : public Backend {
       d.gate = c.In(p.gate, p.rows * p.inter);
       d.up = c.In(p.up, p.rows * p.inter);
       d.row_weights = c.In(p.row_weights, p.rows);
-      d.h = c.InOut(p.h, p.rows * p.inter);
+      d.h = c.Out(p.h, p.rows * p.inter);
       return Launch(c, [&] { return g::Swiglu(d); });
     });
   }
@@ -600,7 +606,7 @@ class GpuBackend final : public Backend {
       d.stream = nullptr;
       d.a = c.In(p.a, p.n);
       d.b = c.In(p.b, p.n);
-      d.out = c.InOut(p.out, p.n);
+      d.out = c.Out(p.out, p.n);
       return Launch(c, [&] { return g::AddRound(d); });
     });
   }
