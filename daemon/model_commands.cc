@@ -503,11 +503,14 @@ int PlanCommand(const std::vector<std::string>& args) {
     }
     options.gpus = *gpus;
   } else {
-    // This machine's GPU, as the engine would choose it (this build uses one device).
+    // This machine's GPUs of the kind the engine would choose (auto), every device of it.
     std::string why;
     auto backend = engine::SelectBackend("auto", &why);
-    if (backend.ok() && (*backend)->name() != "cpu") {
-      const engine::BackendReport r = (*backend)->Report();
+    const std::string kind = backend.ok() ? std::string((*backend)->name()) : "cpu";
+    for (int device = 0; kind != "cpu" && device < 64; ++device) {
+      auto b = engine::SelectBackend(kind, &why, device);
+      if (!b.ok()) break;
+      const engine::BackendReport r = (*b)->Report();
       options.gpus.push_back({r.device, r.memory_total});
     }
   }
