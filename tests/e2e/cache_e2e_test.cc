@@ -9,6 +9,7 @@
 
 #include <boost/test/unit_test.hpp>
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -43,6 +44,12 @@ BOOST_AUTO_TEST_CASE(a_restarted_daemon_resumes_exactly) {
   DaemonProcess d({tmp.path(), "", {}, {}});
   BOOST_REQUIRE_MESSAGE(d.Start() && WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
   auto c = Client(d);
+  // Run once per backend (FLASHD_BACKEND, see tests/CMakeLists.txt): the daemon is on it.
+  if (const char* backend = std::getenv("FLASHD_BACKEND")) {
+    auto health = c->Get("/health");
+    BOOST_REQUIRE(health);
+    BOOST_TEST(json::parse(health->body)["backend"]["name"] == backend, health->body);
+  }
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_snapshots") >= 1);
   const Answer resumed = Ask(*c, second);
   BOOST_TEST(resumed.cached == 700);  // The first prompt's end state, nothing recomputed.
