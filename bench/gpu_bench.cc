@@ -1,7 +1,8 @@
 // The GPU kernels at the released model's dimensions, on random weights made in device memory
 // (no checkpoint, no file): each op of one decoding layer timed alone, the layer's step time at
-// batch 1, 8 and 64 (as the sum of its ops), extrapolated to the 40-layer model, and the prefill
-// GEMMs at 4,096 tokens against the device's dense FP8 peak. Compiled once per GPU runtime
+// batch 1, 8 and 64 (as the sum of its ops), extrapolated to the 40-layer model, the layer's
+// prefill of 4,096 tokens of one sequence, and the prefill GEMMs against the device's dense FP8
+// peak. Compiled once per GPU runtime
 // (gpu_bench_cuda, gpu_bench_hip, gpu_bench_hipcpu; the last only checks the bench runs).
 //
 //   build/bench/gpu_bench_cuda [--tiny] [--reps N]
@@ -216,18 +217,34 @@ class Layer {
     std::vector<int64_t> selected(d.selected);
     for (int64_t& s : selected) s = static_cast<int64_t>(rng() % uint64_t(entries));
     std::sort(selected.begin(), selected.end());
-    selected_ = Alloc<int64_t>(d.selected);
-    Check(g::CopyToDevice(selected_, selected.data(), d.selected * 8), "copy");
-    const int64_t host_pos = position_, host_first = position_ - d.window + 1;
-    positions_ = Alloc<int64_t>(1), window_first_ = Alloc<int64_t>(1);
-    Check(g::CopyToDevice(positions_, &host_pos, 8), "copy");
-    Check(g::CopyToDevice(window_first_, &host_first, 8), "copy");
+    // Decode: every sequence at `position_`. Prefill: one sequence's last max_rows tokens before
+    // it, each with its own window and the same selection.
+    std::vector<int64_t> at(max_rows, position_), first(max_rows, position_ - d.window + 1);
+    std::vector<int64_t> chunk(max_rows), chunk_first(max_rows), chunk_selected;
+    for (int64_t t = 0; t < max_rows; ++t) {
+      chunk[t] = position_ - max_rows + 1 + t;
+      chunk_first[t] = chunk[t] - d.window + 1;
+      chunk_selected.insert(chunk_selected.end(), selected.begin(), selected.end());
+    }
+    auto upload = [](const std::vector<int64_t>& v) {
+      int64_t* p = Alloc<int64_t>(v.size());
+      Check(g::CopyToDevice(p, v.data(), v.size() * 8), "copy");
+      return p;
+    };
+    selected_ = upload(selected);
+    positions_ = upload(at);
+    window_first_ = upload(first);
+    chunk_positions_ = upload(chunk);
+    chunk_window_first_ = upload(chunk_first);
+    chunk_selected_ = upload(chunk_selected);
+    max_rows_ = max_rows;
     kv_rows_ = {blocks_, d.rows_per_block, 0, kv_row};
     kv_scales_ = {blocks_, d.rows_per_block, size_t(d.rows_per_block) * kv_row, scale_row};
   }
 
-  // One decode step of this layer for `batch` sequences, op by op.
-  std::vector<Row> Decode(int64_t batch, int reps, std::mt19937_64& rng) {
+  // One decode step of this layer for `batch` sequences, op by op; with `prefill`, a chunk of
+  // max_rows tokens of one sequence instead (batch must be max_rows).
+  std::vector<Row> Decode(int64_t batch, int reps, std::mt19937_64& rng, bool prefill = false) {
     std::vector<Row> rows;
     const Dims& d = d_;
     const int64_t mix = (2 + d.hc) * d.hc;
@@ -278,6 +295,10 @@ class Layer {
                               uint64_t(d.selected) * (d.head_dim / 2 + d.head_dim / 16) +
                               uint64_t(d.heads) * d.head_dim * 8;
     add("sparse attention", uint64_t(batch) * kv_bytes, [&] {
+      if (prefill) {
+        CheckOp(g::SparseAttention(ChunkAttention()), "Attention");
+        return;
+      }
       for (int64_t s = 0; s < batch; ++s) CheckOp(g::SparseAttention(Attention(s)), "Attention");
     });
     uint64_t wo_a_bytes = 0;
@@ -412,6 +433,17 @@ class Layer {
             .out = o_ + s * d_.heads * d_.head_dim};
   }
 
+  // Prefill: all max_rows tokens of one sequence in one call.
+  k::SparseAttentionParams ChunkAttention() const {
+    k::SparseAttentionParams p = Attention(0);
+    p.tokens = max_rows_;
+    p.positions = chunk_positions_;
+    p.fresh_first = position_ - max_rows_ + 1;
+    p.window_first = chunk_window_first_;
+    p.selected = chunk_selected_;
+    return p;
+  }
+
   void Apply(const Weight& w, const float* x, int64_t rows, float* y) {
     LinearOn(w, x, rows, xq_, xs_, y);
   }
@@ -439,6 +471,8 @@ class Layer {
   float *logits_, *scores_, *biased_, *weights_, *gate_, *up_, *h_, *y_, *expert_out_;
   uint8_t *xq_, *xs_, *ring_codes_, *ring_scales_, *arena_;
   int64_t *chosen_, *combine_rows_, *selected_, *positions_, *window_first_;
+  int64_t *chunk_positions_, *chunk_window_first_, *chunk_selected_;
+  int64_t max_rows_ = 0;
   uint8_t** blocks_;
   int32_t* block_table_;
   size_t block_bytes_ = 0;
@@ -483,7 +517,8 @@ int main(int argc, char** argv) {
   g::DeviceFree(b);
   std::printf("copy bandwidth (read + write): %.0f GB/s\n\n", bandwidth / 1e9);
 
-  Layer layer(d, 64);
+  const int64_t tokens = d.hidden >= 5120 ? 4096 : 256;  // The prefill chunk.
+  Layer layer(d, tokens);
   std::mt19937_64 rng(11);
   std::printf("decode, batch 1, one layer (position 65,536: window %lld + %lld selected)\n",
               static_cast<long long>(d.window), static_cast<long long>(d.selected));
@@ -512,8 +547,19 @@ int main(int argc, char** argv) {
                 batch / (s * d.layers));
   }
 
+  // Prefill: one layer over a chunk of one sequence's tokens, the same ops.
+  double prefill_s = 0;
+  for (const Row& r : layer.Decode(tokens, std::max(1, reps / 10), rng, true)) {
+    prefill_s += r.seconds;
+  }
+  std::printf(
+      "\nprefill, %lld tokens of one sequence: one layer %.1f ms, %.0f tokens/s per layer, "
+      "%.1f tokens/s for 40 layers (est.)\n",
+      static_cast<long long>(tokens), prefill_s * 1e3, tokens / prefill_s,
+      tokens / (prefill_s * d.layers));
+
   // Prefill GEMMs at 4,096 tokens: FP8 projections, and an FP4 expert with its share of them.
-  const int64_t tokens = 4096, per_expert = tokens * d.topk / d.experts;
+  const int64_t per_expert = tokens * d.topk / d.experts;
   const bool hopper =
       device.find("H100") != std::string::npos || device.find("H200") != std::string::npos;
   std::printf("\nprefill GEMMs (%lld tokens)%s\n", static_cast<long long>(tokens),
