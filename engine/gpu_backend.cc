@@ -19,6 +19,7 @@
 #include "engine/gpu_backend.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -191,8 +192,10 @@ class Call {
     return static_cast<T*>(memory_->Scratch(Count(count) * sizeof(T), &error_));
   }
 
-  // The pool blocks holding `rows` (pool row ids; -1 skipped), for every region given: each block
-  // copied to the device, a device table of block pointers made, and the regions pointed at it.
+  // The pool blocks holding `rows` (pool row ids; -1 skipped), for every region given: of each
+  // block only the span its regions cover, all gathered into one staging buffer and copied to
+  // the device at once; a device table of block pointers is made and the regions pointed at it
+  // (their offsets now from the span's start). With `write` the spans come back after the op.
   void Blocks(const std::vector<int64_t>& rows, std::initializer_list<k::PagedRows*> regions,
               bool write) {
     std::map<uint8_t* const*, std::vector<k::PagedRows*>> by_table;
@@ -200,10 +203,12 @@ class Call {
       if (r->blocks != nullptr && r->rows_per_block > 0) by_table[r->blocks].push_back(r);
     }
     for (auto& [host_table, group] : by_table) {
-      size_t extent = 0;
+      size_t lo = SIZE_MAX, hi = 0;
       for (const k::PagedRows* r : group) {
-        extent = std::max(extent, r->offset + Count(r->rows_per_block) * r->stride);
+        lo = std::min(lo, r->offset);
+        hi = std::max(hi, r->offset + Count(r->rows_per_block) * r->stride);
       }
+      const size_t span = (hi - lo + 15) / 16 * 16;
       const int64_t per_block = group.front()->rows_per_block;
       std::vector<int64_t> ids;
       for (int64_t row : rows) {
@@ -212,13 +217,19 @@ class Call {
       std::sort(ids.begin(), ids.end());
       ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
       std::vector<uint8_t*> table(ids.empty() ? 1 : Count(ids.back() + 1), nullptr);
-      for (int64_t id : ids) {
-        uint8_t* device = Work<uint8_t>(static_cast<int64_t>(extent));
-        if (device == nullptr) return;
-        if (!Check(g::CopyToDevice(device, host_table[id], extent))) return;
-        table[Count(id)] = device;
-        if (write) back_.push_back({host_table[id], device, extent});
+      Gathered gathered{{}, std::vector<uint8_t>(ids.size() * span), nullptr, hi - lo, span};
+      for (size_t i = 0; i < ids.size(); ++i) {
+        gathered.host.push_back(host_table[ids[i]] + lo);
+        std::memcpy(&gathered.staging[i * span], gathered.host.back(), hi - lo);
       }
+      uint8_t* device = Work<uint8_t>(static_cast<int64_t>(gathered.staging.size()));
+      if (device == nullptr ||
+          !Check(g::CopyToDevice(device, gathered.staging.data(), gathered.staging.size()))) {
+        return;
+      }
+      for (size_t i = 0; i < ids.size(); ++i) table[Count(ids[i])] = device + i * span;
+      gathered.device = device;
+      if (write && !ids.empty()) scatter_.push_back(std::move(gathered));
       uint8_t** device_table = Work<uint8_t*>(static_cast<int64_t>(table.size()));
       if (device_table == nullptr ||
           !Check(g::CopyToDevice(device_table, table.data(), table.size() * sizeof(uint8_t*)))) {
@@ -230,6 +241,7 @@ class Call {
           return;
         }
         r->blocks = device_table;
+        r->offset -= lo;
       }
     }
   }
@@ -245,6 +257,14 @@ class Call {
     for (const Copy& c : back_) {
       if (!Check(g::CopyToHost(c.host, c.device, c.bytes))) return OpStatus::kDeviceError;
     }
+    for (Gathered& s : scatter_) {
+      if (!Check(g::CopyToHost(s.staging.data(), s.device, s.staging.size()))) {
+        return OpStatus::kDeviceError;
+      }
+      for (size_t i = 0; i < s.host.size(); ++i) {
+        std::memcpy(s.host[i], &s.staging[i * s.span], s.bytes);
+      }
+    }
     return OpStatus::kOk;
   }
 
@@ -253,6 +273,13 @@ class Call {
     void* host;
     const void* device;
     size_t bytes;
+  };
+  // Block spans gathered into one staging buffer: host[i]'s `bytes` at staging[i * span].
+  struct Gathered {
+    std::vector<uint8_t*> host;
+    std::vector<uint8_t> staging;
+    const uint8_t* device;
+    size_t bytes, span;
   };
 
   template <class T>
@@ -280,6 +307,7 @@ class Call {
 
   DeviceMemory* memory_;
   std::vector<Copy> mapped_, back_;
+  std::vector<Gathered> scatter_;
   std::string error_;
 };
 
