@@ -64,7 +64,7 @@ check() { if ! eval "$1"; then echo "install-test: FAILED: $2"; fail=1; fi; }
 check 'chroot "$root" getent passwd flashd >/dev/null' "the flashd user exists"
 check 'chroot "$root" getent group flashd >/dev/null' "the flashd group exists"
 check '[[ $(chroot "$root" stat -c "%a %U" /var/lib/flashd) == "700 flashd" ]]' "/var/lib/flashd is 0700 flashd"
-check 'chroot "$root" dpkg-query -W -f="\${Conffiles}" flashd | grep -q /etc/flashd/flashd.yaml' "flashd.yaml is a conffile"
+check 'chroot "$root" dpkg-query -W -f="\${Conffiles}" flashd > "$work/conffiles" && grep -q /etc/flashd/flashd.yaml "$work/conffiles"' "flashd.yaml is a conffile"
 check '[[ -f "$root/lib/systemd/system/flashd.socket" && -f "$root/lib/systemd/system/flashd.service" ]]' "systemd units installed"
 check '[[ -f "$root/usr/share/man/man8/flashd.8.gz" && -f "$root/usr/share/man/man1/flashctl.1.gz" ]]' "man pages installed"
 
@@ -80,7 +80,9 @@ if ! ctl status --wait 300 --json > "$work/status.json"; then
   echo "install-test: FAILED: the daemon did not get ready"; tail -20 "$work/daemon.err"; exit 1
 fi
 check 'grep -q "\"embedded_default\": true" "$work/status.json"' "/health and /v1/models answer over /run/flashd/flashd.sock"
-check 'ctl bench --tokens 4 --json | grep -q "\"tokens\": 4"' "a completion over the installed socket"
+# Through a file: `grep -q` in a pipe may exit before flashctl has written everything, which then
+# fails on the closed pipe.
+check 'ctl bench --tokens 4 --json > "$work/bench.json" && grep -q "\"tokens\": 4" "$work/bench.json"' "a completion over the installed socket"
 check '[[ $(stat -c "%a" "$root/var/lib/flashd/catalog.db") == 600 ]]' "the catalog is 0600"
 check 'grep -q "tokenizer: " "$work/daemon.err"' "the embedded model found its installed tokenizer"
 [[ $fail -eq 0 ]] || { tail -20 "$work/daemon.err"; exit 1; }
