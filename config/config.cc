@@ -156,6 +156,16 @@ const std::vector<Field>& Schema() {
          c->engine.routed_experts = t;
          return Status::Ok();
        }},
+      {"engine.speculative", "dspark or off",
+       [](const std::string& t, Config* c) {
+         if (t != "dspark" && t != "off") return InvalidArgument("not a speculative mode");
+         c->engine.speculative = t;
+         return Status::Ok();
+       }},
+      {"engine.speculative_tokens", "an integer in [0, 64] (0: adaptive)",
+       [](const std::string& t, Config* c) {
+         return SetInt(t, 0, 64, &c->engine.speculative_tokens);
+       }},
       {"engine.backend", "one of auto, cpu, cuda, hip, hipcpu",
        [](const std::string& t, Config* c) {
          if (t != "auto" && t != "cpu" && t != "cuda" && t != "hip" && t != "hipcpu") {

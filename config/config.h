@@ -69,6 +69,12 @@ struct EngineConfig {
   // Where the routed experts run: with their layer, or on the CPU (the hybrid mode of one GPU
   // beside a large host memory).
   std::string routed_experts = "layer";
+  // Speculative decoding: dspark (the checkpoint's own draft heads, when it has them) or off.
+  // The output is the same either way: greedy token for token, sampled in distribution.
+  std::string speculative = "dspark";
+  // Drafted tokens verified per step: 0 lets the confidence head and the acceptance so far
+  // decide (adaptive), N verifies N every step (for measurement), at most the draft block.
+  int speculative_tokens = 0;
 };
 
 struct CacheConfig {

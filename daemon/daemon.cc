@@ -380,7 +380,9 @@ void Daemon::Reload() {
       n.engine.step_token_budget != applied_.engine.step_token_budget ||
       n.engine.threads != applied_.engine.threads || n.engine.backend != applied_.engine.backend ||
       n.engine.gpus != applied_.engine.gpus ||
-      n.engine.routed_experts != applied_.engine.routed_experts) {
+      n.engine.routed_experts != applied_.engine.routed_experts ||
+      n.engine.speculative != applied_.engine.speculative ||
+      n.engine.speculative_tokens != applied_.engine.speculative_tokens) {
     restart.push_back("engine");
   }
   // What was applied becomes the running configuration; the rest keeps its old value.

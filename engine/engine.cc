@@ -51,6 +51,14 @@ struct Engine::Sequence {
   std::vector<cache::BlockKey> chain;  // Keys of its full blocks, in order.
   RestorePlan restore;                 // Found by the loader, applied at admission.
   int64_t cached_tokens = 0;
+  // DSpark: the drafted tokens to verify after next_input, the distributions they were drawn
+  // from, the tokens the last verification emitted, and how many drafts may be verified at once
+  // (halved when none is accepted, grown when all are; 0 waits `probe_in` steps).
+  std::vector<int32_t> draft;
+  std::vector<TokenDistribution> draft_q;
+  std::vector<SampledToken> emitted;
+  int draft_cap = 0;
+  int probe_in = 0;
 };
 
 namespace {
@@ -140,6 +148,18 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   FLASHD_ASSIGN_OR_RETURN(Placement placement, PlaceModel(options, *e->model_));
   FLASHD_ASSIGN_OR_RETURN(
       e->forward_, CpuForward::Create(*e->model_, "", options.block_tokens, std::move(placement)));
+  if (options.speculative == "dspark") {
+    if (e->model_->weights().dspark) {
+      FLASHD_RETURN_IF_ERROR(e->forward_->EnableDSpark());
+      spdlog::info("engine: speculative decoding with DSpark ({} stages, blocks of {}, {})",
+                   e->model_->config().num_nextn_predict_layers, e->forward_->dspark_block(),
+                   options.speculative_tokens == 0
+                       ? std::string("adaptive")
+                       : std::to_string(options.speculative_tokens) + " verified per step");
+    } else {
+      spdlog::info("engine: speculative decoding off: the checkpoint has no DSpark heads");
+    }
+  }
   const std::string tokenizer =
       (std::filesystem::path(options.model_dir) / "tokenizer.json").string();
   if (std::filesystem::exists(tokenizer)) {
@@ -402,6 +422,7 @@ void Engine::Admit() {
       stats_.cache_miss_tokens += static_cast<int64_t>(s.request.prompt.size()) - s.cached_tokens;
     }
     s.sampler = std::make_unique<Sampler>(s.request.sampling, s.request.prompt);
+    s.draft_cap = forward_->dspark_block();
     if (tokenizer_) s.decoder = std::make_unique<StreamDecoder>(tokenizer_.get());
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
@@ -424,7 +445,10 @@ void Engine::Admit() {
 // (held back while it could be the start of a stop string); ends the sequence on a stop token,
 // a stop string or max_tokens.
 void Engine::Publish(Sequence& q, std::span<const float> logits) {
-  SampledToken t = q.sampler->Sample(logits);
+  Deliver(q, q.sampler->Sample(logits));
+}
+
+void Engine::Deliver(Sequence& q, const SampledToken& t) {
   q.generated += 1;
   q.next_input = t.token;
   const SamplingParams& sp = q.request.sampling;
@@ -469,6 +493,113 @@ void Engine::Publish(Sequence& q, std::span<const float> logits) {
   }
 }
 
+// Speculative sampling over a verified block [next_input, d1 .. dk]: row j of the logits
+// decides the token after d_j (row 0: after next_input). Drafts are accepted in order while
+// they agree (Sampler::Verify); the first disagreement, or the row after the last draft, gives
+// one more token. A token that ends the sequence (a stop token, max_tokens) is the last emitted
+// and, as when decoding one token at a time, is not run: the sequence keeps exactly the tokens
+// before each emitted one.
+int64_t Engine::Verify(Sequence& q, std::span<const float> logits) {
+  const size_t V = static_cast<size_t>(config().vocab_size);
+  const SamplingParams& sp = q.request.sampling;
+  const size_t k = q.draft.size();
+  q.emitted.clear();
+  int64_t accepted = 0;
+  for (size_t j = 0; j <= k; ++j) {
+    const std::span<const float> row = logits.subspan(j * V, V);
+    int32_t token;
+    bool agreed = false;
+    if (j < k) {
+      token = q.sampler->Verify(row, q.draft[j], q.draft_q[j], &agreed);
+    } else {
+      token = q.sampler->Draw(q.sampler->Distribution(row));
+    }
+    q.emitted.push_back(q.sampler->Record(token, row));
+    accepted += agreed ? 1 : 0;
+    const bool stop =
+        (token == config().eos_token_id && !sp.ignore_eos) ||
+        std::find(sp.stop_tokens.begin(), sp.stop_tokens.end(), token) != sp.stop_tokens.end() ||
+        q.generated + static_cast<int64_t>(q.emitted.size()) >= sp.max_tokens;
+    if (!agreed || stop) break;
+  }
+  // The cap adapts: halved when nothing was accepted, one more when everything was.
+  const int block = forward_->dspark_block();
+  if (accepted == 0) {
+    q.draft_cap /= 2;
+    if (q.draft_cap == 0) q.probe_in = 8;
+  } else if (static_cast<size_t>(accepted) == k) {
+    q.draft_cap = std::min(block, q.draft_cap + 1);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.spec_steps += 1;
+  stats_.spec_drafted += static_cast<int64_t>(k);
+  stats_.spec_accepted += accepted;
+  return static_cast<int64_t>(q.emitted.size());
+}
+
+// One DSpark draft call for every sequence that decodes next step. Each picks its drafts from
+// its own sampler's distribution (greedy: the argmax); the confidence head, the sequence's cap
+// and engine.speculative_tokens decide how many to verify.
+void Engine::DraftAll(const std::vector<Sequence*>& owners) {
+  const int block = forward_->dspark_block();
+  std::vector<Sequence*> drafting;
+  for (Sequence* q : owners) {
+    if (q->done || q->prompt_done < q->request.prompt.size() || q->next_input < 0) continue;
+    if (q->state.position < 1) continue;
+    if (options_.speculative_tokens == 0 && q->draft_cap == 0) {
+      if (q->probe_in > 0) {
+        q->probe_in -= 1;
+        continue;
+      }
+      q->draft_cap = 1;  // Probe again with one token.
+    }
+    drafting.push_back(q);
+  }
+  if (drafting.empty()) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::vector<int32_t>> drafted(drafting.size());
+  std::vector<std::vector<float>> confidence(drafting.size());
+  std::vector<std::vector<TokenDistribution>> dists(drafting.size());
+  std::vector<DraftItem> items;
+  for (size_t i = 0; i < drafting.size(); ++i) {
+    Sequence* q = drafting[i];
+    items.push_back({&q->state, q->next_input,
+                     [q, &dists, i](int64_t, std::span<const float> l) {
+                       dists[i].push_back(q->sampler->Distribution(l));
+                       return q->sampler->Draw(dists[i].back());
+                     },
+                     &drafted[i], &confidence[i]});
+  }
+  ForwardOptions fo;
+  fo.threads = options_.threads;
+  if (Status s = forward_->Draft(items, fo); !s.ok()) {
+    spdlog::warn("engine step {}: drafting failed, decoding without drafts: {}", step_,
+                 s.ToString());
+    return;
+  }
+  const int64_t room = static_cast<int64_t>(config().sliding_window) - 1;
+  for (size_t i = 0; i < drafting.size(); ++i) {
+    Sequence* q = drafting[i];
+    int64_t k;
+    if (options_.speculative_tokens > 0) {
+      k = std::min<int64_t>(options_.speculative_tokens, block);
+    } else {
+      // The leading drafts the confidence head expects to be accepted, at most the cap.
+      k = 0;
+      while (k < std::min<int64_t>(q->draft_cap, block) && confidence[i][k] >= 0.0f) ++k;
+      if (k == 0) k = 1;  // One draft costs little beside the decode it rides with.
+    }
+    k = std::min<int64_t>({k, room, q->request.sampling.max_tokens - q->generated - 1});
+    if (k <= 0) continue;
+    q->draft.assign(drafted[i].begin(), drafted[i].begin() + k);
+    q->draft_q.assign(dists[i].begin(), dists[i].begin() + k);
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.spec_draft_seconds += seconds;
+}
+
 // Runs one batch through the model and hands each sequence its result; returns the prompt
 // tokens it processed.
 int64_t Engine::RunBatch(const std::vector<Sequence*>& owners,
@@ -477,12 +608,32 @@ int64_t Engine::RunBatch(const std::vector<Sequence*>& owners,
   // A sequence whose KV blocks do not fit ends with its own error; the others go on.
   std::vector<Status> item_status(owners.size());
   std::vector<BatchItem> items;
+  std::vector<int64_t> kept(owners.size());
+  bool verifying = false;
   for (size_t i = 0; i < owners.size(); ++i) {
-    items.push_back({&owners[i]->state, inputs[i], &logits[i], &item_status[i]});
+    Sequence* q = owners[i];
+    BatchItem item{&q->state, inputs[i], &logits[i], &item_status[i]};
+    kept[i] = static_cast<int64_t>(inputs[i].size());
+    if (inputs[i].size() > 1 && q->prompt_done >= q->request.prompt.size()) {
+      item.all_logits = true;
+      item.accept = [this, q, &kept, i](std::span<const float> l) {
+        return kept[i] = Verify(*q, l);
+      };
+      verifying = true;
+    }
+    items.push_back(std::move(item));
   }
   ForwardOptions fo;
   fo.threads = options_.threads;
-  if (Status s = forward_->ForwardBatch(items, fo); !s.ok()) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const Status forward_status = forward_->ForwardBatch(items, fo);
+  if (verifying) {
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.spec_verify_seconds += seconds;
+  }
+  if (Status s = forward_status; !s.ok()) {
     spdlog::error("engine step {}: {}", step_, s.ToString());
     for (Sequence* o : owners) Finish(*o, "error", s);
     return 0;
@@ -497,8 +648,19 @@ int64_t Engine::RunBatch(const std::vector<Sequence*>& owners,
     }
     const bool was_prefill = q.prompt_done < q.request.prompt.size();
     if (options_.cache) {
-      q.fed.insert(q.fed.end(), inputs[i].begin(), inputs[i].end());
+      q.fed.insert(q.fed.end(), inputs[i].begin(), inputs[i].begin() + kept[i]);
       StoreNewBlocks(q);
+    }
+    if (!was_prefill && !q.draft.empty()) {
+      // A verified block: its emitted tokens, in order, until one ends the sequence.
+      q.draft.clear();
+      q.draft_q.clear();
+      for (const SampledToken& t : q.emitted) {
+        if (q.done) break;
+        q.next_input = t.token;
+        Deliver(q, t);
+      }
+      continue;
     }
     if (was_prefill) {
       q.prompt_done += inputs[i].size();
@@ -537,17 +699,23 @@ bool Engine::Step() {
     Sequence* s = live[pick.index];
     owners.push_back(s);
     if (s->prompt_done >= s->request.prompt.size()) {
-      inputs.push_back({s->next_input});
+      std::vector<int32_t> in = {s->next_input};
+      in.insert(in.end(), s->draft.begin(), s->draft.end());
+      inputs.push_back(std::move(in));
     } else {
       const auto first = s->request.prompt.begin() + static_cast<std::ptrdiff_t>(s->prompt_done);
       inputs.emplace_back(first, first + static_cast<std::ptrdiff_t>(pick.tokens));
     }
   }
+  std::vector<int64_t> generated_before;
+  for (Sequence* o : owners) generated_before.push_back(o->generated);
   const int64_t prompt_tokens = owners.empty() ? 0 : RunBatch(owners, inputs);
+  if (forward_->dspark()) DraftAll(owners);
 
   // Finished sequences leave and give back their memory.
   int64_t generated = 0;
-  for (Sequence* o : owners) generated += o->prompt_done >= o->request.prompt.size() ? 1 : 0;
+  for (size_t i = 0; i < owners.size(); ++i)
+    generated += owners[i]->generated - generated_before[i];
   auto done = [](const std::unique_ptr<Sequence>& s) { return s->done; };
   running_.erase(std::remove_if(running_.begin(), running_.end(), done), running_.end());
   waiting_.erase(std::remove_if(waiting_.begin(), waiting_.end(), done), waiting_.end());

@@ -123,6 +123,13 @@ class Engine {
     int64_t cache_replay_hits = 0;
     int64_t cache_replayed_tokens = 0;
     double cache_restore_seconds = 0;  // Reading and checking restored bytes.
+    // DSpark speculative decoding.
+    int64_t spec_steps = 0;          // Decode steps that verified drafted tokens.
+    int64_t spec_drafted = 0;        // Drafted tokens verified.
+    int64_t spec_accepted = 0;       // Of those, accepted.
+    double spec_draft_seconds = 0;   // Drafting (the stages and heads).
+    double spec_verify_seconds = 0;  // Forward steps that verified drafts (with whatever else
+                                     // they carried).
   };
   Stats stats() const;
   const ModelConfig& config() const;
@@ -132,15 +139,18 @@ class Engine {
   // one backend's numerics when a single backend runs everything).
   std::string placement() const { return std::string(forward_->numerics()); }
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
+  // Whether DSpark drafts: engine.speculative is dspark and the checkpoint has the heads.
+  bool speculative() const { return forward_->dspark(); }
   // The prefix cache (thread-safe itself), or null.
   cache::BlockStore* cache() const { return options_.cache.get(); }
   // What the prefix cache's keys cover besides tokens and tenant: the model's config.json, every
   // shard's header and a sample of its first and last tensor bytes, and the cache format.
   const cache::BlockKey& model_fingerprint() const { return fingerprint_; }
-  // 2: planar KV blocks (engine/kv_pool.h) and sequence snapshots v4; keys carry the backend's
+  // 2: planar KV blocks (engine/kv_pool.h) and sequence snapshots v5; keys carry the backend's
   // numerics. The block store empties a store written in another payload format at open.
   static constexpr uint32_t kCacheFormat = 2;
-  static constexpr const char* kCachePayloadFormat = "flashd kv blocks v2 (planar), snapshots v4";
+  static constexpr const char* kCachePayloadFormat =
+      "flashd kv blocks v2 (planar), snapshots v5 (DSpark rings)";
   // The prefix cache's keys for `tokens` of `tenant`: every full block, and the snapshot at the
   // end (what a prompt of exactly these tokens leaves behind).
   using PrefixKeys = engine::PrefixKeys;
@@ -162,6 +172,12 @@ class Engine {
   int64_t RunBatch(const std::vector<Sequence*>& owners,
                    const std::vector<std::vector<int32_t>>& inputs);
   void Publish(Sequence& q, std::span<const float> logits);
+  void Deliver(Sequence& q, const SampledToken& t);
+  // Verifies a sequence's drafted tokens against the step's logits (speculative sampling); the
+  // tokens it emits go to q.emitted; returns how many of its inputs the sequence keeps.
+  int64_t Verify(Sequence& q, std::span<const float> logits);
+  // Drafts the next block of every decoding sequence (DSpark).
+  void DraftAll(const std::vector<Sequence*>& owners);
   // Prefix cache (PrefixCache's policy): what to restore (loader thread), restoring it at
   // admission, and writing.
   void PlanRestore(Sequence& s);

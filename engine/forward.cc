@@ -76,6 +76,7 @@ struct Layer {
   std::vector<float> idx_k_norm;
   // MoE.
   std::vector<float> gate_w, gate_bias;
+  int64_t top_k = 0;  // Routed experts per token.
   std::vector<Expert> experts;
   Expert shared;
   // Engram.
@@ -95,10 +96,35 @@ kernels::RouteScoring Scoring(const std::string& name) {
 
 }  // namespace
 
+// The DSpark drafter's own tensors; its stages are Layers after the backbone's.
+struct DSparkWeights {
+  int stages = 0, block = 0;
+  int32_t noise = 0;
+  std::vector<int> targets;  // Backbone layers whose attention input feeds main_proj.
+  Linear main_proj;
+  std::vector<float> main_norm, norm;
+  int64_t rank = 0;
+  std::vector<float> markov_embed;  // [vocab, rank], BF16 values
+  std::vector<float> markov_head;   // [vocab, rank]
+  std::vector<float> confidence;    // [dim + rank]
+};
+
+// The plan of a DSpark stage: window attention only.
+const LayerPlan kDraftLayerPlan{};
+
 struct CpuForward::Impl {
   const Model* model = nullptr;
   ModelConfig c;
-  std::vector<Layer> layers;
+  std::vector<Layer> layers;  // The backbone's, then the DSpark stages' (when enabled).
+  std::unique_ptr<DSparkWeights> dspark;
+  size_t ring_count() const {
+    return static_cast<size_t>(c.num_hidden_layers + (dspark ? dspark->stages : 0));
+  }
+  const LayerPlan& Plan(int l) const {
+    return l < c.num_hidden_layers ? c.layers[l] : kDraftLayerPlan;
+  }
+  Status LoadBlock(const std::string& p, const LayerPlan& plan, int experts, int top_k, Layer* L);
+  Status EnableDSpark();
   std::vector<float> embed, head, final_norm;
   std::unique_ptr<EngramHasher> engram;
   std::shared_ptr<const KvBlockLayout> layout;
@@ -140,6 +166,113 @@ Linear CpuForward::Impl::Lin(const std::string& prefix) const {
   return lin;
 }
 
+Status CpuForward::Impl::LoadBlock(const std::string& p, const LayerPlan& plan, int experts,
+                                   int top_k, Layer* out) {
+  Layer& L = *out;
+  L.attn_norm = DecodeFloats(T(p + "attn_norm.weight"));
+  L.ffn_norm = DecodeFloats(T(p + "ffn_norm.weight"));
+  L.hc_attn_fn = DecodeFloats(T(p + "hc_attn_fn"));
+  L.hc_attn_base = DecodeFloats(T(p + "hc_attn_base"));
+  L.hc_attn_scale = DecodeFloats(T(p + "hc_attn_scale"));
+  L.hc_ffn_fn = DecodeFloats(T(p + "hc_ffn_fn"));
+  L.hc_ffn_base = DecodeFloats(T(p + "hc_ffn_base"));
+  L.hc_ffn_scale = DecodeFloats(T(p + "hc_ffn_scale"));
+  L.attn_sink = DecodeFloats(T(p + "attn.attn_sink"));
+  L.wq_a = Lin(p + "attn.wq_a");
+  L.wq_b = Lin(p + "attn.wq_b");
+  L.wkv = Lin(p + "attn.wkv");
+  L.wo_b = Lin(p + "attn.wo_b");
+  L.q_norm = DecodeFloats(T(p + "attn.q_norm.weight"));
+  L.kv_norm = DecodeFloats(T(p + "attn.kv_norm.weight"));
+  {
+    // The release stores wo_a as FP8; the reference runs it dequantized in BF16 (exact).
+    const TensorView& w = T(p + "attn.wo_a.weight");
+    const size_t rows = static_cast<size_t>(w.shape[0]), cols = static_cast<size_t>(w.shape[1]);
+    L.wo_a.resize(rows * cols);
+    kernels::cpu::DequantizeFp8Weight(w.data, T(p + "attn.wo_a.scale").data, rows, cols,
+                                      L.wo_a.data());
+  }
+  if (plan.is_kv_source) {
+    L.comp_wkv = Lin(p + "attn.compressor.wkv");
+    if (plan.compress_ratio > 1) L.comp_wgate = Lin(p + "attn.compressor.wgate");
+    L.comp_norm = DecodeFloats(T(p + "attn.compressor.norm.weight"));
+  }
+  if (plan.is_index_source) {
+    L.idx_wq_b = Lin(p + "attn.indexer.wq_b");
+    L.idx_weights_proj = Lin(p + "attn.indexer.weights_proj");
+    if (plan.owns_index_keys) {
+      L.idx_wk = Lin(p + "attn.indexer.wk");
+      L.idx_k_norm = DecodeFloats(T(p + "attn.indexer.k_norm.weight"));
+    }
+  }
+  L.gate_w = DecodeFloats(T(p + "ffn.gate.weight"));
+  L.gate_bias = DecodeFloats(T(p + "ffn.gate.bias"));
+  L.top_k = top_k;
+  for (int e = 0; e < experts; ++e) {
+    const std::string x = p + "ffn.experts." + std::to_string(e) + ".";
+    L.experts.push_back({Lin(x + "w1"), Lin(x + "w2"), Lin(x + "w3")});
+  }
+  L.shared = {Lin(p + "ffn.shared_experts.w1"), Lin(p + "ffn.shared_experts.w2"),
+              Lin(p + "ffn.shared_experts.w3")};
+  if (plan.engram_index >= 0) {
+    L.engram_rows = T(p + "engram.embed.weight").data;
+    L.engram_row_scales = T(p + "engram.embed.scale").data;
+    L.engram_wkv = Lin(p + "engram.wkv");
+    std::vector<float> q = DecodeFloats(T(p + "engram.q_weight"));
+    std::vector<float> kw = DecodeFloats(T(p + "engram.k_weight"));
+    L.engram_qk.resize(q.size());
+    for (size_t i = 0; i < q.size(); ++i) L.engram_qk[i] = q[i] * kw[i];
+  }
+  L.freqs.resize(static_cast<size_t>(c.qk_rope_head_dim / 2));
+  if (plan.compress_ratio > 0) {
+    k::RopeFrequencies(static_cast<int>(c.qk_rope_head_dim),
+                       c.rope_scaling.original_max_position_embeddings, c.compress_rope_theta,
+                       c.rope_scaling.factor, c.rope_scaling.beta_fast, c.rope_scaling.beta_slow,
+                       L.freqs.data());
+  } else {
+    k::RopeFrequencies(static_cast<int>(c.qk_rope_head_dim), 0, c.rope_theta, 1, 0, 0,
+                       L.freqs.data());
+  }
+  return Status::Ok();
+}
+
+// The DSpark stages (mtp.*) after the backbone's layers, and the drafter's heads.
+Status CpuForward::Impl::EnableDSpark() {
+  if (dspark) return Status::Ok();
+  if (c.num_nextn_predict_layers <= 0) {
+    return FailedPrecondition(
+        "DSpark: config.json names no draft stages (num_nextn_predict_layers)");
+  }
+  const std::string last = "mtp." + std::to_string(c.num_nextn_predict_layers - 1) + ".";
+  if (!model->weights().dspark) {
+    return FailedPrecondition("DSpark: the checkpoint lacks " +
+                              std::to_string(model->weights().dspark_missing) +
+                              " of the drafter's tensors (mtp.*)");
+  }
+  auto d = std::make_unique<DSparkWeights>();
+  d->stages = c.num_nextn_predict_layers;
+  d->block = c.dspark_block_size;
+  d->noise = static_cast<int32_t>(c.dspark_noise_token_id);
+  d->targets = c.dspark_target_layer_ids;
+  d->rank = c.dspark_markov_rank;
+  d->main_proj = Lin("mtp.0.main_proj");
+  d->main_norm = DecodeFloats(T("mtp.0.main_norm.weight"));
+  d->norm = DecodeFloats(T(last + "norm.weight"));
+  d->markov_embed = DecodeFloats(T(last + "markov_head.embed.weight"));
+  d->markov_head = DecodeFloats(T(last + "markov_head.head.weight"));
+  d->confidence = DecodeFloats(T(last + "confidence_head.proj.weight"));
+  std::vector<Layer> stages(static_cast<size_t>(d->stages));
+  for (int s = 0; s < d->stages; ++s) {
+    FLASHD_RETURN_IF_ERROR(LoadBlock("mtp." + std::to_string(s) + ".", kDraftLayerPlan,
+                                     c.dspark_n_routed_experts, c.dspark_num_experts_per_tok,
+                                     &stages[s]));
+  }
+  layers.resize(static_cast<size_t>(c.num_hidden_layers));
+  for (Layer& L : stages) layers.push_back(std::move(L));
+  dspark = std::move(d);
+  return Status::Ok();
+}
+
 Status CpuForward::Impl::Prepare(const Model& m, const std::string& tokenizer_json) {
   model = &m;
   c = m.config();
@@ -148,72 +281,8 @@ Status CpuForward::Impl::Prepare(const Model& m, const std::string& tokenizer_js
   final_norm = DecodeFloats(T("norm.weight"));
   layers.resize(c.num_hidden_layers);
   for (int l = 0; l < c.num_hidden_layers; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    const LayerPlan& plan = c.layers[l];
-    Layer& L = layers[l];
-    L.attn_norm = DecodeFloats(T(p + "attn_norm.weight"));
-    L.ffn_norm = DecodeFloats(T(p + "ffn_norm.weight"));
-    L.hc_attn_fn = DecodeFloats(T(p + "hc_attn_fn"));
-    L.hc_attn_base = DecodeFloats(T(p + "hc_attn_base"));
-    L.hc_attn_scale = DecodeFloats(T(p + "hc_attn_scale"));
-    L.hc_ffn_fn = DecodeFloats(T(p + "hc_ffn_fn"));
-    L.hc_ffn_base = DecodeFloats(T(p + "hc_ffn_base"));
-    L.hc_ffn_scale = DecodeFloats(T(p + "hc_ffn_scale"));
-    L.attn_sink = DecodeFloats(T(p + "attn.attn_sink"));
-    L.wq_a = Lin(p + "attn.wq_a");
-    L.wq_b = Lin(p + "attn.wq_b");
-    L.wkv = Lin(p + "attn.wkv");
-    L.wo_b = Lin(p + "attn.wo_b");
-    L.q_norm = DecodeFloats(T(p + "attn.q_norm.weight"));
-    L.kv_norm = DecodeFloats(T(p + "attn.kv_norm.weight"));
-    {
-      // The release stores wo_a as FP8; the reference runs it dequantized in BF16 (exact).
-      const TensorView& w = T(p + "attn.wo_a.weight");
-      const size_t rows = static_cast<size_t>(w.shape[0]), cols = static_cast<size_t>(w.shape[1]);
-      L.wo_a.resize(rows * cols);
-      kernels::cpu::DequantizeFp8Weight(w.data, T(p + "attn.wo_a.scale").data, rows, cols,
-                                        L.wo_a.data());
-    }
-    if (plan.is_kv_source) {
-      L.comp_wkv = Lin(p + "attn.compressor.wkv");
-      if (plan.compress_ratio > 1) L.comp_wgate = Lin(p + "attn.compressor.wgate");
-      L.comp_norm = DecodeFloats(T(p + "attn.compressor.norm.weight"));
-    }
-    if (plan.is_index_source) {
-      L.idx_wq_b = Lin(p + "attn.indexer.wq_b");
-      L.idx_weights_proj = Lin(p + "attn.indexer.weights_proj");
-      if (plan.owns_index_keys) {
-        L.idx_wk = Lin(p + "attn.indexer.wk");
-        L.idx_k_norm = DecodeFloats(T(p + "attn.indexer.k_norm.weight"));
-      }
-    }
-    L.gate_w = DecodeFloats(T(p + "ffn.gate.weight"));
-    L.gate_bias = DecodeFloats(T(p + "ffn.gate.bias"));
-    for (int e = 0; e < c.n_routed_experts; ++e) {
-      const std::string x = p + "ffn.experts." + std::to_string(e) + ".";
-      L.experts.push_back({Lin(x + "w1"), Lin(x + "w2"), Lin(x + "w3")});
-    }
-    L.shared = {Lin(p + "ffn.shared_experts.w1"), Lin(p + "ffn.shared_experts.w2"),
-                Lin(p + "ffn.shared_experts.w3")};
-    if (plan.engram_index >= 0) {
-      L.engram_rows = T(p + "engram.embed.weight").data;
-      L.engram_row_scales = T(p + "engram.embed.scale").data;
-      L.engram_wkv = Lin(p + "engram.wkv");
-      std::vector<float> q = DecodeFloats(T(p + "engram.q_weight"));
-      std::vector<float> kw = DecodeFloats(T(p + "engram.k_weight"));
-      L.engram_qk.resize(q.size());
-      for (size_t i = 0; i < q.size(); ++i) L.engram_qk[i] = q[i] * kw[i];
-    }
-    L.freqs.resize(static_cast<size_t>(c.qk_rope_head_dim / 2));
-    if (plan.compress_ratio > 0) {
-      k::RopeFrequencies(static_cast<int>(c.qk_rope_head_dim),
-                         c.rope_scaling.original_max_position_embeddings, c.compress_rope_theta,
-                         c.rope_scaling.factor, c.rope_scaling.beta_fast, c.rope_scaling.beta_slow,
-                         L.freqs.data());
-    } else {
-      k::RopeFrequencies(static_cast<int>(c.qk_rope_head_dim), 0, c.rope_theta, 1, 0, 0,
-                         L.freqs.data());
-    }
+    FLASHD_RETURN_IF_ERROR(LoadBlock("layers." + std::to_string(l) + ".", c.layers[l],
+                                     c.n_routed_experts, c.num_experts_per_tok, &layers[l]));
   }
   FLASHD_ASSIGN_OR_RETURN(KvBlockLayout block_layout, KvBlockLayout::For(c, block_tokens));
   layout = std::make_shared<const KvBlockLayout>(std::move(block_layout));
@@ -254,7 +323,12 @@ class Step {
   }
 
   Status Run();
-  void Commit();
+  // A DSpark draft block per sequence (a plan from PlanDraft): the stages, the head, the Markov
+  // head and the confidence. Changes no state.
+  Status RunDraft(std::span<DraftItem> drafts);
+  void SetWindowLast(std::vector<int64_t> last) { window_last_ = std::move(last); }
+  // Applies the staged state; keep[i] of item i's tokens (all of them when keep is empty).
+  void Commit(const std::vector<int64_t>& keep = {});
 
  private:
   size_t n() const { return plan_.rows(); }
@@ -271,6 +345,11 @@ class Step {
   Status Moe(int l);
   Status Collapse(const float* weights, const std::vector<float>& norm);
   Status Expand();
+  Status RunBlock(int l, bool record);
+  void RecordHidden(int target);
+  Status SeedDrafts();
+  Status WindowKeys(const Layer& L, const float* x, int64_t rows, const int64_t* positions,
+                    std::vector<float>* kv);
   void Force(int layer);
   void Truncate(size_t keep);
   Status Logits();
@@ -293,6 +372,22 @@ class Step {
     std::vector<float> rows;  // FP8 round-tripped, [count, head_dim]
   };
   std::vector<std::vector<RingRows>> ring_rows_;  // [segment][layer]
+  // DSpark: the target layers' attention inputs (hc mean) of each segment's last rows, and the
+  // stage window rows made from them.
+  struct Hidden {
+    int64_t first_position = 0;
+    size_t count = 0;
+    std::vector<float> rows;  // [count, targets * dim]
+  };
+  std::vector<Hidden> hidden_;
+  std::vector<std::vector<RingRows>> draft_rows_;  // [segment][stage]
+  // For items committing part of their tokens: the compressor inputs by segment and layer.
+  struct CompressorRows {
+    std::vector<float> kv, score;
+  };
+  std::vector<std::vector<CompressorRows>> compressor_rows_;
+  bool draft_ = false;
+  std::vector<int64_t> window_last_;  // Draft blocks: every query sees the whole block.
 };
 
 Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y) {
@@ -354,6 +449,32 @@ Status Step::Run() {
     if (c_.layers[l].is_kv_source) last_kv_source = l;
   }
   const bool record = options_.trace != nullptr && options_.trace->record_streams;
+  for (int l = 0; l < c_.num_hidden_layers; ++l) {
+    b_ = m_.LayerBackend(l);
+    if (options_.forced_streams != nullptr && l > 0) Force(l - 1);
+    if (c_.layers[l].engram_index >= 0) FLASHD_RETURN_IF_ERROR(Engram(l));
+    if (m_.dspark) {
+      const std::vector<int>& targets = m_.dspark->targets;
+      const auto it = std::find(targets.begin(), targets.end(), l);
+      if (it != targets.end()) RecordHidden(static_cast<int>(it - targets.begin()));
+    }
+    FLASHD_RETURN_IF_ERROR(RunBlock(l, record));
+    if (record) options_.trace->streams.push_back(X_);
+    if (l == last_kv_source && options_.replay_tokens > 0) {
+      Truncate(static_cast<size_t>(std::max<int64_t>(options_.replay_tokens, c_.sliding_window)));
+    }
+  }
+  if (m_.dspark) FLASHD_RETURN_IF_ERROR(SeedDrafts());
+  if (options_.forced_streams != nullptr) Force(c_.num_hidden_layers - 1);
+  FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), m_.final_norm));
+  return Logits();
+}
+
+// One block (a backbone layer or a DSpark stage): attention, then the MoE, each between the
+// hyper-connection mixes.
+Status Step::RunBlock(int l, bool record) {
+  const Layer& L = m_.layers[l];
+  const int64_t dim = c_.hidden_size, hc = c_.hc_mult;
   auto hc_mix = [&](const std::vector<float>& fn, const std::vector<float>& scale,
                     const std::vector<float>& base, float* pre) {
     return Check(b_->HcMix({.X = X_.data(),
@@ -373,38 +494,111 @@ Status Step::Run() {
                             .stream = &stream_}),
                  "HcMix");
   };
-  for (int l = 0; l < c_.num_hidden_layers; ++l) {
-    const Layer& L = m_.layers[l];
-    b_ = m_.LayerBackend(l);
-    if (options_.forced_streams != nullptr && l > 0) Force(l - 1);
-    if (c_.layers[l].engram_index >= 0) FLASHD_RETURN_IF_ERROR(Engram(l));
-    // Attention sublayer: its mixes give post/comb now and the FFN's pre.
-    FLASHD_RETURN_IF_ERROR(hc_mix(L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, pre_a_.data()));
-    FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), L.attn_norm));
-    FLASHD_RETURN_IF_ERROR(Attention(l));
-    if (record) {
-      options_.trace->sublayers.push_back(x_);
-      options_.trace->sublayers.push_back(sub_);
-    }
-    FLASHD_RETURN_IF_ERROR(Expand());
-    // FFN sublayer: collapses with the attention's pre; its own pre goes to the next layer.
-    FLASHD_RETURN_IF_ERROR(hc_mix(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre_f_.data()));
-    FLASHD_RETURN_IF_ERROR(Collapse(pre_a_.data(), L.ffn_norm));
-    FLASHD_RETURN_IF_ERROR(Moe(l));
-    if (record) {
-      options_.trace->sublayers.push_back(x_);
-      options_.trace->sublayers.push_back(sub_);
-    }
-    FLASHD_RETURN_IF_ERROR(Expand());
-    pre_mix_ = pre_f_;
-    if (record) options_.trace->streams.push_back(X_);
-    if (l == last_kv_source && options_.replay_tokens > 0) {
-      Truncate(static_cast<size_t>(std::max<int64_t>(options_.replay_tokens, c_.sliding_window)));
+  // Attention sublayer: its mixes give post/comb now and the FFN's pre.
+  FLASHD_RETURN_IF_ERROR(hc_mix(L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, pre_a_.data()));
+  FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), L.attn_norm));
+  FLASHD_RETURN_IF_ERROR(Attention(l));
+  if (record) {
+    options_.trace->sublayers.push_back(x_);
+    options_.trace->sublayers.push_back(sub_);
+  }
+  FLASHD_RETURN_IF_ERROR(Expand());
+  // FFN sublayer: collapses with the attention's pre; its own pre goes to the next layer.
+  FLASHD_RETURN_IF_ERROR(hc_mix(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre_f_.data()));
+  FLASHD_RETURN_IF_ERROR(Collapse(pre_a_.data(), L.ffn_norm));
+  FLASHD_RETURN_IF_ERROR(Moe(l));
+  if (record) {
+    options_.trace->sublayers.push_back(x_);
+    options_.trace->sublayers.push_back(sub_);
+  }
+  FLASHD_RETURN_IF_ERROR(Expand());
+  pre_mix_ = pre_f_;
+  return Status::Ok();
+}
+
+Status Step::RunDraft(std::span<DraftItem> drafts) {
+  const DSparkWeights& d = *m_.dspark;
+  const int64_t dim = c_.hidden_size, hc = c_.hc_mult, V = c_.vocab_size;
+  const size_t rows = n();
+  draft_ = true;
+  b_ = m_.LayerBackend(c_.num_hidden_layers - 1);
+  X_.resize(rows * hc * dim);
+  FLASHD_OP(Embed, {.tokens = plan_.tokens.data(),
+                    .count = static_cast<int64_t>(rows),
+                    .hc = hc,
+                    .dim = dim,
+                    .vocab = c_.vocab_size,
+                    .embed = m_.embed.data(),
+                    .X = X_.data()});
+  pre_mix_.assign(rows * hc, 0.0f);
+  for (size_t t = 0; t < rows; ++t) pre_mix_[t * hc] = 1.0f;
+  selection_.assign(rows, {});
+  candidates_.assign(rows, {});
+  x_.resize(rows * dim);
+  sub_.resize(rows * dim);
+  mixes_.resize(rows * (2 + hc) * hc);
+  pre_a_.resize(rows * hc);
+  pre_f_.resize(rows * hc);
+  post_.resize(rows * hc);
+  comb_.resize(rows * hc * hc);
+  for (int st = 0; st < d.stages; ++st) {
+    FLASHD_RETURN_IF_ERROR(RunBlock(c_.num_hidden_layers + st, false));
+  }
+  // The stages' output collapsed (kept for the confidence head), normed, through the head.
+  FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), {}));
+  const std::vector<float> hidden = x_;
+  FLASHD_OP(RmsNorm, {.x = x_.data(),
+                      .rows = static_cast<int64_t>(rows),
+                      .dim = dim,
+                      .stride = dim,
+                      .weight = d.norm.data(),
+                      .eps = static_cast<float>(c_.rms_norm_eps)});
+  std::vector<float> logits(rows * static_cast<size_t>(V));
+  FLASHD_OP(Linear, {.x = x_.data(),
+                     .rows = static_cast<int64_t>(rows),
+                     .in = dim,
+                     .out = V,
+                     .dense = m_.head.data(),
+                     .y = logits.data(),
+                     .stream = &stream_});
+  // Position by position: the Markov head's bias for the token before, the pick, and the
+  // confidence of [hidden, Markov embedding].
+  const int64_t rank = d.rank, B = d.block;
+  std::vector<float> bias(static_cast<size_t>(V)), joint(static_cast<size_t>(dim + rank));
+  for (size_t i = 0; i < drafts.size(); ++i) {
+    DraftItem& item = drafts[i];
+    item.drafted->assign(static_cast<size_t>(B), 0);
+    item.confidence->assign(static_cast<size_t>(B), 0.0f);
+    int32_t prev = item.token;
+    for (int64_t j = 0; j < B; ++j) {
+      const size_t row = plan_.segments[i].offset + static_cast<size_t>(j);
+      const float* emb = &d.markov_embed[static_cast<size_t>(prev) * rank];
+      FLASHD_OP(Linear, {.x = emb,
+                         .rows = 1,
+                         .in = rank,
+                         .out = V,
+                         .dense = d.markov_head.data(),
+                         .y = bias.data(),
+                         .stream = &stream_});
+      float* lj = &logits[row * V];
+      for (int64_t v = 0; v < V; ++v) lj[v] += bias[v];
+      std::copy_n(&hidden[row * dim], dim, joint.begin());
+      std::copy_n(emb, rank, joint.begin() + dim);
+      float conf = 0;
+      FLASHD_OP(Linear, {.x = joint.data(),
+                         .rows = 1,
+                         .in = dim + rank,
+                         .out = 1,
+                         .dense = d.confidence.data(),
+                         .y = &conf,
+                         .stream = &stream_});
+      (*item.confidence)[j] = conf;
+      prev = item.pick(j, std::span<const float>(lj, static_cast<size_t>(V)));
+      if (prev < 0 || prev >= V) return InvalidArgument("draft: a pick outside the vocabulary");
+      (*item.drafted)[j] = prev;
     }
   }
-  if (options_.forced_streams != nullptr) Force(c_.num_hidden_layers - 1);
-  FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), m_.final_norm));
-  return Logits();
+  return Status::Ok();
 }
 
 Status Step::Collapse(const float* weights, const std::vector<float>& norm) {
@@ -520,21 +714,29 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
                    .row_stride = H * hd,
                    .positions = plan_.positions.data(),
                    .freqs = L.freqs.data()});
+  return WindowKeys(L, x_.data(), rows, plan_.positions.data(), &kv);
+}
+
+// Window keys (= values) of `rows` inputs: normed, rotated, FP8 with a UE8M0 scale per 32.
+Status Step::WindowKeys(const Layer& L, const float* x, int64_t rows, const int64_t* positions,
+                        std::vector<float>* kv_out) {
+  const int64_t hd = c_.head_dim;
+  std::vector<float>& kv = *kv_out;
   kv.resize(static_cast<size_t>(rows * hd));
-  FLASHD_RETURN_IF_ERROR(Apply(L.wkv, x_.data(), rows, kv.data()));
+  FLASHD_RETURN_IF_ERROR(Apply(L.wkv, x, rows, kv.data()));
   FLASHD_OP(RmsNorm, {.x = kv.data(),
                       .rows = rows,
                       .dim = hd,
                       .stride = hd,
                       .weight = L.kv_norm.data(),
-                      .eps = eps,
+                      .eps = static_cast<float>(c_.rms_norm_eps),
                       .round_input = true});
   FLASHD_OP(Rope, {.x = kv.data(),
                    .rows = rows,
                    .head_dim = hd,
-                   .rope_dim = rd,
+                   .rope_dim = c_.qk_rope_head_dim,
                    .row_stride = hd,
-                   .positions = plan_.positions.data(),
+                   .positions = positions,
                    .freqs = L.freqs.data()});
   FLASHD_OP(FakeQuant, {.x = kv.data(),
                         .n = static_cast<int64_t>(kv.size()),
@@ -543,12 +745,78 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
   return Status::Ok();
 }
 
+// The hc mean of each segment's last rows (up to a window) entering DSpark target `target`.
+void Step::RecordHidden(int target) {
+  const size_t dim = static_cast<size_t>(c_.hidden_size), hc = static_cast<size_t>(c_.hc_mult);
+  const size_t targets = m_.dspark->targets.size();
+  if (hidden_.empty()) hidden_.resize(plan_.segments.size());
+  for (size_t i = 0; i < plan_.segments.size(); ++i) {
+    const ForwardPlan::Segment& sg = plan_.segments[i];
+    const size_t keep = std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window));
+    const size_t first = sg.offset + sg.count - keep;
+    Hidden& h = hidden_[i];
+    if (h.rows.empty()) {
+      h.first_position = plan_.positions[first];
+      h.count = keep;
+      h.rows.assign(keep * targets * dim, 0.0f);
+    }
+    for (size_t r = 0; r < h.count; ++r) {
+      const float* X = &X_[(first + r) * hc * dim];
+      float* out = &h.rows[(r * targets + static_cast<size_t>(target)) * dim];
+      for (size_t d = 0; d < dim; ++d) {
+        float sum = 0;
+        for (size_t j = 0; j < hc; ++j) sum += X[j * dim + d];
+        out[d] = k::Bf(sum / static_cast<float>(hc));
+      }
+    }
+  }
+}
+
+// Each DSpark stage's window rows for the recorded positions: main_proj over the targets'
+// inputs, its norm, then the stage's window keys.
+Status Step::SeedDrafts() {
+  const DSparkWeights& d = *m_.dspark;
+  const int64_t dim = c_.hidden_size;
+  draft_rows_.assign(plan_.segments.size(), std::vector<RingRows>(d.stages));
+  if (hidden_.empty()) return Status::Ok();
+  std::vector<float> in, mx;
+  std::vector<int64_t> positions;
+  for (const Hidden& h : hidden_) {
+    in.insert(in.end(), h.rows.begin(), h.rows.end());
+    for (size_t r = 0; r < h.count; ++r) positions.push_back(h.first_position + int64_t(r));
+  }
+  const int64_t rows = static_cast<int64_t>(positions.size());
+  mx.resize(static_cast<size_t>(rows * dim));
+  FLASHD_RETURN_IF_ERROR(Apply(d.main_proj, in.data(), rows, mx.data()));
+  FLASHD_OP(RmsNorm, {.x = mx.data(),
+                      .rows = rows,
+                      .dim = dim,
+                      .stride = dim,
+                      .weight = d.main_norm.data(),
+                      .eps = static_cast<float>(c_.rms_norm_eps),
+                      .round_input = true});
+  const size_t hd = static_cast<size_t>(c_.head_dim);
+  for (int st = 0; st < d.stages; ++st) {
+    std::vector<float> kv;
+    FLASHD_RETURN_IF_ERROR(
+        WindowKeys(m_.layers[c_.num_hidden_layers + st], mx.data(), rows, positions.data(), &kv));
+    size_t at = 0;
+    for (size_t i = 0; i < hidden_.size(); ++i) {
+      RingRows& rr = draft_rows_[i][st];
+      rr.first_position = hidden_[i].first_position;
+      rr.rows.assign(kv.begin() + at * hd, kv.begin() + (at + hidden_[i].count) * hd);
+      at += hidden_[i].count;
+    }
+  }
+  return Status::Ok();
+}
+
 // Sparse attention of one sequence's rows over its window and selected entries; stages the
 // window rows its ring keeps.
 Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
                            const std::vector<float>& kv, std::vector<float>* o) {
   const Layer& L = m_.layers[l];
-  const LayerPlan& lp = c_.layers[l];
+  const LayerPlan& lp = m_.Plan(l);
   const ForwardPlan::Segment& sg = plan_.segments[i];
   const int64_t H = c_.num_attention_heads, hd = c_.head_dim, rd = c_.qk_rope_head_dim;
   SequenceState& st = *items_[i].state;
@@ -585,6 +853,7 @@ Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
                               .fresh = &kv[sg.offset * hd],
                               .fresh_first = sg.start,
                               .window_first = &plan_.window_first[sg.offset],
+                              .window_last = draft_ ? &window_last_[sg.offset] : nullptr,
                               .selected = selected.data(),
                               .selected_stride = width,
                               .block_table = st.blocks.data(),
@@ -595,6 +864,7 @@ Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
                               .out = &(*o)[sg.offset * H * hd],
                               .stream = &stream_});
   // The window ring keeps the last `window` rows; written when the step commits.
+  if (draft_) return Status::Ok();
   const size_t keep = std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window));
   RingRows& rr = ring_rows_[i][l];
   rr.first_position = sg.start + static_cast<int64_t>(sg.count - keep);
@@ -633,7 +903,7 @@ Status Step::Output(int l, const std::vector<float>& o) {
 
 Status Step::Attention(int l) {
   const Layer& L = m_.layers[l];
-  const LayerPlan& lp = c_.layers[l];
+  const LayerPlan& lp = m_.Plan(l);
   const int64_t rows = static_cast<int64_t>(n()), H = c_.num_attention_heads;
   const int64_t hd = c_.head_dim;
   std::vector<float> qr, q, kv;
@@ -662,6 +932,14 @@ Status Step::Attention(int l) {
     if (lp.is_kv_source) {
       FLASHD_RETURN_IF_ERROR(
           Compress(l, i, &kvp[sg.offset * hd], score.empty() ? nullptr : &score[sg.offset * hd]));
+      if (items_[i].accept && lp.compress_ratio > 1) {
+        if (compressor_rows_.empty()) compressor_rows_.resize(plan_.segments.size());
+        compressor_rows_[i].resize(static_cast<size_t>(c_.num_hidden_layers));
+        CompressorRows& cr = compressor_rows_[i][l];
+        cr.kv.assign(kvp.begin() + sg.offset * hd, kvp.begin() + (sg.offset + sg.count) * hd);
+        cr.score.assign(score.begin() + sg.offset * hd,
+                        score.begin() + (sg.offset + sg.count) * hd);
+      }
     }
     if (lp.is_index_source) FLASHD_RETURN_IF_ERROR(Index(l, i, qr.data(), iw.data()));
     FLASHD_RETURN_IF_ERROR(AttendSegment(l, i, q, kv, &o));
@@ -672,7 +950,7 @@ Status Step::Attention(int l) {
 // Compressed KV of one sequence, written by a KV source before anyone reads it.
 Status Step::Compress(int l, size_t seg, const float* kvp, const float* score) {
   const Layer& L = m_.layers[l];
-  const LayerPlan& lp = c_.layers[l];
+  const LayerPlan& lp = m_.Plan(l);
   const ForwardPlan::Segment& sg = plan_.segments[seg];
   const int64_t hd = c_.head_dim, idd = c_.index_head_dim;
   const float eps = static_cast<float>(c_.rms_norm_eps);
@@ -743,7 +1021,7 @@ Status Step::Compress(int l, size_t seg, const float* kvp, const float* score) {
 // Which compressed entries each query of one sequence attends to.
 Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_all) {
   const Layer& L = m_.layers[l];
-  const LayerPlan& lp = c_.layers[l];
+  const LayerPlan& lp = m_.Plan(l);
   const ForwardPlan::Segment& sg = plan_.segments[seg];
   const int64_t ih = c_.index_n_heads, idd = c_.index_head_dim, ratio = lp.compress_ratio;
   const int64_t count = static_cast<int64_t>(sg.count), qlr = c_.q_lora_rank;
@@ -854,7 +1132,7 @@ Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_
 Status Step::Moe(int l) {
   const Layer& L = m_.layers[l];
   const int64_t rows = static_cast<int64_t>(n()), dim = c_.hidden_size;
-  const int64_t E = c_.n_routed_experts, K = c_.num_experts_per_tok;
+  const int64_t E = static_cast<int64_t>(L.experts.size()), K = L.top_k;
   std::vector<float> logits(static_cast<size_t>(rows * E)), s(logits.size()), b(logits.size());
   FLASHD_OP(Linear, {.x = x_.data(),
                      .rows = rows,
@@ -934,7 +1212,8 @@ Status Step::Logits() {
   const int64_t dim = c_.hidden_size, V = c_.vocab_size;
   for (size_t i = 0; i < plan_.segments.size(); ++i) {
     const ForwardPlan::Segment& sg = plan_.segments[i];
-    const size_t first = options_.all_logits ? sg.offset : sg.offset + sg.count - 1;
+    const bool all = options_.all_logits || items_[i].all_logits;
+    const size_t first = all ? sg.offset : sg.offset + sg.count - 1;
     const int64_t rows = static_cast<int64_t>(sg.offset + sg.count - first);
     items_[i].logits->assign(static_cast<size_t>(rows * V), 0.0f);
     FLASHD_OP(Linear, {.x = &x_[first * dim],
@@ -948,24 +1227,57 @@ Status Step::Logits() {
   return Status::Ok();
 }
 
-// Applies the staged state: positions, compressor partial groups and entries, window rings,
-// Engram histories.
-void Step::Commit() {
+// Applies the staged state: positions, compressor partial groups and entries, window rings
+// (the DSpark stages' too), Engram histories. An item keeping only its first keep[i] tokens ends
+// as if it had run just those: every kept ring row and compressor row is in this step's staging
+// (such items have at most a window of tokens), and compressed entries past the kept position
+// are written again, with the tokens that end up there, before anything reads them.
+void Step::Commit(const std::vector<int64_t>& keep) {
   const size_t hd = static_cast<size_t>(c_.head_dim);
   const int64_t win = c_.sliding_window;
+  auto write_rows = [&](const RingRows& rr, int64_t end, SequenceState::Ring* ring) {
+    for (size_t r = 0; r < rr.rows.size() / hd; ++r) {
+      const int64_t pos = rr.first_position + static_cast<int64_t>(r);
+      if (pos >= end) break;
+      const size_t slot = static_cast<size_t>(pos % win);
+      k::QuantizeFp8PerBlock(&rr.rows[r * hd], hd, 32, &ring->codes[slot * hd],
+                             &ring->scales[slot * hd / 32]);
+    }
+  };
   for (size_t i = 0; i < items_.size(); ++i) {
     SequenceState& st = *items_[i].state;
-    st.position += static_cast<int64_t>(items_[i].tokens.size());
-    st.sources = std::move(compressors_[i]);
-    st.engram_classes = std::move(plan_.engram_history[i]);
-    for (int l = 0; l < c_.num_hidden_layers; ++l) {
-      const RingRows& rr = ring_rows_[i][l];
-      SequenceState::Ring& ring = st.rings[l];
-      for (size_t r = 0; r < rr.rows.size() / hd; ++r) {
-        const size_t slot =
-            static_cast<size_t>((rr.first_position + static_cast<int64_t>(r)) % win);
-        k::QuantizeFp8PerBlock(&rr.rows[r * hd], hd, 32, &ring.codes[slot * hd],
-                               &ring.scales[slot * hd / 32]);
+    const int64_t count = static_cast<int64_t>(items_[i].tokens.size());
+    const int64_t kept = keep.empty() ? count : std::clamp<int64_t>(keep[i], 0, count);
+    const int64_t start = st.position, end = start + kept;
+    if (kept == count) {
+      st.sources = std::move(compressors_[i]);
+      st.engram_classes = std::move(plan_.engram_history[i]);
+    } else {
+      for (int l = 0; l < c_.num_hidden_layers; ++l) {
+        const LayerPlan& lp = c_.layers[l];
+        if (!lp.is_kv_source) continue;
+        SequenceState::Compressor& comp = st.sources[l];
+        comp.entries = end / lp.compress_ratio;
+        if (lp.compress_ratio <= 1 || kept == 0) continue;
+        const CompressorRows& cr = compressor_rows_[i][l];
+        for (int64_t t = 0; t < kept; ++t) {
+          const size_t slot = static_cast<size_t>((start + t) % lp.compress_ratio);
+          std::copy_n(&cr.kv[t * hd], hd, &comp.kv_partial[slot * hd]);
+          std::copy_n(&cr.score[t * hd], hd, &comp.score_partial[slot * hd]);
+        }
+      }
+      if (m_.engram) {
+        std::vector<int32_t>& h = st.engram_classes;
+        for (int64_t t = 0; t < kept; ++t) h.push_back(m_.engram->ClassOf(items_[i].tokens[t]));
+        const size_t history = static_cast<size_t>(m_.engram->history());
+        if (h.size() > history) h.erase(h.begin(), h.end() - static_cast<std::ptrdiff_t>(history));
+      }
+    }
+    st.position = end;
+    for (int l = 0; l < c_.num_hidden_layers; ++l) write_rows(ring_rows_[i][l], end, &st.rings[l]);
+    if (!draft_rows_.empty() && st.rings.size() > static_cast<size_t>(c_.num_hidden_layers)) {
+      for (size_t s = 0; s < draft_rows_[i].size(); ++s) {
+        write_rows(draft_rows_[i][s], end, &st.rings[c_.num_hidden_layers + s]);
       }
     }
   }
@@ -1059,9 +1371,19 @@ StatusOr<SequenceState> CpuForward::Restore(std::string_view snapshot,
                                             std::vector<int32_t> leading_blocks) const {
   FLASHD_ASSIGN_OR_RETURN(SequenceState s, RestoreSequence(snapshot, impl_->pool, impl_->layout,
                                                            std::move(leading_blocks)));
-  if (s.rings.size() != static_cast<size_t>(impl_->c.num_hidden_layers) ||
-      s.sources.size() != static_cast<size_t>(impl_->c.num_hidden_layers)) {
+  const size_t layers = static_cast<size_t>(impl_->c.num_hidden_layers);
+  if (s.rings.size() < layers || s.sources.size() != layers) {
     return DataLoss("sequence snapshot: made for a model with another number of layers");
+  }
+  // The DSpark stages' rings: dropped when this model does not draft; a snapshot made without
+  // them gets empty ones (its drafts are then weaker for a window of tokens, never wrong).
+  const size_t want = impl_->ring_count();
+  if (s.rings.size() > want) s.rings.resize(want);
+  while (s.rings.size() < want) {
+    const size_t hd = static_cast<size_t>(impl_->c.head_dim);
+    const size_t win = static_cast<size_t>(impl_->c.sliding_window);
+    s.rings.push_back(
+        {std::vector<uint8_t>(win * hd, 0), std::vector<uint8_t>(win * hd / 32, 127)});
   }
   return s;
 }
@@ -1100,6 +1422,50 @@ int64_t CpuForward::ExactReplayTokens() const {
   return (reach + block - 1) / block * block;
 }
 
+Status CpuForward::EnableDSpark() { return impl_->EnableDSpark(); }
+bool CpuForward::dspark() const { return impl_->dspark != nullptr; }
+int CpuForward::dspark_block() const { return impl_->dspark ? impl_->dspark->block : 0; }
+
+Status CpuForward::Draft(std::span<DraftItem> items, const ForwardOptions& options) const {
+  const ModelConfig& c = impl_->c;
+  if (!impl_->dspark) return FailedPrecondition("draft: DSpark is not enabled");
+  if (items.empty()) return InvalidArgument("draft: empty batch");
+  const int64_t B = impl_->dspark->block, win = c.sliding_window;
+  ForwardPlan plan;
+  std::vector<int64_t> last;
+  for (const DraftItem& it : items) {
+    if (it.state == nullptr || it.state->rings.size() != impl_->ring_count() ||
+        it.state->layout != impl_->layout) {
+      return InvalidArgument("draft: sequence state does not belong to this drafting model");
+    }
+    if (it.state->position < 1) return InvalidArgument("draft: the sequence has run no token");
+    if (it.token < 0 || it.token >= c.vocab_size || !it.pick || it.drafted == nullptr ||
+        it.confidence == nullptr) {
+      return InvalidArgument("draft: a bad item (token, pick or outputs)");
+    }
+    const int64_t P = it.state->position;
+    plan.segments.push_back({plan.tokens.size(), static_cast<size_t>(B), P, 0});
+    for (int64_t j = 0; j < B; ++j) {
+      plan.tokens.push_back(j == 0 ? it.token : impl_->dspark->noise);
+      plan.positions.push_back(P + j);
+      // The ring (the main positions before P, up to a window) and the whole block.
+      plan.window_first.push_back(std::max<int64_t>(0, P - win));
+      last.push_back(P + B - 1);
+    }
+  }
+  std::vector<BatchItem> none(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    none[i].state = const_cast<SequenceState*>(items[i].state);  // Read only: draft_ mode.
+  }
+  ForwardOptions o = options;
+  o.trace = nullptr;
+  o.forced_streams = nullptr;
+  o.replay_tokens = 0;
+  Step step(*impl_, none, o, std::move(plan));
+  step.SetWindowLast(std::move(last));
+  return step.RunDraft(items);
+}
+
 int64_t CpuForward::engram_classes() const {
   return impl_->engram ? impl_->c.engram_compressed_vocab_size : 0;
 }
@@ -1109,7 +1475,7 @@ SequenceState CpuForward::NewSequence() const {
   SequenceState s;
   const size_t hd = static_cast<size_t>(c.head_dim);
   const size_t win = static_cast<size_t>(c.sliding_window);
-  s.rings.resize(c.num_hidden_layers);
+  s.rings.resize(impl_->ring_count());
   for (auto& r : s.rings) {
     r.codes.assign(win * hd, 0);
     r.scales.assign(win * hd / 32, 127);
@@ -1149,9 +1515,11 @@ Status CpuForward::ForwardBatch(std::span<BatchItem> items, const ForwardOptions
                                " outside the vocabulary (" + std::to_string(c.vocab_size) + ")");
       }
     }
-    if (it.state->rings.size() != static_cast<size_t>(c.num_hidden_layers) ||
-        it.state->layout != impl_->layout) {
+    if (it.state->rings.size() != impl_->ring_count() || it.state->layout != impl_->layout) {
       return InvalidArgument("forward: sequence state does not belong to this model");
+    }
+    if (it.accept && static_cast<int64_t>(it.tokens.size()) > c.sliding_window) {
+      return InvalidArgument("forward: a verified block is longer than the window");
     }
   }
   // Every block the step writes, allocated before any math. A sequence that does not fit is left
@@ -1186,7 +1554,15 @@ Status CpuForward::ForwardBatch(std::span<BatchItem> items, const ForwardOptions
   AssignRows(*impl_->layout, requests, &plan);
   Step step(*impl_, run, options, std::move(plan));
   FLASHD_RETURN_IF_ERROR(step.Run());
-  step.Commit();
+  std::vector<int64_t> keep;
+  for (size_t i = 0; i < run.size(); ++i) {
+    if (!run[i].accept) continue;
+    if (keep.empty()) {
+      for (const BatchItem& it : run) keep.push_back(static_cast<int64_t>(it.tokens.size()));
+    }
+    keep[i] = run[i].accept(*run[i].logits);
+  }
+  step.Commit(keep);
   for (BlockReservation& r : reservations) r.Commit();
   return Status::Ok();
 }

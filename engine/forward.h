@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -87,6 +88,24 @@ struct BatchItem {
   // When set, a sequence whose KV blocks do not fit in the pool is left out of the step with its
   // reason here (its state unchanged) while the others run; when null, it fails the whole call.
   Status* status = nullptr;
+  bool all_logits = false;  // Logits for every token of this item (as ForwardOptions').
+  // Speculative verification: called with the item's logits (every token's) once the step has
+  // run, before anything is committed; returns how many of the tokens the sequence keeps (0 to
+  // all). The sequence then ends exactly as if it had run only those. At most sliding_window
+  // tokens.
+  std::function<int64_t(std::span<const float> logits)> accept = nullptr;
+};
+
+// One sequence's part of a DSpark draft call (CpuForward::Draft).
+struct DraftItem {
+  const SequenceState* state = nullptr;  // At position >= 1, with the drafter's rings.
+  int32_t token = -1;                    // The token at state->position: sampled, not run.
+  // Picks drafted token i + 1 from the draft logits of block position i (vocab-sized, the
+  // Markov head's bias included); the logits of block position i + 1 depend on that choice.
+  std::function<int32_t(int64_t i, std::span<const float> logits)> pick = nullptr;
+  std::vector<int32_t>* drafted = nullptr;   // [block]: the picks.
+  std::vector<float>* confidence = nullptr;  // [block]: the confidence head's logit that each
+                                             // drafted token is accepted.
 };
 
 class CpuForward {
@@ -137,6 +156,17 @@ class CpuForward {
   // their tokens together; each sequence's results equal those of running it alone.
   // REQUIRES: distinct states.
   Status ForwardBatch(std::span<BatchItem> items, const ForwardOptions& options = {}) const;
+
+  // DSpark speculative decoding. EnableDSpark loads the drafter (the checkpoint's mtp.* stages);
+  // from then on new sequences carry its window rings and every forward call fills them, so
+  // Draft can run after any call. Fails when the checkpoint has no complete drafter.
+  Status EnableDSpark();
+  bool dspark() const;
+  int dspark_block() const;  // Tokens per draft block.
+  // Drafts a block after each item's pending token: the DSpark stages over the block [token,
+  // noise, ...], the model's head, then position by position the Markov head's bias and the
+  // pick. Changes no state; each item's result depends on that item alone.
+  Status Draft(std::span<DraftItem> items, const ForwardOptions& options = {}) const;
 
   // The compressed Engram vocabulary's class count (99,092 for the released tokenizer).
   int64_t engram_classes() const;

@@ -559,7 +559,7 @@ class GpuBackend final : public Backend {
     const int64_t per_block = std::max<int64_t>(p.kv_codes.rows_per_block, 1);
     std::vector<int64_t> entries;
     for (int64_t t = 0; t < p.tokens; ++t) {
-      last = std::max(last, p.positions[t]);
+      last = std::max(last, p.window_last != nullptr ? p.window_last[t] : p.positions[t]);
       for (int64_t s = 0; s < p.selected_stride; ++s) {
         const int64_t j = p.selected[t * p.selected_stride + s];
         if (j >= 0) table_blocks = std::max(table_blocks, j / per_block + 1);
@@ -574,6 +574,7 @@ class GpuBackend final : public Backend {
       d.ring_scales = c.In(p.ring_scales, p.window * p.head_dim / 32);
       d.fresh = c.In(p.fresh, (last - p.fresh_first + 1) * p.head_dim);
       d.window_first = c.In(p.window_first, p.tokens);
+      if (p.window_last != nullptr) d.window_last = c.In(p.window_last, p.tokens);
       d.selected = c.In(p.selected, p.tokens * p.selected_stride);
       d.block_table = c.In(p.block_table, table_blocks);
       c.Blocks(TableRows(p.block_table, table_blocks, per_block), {&d.kv_codes, &d.kv_scales},

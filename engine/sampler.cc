@@ -51,7 +51,18 @@ double Sampler::Uniform() {
   return static_cast<double>(z >> 11) * 0x1p-53;
 }
 
+double TokenDistribution::P(int32_t token) const {
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] == token) return weights[i] / total;
+  }
+  return 0;
+}
+
 SampledToken Sampler::Sample(std::span<const float> raw) {
+  return Record(Draw(Distribution(raw)), raw);
+}
+
+TokenDistribution Sampler::Distribution(std::span<const float> raw) const {
   const size_t V = raw.size();
   std::vector<float> logits(raw.begin(), raw.end());
 
@@ -73,49 +84,90 @@ SampledToken Sampler::Sample(std::span<const float> raw) {
     logits[static_cast<size_t>(t)] -= params_.presence_penalty + params_.frequency_penalty * n;
   }
 
-  int32_t chosen;
+  TokenDistribution d;
   if (params_.temperature == 0.0f) {
-    chosen = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-  } else {
-    std::vector<int32_t> idx(V);
-    std::iota(idx.begin(), idx.end(), 0);
-    // Candidates in descending logit order (ties to the lower id), cut by top-k.
-    size_t keep = params_.top_k > 0 ? std::min<size_t>(params_.top_k, V) : V;
-    std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), [&](int32_t a, int32_t b) {
-      return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
-    });
-    idx.resize(keep);
-    const double inv_t = 1.0 / params_.temperature;
-    const double top = logits[idx[0]];
-    std::vector<double> p(keep);
-    double sum = 0;
-    for (size_t i = 0; i < keep; ++i) sum += (p[i] = std::exp((logits[idx[i]] - top) * inv_t));
-    for (double& v : p) v /= sum;
-    // top-p: the smallest prefix whose mass reaches top_p.
-    if (params_.top_p < 1.0f) {
-      double mass = 0;
-      size_t n = 0;
-      while (n < keep && mass < params_.top_p) mass += p[n++];
-      keep = std::max<size_t>(n, 1);
-    }
-    // min-p: drop tokens below min_p times the most likely one.
-    if (params_.min_p > 0.0f) {
-      size_t n = 1;
-      while (n < keep && p[n] >= params_.min_p * p[0]) ++n;
-      keep = n;
-    }
-    double total = 0;
-    for (size_t i = 0; i < keep; ++i) total += p[i];
-    double r = Uniform() * total;
-    chosen = idx[keep - 1];
-    for (size_t i = 0; i < keep; ++i) {
-      r -= p[i];
-      if (r < 0) {
-        chosen = idx[i];
-        break;
-      }
-    }
+    d.ids = {static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin())};
+    d.weights = {1.0};
+    d.greedy = true;
+    return d;
   }
+  std::vector<int32_t> idx(V);
+  std::iota(idx.begin(), idx.end(), 0);
+  // Candidates in descending logit order (ties to the lower id), cut by top-k.
+  size_t keep = params_.top_k > 0 ? std::min<size_t>(params_.top_k, V) : V;
+  std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), [&](int32_t a, int32_t b) {
+    return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+  });
+  idx.resize(keep);
+  const double inv_t = 1.0 / params_.temperature;
+  const double top = logits[idx[0]];
+  std::vector<double> p(keep);
+  double sum = 0;
+  for (size_t i = 0; i < keep; ++i) sum += (p[i] = std::exp((logits[idx[i]] - top) * inv_t));
+  for (double& v : p) v /= sum;
+  // top-p: the smallest prefix whose mass reaches top_p.
+  if (params_.top_p < 1.0f) {
+    double mass = 0;
+    size_t n = 0;
+    while (n < keep && mass < params_.top_p) mass += p[n++];
+    keep = std::max<size_t>(n, 1);
+  }
+  // min-p: drop tokens below min_p times the most likely one.
+  if (params_.min_p > 0.0f) {
+    size_t n = 1;
+    while (n < keep && p[n] >= params_.min_p * p[0]) ++n;
+    keep = n;
+  }
+  double total = 0;
+  for (size_t i = 0; i < keep; ++i) total += p[i];
+  idx.resize(keep);
+  p.resize(keep);
+  d.ids = std::move(idx);
+  d.weights = std::move(p);
+  d.total = total;
+  return d;
+}
+
+int32_t Sampler::Draw(const TokenDistribution& d) {
+  if (d.greedy) return d.ids[0];
+  double r = Uniform() * d.total;
+  for (size_t i = 0; i < d.ids.size(); ++i) {
+    r -= d.weights[i];
+    if (r < 0) return d.ids[i];
+  }
+  return d.ids.back();
+}
+
+int32_t Sampler::Verify(std::span<const float> logits, int32_t drafted,
+                        const TokenDistribution& draft, bool* accepted) {
+  const TokenDistribution p = Distribution(logits);
+  if (params_.temperature == 0.0f) {
+    *accepted = p.ids[0] == drafted;
+    return p.ids[0];
+  }
+  const double pd = p.P(drafted), qd = draft.P(drafted);
+  if (qd > 0 && Uniform() * qd < pd) {
+    *accepted = true;
+    return drafted;
+  }
+  *accepted = false;
+  // The residual max(0, p - q), normalised; p itself when it is empty (p == q).
+  TokenDistribution r;
+  r.total = 0;
+  for (size_t i = 0; i < p.ids.size(); ++i) {
+    const double w = std::max(0.0, p.weights[i] / p.total - draft.P(p.ids[i]));
+    if (w <= 0) continue;
+    r.ids.push_back(p.ids[i]);
+    r.weights.push_back(w);
+    r.total += w;
+  }
+  if (r.ids.empty()) return Draw(p);
+  if (r.ids.size() == 1) return r.ids[0];
+  return Draw(r);
+}
+
+SampledToken Sampler::Record(int32_t chosen, std::span<const float> raw) {
+  const size_t V = raw.size();
   output_counts_[chosen] += 1;
 
   // Log-probabilities of the raw distribution.

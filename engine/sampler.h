@@ -44,12 +44,34 @@ struct SampledToken {
   std::vector<std::pair<int32_t, float>> top;  // The top-n alternatives, when asked.
 };
 
+// The distribution a sampler draws from at one step: candidate ids with weights (summing to
+// total), after penalties, temperature, top-k, top-p and min-p; one id when greedy.
+struct TokenDistribution {
+  std::vector<int32_t> ids;
+  std::vector<double> weights;
+  double total = 1;
+  bool greedy = false;            // Temperature 0: the one id, drawn without a random number.
+  double P(int32_t token) const;  // Probability of `token` (0 outside the candidates).
+};
+
 class Sampler {
  public:
   Sampler(SamplingParams params, std::span<const int32_t> prompt);
 
-  // Picks the next token from vocab-sized logits and records it as output.
+  // Picks the next token from vocab-sized logits and records it as output:
+  // Record(Draw(Distribution(logits)), logits).
   SampledToken Sample(std::span<const float> logits);
+  TokenDistribution Distribution(std::span<const float> logits) const;
+  // One token from `d`: one random number unless greedy.
+  int32_t Draw(const TokenDistribution& d);
+  // Records `token` as output and reports its log-probabilities under the raw logits.
+  SampledToken Record(int32_t token, std::span<const float> raw);
+  // Speculative sampling: `drafted` was drawn from `draft`; returns the token to emit at this
+  // step, drawn so that it follows Distribution(logits) exactly: the draft with probability
+  // min(1, p/q), else a draw from the normalised residual max(0, p - q). Greedy: the argmax,
+  // which is the draft when they agree. Does not record the token (Record does).
+  int32_t Verify(std::span<const float> logits, int32_t drafted, const TokenDistribution& draft,
+                 bool* accepted);
   const SamplingParams& params() const { return params_; }
   uint64_t seed() const { return seed_; }
 

@@ -9,7 +9,7 @@ namespace {
 
 constexpr char kMagic[4] = {'F', 'L', 'S', 'Q'};
 // 4: KV blocks are planar (engine/kv_pool.h).
-constexpr uint32_t kVersion = 4;
+constexpr uint32_t kVersion = 5;
 
 class Writer {
  public:

@@ -251,9 +251,13 @@ StatusOr<BoundWeights> BindWeights(const ModelConfig& config, const Checkpoint& 
   for (const TensorSpec& spec : ExpectedTensors(config)) {
     explained.insert(spec.name);
     const TensorView* t = checkpoint.Find(spec.name);
-    if (spec.part == ModelPart::kDSpark) continue;  // Not used yet; counted below if present.
     if (t == nullptr) {
-      missing.push_back(spec.name);
+      // The drafter is optional: without all of its tensors the model runs without it.
+      if (spec.part == ModelPart::kDSpark) {
+        bound.dspark_missing += 1;
+      } else {
+        missing.push_back(spec.name);
+      }
       continue;
     }
     const std::string where = *t->file + ": tensor " + spec.name;
@@ -277,8 +281,13 @@ StatusOr<BoundWeights> BindWeights(const ModelConfig& config, const Checkpoint& 
     return NotFound("checkpoint lacks " + std::to_string(missing.size()) +
                     " tensors the config implies: " + list);
   }
+  bool any_dspark = false;
+  for (const auto& [name, view] : bound.tensors) any_dspark |= name.rfind("mtp.", 0) == 0;
+  bound.dspark = any_dspark && bound.dspark_missing == 0;
   for (const auto& [name, view] : checkpoint.tensors()) {
-    if (bound.tensors.count(name)) continue;
+    if (bound.tensors.count(name)) {
+      if (bound.dspark || name.rfind("mtp.", 0) != 0) continue;
+    }
     ModelPart part;
     if (name.rfind("mtp.", 0) == 0) {
       part = ModelPart::kDSpark;

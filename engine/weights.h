@@ -54,14 +54,19 @@ DType StoredDType(TensorKind kind);
 
 // Tensors bound to one checkpoint, plus what the checkpoint holds beyond them.
 struct BoundWeights {
-  std::map<std::string, const TensorView*> tensors;  // Every expected backbone/Engram tensor.
-  // Present but not used by this engine yet, by part (DSpark, vision), with bytes.
+  // Every expected backbone/Engram tensor, and the DSpark tensors the checkpoint has.
+  std::map<std::string, const TensorView*> tensors;
+  // The DSpark drafter: every one of its tensors is present (checked like the rest), or how
+  // many the config implies that are not.
+  bool dspark = false;
+  int64_t dspark_missing = 0;
+  // Present but not used by this engine, by part (vision; DSpark when incomplete), with bytes.
   std::map<ModelPart, std::pair<uint64_t, uint64_t>> unused;  // part -> (tensors, bytes)
   std::vector<std::string> unexpected;  // Names no part of the model explains.
 };
 
-// Binds every backbone and Engram tensor by name, checking dtype and shape. Fails listing the
-// missing tensors (up to a few dozen names and the total) or naming the first mismatch.
+// Binds every backbone, Engram and present DSpark tensor by name, checking dtype and shape. Fails
+// listing the missing tensors (up to a few dozen names and the total) or naming the first mismatch.
 StatusOr<BoundWeights> BindWeights(const ModelConfig& config, const Checkpoint& checkpoint);
 
 }  // namespace flashd::engine

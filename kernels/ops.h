@@ -271,6 +271,9 @@ struct SparseAttentionParams {
   const float* fresh = nullptr;  // [tokens, head_dim] this call's window rows, FP8 round-tripped
   int64_t fresh_first = 0;       // Position of fresh[0].
   const int64_t* window_first = nullptr;  // [tokens]
+  // [tokens] the last window position each query attends to; null: its own position (causal).
+  // A DSpark draft block's queries all see the whole block.
+  const int64_t* window_last = nullptr;
   // Compressed rows: the sequence's entries, read through its block table.
   const int64_t* selected = nullptr;  // [tokens, selected_stride] entries, -1 = none
   int64_t selected_stride = 0;

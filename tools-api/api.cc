@@ -81,6 +81,21 @@ Api::Api(const Config& config, ServedModel model)
             e.tokens_generated);
       gauge("flashd_engine_prompt_tokens_total", "Prompt tokens prefilled.", "counter",
             e.prompt_tokens_processed);
+      gauge("flashd_speculative_enabled", "1 when DSpark drafts (engine.speculative).", "gauge",
+            eng->speculative() ? 1 : 0);
+      gauge("flashd_speculative_steps_total", "Decode steps that verified drafted tokens.",
+            "counter", e.spec_steps);
+      gauge("flashd_speculative_drafted_tokens_total", "Drafted tokens verified.", "counter",
+            e.spec_drafted);
+      gauge("flashd_speculative_accepted_tokens_total", "Drafted tokens accepted.", "counter",
+            e.spec_accepted);
+      gauge("flashd_speculative_mean_accepted_length",
+            "Accepted drafts per verifying step, plus the token every step makes.", "gauge",
+            e.spec_steps > 0 ? 1.0 + double(e.spec_accepted) / double(e.spec_steps) : 0.0);
+      gauge("flashd_speculative_draft_seconds_total", "Time drafting.", "counter",
+            e.spec_draft_seconds);
+      gauge("flashd_speculative_verify_seconds_total",
+            "Time in forward steps that verified drafts.", "counter", e.spec_verify_seconds);
       if (const cache::BlockStore* store = eng->cache()) {
         const cache::BlockStore::Stats c = store->stats();
         gauge("flashd_prefix_cache_lookups_total", "Prompts looked up in the prefix cache.",

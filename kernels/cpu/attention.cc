@@ -49,9 +49,9 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   auto attend = [&](int64_t t, std::vector<float>& keys, std::vector<float>& keys_t,
                     std::vector<float>& logit) {
-    const int64_t pos = p.positions[t];
+    const int64_t last = p.window_last != nullptr ? p.window_last[t] : p.positions[t];
     keys.clear();
-    for (int64_t q = p.window_first[t]; q <= pos; ++q) {
+    for (int64_t q = p.window_first[t]; q <= last; ++q) {
       keys.resize(keys.size() + hd);
       float* dst = &keys[keys.size() - hd];
       if (q >= p.fresh_first) {

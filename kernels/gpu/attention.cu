@@ -17,7 +17,8 @@ namespace {
 namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 64;
 
-// Value d of key `j` of query t: window keys first (positions window_first .. position), then the
+// Value d of key `j` of query t: window keys first (positions window_first .. window_last, which
+// is the query's own position unless given), then the
 // selected compressed rows that are not -1.
 struct Keys {
   SparseAttentionParams p;
@@ -57,7 +58,8 @@ __global__ void AttendKernel(SparseAttentionParams p) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= p.tokens * p.heads) return;
   const int64_t t = i / p.heads, h = i % p.heads, hd = p.head_dim;
-  const Keys keys{p, t, p.positions[t] - p.window_first[t] + 1};
+  const int64_t last = p.window_last != nullptr ? p.window_last[t] : p.positions[t];
+  const Keys keys{p, t, last - p.window_first[t] + 1};
   const int64_t nk = keys.Count();
   const float* q = p.q + i * hd;
   const float scale = 1.0f / sqrtf(static_cast<float>(hd));

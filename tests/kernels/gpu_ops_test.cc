@@ -853,7 +853,9 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
   const std::vector<int32_t> table = {3, 0, 0, 4};
   std::vector<float> freqs(rd / 2);
   cpu::RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
-  for (int64_t tokens : {int64_t{1}, int64_t{5}, int64_t{20}}) {
+  // whole: every query sees every row of the call (a DSpark draft block, window_last).
+  for (const auto& [tokens, whole] :
+       {std::pair<int64_t, bool>{1, false}, {5, false}, {20, false}, {5, true}, {20, true}}) {
     const int64_t first = 30, width = 5;
     std::vector<float> ring_rows = Normal(rng, window * hd);
     std::vector<uint8_t> ring_codes(window * hd), ring_scales(window * hd / 32);
@@ -869,6 +871,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
       wfirst[t] = std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
       for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : entry(rng);
     }
+    std::vector<int64_t> wlast(tokens, first + tokens - 1);
     SparseAttentionParams params{.q = q.data(),
                                  .tokens = tokens,
                                  .heads = heads,
@@ -881,6 +884,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
                                  .fresh = fresh.data(),
                                  .fresh_first = first,
                                  .window_first = wfirst.data(),
+                                 .window_last = whole ? wlast.data() : nullptr,
                                  .selected = sel.data(),
                                  .selected_stride = width,
                                  .block_table = table.data(),
@@ -894,7 +898,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
     BOOST_REQUIRE(cpu::SparseAttention(params) == OpStatus::kOk);
     Dev<float> dq(q), dfresh(fresh), dsink(sink), dfreqs(freqs), dout(want);
     Dev<uint8_t> drc(ring_codes), drs(ring_scales);
-    Dev<int64_t> dpos(pos), dwf(wfirst), dsel(sel);
+    Dev<int64_t> dpos(pos), dwf(wfirst), dwl(wlast), dsel(sel);
     Dev<int32_t> dtab(table);
     params.q = dq.get();
     params.positions = dpos.get();
@@ -902,6 +906,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
     params.ring_scales = drs.get();
     params.fresh = dfresh.get();
     params.window_first = dwf.get();
+    if (whole) params.window_last = dwl.get();
     params.selected = dsel.get();
     params.block_table = dtab.get();
     params.kv_codes.blocks = dev_table;
@@ -910,7 +915,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
     params.freqs = dfreqs.get();
     params.out = dout.get();
     BOOST_REQUIRE(gpu::SparseAttention(params) == OpStatus::kOk);
-    BOOST_TEST(Bf16Steps(dout.Host(), want) <= 1.0, "tokens " << tokens);
+    BOOST_TEST(Bf16Steps(dout.Host(), want) <= 1.0, "tokens " << tokens << " whole " << whole);
   }
 }
 

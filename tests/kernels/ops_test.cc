@@ -797,7 +797,9 @@ BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
     DequantizeFp4E4M3(b + r * hd / 2, b + per * hd / 2 + r * hd / 16, hd, 16, &comp[row * hd]);
   }
   const std::vector<int32_t> table = {3, 0, 0, 4};  // Block 0 shared by two entry ranges.
-  for (int64_t tokens : {int64_t{1}, int64_t{5}, int64_t{20}}) {
+  // whole: every query sees every row of the call (a DSpark draft block, window_last).
+  for (const auto& [tokens, whole] :
+       {std::pair<int64_t, bool>{1, false}, {5, false}, {20, false}, {5, true}, {20, true}}) {
     const int64_t first = 30;  // Position of this call's first row.
     std::vector<float> ring_rows = rng.Bf16Normal(window * hd);
     std::vector<uint8_t> ring_codes(window * hd), ring_scales(window * hd / 32);
@@ -816,6 +818,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
       wfirst[t] = std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
       for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : rng.Int(0, 15);
     }
+    std::vector<int64_t> wlast(tokens, first + tokens - 1);
     std::vector<float> out(tokens * heads * hd);
     CpuStream two{2};
     BOOST_REQUIRE(SparseAttention({.q = q.data(),
@@ -830,6 +833,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
                                    .fresh = fresh.data(),
                                    .fresh_first = first,
                                    .window_first = wfirst.data(),
+                                   .window_last = whole ? wlast.data() : nullptr,
                                    .selected = sel.data(),
                                    .selected_stride = width,
                                    .block_table = table.data(),
@@ -842,7 +846,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
     std::vector<double> want(out.size());
     for (int64_t t = 0; t < tokens; ++t) {
       std::vector<const float*> keys;
-      for (int64_t p = wfirst[t]; p <= pos[t]; ++p) {
+      for (int64_t p = wfirst[t]; p <= (whole ? wlast[t] : pos[t]); ++p) {
         keys.push_back(p >= first ? &fresh[(p - first) * hd] : &ring[(p % window) * hd]);
       }
       for (int64_t i = 0; i < width; ++i) {
