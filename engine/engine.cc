@@ -53,12 +53,14 @@ struct Engine::Sequence {
   int64_t cached_tokens = 0;
   // DSpark: the drafted tokens to verify after next_input, the distributions they were drawn
   // from, the tokens the last verification emitted, and how many drafts may be verified at once
-  // (halved when none is accepted, grown when all are; 0 waits `probe_in` steps).
+  // (halved when none is accepted, grown when all are; 0 waits `probe_in` steps, a wait that
+  // doubles, up to 256, each time a probe of one draft fails again).
   std::vector<int32_t> draft;
   std::vector<TokenDistribution> draft_q;
   std::vector<SampledToken> emitted;
   int draft_cap = 0;
   int probe_in = 0;
+  int probe_wait = 8;
 };
 
 namespace {
@@ -525,10 +527,16 @@ int64_t Engine::Verify(Sequence& q, std::span<const float> logits) {
   // The cap adapts: halved when nothing was accepted, one more when everything was.
   const int block = forward_->dspark_block();
   if (accepted == 0) {
-    q.draft_cap /= 2;
-    if (q.draft_cap == 0) q.probe_in = 8;
-  } else if (static_cast<size_t>(accepted) == k) {
-    q.draft_cap = std::min(block, q.draft_cap + 1);
+    if (q.draft_cap <= 1) {
+      q.draft_cap = 0;
+      q.probe_in = q.probe_wait;
+      q.probe_wait = std::min(256, q.probe_wait * 2);
+    } else {
+      q.draft_cap /= 2;
+    }
+  } else {
+    q.probe_wait = 8;
+    if (static_cast<size_t>(accepted) == k) q.draft_cap = std::min(block, q.draft_cap + 1);
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.spec_steps += 1;

@@ -20,6 +20,7 @@ if [[ ${#tests[@]} -eq 0 ]]; then
   exit 1
 fi
 tests+=("$build"/tests/golden_test "$build"/tests/forward_equivalence_test
+        "$build"/tests/dspark_golden_test
         "$build"/tests/backend_equivalence_test "$build"/bench/engine_bench
         "$build"/bench/gpu_bench_cuda)
 cp "${tests[@]}" "$dest/bin/"
