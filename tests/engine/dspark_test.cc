@@ -241,13 +241,14 @@ BOOST_AUTO_TEST_CASE(drafts_depend_on_the_tokens_alone) {
 }
 
 std::vector<int32_t> Generate(Engine& e, std::vector<int32_t> prompt, float temperature,
-                              uint64_t seed, int max_tokens) {
+                              uint64_t seed, int max_tokens, std::vector<int32_t> stop = {}) {
   GenerationRequest r;
   r.prompt = std::move(prompt);
   r.sampling.temperature = temperature;
   r.sampling.seed = seed;
   r.sampling.max_tokens = max_tokens;
   r.sampling.ignore_eos = true;
+  r.sampling.stop_tokens = std::move(stop);
   auto [h, q] = e.Submit(std::move(r));
   std::vector<int32_t> out;
   for (;;) {
@@ -278,6 +279,11 @@ BOOST_AUTO_TEST_CASE(greedy_output_is_identical_with_and_without_drafting) {
   for (uint32_t i = 0; i < 10; ++i) prompts.push_back(Tokens(3 + 7 * i, 50 + i));
   std::vector<std::vector<int32_t>> want;
   for (const auto& p : prompts) want.push_back(Generate(**off, p, 0.0f, 1, 20));
+  // A stop token inside a verified block ends the output on it, as without drafting.
+  const int32_t stop = want[4][9];
+  const std::vector<int32_t> stopped = Generate(**off, prompts[4], 0.0f, 1, 20, {stop});
+  BOOST_TEST(stopped.size() <= 10u);
+  BOOST_TEST(stopped.back() == stop);
   off->reset();
   for (int fixed : {0, 3, 5}) {
     EngineOptions spec = plain;
@@ -296,12 +302,18 @@ BOOST_AUTO_TEST_CASE(greedy_output_is_identical_with_and_without_drafting) {
     for (size_t i = 0; i < prompts.size(); ++i) {
       BOOST_TEST(got[i] == want[i], "prompt " << i << " speculative_tokens " << fixed);
     }
-    const Engine::Stats s = (*on)->stats();
+    // A step's counts land just after its last events: wait for them.
+    Engine::Stats s = (*on)->stats();
+    for (int i = 0; i < 500 && s.tokens_generated < 10 * 20; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      s = (*on)->stats();
+    }
     BOOST_TEST(s.spec_steps > 0);
     BOOST_TEST(s.spec_drafted >= s.spec_steps);
     BOOST_TEST(s.spec_accepted <= s.spec_drafted);
     BOOST_TEST(s.tokens_generated == 10 * 20);
     if (fixed > 0) BOOST_TEST(s.spec_drafted <= s.spec_steps * fixed);
+    BOOST_TEST(Generate(**on, prompts[4], 0.0f, 1, 20, {stop}) == stopped);
     // Sampling: the same seed gives the same tokens again.
     const std::vector<int32_t> s1 = Generate(**on, prompts[3], 0.9f, 77, 24);
     const std::vector<int32_t> s2 = Generate(**on, prompts[3], 0.9f, 77, 24);
