@@ -262,6 +262,7 @@ int ModelInfoCommand(const std::vector<std::string>& args) {
                        {"file_bytes", model->checkpoint().total_file_bytes()},
                        {"tensors", model->checkpoint().tensors().size()},
                        {"bound", model->weights().tensors.size()},
+                       {"dspark", model->weights().dspark},
                        {"unused", unused},
                        {"unexpected", model->weights().unexpected}};
   }
@@ -310,6 +311,13 @@ int ModelInfoCommand(const std::vector<std::string>& args) {
     std::printf("checkpoint on disk: %zu files, %.3f GB, %zu tensors, %zu bound\n",
                 model->checkpoint().files().size(), model->checkpoint().total_file_bytes() / 1e9,
                 model->checkpoint().tensors().size(), model->weights().tensors.size());
+    if (model->weights().dspark) {
+      std::printf("  dspark: the drafter's %d stages are complete (speculative decoding)\n",
+                  config->num_nextn_predict_layers);
+    } else if (config->num_nextn_predict_layers > 0) {
+      std::printf("  dspark: %lld of the drafter's tensors missing: no speculative decoding\n",
+                  static_cast<long long>(model->weights().dspark_missing));
+    }
     for (const auto& [part, counts] : model->weights().unused) {
       std::printf("  not used yet: %llu %s tensors (%.3f GB)\n",
                   static_cast<unsigned long long>(counts.first), engine::ModelPartName(part),

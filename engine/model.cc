@@ -29,6 +29,14 @@ StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir) {
       "model {}: mapped {} files, {:.2f} GiB, {} tensors", dir, m->checkpoint_->files().size(),
       m->checkpoint_->total_file_bytes() / double(1ull << 30), m->checkpoint_->tensors().size());
   FLASHD_ASSIGN_OR_RETURN(m->weights_, BindWeights(m->config_, *m->checkpoint_));
+  if (m->weights_.dspark) {
+    spdlog::info("model {}: DSpark drafter complete ({} stages)", dir,
+                 m->config_.num_nextn_predict_layers);
+  } else if (m->config_.num_nextn_predict_layers > 0) {
+    spdlog::info(
+        "model {}: DSpark drafter incomplete ({} tensors missing): no speculative decoding", dir,
+        m->weights_.dspark_missing);
+  }
   for (const auto& [part, counts] : m->weights_.unused) {
     spdlog::info("model {}: {} {} tensors ({:.2f} GiB) present but not used by this engine yet",
                  dir, counts.first, ModelPartName(part), counts.second / double(1ull << 30));

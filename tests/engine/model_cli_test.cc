@@ -74,8 +74,8 @@ BOOST_AUTO_TEST_CASE(model_info_text_and_a_tiny_directory) {
   Run info = Flashd("model-info " + dir);
   BOOST_TEST(info.code == 0, info.out);
   BOOST_TEST(Contains(info.out, "bytes/token"), info.out);
-  BOOST_TEST(Contains(info.out, "495 bound"), info.out);
-  BOOST_TEST(Contains(info.out, "not used yet: 60 dspark tensors"), info.out);
+  BOOST_TEST(Contains(info.out, "555 bound"), info.out);  // 495 + the drafter's 60.
+  BOOST_TEST(Contains(info.out, "dspark: the drafter's 1 stages are complete"), info.out);
 }
 
 BOOST_AUTO_TEST_CASE(model_info_reports_engram_classes_of_the_v4_tokenizer) {

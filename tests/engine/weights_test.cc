@@ -57,9 +57,12 @@ BOOST_AUTO_TEST_CASE(tiny_model_binds_every_tensor_by_released_name) {
   BOOST_TEST(expert->ShapeString() == "[128, 128]");  // 256 inputs, two per byte.
   BOOST_TEST(w.tensors.at("layers.2.ffn.experts.0.w1.scale")->ShapeString() == "[128, 8]");
   BOOST_TEST(w.tensors.at("layers.0.attn.wq_b.scale")->ShapeString() == "[16, 2]");
-  // The DSpark stage is present and reported, not bound and not dropped silently.
-  BOOST_REQUIRE(w.unused.count(ModelPart::kDSpark) == 1u);
-  BOOST_TEST(w.unused.at(ModelPart::kDSpark).first > 0u);
+  // The DSpark stage is present, checked and bound like the rest.
+  BOOST_TEST(w.dspark);
+  BOOST_TEST(w.dspark_missing == 0);
+  BOOST_TEST(w.unused.count(ModelPart::kDSpark) == 0u);
+  BOOST_TEST(w.tensors.count("mtp.0.main_proj.weight") == 1u);
+  BOOST_TEST(w.tensors.count("mtp.0.confidence_head.proj.weight") == 1u);
   BOOST_TEST(w.unexpected.empty());
 }
 
