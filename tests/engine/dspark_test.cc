@@ -240,6 +240,38 @@ BOOST_AUTO_TEST_CASE(drafts_depend_on_the_tokens_alone) {
       StatusCode::kInvalidArgument);
 }
 
+// A sequence resumed from its KV blocks alone (the prefix cache's replay path) rebuilds the
+// drafter's rings by the same exact replay: it drafts what the original drafts.
+BOOST_AUTO_TEST_CASE(a_replayed_resume_rebuilds_the_drafters_rings) {
+  const CpuForward& f = *Shared().forward;
+  const int64_t block = f.block_tokens();
+  const int64_t replay = f.ExactReplayTokens();
+  const int64_t P = replay + 2 * block;  // Resume at P from its blocks, replaying `replay`.
+  const std::vector<int32_t> tokens = Tokens(static_cast<size_t>(P + 5), 12);
+  SequenceState whole = f.NewSequence();
+  std::vector<float> l;
+  BOOST_REQUIRE(f.Forward(&whole, tokens, &l).ok());
+  KvPool& pool = *f.pool();
+  auto copy_blocks = [&](size_t count) {
+    std::vector<int32_t> ids;
+    for (size_t b = 0; b < count; ++b) {
+      const int32_t id = pool.Allocate();
+      BOOST_REQUIRE(id >= 0);
+      std::memcpy(pool.data(id), pool.data(whole.blocks[b]), pool.block_bytes());
+      ids.push_back(id);
+    }
+    return ids;
+  };
+  auto resumed = f.ResumeAt(P - replay, std::span(tokens).first(static_cast<size_t>(P - replay)),
+                            copy_blocks(static_cast<size_t>(P / block)));
+  BOOST_REQUIRE_MESSAGE(resumed.ok(), resumed.status().ToString());
+  std::vector<int32_t> rest(tokens.begin() + (P - replay), tokens.end());
+  BOOST_REQUIRE(f.Forward(&*resumed, rest, &l).ok());
+  BOOST_REQUIRE(resumed->position == whole.position);
+  BOOST_TEST(SameBoundedState(*resumed, whole));
+  BOOST_TEST(GreedyDraft(f, *resumed, 33).logits == GreedyDraft(f, whole, 33).logits);
+}
+
 std::vector<int32_t> Generate(Engine& e, std::vector<int32_t> prompt, float temperature,
                               uint64_t seed, int max_tokens, std::vector<int32_t> stop = {}) {
   GenerationRequest r;
