@@ -569,15 +569,30 @@ void Engine::DraftAll(const std::vector<Sequence*>& owners) {
   std::vector<std::vector<float>> confidence(drafting.size());
   std::vector<std::vector<TokenDistribution>> dists(drafting.size());
   std::vector<DraftItem> items;
+  std::vector<size_t> used;  // Index into drafting of each item.
   for (size_t i = 0; i < drafting.size(); ++i) {
     Sequence* q = drafting[i];
-    items.push_back({&q->state, q->next_input,
-                     [q, &dists, i](int64_t, std::span<const float> l) {
-                       dists[i].push_back(q->sampler->Distribution(l));
-                       return q->sampler->Draw(dists[i].back());
-                     },
-                     &drafted[i], &confidence[i]});
+    DraftItem item{&q->state, q->next_input,
+                   [q, &dists, i](int64_t, std::span<const float> l) {
+                     dists[i].push_back(q->sampler->Distribution(l));
+                     return q->sampler->Draw(dists[i].back());
+                   },
+                   &drafted[i], &confidence[i]};
+    // Fixed: that many. Adaptive: up to the cap, while the confidence head expects acceptance
+    // (a logit >= 0), at least one (it costs little beside the decode it rides with).
+    const int64_t room = std::min<int64_t>(config().sliding_window - 1,
+                                           q->request.sampling.max_tokens - q->generated - 1);
+    if (options_.speculative_tokens > 0) {
+      item.limit = std::min<int64_t>({options_.speculative_tokens, block, room});
+    } else {
+      item.limit = std::min<int64_t>({q->draft_cap, block, room});
+      item.min_confidence = 0.0f;
+    }
+    if (item.limit <= 0) continue;
+    items.push_back(std::move(item));
+    used.push_back(i);
   }
+  if (items.empty()) return;
   ForwardOptions fo;
   fo.threads = options_.threads;
   if (Status s = forward_->Draft(items, fo); !s.ok()) {
@@ -585,22 +600,9 @@ void Engine::DraftAll(const std::vector<Sequence*>& owners) {
                  s.ToString());
     return;
   }
-  const int64_t room = static_cast<int64_t>(config().sliding_window) - 1;
-  for (size_t i = 0; i < drafting.size(); ++i) {
-    Sequence* q = drafting[i];
-    int64_t k;
-    if (options_.speculative_tokens > 0) {
-      k = std::min<int64_t>(options_.speculative_tokens, block);
-    } else {
-      // The leading drafts the confidence head expects to be accepted, at most the cap.
-      k = 0;
-      while (k < std::min<int64_t>(q->draft_cap, block) && confidence[i][k] >= 0.0f) ++k;
-      if (k == 0) k = 1;  // One draft costs little beside the decode it rides with.
-    }
-    k = std::min<int64_t>({k, room, q->request.sampling.max_tokens - q->generated - 1});
-    if (k <= 0) continue;
-    q->draft.assign(drafted[i].begin(), drafted[i].begin() + k);
-    q->draft_q.assign(dists[i].begin(), dists[i].begin() + k);
+  for (size_t i : used) {
+    drafting[i]->draft = std::move(drafted[i]);
+    drafting[i]->draft_q = std::move(dists[i]);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

@@ -553,35 +553,20 @@ Status Step::RunDraft(std::span<DraftItem> drafts) {
                       .stride = dim,
                       .weight = d.norm.data(),
                       .eps = static_cast<float>(c_.rms_norm_eps)});
-  std::vector<float> logits(rows * static_cast<size_t>(V));
-  FLASHD_OP(Linear, {.x = x_.data(),
-                     .rows = static_cast<int64_t>(rows),
-                     .in = dim,
-                     .out = V,
-                     .dense = m_.head.data(),
-                     .y = logits.data(),
-                     .stream = &stream_});
-  // Position by position: the Markov head's bias for the token before, the pick, and the
-  // confidence of [hidden, Markov embedding].
+  // Position by position: the confidence of [hidden, Markov embedding of the token before],
+  // whether to go on, the head's logits, the Markov head's bias, the pick.
   const int64_t rank = d.rank, B = d.block;
-  std::vector<float> bias(static_cast<size_t>(V)), joint(static_cast<size_t>(dim + rank));
+  std::vector<float> logits(static_cast<size_t>(V)), bias(static_cast<size_t>(V));
+  std::vector<float> joint(static_cast<size_t>(dim + rank));
   for (size_t i = 0; i < drafts.size(); ++i) {
     DraftItem& item = drafts[i];
-    item.drafted->assign(static_cast<size_t>(B), 0);
-    item.confidence->assign(static_cast<size_t>(B), 0.0f);
+    item.drafted->clear();
+    item.confidence->clear();
+    const int64_t limit = item.limit > 0 ? std::min(item.limit, B) : B;
     int32_t prev = item.token;
-    for (int64_t j = 0; j < B; ++j) {
+    for (int64_t j = 0; j < limit; ++j) {
       const size_t row = plan_.segments[i].offset + static_cast<size_t>(j);
       const float* emb = &d.markov_embed[static_cast<size_t>(prev) * rank];
-      FLASHD_OP(Linear, {.x = emb,
-                         .rows = 1,
-                         .in = rank,
-                         .out = V,
-                         .dense = d.markov_head.data(),
-                         .y = bias.data(),
-                         .stream = &stream_});
-      float* lj = &logits[row * V];
-      for (int64_t v = 0; v < V; ++v) lj[v] += bias[v];
       std::copy_n(&hidden[row * dim], dim, joint.begin());
       std::copy_n(emb, rank, joint.begin() + dim);
       float conf = 0;
@@ -592,10 +577,26 @@ Status Step::RunDraft(std::span<DraftItem> drafts) {
                          .dense = d.confidence.data(),
                          .y = &conf,
                          .stream = &stream_});
-      (*item.confidence)[j] = conf;
-      prev = item.pick(j, std::span<const float>(lj, static_cast<size_t>(V)));
+      if (j > 0 && conf < item.min_confidence) break;
+      FLASHD_OP(Linear, {.x = &x_[row * dim],
+                         .rows = 1,
+                         .in = dim,
+                         .out = V,
+                         .dense = m_.head.data(),
+                         .y = logits.data(),
+                         .stream = &stream_});
+      FLASHD_OP(Linear, {.x = emb,
+                         .rows = 1,
+                         .in = rank,
+                         .out = V,
+                         .dense = d.markov_head.data(),
+                         .y = bias.data(),
+                         .stream = &stream_});
+      for (int64_t v = 0; v < V; ++v) logits[v] += bias[v];
+      item.confidence->push_back(conf);
+      prev = item.pick(j, std::span<const float>(logits.data(), static_cast<size_t>(V)));
       if (prev < 0 || prev >= V) return InvalidArgument("draft: a pick outside the vocabulary");
-      (*item.drafted)[j] = prev;
+      item.drafted->push_back(prev);
     }
   }
   return Status::Ok();

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <span>
 #include <string>
@@ -103,9 +104,14 @@ struct DraftItem {
   // Picks drafted token i + 1 from the draft logits of block position i (vocab-sized, the
   // Markov head's bias included); the logits of block position i + 1 depend on that choice.
   std::function<int32_t(int64_t i, std::span<const float> logits)> pick = nullptr;
-  std::vector<int32_t>* drafted = nullptr;   // [block]: the picks.
-  std::vector<float>* confidence = nullptr;  // [block]: the confidence head's logit that each
-                                             // drafted token is accepted.
+  std::vector<int32_t>* drafted = nullptr;   // The picks, up to a block.
+  std::vector<float>* confidence = nullptr;  // The confidence head's logit that each drafted
+                                             // token is accepted.
+  // Drafting stops after `limit` tokens (0: a whole block), and before a position whose
+  // confidence is below min_confidence (the first position is always drafted). The stages run
+  // over the whole block either way; the head runs only for the positions drafted.
+  int64_t limit = 0;
+  float min_confidence = -std::numeric_limits<float>::infinity();
 };
 
 class CpuForward {

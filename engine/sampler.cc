@@ -152,10 +152,14 @@ int32_t Sampler::Verify(std::span<const float> logits, int32_t drafted,
   }
   *accepted = false;
   // The residual max(0, p - q), normalised; p itself when it is empty (p == q).
+  std::unordered_map<int32_t, double> q;
+  q.reserve(draft.ids.size());
+  for (size_t i = 0; i < draft.ids.size(); ++i) q[draft.ids[i]] = draft.weights[i] / draft.total;
   TokenDistribution r;
   r.total = 0;
   for (size_t i = 0; i < p.ids.size(); ++i) {
-    const double w = std::max(0.0, p.weights[i] / p.total - draft.P(p.ids[i]));
+    const auto it = q.find(p.ids[i]);
+    const double w = std::max(0.0, p.weights[i] / p.total - (it == q.end() ? 0.0 : it->second));
     if (w <= 0) continue;
     r.ids.push_back(p.ids[i]);
     r.weights.push_back(w);

@@ -230,6 +230,20 @@ BOOST_AUTO_TEST_CASE(drafts_depend_on_the_tokens_alone) {
   BOOST_REQUIRE(f.Draft(std::span<DraftItem>(&item, 1)).ok());
   BOOST_TEST(forced[0] == d.logits[0]);
   BOOST_TEST(forced[1] != d.logits[1]);
+  // A limit or a confidence floor drafts fewer tokens, each as in the whole block (the head
+  // runs per position; the stages always see the whole block).
+  std::vector<int32_t> lt;
+  std::vector<float> lc;
+  DraftItem limited{&whole, 17, argmax, &lt, &lc};
+  limited.limit = 2;
+  BOOST_REQUIRE(f.Draft(std::span<DraftItem>(&limited, 1)).ok());
+  BOOST_TEST(lt == std::vector<int32_t>(d.tokens.begin(), d.tokens.begin() + 2));
+  BOOST_TEST(lc == std::vector<float>(d.confidence.begin(), d.confidence.begin() + 2));
+  limited.limit = 0;
+  limited.min_confidence = 1e30f;
+  BOOST_REQUIRE(f.Draft(std::span<DraftItem>(&limited, 1)).ok());
+  BOOST_TEST(lt.size() == 1u);  // The first position is always drafted.
+  BOOST_TEST(lt[0] == d.tokens[0]);
   // Bad input is refused, not run.
   SequenceState fresh = f.NewSequence();
   BOOST_TEST(
