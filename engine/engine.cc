@@ -424,7 +424,7 @@ void Engine::Admit() {
       stats_.cache_miss_tokens += static_cast<int64_t>(s.request.prompt.size()) - s.cached_tokens;
     }
     s.sampler = std::make_unique<Sampler>(s.request.sampling, s.request.prompt);
-    s.draft_cap = forward_->dspark_block();
+    s.draft_cap = std::min(2, forward_->dspark_block());  // Grows while drafts are accepted.
     if (tokenizer_) s.decoder = std::make_unique<StreamDecoder>(tokenizer_.get());
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
