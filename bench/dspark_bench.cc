@@ -5,7 +5,9 @@
 // no draft is accepted, so the adaptive length must switch drafting down). The speed-up at the
 // acceptance lengths peers publish follows from the measured costs.
 //
-//   build/bench/dspark_bench MODEL_DIR [--steps N]
+//   build/bench/dspark_bench MODEL_DIR [--steps N] [--batch B] [--no-engine]
+//
+// --batch measures that batch only; --no-engine leaves out the engine rows (for profiling).
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -76,8 +78,13 @@ int main(int argc, char** argv) {
   }
   const std::string dir = argv[1];
   int steps = 24;
-  for (int i = 2; i + 1 < argc; ++i) {
-    if (std::string(argv[i]) == "--steps") steps = std::atoi(argv[++i]);
+  std::vector<int> batches = {1, 8, 32};
+  bool engine = true;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
+    if (a == "--batch" && i + 1 < argc) batches = {std::atoi(argv[++i])};
+    if (a == "--no-engine") engine = false;
   }
   auto model = Model::Load(dir);
   if (!model.ok()) {
@@ -101,7 +108,7 @@ int main(int argc, char** argv) {
   std::printf("costs relative to one plain decode step (same batch, same run)\n");
   std::printf("batch  decode ms  draft/decode  verify k=1..%d / decode\n", block);
   std::vector<double> oracle_speedup;
-  for (int batch : {1, 8, 32}) {
+  for (int batch : batches) {
     std::vector<SequenceState> states;
     std::vector<std::vector<float>> logits(batch);
     std::vector<int32_t> pending(batch);
@@ -222,6 +229,7 @@ int main(int argc, char** argv) {
     }
     std::fflush(stdout);
   }
+  if (!engine) return 0;
   std::printf("engine, greedy, the checkpoint's drafter (adaptive) vs off\n");
   std::printf("batch  off tokens/s  dspark tokens/s  ratio  mean accepted length\n");
   for (int batch : {1, 8}) {
