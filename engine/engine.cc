@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 
@@ -443,6 +444,34 @@ void Engine::Admit() {
   }
 }
 
+namespace {
+
+// Text a token completed, against the stop strings: a stop string ends the output before it
+// (returns true); text that could start one waits in `pending`. `out` gets what may be sent.
+bool CutAtStop(const std::vector<std::string>& stops, std::string* pending, std::string* out) {
+  size_t cut = std::string::npos;
+  for (const std::string& st : stops) cut = std::min(cut, pending->find(st));
+  if (cut != std::string::npos) {
+    *out = pending->substr(0, cut);
+    pending->clear();
+    return true;
+  }
+  size_t hold = 0;
+  for (const std::string& st : stops) {
+    for (size_t n = std::min(st.size() - 1, pending->size()); n > hold; --n) {
+      if (pending->compare(pending->size() - n, n, st, 0, n) == 0) {
+        hold = n;
+        break;
+      }
+    }
+  }
+  *out = pending->substr(0, pending->size() - hold);
+  pending->erase(0, pending->size() - hold);
+  return false;
+}
+
+}  // namespace
+
 // Samples the sequence's next token from its logits and delivers it, with the text it completes
 // (held back while it could be the start of a stop string); ends the sequence on a stop token,
 // a stop string or max_tokens.
@@ -466,26 +495,7 @@ void Engine::Deliver(Sequence& q, const SampledToken& t) {
   bool stop_string = false;
   if (q.decoder && !stop_token) {
     q.pending_text += q.decoder->Push(t.token);
-    // A stop string ends the output before it; text that could start one waits.
-    size_t cut = std::string::npos;
-    for (const std::string& st : sp.stop) cut = std::min(cut, q.pending_text.find(st));
-    if (cut != std::string::npos) {
-      e.text = q.pending_text.substr(0, cut);
-      q.pending_text.clear();
-      stop_string = true;
-    } else {
-      size_t hold = 0;
-      for (const std::string& st : sp.stop) {
-        for (size_t n = std::min(st.size() - 1, q.pending_text.size()); n > hold; --n) {
-          if (q.pending_text.compare(q.pending_text.size() - n, n, st, 0, n) == 0) {
-            hold = n;
-            break;
-          }
-        }
-      }
-      e.text = q.pending_text.substr(0, q.pending_text.size() - hold);
-      q.pending_text.erase(0, q.pending_text.size() - hold);
-    }
+    stop_string = CutAtStop(sp.stop, &q.pending_text, &e.text);
   }
   q.queue->Push(std::move(e));
   if (stop_token || stop_string) {
@@ -498,15 +508,19 @@ void Engine::Deliver(Sequence& q, const SampledToken& t) {
 // Speculative sampling over a verified block [next_input, d1 .. dk]: row j of the logits
 // decides the token after d_j (row 0: after next_input). Drafts are accepted in order while
 // they agree (Sampler::Verify); the first disagreement, or the row after the last draft, gives
-// one more token. A token that ends the sequence (a stop token, max_tokens) is the last emitted
-// and, as when decoding one token at a time, is not run: the sequence keeps exactly the tokens
-// before each emitted one.
+// one more token. A token that ends the sequence (a stop token, a stop string, max_tokens) is
+// the last emitted and, as when decoding one token at a time, is not run: the sequence keeps
+// exactly the tokens before each emitted one.
 int64_t Engine::Verify(Sequence& q, std::span<const float> logits) {
   const size_t V = static_cast<size_t>(config().vocab_size);
   const SamplingParams& sp = q.request.sampling;
   const size_t k = q.draft.size();
   q.emitted.clear();
   int64_t accepted = 0;
+  // Stop strings, checked as Deliver will check them, on copies of the text state.
+  std::optional<StreamDecoder> text;
+  std::string pending = q.pending_text, unused;
+  if (q.decoder && !sp.stop.empty()) text.emplace(*q.decoder);
   for (size_t j = 0; j <= k; ++j) {
     const std::span<const float> row = logits.subspan(j * V, V);
     int32_t token;
@@ -518,10 +532,16 @@ int64_t Engine::Verify(Sequence& q, std::span<const float> logits) {
     }
     q.emitted.push_back(q.sampler->Record(token, row));
     accepted += agreed ? 1 : 0;
-    const bool stop =
+    const bool stop_token =
         (token == config().eos_token_id && !sp.ignore_eos) ||
-        std::find(sp.stop_tokens.begin(), sp.stop_tokens.end(), token) != sp.stop_tokens.end() ||
-        q.generated + static_cast<int64_t>(q.emitted.size()) >= sp.max_tokens;
+        std::find(sp.stop_tokens.begin(), sp.stop_tokens.end(), token) != sp.stop_tokens.end();
+    bool stop_string = false;
+    if (text && !stop_token) {
+      pending += text->Push(token);
+      stop_string = CutAtStop(sp.stop, &pending, &unused);
+    }
+    const bool stop = stop_token || stop_string ||
+                      q.generated + static_cast<int64_t>(q.emitted.size()) >= sp.max_tokens;
     if (!agreed || stop) break;
   }
   // The cap adapts: halved when nothing was accepted, one more when everything was.

@@ -287,8 +287,11 @@ BOOST_AUTO_TEST_CASE(a_replayed_resume_rebuilds_the_drafters_rings) {
 }
 
 std::vector<int32_t> Generate(Engine& e, std::vector<int32_t> prompt, float temperature,
-                              uint64_t seed, int max_tokens, std::vector<int32_t> stop = {}) {
+                              uint64_t seed, int max_tokens, std::vector<int32_t> stop = {},
+                              std::vector<std::string> stop_strings = {},
+                              std::string* text = nullptr) {
   GenerationRequest r;
+  r.sampling.stop = std::move(stop_strings);
   r.prompt = std::move(prompt);
   r.sampling.temperature = temperature;
   r.sampling.seed = seed;
@@ -303,6 +306,7 @@ std::vector<int32_t> Generate(Engine& e, std::vector<int32_t> prompt, float temp
     if (ev->kind == GenerationEvent::Kind::kToken && ev->token.token >= 0) {
       out.push_back(ev->token.token);
     }
+    if (ev->kind == GenerationEvent::Kind::kToken && text != nullptr) *text += ev->text;
     if (ev->kind == GenerationEvent::Kind::kDone) {
       BOOST_REQUIRE_MESSAGE(ev->error.ok(), ev->error.ToString());
       BOOST_TEST(ev->completion_tokens == static_cast<int64_t>(out.size()));
@@ -330,6 +334,14 @@ BOOST_AUTO_TEST_CASE(greedy_output_is_identical_with_and_without_drafting) {
   const std::vector<int32_t> stopped = Generate(**off, prompts[4], 0.0f, 1, 20, {stop});
   BOOST_TEST(stopped.size() <= 10u);
   BOOST_TEST(stopped.back() == stop);
+  // A stop string completed by a token inside a verified block ends the output there too.
+  const std::string later = (*off)->tokenizer()->Decode(std::span<const int32_t>(&want[6][8], 3));
+  BOOST_REQUIRE(!later.empty());
+  std::string stopped_text;
+  const std::vector<int32_t> by_string =
+      Generate(**off, prompts[6], 0.0f, 1, 20, {}, {later}, &stopped_text);
+  BOOST_TEST(by_string.size() <= 11u);
+  BOOST_TEST(stopped_text.find(later) == std::string::npos);
   off->reset();
   for (int fixed : {0, 3, 5}) {
     EngineOptions spec = plain;
@@ -360,6 +372,9 @@ BOOST_AUTO_TEST_CASE(greedy_output_is_identical_with_and_without_drafting) {
     BOOST_TEST(s.tokens_generated == 10 * 20);
     if (fixed > 0) BOOST_TEST(s.spec_drafted <= s.spec_steps * fixed);
     BOOST_TEST(Generate(**on, prompts[4], 0.0f, 1, 20, {stop}) == stopped);
+    std::string text;
+    BOOST_TEST(Generate(**on, prompts[6], 0.0f, 1, 20, {}, {later}, &text) == by_string);
+    BOOST_TEST(text == stopped_text);
     // Sampling: the same seed gives the same tokens again.
     const std::vector<int32_t> s1 = Generate(**on, prompts[3], 0.9f, 77, 24);
     const std::vector<int32_t> s2 = Generate(**on, prompts[3], 0.9f, 77, 24);
