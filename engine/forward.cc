@@ -343,6 +343,7 @@ class Step {
   Status Compress(int l, size_t seg, const float* kvp, const float* score);
   Status Index(int l, size_t seg, const float* qr_all, const float* weights_all);
   Status Moe(int l);
+  Status Embed();
   Status Collapse(const float* weights, const std::vector<float>& norm);
   Status Expand();
   Status RunBlock(int l, bool record);
@@ -411,10 +412,10 @@ Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y) {
   return Status::Ok();
 }
 
-Status Step::Run() {
+// The plan's tokens embedded into hc copies, the first copy's pre-mix, the step's buffers.
+Status Step::Embed() {
   const int64_t dim = c_.hidden_size, hc = c_.hc_mult;
   const size_t rows = n();
-  const size_t mix = static_cast<size_t>((2 + hc) * hc);
   X_.resize(rows * hc * dim);
   FLASHD_OP(Embed, {.tokens = plan_.tokens.data(),
                     .count = static_cast<int64_t>(rows),
@@ -429,11 +430,17 @@ Status Step::Run() {
   candidates_.assign(rows, {});
   x_.resize(rows * dim);
   sub_.resize(rows * dim);
-  mixes_.resize(rows * mix);
+  mixes_.resize(rows * (2 + hc) * hc);
   pre_a_.resize(rows * hc);
   pre_f_.resize(rows * hc);
   post_.resize(rows * hc);
   comb_.resize(rows * hc * hc);
+  return Status::Ok();
+}
+
+Status Step::Run() {
+  const size_t rows = n();
+  FLASHD_RETURN_IF_ERROR(Embed());
   compressors_.resize(plan_.segments.size());
   ring_rows_.assign(plan_.segments.size(), std::vector<RingRows>(c_.num_hidden_layers));
   for (size_t i = 0; i < items_.size(); ++i) compressors_[i] = items_[i].state->sources;
@@ -518,29 +525,11 @@ Status Step::RunBlock(int l, bool record) {
 
 Status Step::RunDraft(std::span<DraftItem> drafts) {
   const DSparkWeights& d = *m_.dspark;
-  const int64_t dim = c_.hidden_size, hc = c_.hc_mult, V = c_.vocab_size;
+  const int64_t dim = c_.hidden_size, V = c_.vocab_size;
   const size_t rows = n();
   draft_ = true;
   b_ = m_.LayerBackend(c_.num_hidden_layers - 1);
-  X_.resize(rows * hc * dim);
-  FLASHD_OP(Embed, {.tokens = plan_.tokens.data(),
-                    .count = static_cast<int64_t>(rows),
-                    .hc = hc,
-                    .dim = dim,
-                    .vocab = c_.vocab_size,
-                    .embed = m_.embed.data(),
-                    .X = X_.data()});
-  pre_mix_.assign(rows * hc, 0.0f);
-  for (size_t t = 0; t < rows; ++t) pre_mix_[t * hc] = 1.0f;
-  selection_.assign(rows, {});
-  candidates_.assign(rows, {});
-  x_.resize(rows * dim);
-  sub_.resize(rows * dim);
-  mixes_.resize(rows * (2 + hc) * hc);
-  pre_a_.resize(rows * hc);
-  pre_f_.resize(rows * hc);
-  post_.resize(rows * hc);
-  comb_.resize(rows * hc * hc);
+  FLASHD_RETURN_IF_ERROR(Embed());
   for (int st = 0; st < d.stages; ++st) {
     FLASHD_RETURN_IF_ERROR(RunBlock(c_.num_hidden_layers + st, false));
   }
