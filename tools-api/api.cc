@@ -237,6 +237,8 @@ void Api::Health(const httplib::Request&, httplib::Response& res) const {
     }
     body["backend"] = BackendJson(engine_->backend());
     body["backend"]["placement"] = engine_->placement();
+    // engine.speculative as in effect: dspark needs the checkpoint's heads.
+    body["speculative"] = engine_->speculative() ? "dspark" : "off";
   }
   res.set_content(body.dump(), "application/json");
 }

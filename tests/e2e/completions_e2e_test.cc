@@ -107,6 +107,7 @@ BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same
     BOOST_REQUIRE(health);
     const json h = json::parse(health->body);
     BOOST_TEST(h["backend"]["name"] == backend, h.dump());
+    BOOST_TEST(h["speculative"] == "dspark", h.dump());  // The test model has the heads.
     BOOST_TEST(Contains(h["backend"]["placement"].get<std::string>(), placement), h.dump());
     BOOST_TEST(!h["backend"]["device"].get<std::string>().empty());
     if (backend != "cpu") {
