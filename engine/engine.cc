@@ -470,6 +470,13 @@ bool CutAtStop(const std::vector<std::string>& stops, std::string* pending, std:
   return false;
 }
 
+// Whether `token` ends the output by itself: the model's end of sentence (unless ignored) or
+// one of the request's stop tokens.
+bool IsStopToken(const SamplingParams& sp, int64_t eos, int32_t token) {
+  return (token == eos && !sp.ignore_eos) ||
+         std::find(sp.stop_tokens.begin(), sp.stop_tokens.end(), token) != sp.stop_tokens.end();
+}
+
 }  // namespace
 
 // Samples the sequence's next token from its logits and delivers it, with the text it completes
@@ -483,9 +490,7 @@ void Engine::Deliver(Sequence& q, const SampledToken& t) {
   q.generated += 1;
   q.next_input = t.token;
   const SamplingParams& sp = q.request.sampling;
-  const bool stop_token =
-      (t.token == config().eos_token_id && !sp.ignore_eos) ||
-      std::find(sp.stop_tokens.begin(), sp.stop_tokens.end(), t.token) != sp.stop_tokens.end();
+  const bool stop_token = IsStopToken(sp, config().eos_token_id, t.token);
   GenerationEvent e;
   e.kind = GenerationEvent::Kind::kToken;
   e.token = t;
@@ -532,9 +537,7 @@ int64_t Engine::Verify(Sequence& q, std::span<const float> logits) {
     }
     q.emitted.push_back(q.sampler->Record(token, row));
     accepted += agreed ? 1 : 0;
-    const bool stop_token =
-        (token == config().eos_token_id && !sp.ignore_eos) ||
-        std::find(sp.stop_tokens.begin(), sp.stop_tokens.end(), token) != sp.stop_tokens.end();
+    const bool stop_token = IsStopToken(sp, config().eos_token_id, token);
     bool stop_string = false;
     if (text && !stop_token) {
       pending += text->Push(token);

@@ -120,6 +120,11 @@ struct CpuForward::Impl {
   size_t ring_count() const {
     return static_cast<size_t>(c.num_hidden_layers + (dspark ? dspark->stages : 0));
   }
+  // A window ring holding nothing yet: zero codes, unit (UE8M0 127) scales.
+  SequenceState::Ring EmptyRing() const {
+    const size_t hd = static_cast<size_t>(c.head_dim), win = static_cast<size_t>(c.sliding_window);
+    return {std::vector<uint8_t>(win * hd, 0), std::vector<uint8_t>(win * hd / 32, 127)};
+  }
   const LayerPlan& Plan(int l) const {
     return l < c.num_hidden_layers ? c.layers[l] : kDraftLayerPlan;
   }
@@ -323,8 +328,8 @@ class Step {
   }
 
   Status Run();
-  // A DSpark draft block per sequence (a plan from PlanDraft): the stages, the head, the Markov
-  // head and the confidence. Changes no state.
+  // A DSpark draft block per sequence (the plan CpuForward::Draft makes): the stages, the head,
+  // the Markov head and the confidence. Changes no state.
   Status RunDraft(std::span<DraftItem> drafts);
   void SetWindowLast(std::vector<int64_t> last) { window_last_ = std::move(last); }
   // Applies the staged state; keep[i] of item i's tokens (all of them when keep is empty).
@@ -1367,14 +1372,7 @@ StatusOr<SequenceState> CpuForward::Restore(std::string_view snapshot,
   }
   // The DSpark stages' rings: dropped when this model does not draft; a snapshot made without
   // them gets empty ones (its drafts are then weaker for a window of tokens, never wrong).
-  const size_t want = impl_->ring_count();
-  if (s.rings.size() > want) s.rings.resize(want);
-  while (s.rings.size() < want) {
-    const size_t hd = static_cast<size_t>(impl_->c.head_dim);
-    const size_t win = static_cast<size_t>(impl_->c.sliding_window);
-    s.rings.push_back(
-        {std::vector<uint8_t>(win * hd, 0), std::vector<uint8_t>(win * hd / 32, 127)});
-  }
+  s.rings.resize(impl_->ring_count(), impl_->EmptyRing());
   return s;
 }
 
@@ -1464,12 +1462,7 @@ SequenceState CpuForward::NewSequence() const {
   const ModelConfig& c = impl_->c;
   SequenceState s;
   const size_t hd = static_cast<size_t>(c.head_dim);
-  const size_t win = static_cast<size_t>(c.sliding_window);
-  s.rings.resize(impl_->ring_count());
-  for (auto& r : s.rings) {
-    r.codes.assign(win * hd, 0);
-    r.scales.assign(win * hd / 32, 127);
-  }
+  s.rings.assign(impl_->ring_count(), impl_->EmptyRing());
   s.pool = impl_->pool;
   s.layout = impl_->layout;
   s.sources.resize(c.num_hidden_layers);
