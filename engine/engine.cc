@@ -212,6 +212,15 @@ std::pair<Engine::Handle, std::shared_ptr<EventQueue>> Engine::Submit(Generation
   seq->queue = std::make_shared<EventQueue>();
   seq->request = std::move(request);
   auto queue = seq->queue;
+  {
+    // Snapshot positions strictly inside the prompt, ascending, each once.
+    std::vector<int64_t>& at = seq->request.snapshot_at;
+    const auto n = static_cast<int64_t>(seq->request.prompt.size());
+    at.erase(std::remove_if(at.begin(), at.end(), [n](int64_t p) { return p <= 0 || p >= n; }),
+             at.end());
+    std::sort(at.begin(), at.end());
+    at.erase(std::unique(at.begin(), at.end()), at.end());
+  }
   Status invalid = seq->request.sampling.Validate();
   if (invalid.ok() && seq->request.prompt.empty()) invalid = InvalidArgument("prompt: empty");
   for (int32_t t : seq->request.prompt) {
@@ -328,6 +337,16 @@ void Engine::ApplyRestore(Sequence& s) {
 
 void Engine::StoreNewBlocks(Sequence& s) {
   if (prefix_) prefix_->StoreNewBlocks(s.fed, s.state, s.request.tenant, &s.chain);
+}
+
+size_t Engine::PromptRunLeft(const Sequence& s) const {
+  const size_t left = s.request.prompt.size() - s.prompt_done;
+  if (!options_.cache || left == 0) return left;
+  // A prefill chunk ends at the next requested snapshot position, so the state there is saved.
+  const auto next = std::upper_bound(s.request.snapshot_at.begin(), s.request.snapshot_at.end(),
+                                     static_cast<int64_t>(s.prompt_done));
+  if (next == s.request.snapshot_at.end()) return left;
+  return std::min(left, static_cast<size_t>(*next) - s.prompt_done);
 }
 
 void Engine::SaveSnapshot(Sequence& s) {
@@ -698,7 +717,14 @@ int64_t Engine::RunBatch(const std::vector<Sequence*>& owners,
     if (was_prefill) {
       q.prompt_done += inputs[i].size();
       prompt_tokens += static_cast<int64_t>(inputs[i].size());
-      if (q.prompt_done < q.request.prompt.size()) continue;  // More prompt next step.
+      if (q.prompt_done < q.request.prompt.size()) {
+        if (options_.cache &&
+            std::binary_search(q.request.snapshot_at.begin(), q.request.snapshot_at.end(),
+                               static_cast<int64_t>(q.prompt_done))) {
+          SaveSnapshot(q);  // A point where later prompts are likely to part from this one.
+        }
+        continue;  // More prompt next step.
+      }
       SaveSnapshot(q);
     }
     Publish(q, logits[i]);
@@ -724,7 +750,7 @@ bool Engine::Step() {
   for (auto& s : running_) {
     if (s->done) continue;
     live.push_back(s.get());
-    candidates.push_back({s->request.tenant, s->request.prompt.size() - s->prompt_done});
+    candidates.push_back({s->request.tenant, PromptRunLeft(*s)});
   }
   std::vector<Sequence*> owners;
   std::vector<std::vector<int32_t>> inputs;

@@ -57,6 +57,10 @@ struct GenerationRequest {
   // Namespaces whose stored prefixes this request may also start from (prefixes published to a
   // group the tenant belongs to); what it stores itself stays in the tenant's namespace.
   std::vector<std::string> shared_namespaces;
+  // Prompt positions (ascending) where the prefix cache also stores a state snapshot, besides
+  // the prompt's end: where later prompts are likely to part from this one (the end of a
+  // client's system prompt and tools), so that they resume there without a replay.
+  std::vector<int64_t> snapshot_at;
 };
 
 struct GenerationEvent {
@@ -184,6 +188,8 @@ class Engine {
   void ApplyRestore(Sequence& s);
   void StoreNewBlocks(Sequence& s);
   void SaveSnapshot(Sequence& s);
+  // Prompt tokens `s` may run in its next prefill chunk (up to a requested snapshot position).
+  size_t PromptRunLeft(const Sequence& s) const;
   void Finish(Sequence& s, const std::string& reason, Status error = Status::Ok());
   // KV for the prompt and max_tokens, plus the bounded per-sequence state.
   uint64_t MemoryNeed(const GenerationRequest& request) const;

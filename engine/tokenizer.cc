@@ -408,10 +408,26 @@ std::vector<int32_t> Tokenizer::Encode(std::string_view raw, bool allow_added) c
 
 std::vector<int32_t> Tokenizer::EncodeWithPlainRanges(
     std::string_view raw, const std::vector<std::pair<size_t, size_t>>& plain) const {
+  return EncodeWithPlainRanges(raw, plain, {}, nullptr);
+}
+
+std::vector<int32_t> Tokenizer::EncodeWithPlainRanges(
+    std::string_view raw, const std::vector<std::pair<size_t, size_t>>& plain,
+    const std::vector<size_t>& marks, std::vector<int64_t>* mark_tokens) const {
   // Sanitising can change byte offsets; the ranges refer to valid UTF-8, which it leaves alone.
   const std::string text = SanitizeUtf8(raw);
   std::vector<int32_t> out;
   out.reserve(text.size() / 3);
+  if (mark_tokens != nullptr) mark_tokens->assign(marks.size(), -1);
+  size_t next_mark = 0;
+  // Marks at `at`, a token boundary `out.size()` tokens in; marks before it fall inside a run.
+  const auto settle = [&](size_t at) {
+    if (mark_tokens == nullptr) return;
+    while (next_mark < marks.size() && marks[next_mark] <= at) {
+      if (marks[next_mark] == at) (*mark_tokens)[next_mark] = static_cast<int64_t>(out.size());
+      ++next_mark;
+    }
+  };
   size_t last = 0, i = 0, next_plain = 0;
   const auto& trie = impl_->trie;
   while (i < text.size()) {
@@ -438,12 +454,16 @@ std::vector<int32_t> Tokenizer::EncodeWithPlainRanges(
       ++i;
       continue;
     }
+    settle(last);
     if (i > last) impl_->EncodePlain(std::string_view(text).substr(last, i - last), &out);
+    settle(i);
     out.push_back(found);
     i += found_len;
     last = i;
   }
+  settle(last);
   if (last < text.size()) impl_->EncodePlain(std::string_view(text).substr(last), &out);
+  settle(text.size());
   return out;
 }
 

@@ -38,6 +38,13 @@ class Tokenizer {
   // token's text appears inside a plain range.
   std::vector<int32_t> EncodeWithPlainRanges(
       std::string_view text, const std::vector<std::pair<size_t, size_t>>& plain) const;
+  // The same, also saying for each of `marks` (sorted byte offsets of `text`) the index of the
+  // token that starts there, in `mark_tokens`: known where an added token begins or ends at the
+  // offset (or it is the text's end), else -1 (a plain run's tokens may straddle it).
+  std::vector<int32_t> EncodeWithPlainRanges(std::string_view text,
+                                             const std::vector<std::pair<size_t, size_t>>& plain,
+                                             const std::vector<size_t>& marks,
+                                             std::vector<int64_t>* mark_tokens) const;
 
   // The bytes of the tokens, concatenated (added tokens as their text). Unknown ids are skipped.
   std::string Decode(std::span<const int32_t> ids) const;

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "tools-api/browser_guard.h"
+#include "tools-api/chat_common.h"
 #include "tools-api/generation.h"
 
 namespace flashd::api {
@@ -427,8 +428,10 @@ void Api::Tokenize(const httplib::Request& req, httplib::Response& res) const {
   if (!tok) return WriteError(res, 503, "unavailable_error", "no tokenizer is loaded yet");
   nlohmann::json body;
   if (!ParseJsonBody(req, res, &body)) return;
+  if (body.contains("request")) return TokenizeRequest(req, res, body);
   if (!body.contains("text") || !body["text"].is_string()) {
-    return WriteError(res, 400, "invalid_request_error", "text: expected a string");
+    return WriteError(res, 400, "invalid_request_error",
+                      "text: expected a string (or \"request\" with \"api\")");
   }
   bool special = true;
   if (body.contains("special")) {
@@ -447,6 +450,43 @@ void Api::Tokenize(const httplib::Request& req, httplib::Response& res) const {
   }
   std::vector<int32_t> ids = tok->Encode(body["text"].get<std::string>(), special);
   nlohmann::json out = {{"tokens", ids}, {"count", ids.size()}, {"model", model_.id}};
+  res.set_content(out.dump(), "application/json");
+}
+
+// The prompt a request body of another route renders to, token for token: the same translation,
+// volatile-line handling and tool-call ledger as the route itself. What a client (or a benchmark's
+// oracle) needs to see which prefix of its prompts can be shared.
+void Api::TokenizeRequest(const httplib::Request& req, httplib::Response& res,
+                          const nlohmann::json& body) const {
+  if (!body["request"].is_object()) {
+    return WriteError(res, 400, "invalid_request_error",
+                      "request: expected the JSON body of a generation request");
+  }
+  const std::string api = body.contains("api") && body["api"].is_string() ? body["api"] : "";
+  chat::Translate translate;
+  if (api == "chat.completions") {
+    translate = [](const ojson& in, ojson* out) {
+      *out = in;
+      return std::optional<gen::FieldError>();
+    };
+  } else if (api == "messages") {
+    translate = [](const ojson& in, ojson* out) { return chat::AnthropicToChat(in, false, out); };
+  } else if (api == "responses") {
+    translate = chat::ResponsesToChat;
+  } else {
+    return WriteError(res, 400, "invalid_request_error",
+                      "api: expected \"chat.completions\", \"messages\" or \"responses\"");
+  }
+  httplib::Request inner = req;
+  inner.body = body["request"].dump();
+  nlohmann::json inner_body;
+  chat::ChatRequest cr;
+  if (!chat::ParseTranslated(inner, res, engine(), translate, model_.id, &ledger_,
+                             static_cast<size_t>(config_.server.max_messages), &inner_body, &cr)) {
+    return;
+  }
+  nlohmann::json out = {
+      {"tokens", cr.gen.prompt}, {"count", cr.gen.prompt.size()}, {"model", model_.id}};
   res.set_content(out.dump(), "application/json");
 }
 

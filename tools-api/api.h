@@ -91,6 +91,8 @@ class Api {
   void Model(const httplib::Request& req, httplib::Response& res, const std::string& id) const;
   nlohmann::json ModelEntry() const;
   void Tokenize(const httplib::Request& req, httplib::Response& res) const;
+  void TokenizeRequest(const httplib::Request& req, httplib::Response& res,
+                       const nlohmann::json& body) const;
   void Detokenize(const httplib::Request& req, httplib::Response& res) const;
   // POST /v1/completions (OpenAI): tools-api/completions.cc.
   void Completions(const httplib::Request& req, httplib::Response& res) const;

@@ -142,7 +142,12 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
 
   StatusOr<RenderedPrompt> prompt = RenderChat(messages, out->options, ledger);
   if (!prompt.ok()) return Invalid(prompt.status().message());
-  out->gen.prompt = eng.tokenizer()->EncodeWithPlainRanges(prompt->text, prompt->untrusted);
+  std::vector<int64_t> marks;
+  out->gen.prompt = eng.tokenizer()->EncodeWithPlainRanges(prompt->text, prompt->untrusted,
+                                                           prompt->divergence_points, &marks);
+  for (int64_t m : marks) {
+    if (m > 0) out->gen.snapshot_at.push_back(m);
+  }
   if (!out->forced.empty()) {
     std::vector<int32_t> forced = eng.tokenizer()->Encode(out->forced);
     out->gen.prompt.insert(out->gen.prompt.end(), forced.begin(), forced.end());

@@ -36,6 +36,10 @@ struct RenderedPrompt {
   std::string text;
   // Byte ranges [begin, end) of text that came from the client.
   std::vector<std::pair<size_t, size_t>> untrusted;
+  // Byte offsets where later prompts of the same client are likely to part from this one, so a
+  // state snapshot there saves them a replay: the end of the leading system messages (the
+  // system prompt and tool definitions every session of a client shares).
+  std::vector<size_t> divergence_points;
 };
 
 // Exact replay of sampled tool calls: the daemon remembers, by call id, the DSML text the model

@@ -420,6 +420,77 @@ BOOST_AUTO_TEST_CASE(embedded_default_model_is_written_loaded_and_described) {
     BOOST_TEST(not_json->status == 400);
     BOOST_TEST(Contains(not_json->body, "not valid JSON"));
   }
+  {
+    // /tokenize with a request body: the prompt the route renders, token for token. Two
+    // sessions of one client share the system prompt and tools and part right after them; the
+    // first stores a snapshot there, so the second resumes at that token with no replay.
+    const auto anthropic = [](const std::string& task) {
+      return json{{"model", "deepseek-v4.1-flash"},
+                  {"max_tokens", 2},
+                  {"temperature", 0},
+                  {"system", "x-anthropic-billing-header: cch=" + task.substr(0, 3) +
+                                 "\nYou are a coding agent. Read before you write."},
+                  {"tools", json::array({{{"name", "Read"},
+                                          {"description", "Reads a file of the repository."},
+                                          {"input_schema",
+                                           {{"type", "object"},
+                                            {"properties", {{"path", {{"type", "string"}}}}}}}}})},
+                  {"messages", json::array({{{"role", "user"}, {"content", task}}})}};
+    };
+    const json a = anthropic("fix the failing build on main");
+    const json b = anthropic("add a test for the parser, then run every test");
+    auto ra =
+        c.Post("/tokenize", json{{"api", "messages"}, {"request", a}}.dump(), "application/json");
+    auto rb =
+        c.Post("/tokenize", json{{"api", "messages"}, {"request", b}}.dump(), "application/json");
+    BOOST_REQUIRE(ra && rb);
+    BOOST_TEST(ra->status == 200, ra->body);
+    const json ta = json::parse(ra->body)["tokens"], tb = json::parse(rb->body)["tokens"];
+    auto count = c.Post("/v1/messages/count_tokens", a.dump(), "application/json");
+    BOOST_REQUIRE(count);
+    BOOST_TEST(json::parse(count->body)["input_tokens"] == ta.size());
+    // Where they part: the first user turn, right after the system block (the billing header
+    // lines differ, but the route drops them).
+    size_t user_at = 0;
+    while (user_at < ta.size() && ta[user_at] != 128803) ++user_at;
+    BOOST_REQUIRE(user_at < ta.size());
+    BOOST_REQUIRE(user_at > 64u);
+    for (size_t i = 0; i <= user_at; ++i) BOOST_REQUIRE(ta[i] == tb[i]);
+    BOOST_TEST(ta[user_at + 1] != tb[user_at + 1]);
+    auto ga = c.Post("/v1/messages", a.dump(), "application/json");
+    BOOST_REQUIRE(ga);
+    BOOST_TEST(ga->status == 200, ga->body);
+    const json ua = json::parse(ga->body)["usage"];
+    BOOST_TEST(ua["input_tokens"].get<size_t>() + ua["cache_read_input_tokens"].get<size_t>() ==
+               ta.size());
+    auto gb = c.Post("/v1/messages", b.dump(), "application/json");
+    BOOST_REQUIRE(gb);
+    const json ub = json::parse(gb->body)["usage"];
+    BOOST_TEST(ub["cache_read_input_tokens"].get<size_t>() == user_at, ub.dump());
+    // The other APIs render too; a wrong api or body is a 400 naming the field.
+    const json chat = {{"model", "deepseek-v4.1-flash"},
+                       {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}};
+    auto rc = c.Post("/tokenize", json{{"api", "chat.completions"}, {"request", chat}}.dump(),
+                     "application/json");
+    BOOST_REQUIRE(rc);
+    BOOST_TEST(rc->status == 200, rc->body);
+    const json resp = {{"model", "deepseek-v4.1-flash"}, {"input", "hi"}};
+    auto rr = c.Post("/tokenize", json{{"api", "responses"}, {"request", resp}}.dump(),
+                     "application/json");
+    BOOST_REQUIRE(rr);
+    BOOST_TEST(rr->status == 200, rr->body);
+    BOOST_TEST(json::parse(rr->body)["tokens"] == json::parse(rc->body)["tokens"]);
+    auto bad_api =
+        c.Post("/tokenize", json{{"api", "fax"}, {"request", chat}}.dump(), "application/json");
+    BOOST_REQUIRE(bad_api);
+    BOOST_TEST(bad_api->status == 400);
+    BOOST_TEST(Contains(bad_api->body, "api: expected"));
+    auto bad_req = c.Post("/tokenize", R"({"api": "messages", "request": {"messages": 3}})",
+                          "application/json");
+    BOOST_REQUIRE(bad_req);
+    BOOST_TEST(bad_req->status == 400);
+    BOOST_TEST(Contains(bad_req->body, "messages"));
+  }
   BOOST_TEST(d.Stop(SIGTERM) == 0);
 }
 

@@ -22,9 +22,10 @@ struct Outcome {
 };
 
 Outcome Run(Engine& engine, std::vector<int32_t> prompt, int max_tokens,
-            const std::string& tenant = "default") {
+            const std::string& tenant = "default", std::vector<int64_t> snapshot_at = {}) {
   GenerationRequest r;
   r.prompt = std::move(prompt);
+  r.snapshot_at = std::move(snapshot_at);
   r.sampling.temperature = 0;
   r.sampling.max_tokens = max_tokens;
   r.sampling.ignore_eos = true;
@@ -137,6 +138,35 @@ BOOST_AUTO_TEST_CASE(a_prompt_diverging_between_snapshots_replays_exactly) {
   BOOST_TEST(SameOutput(got, Uncached(b, 8)));
   BOOST_TEST(engine->stats().cache_replay_hits == 1);
   BOOST_TEST(engine->stats().cache_snapshot_hits == 0);
+}
+
+BOOST_AUTO_TEST_CASE(a_requested_snapshot_spares_later_prompts_the_replay) {
+  TempDir dir;
+  auto store = OpenStore(dir.path());
+  auto engine = OpenEngine(store);
+  // A shared head of 650 tokens (a client's system prompt and tools), then a session's own text.
+  const std::vector<int32_t> head = Tokens(650, 8);
+  const std::vector<int32_t> a = Concat(head, Tokens(200, 9));
+  // Positions outside the prompt and repeats are ignored; 650 is where sessions part.
+  Outcome first = Run(*engine, a, 4, "default", {0, 650, 650, 5000, -3});
+  BOOST_TEST(first.cached == 0);
+  BOOST_TEST(SameOutput(first, Uncached(a, 4)));  // Chunking at the snapshot changes nothing.
+  store->Flush();
+  const auto stored = store->stats();
+  BOOST_TEST(stored.snapshots == 3u);  // At 650, at the prompt's end, at the generation's end.
+  // Another session: the same head, then its own text. It resumes at the head's end exactly,
+  // with no replay, where without the snapshot it would replay from block 10 - the window.
+  const std::vector<int32_t> b = Concat(head, Tokens(120, 10));
+  Outcome got = Run(*engine, b, 8);
+  BOOST_TEST(got.cached == 650);
+  BOOST_TEST(engine->stats().cache_snapshot_hits == 1);
+  BOOST_TEST(engine->stats().cache_replayed_tokens == 0);
+  BOOST_TEST(SameOutput(got, Uncached(b, 8)));
+  // Without a requested snapshot the same divergence costs the replay.
+  const std::vector<int32_t> head2 = Tokens(650, 11);
+  Run(*engine, Concat(head2, Tokens(200, 12)), 4);
+  Outcome replayed = Run(*engine, Concat(head2, Tokens(120, 13)), 8);
+  BOOST_TEST(replayed.cached == 640 - engine->exact_replay_tokens());
 }
 
 BOOST_AUTO_TEST_CASE(a_shared_prefix_is_stored_once) {

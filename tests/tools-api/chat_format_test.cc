@@ -219,6 +219,47 @@ BOOST_AUTO_TEST_CASE(a_user_cannot_forge_special_tokens) {
              (*tok)->EncodeWithPlainRanges(plain->text, plain->untrusted));
 }
 
+BOOST_AUTO_TEST_CASE(the_end_of_the_system_block_is_a_token_position) {
+  // DeepSeek's V4 tokenizer: "<｜User｜>" is one of its added tokens (the tiny one has none).
+  auto tok = engine::Tokenizer::Load(FLASHD_V4_TOKENIZER);
+  BOOST_REQUIRE(tok.ok());
+  const ojson tools = ojson::parse(R"([{"type": "function", "function": {"name": "Read",
+      "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}])");
+  ojson a = ojson::parse(R"([{"role": "system", "content": "You are a coding agent."},
+      {"role": "user", "content": "fix the build"}])");
+  a[0]["tools"] = tools;
+  ojson b = a;
+  b[1]["content"] = "write the docs, then run the tests";
+  auto ra = RenderChat(a, ChatOptions());
+  auto rb = RenderChat(b, ChatOptions());
+  BOOST_REQUIRE(ra.ok() && rb.ok());
+  BOOST_REQUIRE(ra->divergence_points.size() == 1u);
+  const size_t at = ra->divergence_points[0];
+  // The point is where the two prompts part: the system prompt and the tools are before it.
+  BOOST_TEST(ra->text.substr(0, at) == rb->text.substr(0, at));
+  BOOST_TEST(ra->text.substr(0, at).find("Read") != std::string::npos);
+  BOOST_TEST(ra->text.substr(at).rfind("<｜User｜>", 0) == 0);
+  std::vector<int64_t> marks;
+  const std::vector<int32_t> ids =
+      (*tok)->EncodeWithPlainRanges(ra->text, ra->untrusted, ra->divergence_points, &marks);
+  BOOST_TEST(ids == (*tok)->EncodeWithPlainRanges(ra->text, ra->untrusted));
+  BOOST_REQUIRE(marks.size() == 1u);
+  BOOST_REQUIRE(marks[0] > 0);
+  // The tokens before the mark are the system block's, the token at it opens the user turn.
+  BOOST_TEST(ids[static_cast<size_t>(marks[0])] == (*tok)->TokenId("<｜User｜>"));
+  const std::span<const int32_t> head(ids.data(), static_cast<size_t>(marks[0]));
+  BOOST_TEST((*tok)->Decode(head) == ra->text.substr(0, at));
+  // A mark inside a run of plain text has no token position; one at the end has the count.
+  std::vector<int64_t> inside;
+  (*tok)->EncodeWithPlainRanges(ra->text, ra->untrusted, {at + 5, ra->text.size()}, &inside);
+  BOOST_TEST(inside[0] == -1);
+  BOOST_TEST(inside[1] == static_cast<int64_t>(ids.size()));
+  // Without a system message there is no such point.
+  auto plain = RenderChat(ojson::parse(R"([{"role": "user", "content": "hi"}])"), ChatOptions());
+  BOOST_REQUIRE(plain.ok());
+  BOOST_TEST(plain->divergence_points.empty());
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 }  // namespace
