@@ -118,10 +118,15 @@ uint32_t ValueCrc(std::string_view key_bytes, std::string_view value) {
 
 uint32_t Crc32c(std::string_view bytes) { return Crc32cOf({bytes}); }
 
+BlockStore::Order BlockStore::OrderOf(const Entry& e, const BlockKey& key) {
+  return {e.rank, e.last_used_ms, OrderDepth(e.kind, e.depth), key};
+}
+
 bool BlockStore::OrderLess::operator()(const Order& a, const Order& b) const {
   if (std::get<0>(a) != std::get<0>(b)) return std::get<0>(a) < std::get<0>(b);
-  if (std::get<1>(a) != std::get<1>(b)) return std::get<1>(a) > std::get<1>(b);
-  const BlockKey &x = std::get<2>(a), &y = std::get<2>(b);
+  if (std::get<1>(a) != std::get<1>(b)) return std::get<1>(a) < std::get<1>(b);
+  if (std::get<2>(a) != std::get<2>(b)) return std::get<2>(a) > std::get<2>(b);
+  const BlockKey &x = std::get<3>(a), &y = std::get<3>(b);
   return x.hi != y.hi ? x.hi < y.hi : x.lo < y.lo;
 }
 
@@ -295,7 +300,8 @@ Status BlockStore::Load() {
   for (auto& [key, e] : index_) {
     if (auto p = index_.find(e.parent); p != index_.end()) p->second.children += 1;
     if (e.kind == Kind::kSnapshot) snapshots_[e.parent].push_back(key);
-    order_.insert({e.last_used_ms, OrderDepth(e.kind, e.depth), key});
+    e.rank = RankOf(e);
+    order_.insert(OrderOf(e, key));
     stats_.disk_bytes += e.bytes;
     if (e.kind == Kind::kSnapshot) stats_.snapshot_bytes += e.bytes;
     (e.kind == Kind::kBlock ? stats_.blocks : stats_.snapshots) += 1;
@@ -398,8 +404,9 @@ void BlockStore::Apply(std::vector<Op>& ops) {
       stats_.degraded_reason = s.ToString();
       continue;
     }
+    e.rank = RankOf(e);
     index_[op.key] = e;
-    order_.insert({now, OrderDepth(e.kind, e.depth), op.key});
+    order_.insert(OrderOf(e, op.key));
     if (!op.parent.IsRoot()) {
       auto p = index_.find(op.parent);
       if (p != index_.end()) p->second.children += 1;
@@ -428,14 +435,23 @@ void BlockStore::Apply(std::vector<Op>& ops) {
 }
 
 void BlockStore::EvictLocked(uint64_t target_bytes, int64_t expire_before_ms) {
-  // Walk from the least recently used; only leaves go, so a prefix never loses its middle.
-  // Parents freed by an eviction are older than where the walk is and are taken first.
+  rocksdb::WriteBatch batch;
+  if (options_.eviction == StoreOptions::Eviction::kCost && expire_before_ms > 0) {
+    // Not ordered by age: a scan of the index, at most once a second.
+    const int64_t now = NowMs();
+    if (now - last_expiry_scan_ms_ >= 1000) {
+      last_expiry_scan_ms_ = now;
+      ExpireLocked(expire_before_ms, &batch);
+    }
+    expire_before_ms = 0;
+  }
+  // Walk from the lowest rank; only leaves go, so a prefix never loses its middle. Parents
+  // freed by an eviction that rank below where the walk is are taken first.
   std::set<Order, OrderLess> freed;
   auto it = order_.begin();
-  rocksdb::WriteBatch batch;
   while (true) {
     while (it != order_.end()) {
-      const Entry& e = index_.at(std::get<2>(*it));
+      const Entry& e = index_.at(std::get<3>(*it));
       if (e.children == 0 && e.pins == 0) break;
       ++it;
     }
@@ -443,21 +459,24 @@ void BlockStore::EvictLocked(uint64_t target_bytes, int64_t expire_before_ms) {
         !freed.empty() && (it == order_.end() || OrderLess()(*freed.begin(), *it));
     if (!from_freed && it == order_.end()) break;
     const Order* next = from_freed ? &*freed.begin() : &*it;
+    const Entry& victim = index_.at(std::get<3>(*next));
     const bool over_quota = stats_.disk_bytes > target_bytes;
-    const bool expired = expire_before_ms > 0 && std::get<0>(*next) < expire_before_ms;
+    const bool expired = expire_before_ms > 0 && victim.last_used_ms < expire_before_ms;
     if (!over_quota && !expired) break;
-    const BlockKey key = std::get<2>(*next);
-    const BlockKey parent = index_.at(key).parent;
+    const BlockKey key = std::get<3>(*next);
+    const int64_t rank = std::get<0>(*next);
+    const BlockKey parent = victim.parent;
     if (from_freed) {
       freed.erase(freed.begin());
     } else {
       ++it;
     }
+    if (over_quota) clock_ = std::max(clock_, rank);
     RemoveLocked(key, &batch);
     (over_quota ? stats_.evictions : stats_.expirations) += 1;
     auto p = index_.find(parent);
     if (p != index_.end() && p->second.children == 0 && p->second.pins == 0) {
-      const Order po{p->second.last_used_ms, OrderDepth(p->second.kind, p->second.depth), parent};
+      const Order po = OrderOf(p->second, parent);
       if (it == order_.end() || OrderLess()(po, *it)) freed.insert(po);
     }
   }
@@ -470,7 +489,7 @@ void BlockStore::RemoveLocked(const BlockKey& key, rocksdb::WriteBatch* batch) {
   const Entry e = found->second;
   batch->Delete(Family(e.kind), DataKey(key, e));
   batch->Delete(families_[3], key.ToBytes());
-  order_.erase({e.last_used_ms, OrderDepth(e.kind, e.depth), key});
+  order_.erase(OrderOf(e, key));
   index_.erase(found);
   if (!e.parent.IsRoot()) {
     auto p = index_.find(e.parent);
@@ -512,11 +531,37 @@ void BlockStore::Touch(const BlockKey& key, int64_t now_ms) {
   auto found = index_.find(key);
   if (found == index_.end()) return;
   Entry& e = found->second;
-  if (e.last_used_ms == now_ms) return;
-  order_.erase({e.last_used_ms, OrderDepth(e.kind, e.depth), key});
+  e.hits += 1;
+  if (e.last_used_ms == now_ms && options_.eviction == StoreOptions::Eviction::kLru) return;
+  order_.erase(OrderOf(e, key));
+  if (e.last_used_ms != now_ms) touched_.push_back(key);
   e.last_used_ms = now_ms;
-  order_.insert({now_ms, OrderDepth(e.kind, e.depth), key});
-  touched_.push_back(key);
+  e.rank = RankOf(e);
+  order_.insert(OrderOf(e, key));
+}
+
+int64_t BlockStore::RankOf(const Entry& e) const {
+  if (options_.eviction == StoreOptions::Eviction::kLru) return e.last_used_ms;
+  // Value per byte in units of 2^-40 blocks: a 64-token block of the released model (57 KB)
+  // read once is about 2e7 units, so neither rounding nor int64 range is ever a concern.
+  const double cost = e.kind == Kind::kSnapshot ? options_.snapshot_cost_blocks : 1.0;
+  const double value = (e.hits + 1.0) * cost / static_cast<double>(std::max<uint64_t>(1, e.bytes));
+  return clock_ + static_cast<int64_t>(std::min(value * 1099511627776.0, 1e15));
+}
+
+void BlockStore::ExpireLocked(int64_t expire_before_ms, rocksdb::WriteBatch* batch) {
+  for (bool more = true; more;) {
+    more = false;
+    std::vector<BlockKey> idle;
+    for (const auto& [key, e] : index_) {
+      if (e.children == 0 && e.pins == 0 && e.last_used_ms < expire_before_ms) idle.push_back(key);
+    }
+    for (const BlockKey& key : idle) {
+      RemoveLocked(key, batch);
+      stats_.expirations += 1;
+      more = true;  // Their parents may now be leaves, and idle too.
+    }
+  }
 }
 
 size_t BlockStore::PresentPrefix(std::span<const BlockKey> chain) const {
@@ -713,6 +758,18 @@ std::pair<uint64_t, uint64_t> BlockStore::EvictUnpinned() {
   const uint64_t entries = index_.size(), bytes = stats_.disk_bytes;
   EvictLocked(0, 0);
   return {entries - index_.size(), bytes - stats_.disk_bytes};
+}
+
+void BlockStore::SetSnapshotCost(double blocks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  options_.snapshot_cost_blocks = std::max(blocks, 0.0);
+  if (options_.eviction == StoreOptions::Eviction::kLru) return;
+  // Ranks follow the new cost.
+  order_.clear();
+  for (auto& [key, e] : index_) {
+    e.rank = RankOf(e);
+    order_.insert(OrderOf(e, key));
+  }
 }
 
 void BlockStore::SetLimits(uint64_t ram_bytes, uint64_t disk_quota_bytes, int64_t ttl_seconds) {

@@ -64,6 +64,15 @@ struct StoreOptions {
   // open (dropped_at_open() says what went), so no payload is ever read under the wrong layout.
   // Empty: not checked.
   std::string payload_format;
+  // What the quota evicts first (only entries nothing hangs from, never a pinned one):
+  //   kLru   the least recently used.
+  //   kCost  the least value per byte kept: (hits + 1) * the cost of recomputing the entry /
+  //          its bytes, plus the value of the last entry evicted at the time of its last use
+  //          (greedy-dual: recency without a clock). A block costs one block of prefill; a
+  //          snapshot costs snapshot_cost_blocks (the replay a miss on it causes). Widely shared
+  //          prefixes collect hits and stay; one-off tails go first.
+  enum class Eviction { kLru, kCost } eviction = Eviction::kCost;
+  double snapshot_cost_blocks = 1;
 };
 
 class BlockStore {
@@ -111,6 +120,8 @@ class BlockStore {
   // quota would. Returns the entries and bytes freed.
   std::pair<uint64_t, uint64_t> EvictUnpinned();
 
+  // StoreOptions::snapshot_cost_blocks, once the model (and so its replay length) is known.
+  void SetSnapshotCost(double blocks);
   // New limits (a configuration reload); a smaller quota or TTL evicts at once.
   void SetLimits(uint64_t ram_bytes, uint64_t disk_quota_bytes, int64_t ttl_seconds);
 
@@ -162,6 +173,8 @@ class BlockStore {
     uint64_t bytes = 0;
     uint32_t depth = 0;
     int64_t last_used_ms = 0;
+    int64_t rank = 0;   // Its place in the eviction order (options_.eviction).
+    uint32_t hits = 0;  // Reads since it was written or the store opened.
     int children = 0;
     int pins = 0;
     BlockKey root;              // A block's chain's first block (the data key's prefix).
@@ -174,8 +187,9 @@ class BlockStore {
     std::vector<int32_t> tokens;
     std::string payload;
   };
-  // Eviction order: oldest first, and at equal age the deepest first.
-  using Order = std::tuple<int64_t, int64_t, BlockKey>;
+  // Eviction order: lowest rank first, at equal rank the least recently used, then the deepest.
+  using Order = std::tuple<int64_t, int64_t, int64_t, BlockKey>;
+  static Order OrderOf(const Entry& e, const BlockKey& key);
   struct OrderLess {
     bool operator()(const Order& a, const Order& b) const;
   };
@@ -185,6 +199,10 @@ class BlockStore {
   void WriterLoop();
   void Apply(std::vector<Op>& ops);
   void Touch(const BlockKey& key, int64_t now_ms);  // Requires mu_.
+  int64_t RankOf(const Entry& e) const;             // Requires mu_.
+  // Removes entries idle since before `expire_before_ms` that nothing hangs from (with kCost,
+  // whose order is not by age). Requires mu_.
+  void ExpireLocked(int64_t expire_before_ms, rocksdb::WriteBatch* batch);
   void EvictLocked(uint64_t target_bytes, int64_t expire_before_ms);
   void RemoveLocked(const BlockKey& key, rocksdb::WriteBatch* batch);
   void RamInsertLocked(const BlockKey& key, const std::string& payload);
@@ -215,6 +233,8 @@ class BlockStore {
       ram_index_;
   std::vector<BlockKey> touched_;  // Last-use changes not yet written to meta.
   Stats stats_;                    // Guarded.
+  int64_t clock_ = 0;              // Guarded: kCost's rank of the last entry evicted.
+  int64_t last_expiry_scan_ms_ = 0;
 
   std::atomic<bool> writes_stopped_{false};
   std::atomic<uint64_t> commit_failures_{0};  // Failed or refused Commit()s.

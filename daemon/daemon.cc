@@ -211,6 +211,11 @@ void Daemon::LoadModel() {
     return;
   }
   engine_ = std::move(*engine);
+  if (cache_) {
+    // What losing a snapshot costs, in blocks: the replay its miss causes.
+    cache_->SetSnapshotCost(static_cast<double>(engine_->exact_replay_tokens()) /
+                            static_cast<double>(engine_->block_tokens()));
+  }
   if (engine_->tokenizer() != nullptr) {
     spdlog::info("tokenizer: {} ids", engine_->tokenizer()->size());
   } else {
@@ -274,6 +279,8 @@ Status Daemon::OpenCache() {
   o.ram_bytes = config_.cache.ram_bytes;
   o.disk_quota_bytes = config_.cache.disk_quota_bytes;
   o.ttl_seconds = config_.cache.ttl_seconds;
+  o.eviction = config_.cache.eviction == "lru" ? cache::StoreOptions::Eviction::kLru
+                                               : cache::StoreOptions::Eviction::kCost;
   o.payload_format = engine::Engine::kCachePayloadFormat;
   const std::string catalog_path =
       (std::filesystem::path(config_.state_dir) / "catalog.db").string();
@@ -367,6 +374,7 @@ void Daemon::Reload() {
     applied.push_back("cache quotas");
   }
   if (c.block_tokens != applied_.cache.block_tokens) restart.push_back("cache.block_tokens");
+  if (c.eviction != applied_.cache.eviction) restart.push_back("cache.eviction");
   if (n.model.dir != applied_.model.dir || n.model.id != applied_.model.id)
     restart.push_back("model");
   if (n.state_dir != applied_.state_dir) restart.push_back("state_dir");

@@ -54,9 +54,11 @@ void PutChain(BlockStore& store, const Chain& c, size_t bytes, uint32_t depth0 =
   store.Flush();
 }
 
-std::unique_ptr<BlockStore> OpenStore(const std::filesystem::path& dir, uint64_t quota = 1 << 30,
-                                      int64_t ttl = 0, uint64_t ram = 1 << 20) {
+std::unique_ptr<BlockStore> OpenStore(
+    const std::filesystem::path& dir, uint64_t quota = 1 << 30, int64_t ttl = 0,
+    uint64_t ram = 1 << 20, StoreOptions::Eviction eviction = StoreOptions::Eviction::kCost) {
   StoreOptions o;
+  o.eviction = eviction;
   o.dir = (dir / "cache").string();
   o.disk_quota_bytes = quota;
   o.ttl_seconds = ttl;
@@ -273,6 +275,62 @@ BOOST_AUTO_TEST_CASE(reading_a_chain_makes_it_recent) {
   BOOST_TEST(store->PresentPrefix(a.keys) == 4u);
   BOOST_TEST(store->PresentPrefix(b.keys) == 0u);
   BOOST_TEST(store->PresentPrefix(c.keys) == 4u);
+}
+
+// A prefix every session reads (a client's system prompt and tools) against newer one-off
+// prompts: least-recently-used evicts the shared one as soon as newer prompts fill the quota;
+// the cost policy keeps it (its hits make it worth more per byte) and drops an unread one.
+BOOST_AUTO_TEST_CASE(cost_eviction_keeps_a_widely_read_prefix_lru_does_not) {
+  for (auto policy : {StoreOptions::Eviction::kCost, StoreOptions::Eviction::kLru}) {
+    TempDir dir;
+    Chain shared(4, 0), once1(4, 100), once2(4, 200);
+    uint64_t entry_bytes = 0;
+    {
+      auto store = OpenStore(dir.path());
+      PutChain(*store, shared, 500);
+      entry_bytes = store->stats().disk_bytes / 4;
+    }
+    auto store = OpenStore(dir.path(), 8 * entry_bytes, 0, 1 << 20, policy);
+    for (int i = 0; i < 5; ++i) store->ReadBlocks(shared.keys, shared.spans());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    PutChain(*store, once1, 500);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    PutChain(*store, once2, 500);
+    BOOST_TEST(store->stats().evictions == 4u);
+    BOOST_TEST(store->PresentPrefix(once2.keys) == 4u);
+    if (policy == StoreOptions::Eviction::kCost) {
+      BOOST_TEST(store->PresentPrefix(shared.keys) == 4u);
+      BOOST_TEST(store->PresentPrefix(once1.keys) == 0u);
+    } else {
+      BOOST_TEST(store->PresentPrefix(shared.keys) == 0u);
+      BOOST_TEST(store->PresentPrefix(once1.keys) == 4u);
+    }
+  }
+}
+
+// Snapshots weigh the replay a miss on them causes: with that cost, one outlives an unread
+// block of the same size written after it.
+BOOST_AUTO_TEST_CASE(cost_eviction_weighs_a_snapshot_by_its_replay) {
+  TempDir dir;
+  Chain base(1, 0), later(2, 100);
+  uint64_t entry_bytes = 0;
+  {
+    auto store = OpenStore(dir.path());
+    PutChain(*store, base, 500);
+    entry_bytes = store->stats().disk_bytes;
+  }
+  auto store = OpenStore(dir.path(), 3 * entry_bytes + entry_bytes / 2);
+  store->SetSnapshotCost(86);  // The released model: 43 layers' windows, in 64-token blocks.
+  const std::vector<int32_t> tail = {7, 8};
+  const BlockKey snap = ChainBlockKey(base.keys[0], tail, kContext);
+  // The same stored size as a block: 2 tail tokens instead of 4, 8 bytes more payload.
+  store->Put(Kind::kSnapshot, snap, base.keys[0], 1, tail, std::string(508, 's'));
+  store->Flush();
+  std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  PutChain(*store, later, 500);  // Four entries for room for three and a half: one goes.
+  BOOST_TEST(store->stats().evictions == 1u);
+  BOOST_TEST(store->Contains(snap));
+  BOOST_TEST(store->PresentPrefix(later.keys) == 1u);  // The newer, unread block went.
 }
 
 BOOST_AUTO_TEST_CASE(ttl_expires_idle_entries) {

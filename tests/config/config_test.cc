@@ -68,7 +68,8 @@ BOOST_AUTO_TEST_CASE(values_are_read) {
       "cache:\n"
       "  block_tokens: 128\n"
       "  ram_bytes: 1GiB\n"
-      "  ttl_seconds: 3600\n");
+      "  ttl_seconds: 3600\n"
+      "  eviction: lru\n");
   BOOST_REQUIRE_MESSAGE(c.ok(), c.status().ToString());
   BOOST_TEST(c->server.listen_host == "::1");
   BOOST_TEST(c->server.listen_port == 9000);
@@ -79,6 +80,7 @@ BOOST_AUTO_TEST_CASE(values_are_read) {
   BOOST_TEST(c->cache.block_tokens == 128);
   BOOST_TEST(c->cache.ram_bytes == 1ull << 30);
   BOOST_TEST(c->cache.ttl_seconds == 3600);
+  BOOST_TEST(c->cache.eviction == "lru");
   BOOST_TEST(c->Where("cache.ram_bytes") == "test.yaml:10: cache.ram_bytes");
 }
 
@@ -122,6 +124,7 @@ BOOST_AUTO_TEST_CASE(out_of_range_values_are_rejected) {
       {"cache:\n  block_tokens: 100\n", "cache.block_tokens"},
       {"cache:\n  block_tokens: 8\n", "cache.block_tokens"},
       {"cache:\n  ttl_seconds: -5\n", "cache.ttl_seconds"},
+      {"cache:\n  eviction: fifo\n", "cache.eviction"},
       {"log:\n  level: loud\n", "log.level"},
       {"engine:\n  backend: gpu\n", "engine.backend"},
       {"engine:\n  gpus: 0\n", "engine.gpus"},
