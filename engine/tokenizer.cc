@@ -420,7 +420,36 @@ std::vector<int32_t> Tokenizer::EncodeWithPlainRanges(
   out.reserve(text.size() / 3);
   if (mark_tokens != nullptr) mark_tokens->assign(marks.size(), -1);
   size_t next_mark = 0;
-  // Marks at `at`, a token boundary `out.size()` tokens in; marks before it fall inside a run.
+  // Encodes the run of text [from, to) between added tokens. A mark inside it has a token
+  // position when the run's tokens split there: encoding the two halves apart gives the same
+  // ids (true at most boundaries the pre-tokenizer cuts anyway, such as before a line's text).
+  const auto run = [&](size_t from, size_t to) {
+    const std::string_view t = std::string_view(text).substr(from, to - from);
+    if (mark_tokens == nullptr || next_mark >= marks.size() || marks[next_mark] >= to) {
+      if (!t.empty()) impl_->EncodePlain(t, &out);
+      return;
+    }
+    std::vector<int32_t> whole;
+    impl_->EncodePlain(t, &whole);
+    for (; next_mark < marks.size() && marks[next_mark] < to; ++next_mark) {
+      const size_t m = marks[next_mark];
+      if (m < from) continue;
+      if (m == from) {
+        (*mark_tokens)[next_mark] = static_cast<int64_t>(out.size());
+        continue;
+      }
+      std::vector<int32_t> head, tail;
+      impl_->EncodePlain(t.substr(0, m - from), &head);
+      impl_->EncodePlain(t.substr(m - from), &tail);
+      if (head.size() + tail.size() == whole.size() &&
+          std::equal(head.begin(), head.end(), whole.begin()) &&
+          std::equal(tail.begin(), tail.end(), whole.begin() + static_cast<long>(head.size()))) {
+        (*mark_tokens)[next_mark] = static_cast<int64_t>(out.size() + head.size());
+      }
+    }
+    out.insert(out.end(), whole.begin(), whole.end());
+  };
+  // Marks at `at`, where an added token begins or the text ends.
   const auto settle = [&](size_t at) {
     if (mark_tokens == nullptr) return;
     while (next_mark < marks.size() && marks[next_mark] <= at) {
@@ -454,15 +483,13 @@ std::vector<int32_t> Tokenizer::EncodeWithPlainRanges(
       ++i;
       continue;
     }
-    settle(last);
-    if (i > last) impl_->EncodePlain(std::string_view(text).substr(last, i - last), &out);
+    run(last, i);
     settle(i);
     out.push_back(found);
     i += found_len;
     last = i;
   }
-  settle(last);
-  if (last < text.size()) impl_->EncodePlain(std::string_view(text).substr(last), &out);
+  run(last, text.size());
   settle(text.size());
   return out;
 }

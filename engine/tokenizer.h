@@ -39,8 +39,8 @@ class Tokenizer {
   std::vector<int32_t> EncodeWithPlainRanges(
       std::string_view text, const std::vector<std::pair<size_t, size_t>>& plain) const;
   // The same, also saying for each of `marks` (sorted byte offsets of `text`) the index of the
-  // token that starts there, in `mark_tokens`: known where an added token begins or ends at the
-  // offset (or it is the text's end), else -1 (a plain run's tokens may straddle it).
+  // token that starts there, in `mark_tokens`, or -1 where no token starts there (a token
+  // straddles the offset). Costs one more encoding of each run of text holding a mark.
   std::vector<int32_t> EncodeWithPlainRanges(std::string_view text,
                                              const std::vector<std::pair<size_t, size_t>>& plain,
                                              const std::vector<size_t>& marks,

@@ -501,8 +501,7 @@ StatusOr<RenderedPrompt> RenderChat(const ojson& input, const ChatOptions& o,
   Builder b;
   if (o.add_bos) b.Control(kBos);
   for (size_t i = 0; i < messages.size(); ++i) {
-    if (i > 0 && messages[i - 1].value("role", "") == "system" &&
-        messages[i].value("role", "") != "system") {
+    if (i > 0 && messages[i - 1].value("role", "") == "system") {
       b.p.divergence_points.push_back(b.p.text.size());
     }
     FLASHD_RETURN_IF_ERROR(RenderMessage(i, messages, o, drop, ledger, &b));

@@ -37,8 +37,9 @@ struct RenderedPrompt {
   // Byte ranges [begin, end) of text that came from the client.
   std::vector<std::pair<size_t, size_t>> untrusted;
   // Byte offsets where later prompts of the same client are likely to part from this one, so a
-  // state snapshot there saves them a replay: the end of the leading system messages (the
-  // system prompt and tool definitions every session of a client shares).
+  // state snapshot there saves them a replay: the end of each leading system message (the
+  // system prompt and tool definitions every session of a client shares; a second one holds
+  // per-session lines, tools/messages.cc).
   std::vector<size_t> divergence_points;
 };
 

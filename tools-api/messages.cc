@@ -30,6 +30,14 @@ std::optional<FieldError> Invalid(std::string message) {
   return FieldError{400, "invalid_request_error", std::move(message)};
 }
 
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\r'))
+    s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r'))
+    s.remove_suffix(1);
+  return s;
+}
+
 // System prompt lines that change on every request without changing its meaning.
 bool VolatileLine(std::string_view line) {
   return line.rfind("x-anthropic-billing-header:", 0) == 0;
@@ -47,6 +55,33 @@ std::string StripVolatileLines(const std::string& text) {
     first = false;
   }
   return out;
+}
+
+// Claude Code's system prompt carries text that differs per session: the environment block
+// (<env> ... </env>: working directory, platform, today's date) and the git status at the
+// session's start (from a "gitStatus:" line to the end). Rendered where the client puts it,
+// before the tool definitions, it would make every session's system prompt and tools (10-25K
+// tokens) its own. Split off here, it becomes a second system message after the tools, so all
+// sessions of a client share that prefix; no text is dropped or changed. Returns {the rest, the
+// per-session lines}; the second is empty (and the first the text itself) when there are none.
+std::pair<std::string, std::string> SplitSessionLines(const std::string& text) {
+  std::string stable, session;
+  std::istringstream in(text);
+  std::string line;
+  bool in_env = false, in_git = false;
+  const auto add = [](std::string* to, const std::string& l) {
+    if (!to->empty()) *to += "\n";
+    *to += l;
+  };
+  while (std::getline(in, line)) {
+    const std::string_view t = Trim(line);
+    if (!in_git && t == "<env>") in_env = true;
+    if (!in_env && line.rfind("gitStatus:", 0) == 0) in_git = true;
+    add(in_env || in_git ? &session : &stable, line);
+    if (in_env && t == "</env>") in_env = false;
+  }
+  if (in_env || session.empty()) return {text, ""};  // An unclosed <env>: left as it is.
+  return {stable, session};
 }
 
 // Text of a string or an array of blocks; only text blocks are allowed.
@@ -94,7 +129,9 @@ std::optional<FieldError> ToChat(const ojson& in, bool need_max_tokens, ojson* o
   if (in.contains("system") && !in["system"].is_null()) {
     std::string system;
     if (auto e = TextOf(in["system"], "system", &system)) return e;
-    messages.push_back({{"role", "system"}, {"content", StripVolatileLines(system)}});
+    auto [stable, session] = SplitSessionLines(StripVolatileLines(system));
+    messages.push_back({{"role", "system"}, {"content", stable}});
+    if (!session.empty()) messages.push_back({{"role", "system"}, {"content", session}});
   }
   if (!in.contains("messages") || !in["messages"].is_array() || in["messages"].empty()) {
     return Invalid("messages: expected a non-empty array");

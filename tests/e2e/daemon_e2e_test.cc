@@ -467,6 +467,53 @@ BOOST_AUTO_TEST_CASE(embedded_default_model_is_written_loaded_and_described) {
     BOOST_REQUIRE(gb);
     const json ub = json::parse(gb->body)["usage"];
     BOOST_TEST(ub["cache_read_input_tokens"].get<size_t>() == user_at, ub.dump());
+    // Claude Code's per-session lines (the environment block, the git status) go after the
+    // tools: sessions with different ones still share the system prompt and the tools, and the
+    // lines are all still in the prompt.
+    const auto with_env = [&](const std::string& dir, const std::string& branch) {
+      json r = anthropic("look at the failing test");
+      r["system"] =
+          "You are a coding agent. Read before you write.\nHere is the environment:\n"
+          "<env>\nWorking directory: " +
+          dir +
+          "\nToday's date: 2026-12-01\n</env>\nBe brief.\ngitStatus: Current branch: " + branch +
+          "\nStatus: clean";
+      return r;
+    };
+    const json ea = with_env("/home/ann/repo", "main"), eb = with_env("/home/bob/app", "fix-ci");
+    auto rea =
+        c.Post("/tokenize", json{{"api", "messages"}, {"request", ea}}.dump(), "application/json");
+    auto reb =
+        c.Post("/tokenize", json{{"api", "messages"}, {"request", eb}}.dump(), "application/json");
+    BOOST_REQUIRE(rea && reb);
+    const json tea = json::parse(rea->body)["tokens"], teb = json::parse(reb->body)["tokens"];
+    size_t common = 0;
+    while (common < tea.size() && common < teb.size() && tea[common] == teb[common]) ++common;
+    const auto text_of = [&](const json& ids) {
+      auto d = c.Post("/detokenize", json{{"tokens", ids}}.dump(), "application/json");
+      BOOST_REQUIRE(d);
+      return json::parse(d->body)["text"].get<std::string>();
+    };
+    const std::string shared =
+        text_of(json(std::vector<int>(tea.begin(), tea.begin() + static_cast<long>(common))));
+    BOOST_TEST(Contains(shared, "Reads a file of the repository."), shared);
+    BOOST_TEST(Contains(shared, "Be brief."), shared);  // The client's other lines stay first.
+    BOOST_TEST(!Contains(shared, "/home/ann"), shared);
+    const std::string full = text_of(tea);
+    for (const char* kept : {"Working directory: /home/ann/repo", "Today's date: 2026-12-01",
+                             "gitStatus: Current branch: main"}) {
+      BOOST_TEST(Contains(full, kept), kept);
+    }
+    // And the daemon stores a snapshot there: the second session resumes after the tools.
+    auto gea = c.Post("/v1/messages", ea.dump(), "application/json");
+    auto geb = c.Post("/v1/messages", eb.dump(), "application/json");
+    BOOST_REQUIRE(gea && geb);
+    const size_t resumed = json::parse(geb->body)["usage"]["cache_read_input_tokens"].get<size_t>();
+    BOOST_TEST(resumed <= common);
+    const std::string restored =
+        text_of(json(std::vector<int>(tea.begin(), tea.begin() + static_cast<long>(resumed))));
+    BOOST_TEST(Contains(restored, "Reads a file of the repository."), restored);
+    BOOST_TEST(!Contains(restored, "<env>"), restored);  // Exactly at the per-session lines.
     // The other APIs render too; a wrong api or body is a 400 naming the field.
     const json chat = {{"model", "deepseek-v4.1-flash"},
                        {"messages", json::array({{{"role", "user"}, {"content", "hi"}}})}};
