@@ -176,6 +176,9 @@ void PrefixCache::SaveSnapshot(std::span<const int32_t> fed, const SequenceState
   if (state.position == 0) return;
   StoreNewBlocks(fed, state, tenant, chain);
   const int64_t B = forward_->block_tokens();
+  // A replayed restore read blocks past the position and is still re-running up to their end;
+  // a state taken inside that stretch is not one a restore could reproduce, so none is stored.
+  if (static_cast<int64_t>(chain->size()) * B > state.position) return;
   const size_t c = chain->size();
   const cache::BlockKey parent = c == 0 ? cache::BlockKey{} : (*chain)[c - 1];
   const std::span<const int32_t> tail =

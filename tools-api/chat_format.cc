@@ -500,8 +500,15 @@ StatusOr<RenderedPrompt> RenderChat(const ojson& input, const ChatOptions& o,
   if (o.thinking && drop) messages = DropThinking(messages);
   Builder b;
   if (o.add_bos) b.Control(kBos);
+  size_t first_other = 0;
+  while (first_other < messages.size() && messages[first_other].value("role", "") == "system") {
+    ++first_other;
+  }
   for (size_t i = 0; i < messages.size(); ++i) {
-    if (i > 0 && messages[i - 1].value("role", "") == "system") {
+    // After each leading system message, and after the first message past them (often per-
+    // session context: Codex's environment, a repository's instructions), which a session's
+    // subagents and its compacted continuation share before they part.
+    if (i > 0 && (messages[i - 1].value("role", "") == "system" || i - 1 == first_other)) {
       b.p.divergence_points.push_back(b.p.text.size());
     }
     FLASHD_RETURN_IF_ERROR(RenderMessage(i, messages, o, drop, ledger, &b));

@@ -169,6 +169,30 @@ BOOST_AUTO_TEST_CASE(a_requested_snapshot_spares_later_prompts_the_replay) {
   BOOST_TEST(replayed.cached == 640 - engine->exact_replay_tokens());
 }
 
+// A requested snapshot inside the stretch a replayed restore re-runs (the blocks read reach past
+// it) is not stored; the request and a later one parting there are still exact.
+BOOST_AUTO_TEST_CASE(a_requested_snapshot_inside_a_replay_is_placed_right) {
+  TempDir dir;
+  auto store = OpenStore(dir.path());
+  auto engine = OpenEngine(store);
+  const int64_t replay = engine->exact_replay_tokens();
+  const std::vector<int32_t> a = Tokens(700, 14);
+  Run(*engine, a, 4);
+  store->Flush();
+  std::vector<int32_t> b(a.begin(), a.begin() + 650);
+  b = Concat(b, Tokens(90, 15));
+  const int64_t at = 640 - replay / 2;  // Between the replay's start and the blocks' end.
+  Outcome got = Run(*engine, b, 8, "default", {at});
+  BOOST_TEST(got.cached == 640 - replay);
+  BOOST_TEST(SameOutput(got, Uncached(b, 8)));
+  store->Flush();
+  std::vector<int32_t> c(b.begin(), b.begin() + at);
+  c = Concat(c, Tokens(50, 16));
+  Outcome later = Run(*engine, c, 8);
+  BOOST_TEST(later.cached == at / 64 * 64 - replay);
+  BOOST_TEST(SameOutput(later, Uncached(c, 8)));
+}
+
 BOOST_AUTO_TEST_CASE(a_shared_prefix_is_stored_once) {
   TempDir dir;
   auto store = OpenStore(dir.path());

@@ -254,6 +254,17 @@ BOOST_AUTO_TEST_CASE(the_end_of_the_system_block_is_a_token_position) {
   (*tok)->EncodeWithPlainRanges(ra->text, ra->untrusted, {at + 5, ra->text.size()}, &inside);
   BOOST_TEST(inside[0] == -1);
   BOOST_TEST(inside[1] == static_cast<int64_t>(ids.size()));
+  // The first message after the system block ends at a second point.
+  ojson longer = a;
+  longer.push_back({{"role", "assistant"}, {"content", "On it."}});
+  longer.push_back({{"role", "user"}, {"content", "and the docs"}});
+  auto rl = RenderChat(longer, ChatOptions());
+  BOOST_REQUIRE(rl.ok());
+  BOOST_REQUIRE(rl->divergence_points.size() == 2u);
+  BOOST_TEST(rl->divergence_points[0] == at);
+  const std::string upto = rl->text.substr(0, rl->divergence_points[1]);
+  BOOST_TEST(upto.find("fix the build") != std::string::npos, upto);
+  BOOST_TEST(upto.find("On it.") == std::string::npos, upto);
   // Without a system message there is no such point.
   auto plain = RenderChat(ojson::parse(R"([{"role": "user", "content": "hi"}])"), ChatOptions());
   BOOST_REQUIRE(plain.ok());
