@@ -527,11 +527,11 @@ void BlockStore::RamEraseLocked(const BlockKey& key) {
   ram_index_.erase(found);
 }
 
-void BlockStore::Touch(const BlockKey& key, int64_t now_ms) {
+void BlockStore::Touch(const BlockKey& key, int64_t now_ms, bool reused_here) {
   auto found = index_.find(key);
   if (found == index_.end()) return;
   Entry& e = found->second;
-  e.hits += 1;
+  if (reused_here) e.hits += 1;
   if (e.last_used_ms == now_ms && options_.eviction == StoreOptions::Eviction::kLru) return;
   order_.erase(OrderOf(e, key));
   if (e.last_used_ms != now_ms) touched_.push_back(key);
@@ -631,7 +631,7 @@ std::vector<std::optional<std::string>> BlockStore::ReadBlocks(
       ram_.splice(ram_.begin(), ram_, r->second);
       out[i] = r->second->second;
       stats_.bytes_read_ram += out[i]->size();
-      Touch(keys[i], now);
+      Touch(keys[i], now, i + 1 == keys.size());
     }
   }
   if (misses.empty()) return out;
@@ -660,7 +660,7 @@ std::vector<std::optional<std::string>> BlockStore::ReadBlocks(
       }
       std::lock_guard<std::mutex> lock(mu_);
       stats_.bytes_read_disk += v.size();
-      Touch(keys[i], now);
+      Touch(keys[i], now, i + 1 == keys.size());
       RamInsertLocked(keys[i], *payload);
       out[i] = std::move(payload);
     }
@@ -707,7 +707,7 @@ std::optional<std::string> BlockStore::ReadSnapshot(const BlockKey& key,
   }
   std::lock_guard<std::mutex> lock(mu_);
   stats_.bytes_read_disk += v.size();
-  Touch(key, NowMs());
+  Touch(key, NowMs(), true);
   return payload;
 }
 

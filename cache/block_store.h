@@ -174,7 +174,7 @@ class BlockStore {
     uint32_t depth = 0;
     int64_t last_used_ms = 0;
     int64_t rank = 0;   // Its place in the eviction order (options_.eviction).
-    uint32_t hits = 0;  // Reads since it was written or the store opened.
+    uint32_t hits = 0;  // Restores that ended at it since it was written or the store opened.
     int children = 0;
     int pins = 0;
     BlockKey root;              // A block's chain's first block (the data key's prefix).
@@ -198,8 +198,11 @@ class BlockStore {
   Status Load();
   void WriterLoop();
   void Apply(std::vector<Op>& ops);
-  void Touch(const BlockKey& key, int64_t now_ms);  // Requires mu_.
-  int64_t RankOf(const Entry& e) const;             // Requires mu_.
+  // A read of `key` at now_ms; `reused_here`: a restore ends at it (the last block of a chain
+  // read, a snapshot), which counts as a hit. Blocks a restore passes through count none: every
+  // request of a long session would otherwise pile hits on its early blocks. Requires mu_.
+  void Touch(const BlockKey& key, int64_t now_ms, bool reused_here);
+  int64_t RankOf(const Entry& e) const;  // Requires mu_.
   // Removes entries idle since before `expire_before_ms` that nothing hangs from (with kCost,
   // whose order is not by age). Requires mu_.
   void ExpireLocked(int64_t expire_before_ms, rocksdb::WriteBatch* batch);
