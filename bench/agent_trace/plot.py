@@ -16,6 +16,7 @@ FONT = {  # 5x7 glyphs, a row per string, '#' set.
     "9": ["01110", "10001", "10001", "01111", "00001", "00010", "01100"],
     "%": ["11001", "11010", "00010", "00100", "01000", "01011", "10011"],
     ".": ["00000", "00000", "00000", "00000", "00000", "01100", "01100"],
+    ",": ["00000", "00000", "00000", "00000", "01100", "00100", "01000"],
     "-": ["00000", "00000", "00000", "11111", "00000", "00000", "00000"],
     "/": ["00001", "00010", "00010", "00100", "01000", "01000", "10000"],
     "(": ["00010", "00100", "01000", "01000", "01000", "00100", "00010"],
@@ -119,7 +120,7 @@ def series(rows, key, window):
 def hit_rate_png(path, rows, restarts_at, label, runs=None):
     """flashd's and the oracle's hit rate over the trace (a 50-request window). `runs` adds
     further (label, rows) lines, e.g. the same trace under a smaller quota."""
-    W, H, L, R, T, Bm = 900, 420, 80, 20, 50, 60
+    W, H, L, R, T, Bm = 900, 440, 80, 20, 70, 60
     c = Canvas(W, H)
     pw, ph = W - L - R, H - T - Bm
     n = max(1, len(rows) - 1)
@@ -142,7 +143,7 @@ def hit_rate_png(path, rows, restarts_at, label, runs=None):
                 c.line(x, y, x, y + 3, (150, 150, 150))
             c.text(x + 4, T + 4, "RESTART", (120, 120, 120))
     lines = [("ORACLE", rows, "oracle", (40, 40, 40))]
-    colors = [(220, 60, 40), (40, 110, 220), (40, 160, 80), (200, 140, 0)]
+    colors = [(220, 60, 40), (40, 110, 220), (40, 160, 80), (200, 140, 0), (150, 60, 200)]
     lines.append((label, rows, "cached", colors[0]))
     for i, (lab, rr) in enumerate(runs or []):
         lines.append((lab, rr, "cached", colors[(i + 1) % len(colors)]))
@@ -154,8 +155,8 @@ def hit_rate_png(path, rows, restarts_at, label, runs=None):
             if prev:
                 c.line(prev[0], prev[1], pt[0], pt[1], col, 2)
             prev = pt
-        x = L + 10 + li * 200
-        c.line(x, 20, x + 24, 20, col, 3)
-        c.text(x + 30, 14, lab[:12], col)
+        x, y = L + 10 + (li % 3) * 250, 10 + (li // 3) * 18
+        c.line(x, y + 6, x + 24, y + 6, col, 3)
+        c.text(x + 30, y, lab[:14], col)
     c.text(L, H - 18, "TOKEN-WEIGHTED HIT RATE, 50-REQUEST WINDOW", (90, 90, 90))
     c.png(path)

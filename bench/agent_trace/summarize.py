@@ -66,7 +66,7 @@ def main():
     rows = load_rows(os.path.join(out, first[0], "requests.jsonl"))
     extra = []
     for name, r in runs[1:]:
-        if name.startswith("q25"):
+        if name.startswith("q"):
             extra.append((r["label"].upper(), load_rows(os.path.join(out, name, "requests.jsonl"))))
     restarts = []
     prev = None
