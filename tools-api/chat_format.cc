@@ -253,6 +253,8 @@ ojson DropThinking(const ojson& messages) {
 // Accumulates the prompt, remembering which bytes came from the client.
 struct Builder {
   RenderedPrompt p;
+  // The message whose later content blocks start divergence points too (RenderChat).
+  size_t split_message = static_cast<size_t>(-1);
   void Control(const std::string& s) { p.text += s; }
   void Data(const std::string& s) {
     if (s.empty()) return;
@@ -375,6 +377,10 @@ Status RenderMessage(size_t index, const ojson& messages, const ChatOptions& o, 
     const ojson& blocks = msg["content_blocks"];
     for (size_t i = 0; i < blocks.size(); ++i) {
       if (i) b->Control("\n\n");
+      // Consecutive user messages render as one turn; in the first turn after the system
+      // block, where each part began (Codex's environment, then the task) is where sessions and
+      // their subagents part.
+      if (i && index == b->split_message) b->p.divergence_points.push_back(b->p.text.size());
       const ojson& block = blocks[i];
       const std::string type = block.value("type", "");
       if (type == "text") {
@@ -504,6 +510,7 @@ StatusOr<RenderedPrompt> RenderChat(const ojson& input, const ChatOptions& o,
   while (first_other < messages.size() && messages[first_other].value("role", "") == "system") {
     ++first_other;
   }
+  b.split_message = first_other;
   for (size_t i = 0; i < messages.size(); ++i) {
     // After each leading system message, and after the first message past them (often per-
     // session context: Codex's environment, a repository's instructions), which a session's

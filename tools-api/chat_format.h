@@ -39,8 +39,9 @@ struct RenderedPrompt {
   // Byte offsets where later prompts of the same client are likely to part from this one, so a
   // state snapshot there saves them a replay: the end of each leading system message (the
   // system prompt and tool definitions every session of a client shares; a second one holds
-  // per-session lines, tools/messages.cc) and of the first message after them (per-session
-  // context that a session's subagents and compacted continuation share).
+  // per-session lines, tools/messages.cc) and of the first message after them and of each
+  // part of it (per-session context that a session's subagents and compacted continuation
+  // share: consecutive user messages render as one turn).
   std::vector<size_t> divergence_points;
 };
 

@@ -265,6 +265,22 @@ BOOST_AUTO_TEST_CASE(the_end_of_the_system_block_is_a_token_position) {
   const std::string upto = rl->text.substr(0, rl->divergence_points[1]);
   BOOST_TEST(upto.find("fix the build") != std::string::npos, upto);
   BOOST_TEST(upto.find("On it.") == std::string::npos, upto);
+  // Consecutive user messages after the system block render as one turn; each part is a point.
+  ojson parts = a;
+  parts[1]["content"] = "<environment_context>cwd: /src/app</environment_context>";
+  parts.push_back({{"role", "user"}, {"content", "fix the build"}});
+  auto rp = RenderChat(parts, ChatOptions());
+  BOOST_REQUIRE(rp.ok());
+  BOOST_REQUIRE(rp->divergence_points.size() == 2u);
+  BOOST_TEST(rp->divergence_points[0] == at);
+  BOOST_TEST(rp->text.substr(rp->divergence_points[1]).rfind("fix the build", 0) == 0);
+  std::vector<int64_t> part_marks;
+  const std::vector<int32_t> part_ids =
+      (*tok)->EncodeWithPlainRanges(rp->text, rp->untrusted, rp->divergence_points, &part_marks);
+  BOOST_TEST(part_ids == (*tok)->EncodeWithPlainRanges(rp->text, rp->untrusted));
+  BOOST_REQUIRE(part_marks[1] > part_marks[0]);  // The tokens split there.
+  BOOST_TEST((*tok)->Decode(std::span<const int32_t>(part_ids).first(static_cast<size_t>(
+                 part_marks[1]))) == rp->text.substr(0, rp->divergence_points[1]));
   // Without a system message there is no such point.
   auto plain = RenderChat(ojson::parse(R"([{"role": "user", "content": "hi"}])"), ChatOptions());
   BOOST_REQUIRE(plain.ok());
