@@ -71,7 +71,7 @@ struct StoreOptions {
   //          (greedy-dual: recency without a clock). A block costs one block of prefill; a
   //          snapshot costs snapshot_cost_blocks (the replay a miss on it causes). Widely shared
   //          prefixes collect hits and stay; one-off tails go first.
-  enum class Eviction { kLru, kCost } eviction = Eviction::kCost;
+  enum class Eviction { kLru, kCost } eviction = Eviction::kLru;
   double snapshot_cost_blocks = 1;
 };
 

@@ -197,7 +197,7 @@ const std::vector<Field>& Schema() {
                                  ParseInteger(t, 0, std::numeric_limits<int64_t>::max()));
          return Status::Ok();
        }},
-      {"cache.eviction", "cost or lru",
+      {"cache.eviction", "lru or cost",
        [](const std::string& t, Config* c) {
          if (t != "cost" && t != "lru") return InvalidArgument("expected cost or lru");
          c->cache.eviction = t;

@@ -81,8 +81,8 @@ struct CacheConfig {
   int block_tokens = 64;
   uint64_t ram_bytes = 4ull << 30;
   uint64_t disk_quota_bytes = 256ull << 30;
-  int64_t ttl_seconds = 0;        // 0: blocks never expire by age.
-  std::string eviction = "cost";  // cost or lru (cache/block_store.h, StoreOptions::Eviction).
+  int64_t ttl_seconds = 0;       // 0: blocks never expire by age.
+  std::string eviction = "lru";  // lru or cost (cache/block_store.h, StoreOptions::Eviction).
 };
 
 struct AuthConfig {

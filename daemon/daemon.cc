@@ -279,8 +279,8 @@ Status Daemon::OpenCache() {
   o.ram_bytes = config_.cache.ram_bytes;
   o.disk_quota_bytes = config_.cache.disk_quota_bytes;
   o.ttl_seconds = config_.cache.ttl_seconds;
-  o.eviction = config_.cache.eviction == "lru" ? cache::StoreOptions::Eviction::kLru
-                                               : cache::StoreOptions::Eviction::kCost;
+  o.eviction = config_.cache.eviction == "cost" ? cache::StoreOptions::Eviction::kCost
+                                                : cache::StoreOptions::Eviction::kLru;
   o.payload_format = engine::Engine::kCachePayloadFormat;
   const std::string catalog_path =
       (std::filesystem::path(config_.state_dir) / "catalog.db").string();

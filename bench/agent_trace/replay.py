@@ -389,7 +389,7 @@ def main():
     p.add_argument("--time-scale", type=float, default=500.0)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--quota-bytes", type=int, default=64 << 30)
-    p.add_argument("--eviction", choices=["cost", "lru"], default="cost")
+    p.add_argument("--eviction", choices=["lru", "cost"], default="lru")
     p.add_argument("--check", type=int, default=12)
     p.add_argument("--label", default="flashd")
     p.add_argument("--keep", action="store_true", help="keep the state directory")

@@ -56,7 +56,7 @@ void PutChain(BlockStore& store, const Chain& c, size_t bytes, uint32_t depth0 =
 
 std::unique_ptr<BlockStore> OpenStore(
     const std::filesystem::path& dir, uint64_t quota = 1 << 30, int64_t ttl = 0,
-    uint64_t ram = 1 << 20, StoreOptions::Eviction eviction = StoreOptions::Eviction::kCost) {
+    uint64_t ram = 1 << 20, StoreOptions::Eviction eviction = StoreOptions::Eviction::kLru) {
   StoreOptions o;
   o.eviction = eviction;
   o.dir = (dir / "cache").string();
@@ -319,7 +319,8 @@ BOOST_AUTO_TEST_CASE(cost_eviction_weighs_a_snapshot_by_its_replay) {
     PutChain(*store, base, 500);
     entry_bytes = store->stats().disk_bytes;
   }
-  auto store = OpenStore(dir.path(), 3 * entry_bytes + entry_bytes / 2);
+  auto store = OpenStore(dir.path(), 3 * entry_bytes + entry_bytes / 2, 0, 1 << 20,
+                         StoreOptions::Eviction::kCost);
   store->SetSnapshotCost(86);  // The released model: 43 layers' windows, in 64-token blocks.
   const std::vector<int32_t> tail = {7, 8};
   const BlockKey snap = ChainBlockKey(base.keys[0], tail, kContext);
@@ -334,17 +335,20 @@ BOOST_AUTO_TEST_CASE(cost_eviction_weighs_a_snapshot_by_its_replay) {
 }
 
 BOOST_AUTO_TEST_CASE(ttl_expires_idle_entries) {
-  TempDir dir;
-  auto store = OpenStore(dir.path(), 1 << 30, /*ttl=*/1);
-  Chain c(3, 0);
-  PutChain(*store, c, 100);
-  BOOST_TEST(store->stats().entries == 3u);
-  // The writer sweeps once a second; after the TTL everything idle is gone.
-  for (int i = 0; i < 50 && store->stats().entries > 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Under either policy (cost's order is not by age: its expiry is a scan).
+  for (auto policy : {StoreOptions::Eviction::kLru, StoreOptions::Eviction::kCost}) {
+    TempDir dir;
+    auto store = OpenStore(dir.path(), 1 << 30, /*ttl=*/1, 1 << 20, policy);
+    Chain c(3, 0);
+    PutChain(*store, c, 100);
+    BOOST_TEST(store->stats().entries == 3u);
+    // The writer sweeps once a second; after the TTL everything idle is gone.
+    for (int i = 0; i < 50 && store->stats().entries > 0; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    BOOST_TEST(store->stats().entries == 0u);
+    BOOST_TEST(store->stats().expirations == 3u);
   }
-  BOOST_TEST(store->stats().entries == 0u);
-  BOOST_TEST(store->stats().expirations == 3u);
 }
 
 BOOST_AUTO_TEST_CASE(unreachable_entries_are_collected_at_start) {
