@@ -213,8 +213,9 @@ std::pair<Engine::Handle, std::shared_ptr<EventQueue>> Engine::Submit(Generation
   seq->request = std::move(request);
   auto queue = seq->queue;
   {
-    // Snapshot positions strictly inside the prompt, ascending, each once.
+    // Snapshot positions strictly inside the prompt, ascending, each once; none without a cache.
     std::vector<int64_t>& at = seq->request.snapshot_at;
+    if (!options_.cache) at.clear();
     const auto n = static_cast<int64_t>(seq->request.prompt.size());
     at.erase(std::remove_if(at.begin(), at.end(), [n](int64_t p) { return p <= 0 || p >= n; }),
              at.end());
@@ -341,7 +342,7 @@ void Engine::StoreNewBlocks(Sequence& s) {
 
 size_t Engine::PromptRunLeft(const Sequence& s) const {
   const size_t left = s.request.prompt.size() - s.prompt_done;
-  if (!options_.cache || left == 0) return left;
+  if (left == 0) return left;
   // A prefill chunk ends at the next requested snapshot position, so the state there is saved.
   const auto next = std::upper_bound(s.request.snapshot_at.begin(), s.request.snapshot_at.end(),
                                      static_cast<int64_t>(s.prompt_done));
@@ -718,8 +719,7 @@ int64_t Engine::RunBatch(const std::vector<Sequence*>& owners,
       q.prompt_done += inputs[i].size();
       prompt_tokens += static_cast<int64_t>(inputs[i].size());
       if (q.prompt_done < q.request.prompt.size()) {
-        if (options_.cache &&
-            std::binary_search(q.request.snapshot_at.begin(), q.request.snapshot_at.end(),
+        if (std::binary_search(q.request.snapshot_at.begin(), q.request.snapshot_at.end(),
                                static_cast<int64_t>(q.prompt_done))) {
           SaveSnapshot(q);  // A point where later prompts are likely to part from this one.
         }

@@ -43,45 +43,40 @@ bool VolatileLine(std::string_view line) {
   return line.rfind("x-anthropic-billing-header:", 0) == 0;
 }
 
-std::string StripVolatileLines(const std::string& text) {
-  std::string out;
-  std::istringstream in(text);
-  std::string line;
-  bool first = true;
-  while (std::getline(in, line)) {
-    if (VolatileLine(line)) continue;
-    if (!first) out += "\n";
-    out += line;
-    first = false;
-  }
-  return out;
-}
-
-// Claude Code's system prompt carries text that differs per session: the environment block
-// (<env> ... </env>: working directory, platform, today's date) and the git status at the
-// session's start (from a "gitStatus:" line to the end). Rendered where the client puts it,
-// before the tool definitions, it would make every session's system prompt and tools (10-25K
-// tokens) its own. Split off here, it becomes a second system message after the tools, so all
-// sessions of a client share that prefix; no text is dropped or changed. Returns {the rest, the
-// per-session lines}; the second is empty (and the first the text itself) when there are none.
-std::pair<std::string, std::string> SplitSessionLines(const std::string& text) {
-  std::string stable, session;
+// The system prompt's lines less the volatile ones, in two parts. Claude Code's system prompt
+// carries text that differs per session: the environment block (<env> ... </env>: working
+// directory, platform, today's date) and the git status at the session's start (from a
+// "gitStatus:" line to the end). Rendered where the client puts it, before the tool
+// definitions, it would make every session's system prompt and tools (10-25K tokens) its own.
+// Split off here, it becomes a second system message after the tools, so all sessions of a
+// client share that prefix; no other line is dropped or changed. Returns {the rest, the
+// per-session lines}; the second is empty when there are none (or an <env> is never closed:
+// then everything stays in the first).
+std::pair<std::string, std::string> SplitSystemLines(const std::string& text) {
+  struct Part {
+    std::string text;
+    bool any = false;
+    void Add(const std::string& line) {
+      if (any) text += "\n";
+      text += line;
+      any = true;
+    }
+  };
+  Part kept, stable, session;
   std::istringstream in(text);
   std::string line;
   bool in_env = false, in_git = false;
-  const auto add = [](std::string* to, const std::string& l) {
-    if (!to->empty()) *to += "\n";
-    *to += l;
-  };
   while (std::getline(in, line)) {
+    if (VolatileLine(line)) continue;
     const std::string_view t = Trim(line);
     if (!in_git && t == "<env>") in_env = true;
     if (!in_env && line.rfind("gitStatus:", 0) == 0) in_git = true;
-    add(in_env || in_git ? &session : &stable, line);
+    kept.Add(line);
+    (in_env || in_git ? session : stable).Add(line);
     if (in_env && t == "</env>") in_env = false;
   }
-  if (in_env || session.empty()) return {text, ""};  // An unclosed <env>: left as it is.
-  return {stable, session};
+  if (in_env || !session.any) return {kept.text, ""};
+  return {stable.text, session.text};
 }
 
 // Text of a string or an array of blocks; only text blocks are allowed.
@@ -129,7 +124,7 @@ std::optional<FieldError> ToChat(const ojson& in, bool need_max_tokens, ojson* o
   if (in.contains("system") && !in["system"].is_null()) {
     std::string system;
     if (auto e = TextOf(in["system"], "system", &system)) return e;
-    auto [stable, session] = SplitSessionLines(StripVolatileLines(system));
+    auto [stable, session] = SplitSystemLines(system);
     messages.push_back({{"role", "system"}, {"content", stable}});
     if (!session.empty()) messages.push_back({{"role", "system"}, {"content", session}});
   }

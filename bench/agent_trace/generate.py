@@ -118,6 +118,12 @@ def billing_header(rng, client):
         client.version, rng.getrandbits(20))
 
 
+def chat_tools(c):
+    """Client c's tools in the Chat Completions shape (also what the sessions API takes)."""
+    return [{"type": "function", "function": {"name": x["name"], "description": x["description"],
+                                              "parameters": x["schema"]}} for x in c.tools]
+
+
 def render(s, max_tokens):
     """The request body of session `s` now, and the volatile strings in it."""
     c = s.client
@@ -128,12 +134,7 @@ def render(s, max_tokens):
                 "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "stream_options": {"include_usage": True}}
         if not s.created:
-            body["create"] = {"system": c.system,
-                              "tools": [{"type": "function",
-                                         "function": {"name": x["name"],
-                                                      "description": x["description"],
-                                                      "parameters": x["schema"]}}
-                                        for x in c.tools]}
+            body["create"] = {"system": c.system, "tools": chat_tools(c)}
             s.created = True
         return "sessions", body, []
     volatile = [s.env] if s.env else []
@@ -196,10 +197,8 @@ def render(s, max_tokens):
             messages.append(m)
         else:
             messages.append({"role": "tool", "tool_call_id": t[1], "content": t[2]})
-    tools = [{"type": "function", "function": {"name": x["name"], "description": x["description"],
-                                               "parameters": x["schema"]}} for x in c.tools]
     body = {"model": "deepseek-v4.1-flash", "max_tokens": max_tokens, "temperature": 0,
-            "messages": messages, "tools": tools, "stream": True,
+            "messages": messages, "tools": chat_tools(c), "stream": True,
             "stream_options": {"include_usage": True}}
     return "chat.completions", body, volatile
 

@@ -68,6 +68,14 @@ std::unique_ptr<BlockStore> OpenStore(
   return std::move(store).value();
 }
 
+// Writes `c` through a store of its own (closed again before returning), so a test can size its
+// quota: the bytes one stored entry of that payload size takes.
+uint64_t PutChainAlone(const std::filesystem::path& dir, const Chain& c, size_t bytes) {
+  auto store = OpenStore(dir);
+  PutChain(*store, c, bytes);
+  return store->stats().disk_bytes / c.keys.size();
+}
+
 BOOST_AUTO_TEST_SUITE(block_store)
 
 // The instruction and the table give the same values at every length and alignment, pieces
@@ -227,12 +235,7 @@ BOOST_AUTO_TEST_CASE(wrong_tokens_or_a_moved_value_are_misses) {
 BOOST_AUTO_TEST_CASE(quota_evicts_least_recent_leaves_first_and_respects_pins) {
   TempDir dir;
   Chain pinned(6, 0), old_chain(6, 1000), new_chain(6, 2000);
-  uint64_t entry_bytes = 0;
-  {
-    auto store = OpenStore(dir.path());
-    PutChain(*store, pinned, 1000);
-    entry_bytes = store->stats().disk_bytes / 6;
-  }
+  const uint64_t entry_bytes = PutChainAlone(dir.path(), pinned, 1000);
   // Room for 14 entries: the pinned 6, then two more chains of 6.
   auto store = OpenStore(dir.path(), 14 * entry_bytes);
   store->Pin(pinned.keys);
@@ -259,12 +262,7 @@ BOOST_AUTO_TEST_CASE(quota_evicts_least_recent_leaves_first_and_respects_pins) {
 BOOST_AUTO_TEST_CASE(reading_a_chain_makes_it_recent) {
   TempDir dir;
   Chain a(4, 0), b(4, 100), c(4, 200);
-  uint64_t entry_bytes = 0;
-  {
-    auto store = OpenStore(dir.path());
-    PutChain(*store, a, 500);
-    entry_bytes = store->stats().disk_bytes / 4;
-  }
+  const uint64_t entry_bytes = PutChainAlone(dir.path(), a, 500);
   auto store = OpenStore(dir.path(), 8 * entry_bytes);
   std::this_thread::sleep_for(std::chrono::milliseconds(5));
   PutChain(*store, b, 500);
@@ -284,12 +282,7 @@ BOOST_AUTO_TEST_CASE(cost_eviction_keeps_a_widely_read_prefix_lru_does_not) {
   for (auto policy : {StoreOptions::Eviction::kCost, StoreOptions::Eviction::kLru}) {
     TempDir dir;
     Chain shared(4, 0), once1(4, 100), once2(4, 200);
-    uint64_t entry_bytes = 0;
-    {
-      auto store = OpenStore(dir.path());
-      PutChain(*store, shared, 500);
-      entry_bytes = store->stats().disk_bytes / 4;
-    }
+    const uint64_t entry_bytes = PutChainAlone(dir.path(), shared, 500);
     auto store = OpenStore(dir.path(), 8 * entry_bytes, 0, 1 << 20, policy);
     for (int i = 0; i < 5; ++i) store->ReadBlocks(shared.keys, shared.spans());
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -313,12 +306,7 @@ BOOST_AUTO_TEST_CASE(cost_eviction_keeps_a_widely_read_prefix_lru_does_not) {
 BOOST_AUTO_TEST_CASE(cost_eviction_weighs_a_snapshot_by_its_replay) {
   TempDir dir;
   Chain base(1, 0), later(2, 100);
-  uint64_t entry_bytes = 0;
-  {
-    auto store = OpenStore(dir.path());
-    PutChain(*store, base, 500);
-    entry_bytes = store->stats().disk_bytes;
-  }
+  const uint64_t entry_bytes = PutChainAlone(dir.path(), base, 500);
   auto store = OpenStore(dir.path(), 3 * entry_bytes + entry_bytes / 2, 0, 1 << 20,
                          StoreOptions::Eviction::kCost);
   store->SetSnapshotCost(86);  // The released model: 43 layers' windows, in 64-token blocks.
