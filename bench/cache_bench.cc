@@ -13,6 +13,7 @@
 // only it) is measured at that length.
 #include <fcntl.h>
 #include <rocksdb/db.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -117,10 +118,25 @@ double TimeToFirstToken(engine::Engine& e, std::vector<int32_t> prompt, int64_t*
   }
 }
 
-// Sequential read of a fresh file of `bytes`, out of the page cache, 4 MiB at a time: buffered,
-// and with O_DIRECT (the disk itself, as `dd iflag=direct bs=4M`) into `*direct`.
-double RawReadSpeed(const fs::path& dir, uint64_t bytes, double* direct) {
-  const fs::path path = dir / "raw-read.bin";
+// Sequential read of `path` with O_DIRECT, 4 MiB at a time (the disk itself, as
+// `dd iflag=direct bs=4M`); 0 where O_DIRECT is refused.
+double DirectReadSpeed(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT);
+  if (fd < 0) return 0;
+  void* aligned = std::aligned_alloc(4096, 4 << 20);
+  const auto t = Clock::now();
+  uint64_t total = 0;
+  for (ssize_t n; (n = ::read(fd, aligned, 4 << 20)) > 0;) total += static_cast<uint64_t>(n);
+  const double v = total / Since(t);
+  std::free(aligned);
+  ::close(fd);
+  return v;
+}
+
+// Writes a fresh file of `bytes` at `path` and reads it sequentially out of the page cache,
+// 4 MiB at a time: buffered (returned), and direct into `*direct`. The file stays, so that the
+// direct read can be repeated beside each measurement it is compared with.
+double RawReadSpeed(const fs::path& path, uint64_t bytes, double* direct) {
   {
     std::vector<char> buf(4 << 20);
     std::mt19937_64 rng(1);
@@ -130,7 +146,7 @@ double RawReadSpeed(const fs::path& dir, uint64_t bytes, double* direct) {
       std::fwrite(buf.data(), 1, buf.size(), f);
     std::fclose(f);
   }
-  DropFromPageCache(dir);
+  DropFromPageCache(path.parent_path());
   const int fd = ::open(path.c_str(), O_RDONLY);
   std::vector<char> buf(4 << 20);
   const auto t = Clock::now();
@@ -138,19 +154,8 @@ double RawReadSpeed(const fs::path& dir, uint64_t bytes, double* direct) {
   for (ssize_t n; (n = ::read(fd, buf.data(), buf.size())) > 0;) total += static_cast<uint64_t>(n);
   const double s = Since(t);
   ::close(fd);
-  DropFromPageCache(dir);
-  *direct = 0;
-  const int dfd = ::open(path.c_str(), O_RDONLY | O_DIRECT);
-  if (dfd >= 0) {
-    void* aligned = std::aligned_alloc(4096, 4 << 20);
-    const auto td = Clock::now();
-    uint64_t dtotal = 0;
-    for (ssize_t n; (n = ::read(dfd, aligned, 4 << 20)) > 0;) dtotal += static_cast<uint64_t>(n);
-    *direct = dtotal / Since(td);
-    std::free(aligned);
-    ::close(dfd);
-  }
-  fs::remove(path);
+  DropFromPageCache(path.parent_path());
+  *direct = DirectReadSpeed(path);
   return total / s;
 }
 
@@ -172,12 +177,18 @@ Chain ChainOf(const std::vector<int32_t>& prompt, const cache::KeyContext& ctx) 
 }
 
 // Restore throughput: every block of `chain` read back through the store (RAM tier off) after
-// the files left the page cache, in MultiGet batches of `batch`, on `threads` threads.
-double RestoreSpeed(const fs::path& dir, const Chain& chain, size_t batch, int threads) {
+// the files left the page cache, in MultiGet batches of `batch`, on `threads` threads; with
+// `into_blocks`, as the engine's loader reads a restore: the whole chain in one ReadBlocksInto
+// call whose reading threads check each payload as they copy it into KV block memory.
+// `*cpu_seconds`: the process's user + system CPU time over the read.
+double RestoreSpeed(const fs::path& dir, const Chain& chain, size_t batch, int threads,
+                    bool into_blocks, double* cpu_seconds) {
   DropFromPageCache(dir / "cache");
   auto store = Store(dir, 0);
   std::atomic<uint64_t> bytes{0};
   std::atomic<size_t> next{0};
+  rusage u0;
+  getrusage(RUSAGE_SELF, &u0);
   const auto t = Clock::now();
   std::vector<std::thread> pool;
   for (int i = 0; i < threads; ++i) {
@@ -186,7 +197,21 @@ double RestoreSpeed(const fs::path& dir, const Chain& chain, size_t batch, int t
         const size_t n = std::min(batch, chain.keys.size() - at);
         std::vector<std::span<const int32_t>> spans;
         for (size_t j = at; j < at + n; ++j) spans.push_back(chain.tokens[j]);
-        for (auto& p : store->ReadBlocks(std::span(chain.keys).subspan(at, n), spans)) {
+        const auto keys = std::span(chain.keys).subspan(at, n);
+        if (into_blocks) {
+          std::vector<engine::KvPool::BlockMemory> blocks(n);
+          std::vector<size_t> sizes(n, 0);
+          const auto got = store->ReadBlocksInto(keys, spans, [&](size_t i, size_t size) {
+            blocks[i] = engine::KvPool::NewBlockMemory(size);
+            sizes[i] = size;
+            return blocks[i].get();
+          });
+          for (size_t i = 0; i < n; ++i) {
+            if (got[i]) bytes += sizes[i];
+          }
+          continue;
+        }
+        for (auto& p : store->ReadBlocks(keys, spans)) {
           if (p) bytes += p->size();
         }
       }
@@ -194,6 +219,10 @@ double RestoreSpeed(const fs::path& dir, const Chain& chain, size_t batch, int t
   }
   for (auto& th : pool) th.join();
   const double s = Since(t);
+  rusage u1;
+  getrusage(RUSAGE_SELF, &u1);
+  auto sec = [](const timeval& v) { return v.tv_sec + v.tv_usec / 1e6; };
+  *cpu_seconds = sec(u1.ru_utime) - sec(u0.ru_utime) + sec(u1.ru_stime) - sec(u0.ru_stime);
   return bytes / s;
 }
 
@@ -339,24 +368,47 @@ int main(int argc, char** argv) {
       largest_payload = st.disk_bytes - st.snapshot_bytes;
     }
     double direct = 0;
+    const fs::path raw_file = largest_dir / "raw-read.bin";
     const double buffered =
-        RawReadSpeed(largest_dir, std::max<uint64_t>(dir_bytes, 256ull << 20), &direct);
-    // The disk's own speed is the direct read; where O_DIRECT is refused, the buffered one.
-    const double raw = direct > 0 ? direct : buffered;
+        RawReadSpeed(raw_file, std::max<uint64_t>(dir_bytes, 256ull << 20), &direct);
     std::printf(
         "\nRestore of %zu blocks (%.1f MiB) from a cold page cache; sequential read of the same "
-        "disk, 4 MiB: %.0f MB/s direct, %.0f MB/s buffered; CRC32C %s\n\n| keys per ReadBlocks "
-        "call | calling threads | MB/s | of direct |\n"
-        "|---|---|---|---|\n",
+        "disk, 4 MiB: %.0f MB/s direct, %.0f MB/s buffered; CRC32C %s. This disk's speed moves "
+        "between reads, so each row is divided by a direct read of the same disk just before "
+        "it.\n\n| keys per call | calling threads | into | MB/s | direct read just before, "
+        "MB/s | of direct | CPU s (user + system, %u cores) |\n|---|---|---|---|---|---|---|\n",
         largest.keys.size(), largest_payload / 1048576.0, direct / 1e6, buffered / 1e6,
-        cache::Crc32cInHardware() ? "in hardware (SSE4.2)" : "by table");
-    // The last row is what the engine's loader does: the whole chain in one ReadBlocks call,
-    // which spreads MultiGets of 256 over 8 threads inside the store.
-    for (auto [batch, threads] : std::vector<std::pair<size_t, int>>{
-             {64, 1}, {256, 1}, {256, 4}, {largest.keys.size(), 1}}) {
-      const double v = RestoreSpeed(largest_dir, largest, batch, threads);
-      std::printf("| %zu | %d | %.0f | %.0f%% |\n", batch, threads, v / 1e6, 100 * v / raw);
+        cache::Crc32cInHardware() ? "in hardware (SSE4.2)" : "by table",
+        std::thread::hardware_concurrency());
+    // The last rows are what the engine's loader does: the whole chain in one call, which
+    // spreads MultiGets of 256 over 8 threads inside the store; the very last one as it is now,
+    // each payload copied by its reading thread straight into KV block memory.
+    struct Row {
+      size_t batch;
+      int threads;
+      bool into_blocks;
+    };
+    const size_t all = largest.keys.size();
+    for (const Row& row : std::vector<Row>{{64, 1, false},
+                                           {256, 1, false},
+                                           {256, 4, false},
+                                           {all, 1, false},
+                                           {all, 1, true},
+                                           {all, 1, true},
+                                           {all, 1, true}}) {
+      // Direct where the disk allows it, else buffered; either way out of the page cache.
+      DropFromPageCache(largest_dir);
+      double raw = DirectReadSpeed(raw_file);
+      if (raw <= 0) raw = buffered;
+      double cpu = 0;
+      const double v =
+          RestoreSpeed(largest_dir, largest, row.batch, row.threads, row.into_blocks, &cpu);
+      std::printf("| %zu | %d | %s | %.0f | %.0f | %.0f%% | %.3f |\n", row.batch, row.threads,
+                  row.into_blocks ? "KV block memory (ReadBlocksInto)" : "strings (ReadBlocks)",
+                  v / 1e6, raw / 1e6, 100 * v / raw, cpu);
+      std::fflush(stdout);
     }
+    fs::remove(raw_file);
     auto store = Store(largest_dir, 0);
     std::vector<std::span<const int32_t>> first = {largest.tokens[0]};
     const double payload = store->ReadBlocks(std::span(largest.keys).first(1), first)[0]->size();

@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <list>
 #include <memory>
 #include <mutex>
@@ -99,6 +100,15 @@ class BlockStore {
   // recently used.
   std::vector<std::optional<std::string>> ReadBlocks(
       std::span<const BlockKey> keys, std::span<const std::span<const int32_t>> tokens);
+  // The same read, each payload put where `dest(i, bytes)` says (null: not wanted, a miss) by
+  // the reading thread that read it (several at once for a long chain), checked while it is
+  // copied (one pass over the bytes), with no lock held: the caller puts the bytes straight
+  // where they belong (the KV pool's blocks). Returns, per key, whether its payload was put and
+  // passed every check; where not, what was written to its destination means nothing.
+  using BlockDest = std::function<uint8_t*(size_t i, size_t bytes)>;
+  std::vector<bool> ReadBlocksInto(std::span<const BlockKey> keys,
+                                   std::span<const std::span<const int32_t>> tokens,
+                                   const BlockDest& dest);
 
   // The snapshots whose parent block is `parent`, with their tail tokens (from the index: no
   // value is read).
@@ -158,6 +168,11 @@ class BlockStore {
   // value, the token ids); the payload when all pass. Never reads outside `value`.
   static std::optional<std::string> CheckValue(std::string_view value, const BlockKey& key,
                                                std::span<const int32_t> tokens);
+  // The same checks, the payload copied to `dest(payload bytes)` (null: not wanted) as its CRC
+  // is computed; whether it was wanted and every check passed.
+  static bool CheckedCopy(std::string_view value, const BlockKey& key,
+                          std::span<const int32_t> tokens,
+                          const std::function<uint8_t*(size_t bytes)>& dest);
   // The CRC32C a value stores for `key_bytes` (computed with the CRC field as zeros), and where.
   static uint32_t ValueChecksum(std::string_view key_bytes, std::string_view value);
   static constexpr size_t kChecksumOffset = 12;
@@ -208,15 +223,13 @@ class BlockStore {
   void ExpireLocked(int64_t expire_before_ms, rocksdb::WriteBatch* batch);
   void EvictLocked(uint64_t target_bytes, int64_t expire_before_ms);
   void RemoveLocked(const BlockKey& key, rocksdb::WriteBatch* batch);
-  void RamInsertLocked(const BlockKey& key, const std::string& payload);
+  // The RAM tier's payloads are shared: a reader copies one out after releasing mu_.
+  using RamPayload = std::shared_ptr<const std::string>;
+  void RamInsertLocked(const BlockKey& key, RamPayload payload);
   void RamEraseLocked(const BlockKey& key);
   rocksdb::ColumnFamilyHandle* Family(Kind kind) const;
   std::string DataKey(const BlockKey& key, const Entry& e) const;
   static std::string MetaValue(const Entry& e);
-  std::optional<std::string> Verify(std::string_view value, const BlockKey& key,
-                                    std::span<const int32_t> tokens) const {
-    return CheckValue(value, key, tokens);
-  }
   void DropCorrupt(Kind kind, const BlockKey& key);
   // Every write to the database goes through here. After the first failure none is attempted
   // again: RocksDB's file writer must not be called after an error it reported (a debug build
@@ -231,14 +244,15 @@ class BlockStore {
   std::unordered_map<BlockKey, Entry, BlockKeyHash> index_;                      // Guarded.
   std::set<Order, OrderLess> order_;                                             // Guarded.
   std::unordered_map<BlockKey, std::vector<BlockKey>, BlockKeyHash> snapshots_;  // parent ->
-  std::list<std::pair<BlockKey, std::string>> ram_;                              // MRU first.
-  std::unordered_map<BlockKey, std::list<std::pair<BlockKey, std::string>>::iterator, BlockKeyHash>
+  std::list<std::pair<BlockKey, RamPayload>> ram_;                               // MRU first.
+  std::unordered_map<BlockKey, std::list<std::pair<BlockKey, RamPayload>>::iterator, BlockKeyHash>
       ram_index_;
   std::vector<BlockKey> touched_;  // Last-use changes not yet written to meta.
   Stats stats_;                    // Guarded.
   int64_t clock_ = 0;              // Guarded: kCost's rank of the last entry evicted.
   int64_t last_expiry_scan_ms_ = 0;
 
+  std::atomic<uint64_t> ram_limit_{0};  // options_.ram_bytes, for the reading threads.
   std::atomic<bool> writes_stopped_{false};
   std::atomic<uint64_t> commit_failures_{0};  // Failed or refused Commit()s.
   mutable std::mutex failure_mu_;

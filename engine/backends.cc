@@ -12,6 +12,7 @@ namespace {
 
 // One GPU backend by name, or why not.
 StatusOr<std::unique_ptr<Backend>> MakeNamed(std::string_view kind, int device) {
+  (void)device;  // A build with the CPU backend alone has no use for it.
 #ifdef FLASHD_WITH_CUDA
   if (kind == "cuda") return cuda::MakeGpuBackend(device);
 #endif

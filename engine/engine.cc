@@ -184,7 +184,11 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
                                                e->fingerprint_, kCacheFormat);
   }
   e->thread_ = std::thread([raw = e.get()] { raw->Loop(); });
-  if (options.cache) e->loader_ = std::thread([raw = e.get()] { raw->LoaderLoop(); });
+  // Several loaders, so that one long restore (a million-token chain read from disk) never
+  // holds the lookups of every request behind it.
+  for (int i = 0; options.cache && i < kLoaderThreads; ++i) {
+    e->loaders_.emplace_back([raw = e.get()] { raw->LoaderLoop(); });
+  }
   return e;
 }
 
@@ -195,7 +199,7 @@ Engine::~Engine() {
   }
   cv_.notify_all();
   loader_cv_.notify_all();
-  if (loader_.joinable()) loader_.join();
+  for (std::thread& t : loaders_) t.join();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -306,6 +310,7 @@ Engine::PrefixKeys Engine::KeysFor(std::span<const int32_t> tokens,
 }
 
 void Engine::PlanRestore(Sequence& s) {
+  if (options_.before_lookup_for_test) options_.before_lookup_for_test(s.request);
   s.restore = prefix_->Plan(s.request.prompt, s.request.tenant, s.request.shared_namespaces);
 }
 

@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -39,6 +40,8 @@ namespace flashd::engine {
 
 // The engine's settings: the scheduling and memory knobs are config.yaml's `engine` section
 // (EngineConfig, one set of defaults for both), plus what the daemon decides itself.
+struct GenerationRequest;
+
 struct EngineOptions : EngineConfig {
   std::string model_dir;
   int64_t block_tokens = CacheConfig{}.block_tokens;  // KV pool and prefix cache block; every
@@ -48,6 +51,8 @@ struct EngineOptions : EngineConfig {
   // blocks plus an exact replay of the tokens before their end (CpuForward::ResumeAt). Full
   // blocks are written as they complete, a snapshot at the end of every prompt and generation.
   std::shared_ptr<cache::BlockStore> cache;
+  // Test hook: called on a loader thread before it looks a request up in the cache.
+  std::function<void(const GenerationRequest&)> before_lookup_for_test;
 };
 
 struct GenerationRequest {
@@ -153,6 +158,8 @@ class Engine {
   // 2: planar KV blocks (engine/kv_pool.h) and sequence snapshots v5; keys carry the backend's
   // numerics. The block store empties a store written in another payload format at open.
   static constexpr uint32_t kCacheFormat = 2;
+  // Threads that look requests up in the prefix cache and read what they resume from.
+  static constexpr int kLoaderThreads = 4;
   static constexpr const char* kCachePayloadFormat =
       "flashd kv blocks v2 (planar), snapshots v5 (DSpark rings)";
   // The prefix cache's keys for `tokens` of `tenant`: every full block, and the snapshot at the
@@ -221,7 +228,7 @@ class Engine {
   Scheduler scheduler_;
   int64_t step_ = 0;
   std::thread thread_;
-  std::thread loader_;
+  std::vector<std::thread> loaders_;
 };
 
 }  // namespace flashd::engine

@@ -1,5 +1,6 @@
 #include "engine/kv_pool.h"
 
+#include <algorithm>
 #include <cassert>
 #include <cstdlib>
 #include <cstring>
@@ -46,6 +47,38 @@ StatusOr<KvBlockLayout> KvBlockLayout::For(const ModelConfig& c, int64_t block_t
 KvPool::KvPool(size_t block_bytes, size_t capacity_blocks)
     : block_bytes_(block_bytes), capacity_(capacity_blocks) {}
 
+namespace {
+
+size_t PaddedBytes(size_t block_bytes) { return (std::max<size_t>(block_bytes, 1) + 63) / 64 * 64; }
+
+}  // namespace
+
+KvPool::BlockMemory KvPool::NewBlockMemory(size_t block_bytes) {
+  const size_t bytes = PaddedBytes(block_bytes);
+  BlockMemory m(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)));
+  if (m) std::memset(m.get() + block_bytes, 0, bytes - block_bytes);
+  return m;
+}
+
+int32_t KvPool::Adopt(BlockMemory memory) {
+  if (!memory || used_ >= capacity_) return -1;
+  int32_t id;
+  if (!free_.empty()) {
+    id = free_.back();
+    free_.pop_back();
+    table_[static_cast<size_t>(id)] = memory.get();
+    blocks_[static_cast<size_t>(id)] = std::move(memory);
+  } else {
+    id = static_cast<int32_t>(blocks_.size());
+    table_.push_back(memory.get());
+    blocks_.push_back(std::move(memory));
+    refs_.push_back(0);
+  }
+  refs_[static_cast<size_t>(id)] = 1;
+  used_ += 1;
+  return id;
+}
+
 int32_t KvPool::Allocate() {
   if (used_ >= capacity_) return -1;
   int32_t id;
@@ -55,7 +88,7 @@ int32_t KvPool::Allocate() {
     std::memset(blocks_[id].get(), 0, block_bytes_);
   } else {
     id = static_cast<int32_t>(blocks_.size());
-    const size_t bytes = (std::max<size_t>(block_bytes_, 1) + 63) / 64 * 64;
+    const size_t bytes = PaddedBytes(block_bytes_);
     uint8_t* block = static_cast<uint8_t*>(std::aligned_alloc(64, bytes));
     if (block == nullptr) return -1;
     std::memset(block, 0, bytes);

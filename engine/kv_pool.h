@@ -46,17 +46,29 @@ struct KvBlockLayout {
 
 class KvPool {
  public:
+  struct Free {
+    void operator()(uint8_t* p) const;
+  };
+  // A block's memory as the pool allocates it (64-byte aligned, rounded up to 64 bytes), which a
+  // reader outside the engine thread may fill (a restore) and the pool then adopts without a copy.
+  using BlockMemory = std::unique_ptr<uint8_t, Free>;
+  // Uninitialised but for the padding after block_bytes, which is zeroed; null when out of memory.
+  static BlockMemory NewBlockMemory(size_t block_bytes);
+
   KvPool(size_t block_bytes, size_t capacity_blocks);
 
   // A zeroed block with one reference, or -1 when the pool is at capacity.
   int32_t Allocate();
+  // A block with one reference whose bytes are `memory` (from NewBlockMemory(block_bytes())),
+  // or -1 when the pool is at capacity (the memory is then freed).
+  int32_t Adopt(BlockMemory memory);
   void Ref(int32_t block);
   void Unref(int32_t block);  // The last reference returns the block to the pool.
   int refs(int32_t block) const { return refs_[static_cast<size_t>(block)]; }
   uint8_t* data(int32_t block) { return table_[static_cast<size_t>(block)]; }
   const uint8_t* data(int32_t block) const { return table_[static_cast<size_t>(block)]; }
   // Block id -> its bytes (64-byte aligned), for kernels that address rows by block id. Valid
-  // until the next Allocate.
+  // until the next Allocate or Adopt.
   uint8_t* const* block_table() const { return table_.data(); }
 
   size_t block_bytes() const { return block_bytes_; }
@@ -68,10 +80,7 @@ class KvPool {
   size_t block_bytes_;
   std::atomic<size_t> capacity_;
   std::atomic<size_t> used_{0};
-  struct Free {
-    void operator()(uint8_t* p) const;
-  };
-  std::vector<std::unique_ptr<uint8_t, Free>> blocks_;
+  std::vector<BlockMemory> blocks_;
   std::vector<uint8_t*> table_;
   std::vector<int> refs_;
   std::vector<int32_t> free_;

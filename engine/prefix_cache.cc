@@ -107,9 +107,17 @@ RestorePlan PrefixCache::Plan(std::span<const int32_t> prompt, const std::string
     }
     std::vector<std::span<const int32_t>> spans;
     for (size_t j = 0; j < read; ++j) spans.push_back(prompt.subspan(j * B, B));
-    auto got = store_->ReadBlocks(std::span(keys).first(read), spans);
+    plan.blocks.resize(read);
+    const size_t block_bytes = forward_->pool()->block_bytes();
+    // Each block goes from the store's reading thread straight into memory the pool adopts.
+    auto got = store_->ReadBlocksInto(std::span(keys).first(read), spans,
+                                      [&](size_t i, size_t bytes) -> uint8_t* {
+                                        if (bytes != block_bytes) return nullptr;
+                                        plan.blocks[i] = KvPool::NewBlockMemory(block_bytes);
+                                        return plan.blocks[i].get();
+                                      });
     size_t ok = 0;
-    while (ok < read && got[ok].has_value()) ++ok;
+    while (ok < read && got[ok]) ++ok;
     if (ok < read) {
       have = ok;  // A block went missing or failed its check: plan again with less.
       continue;
@@ -119,7 +127,6 @@ RestorePlan PrefixCache::Plan(std::span<const int32_t> prompt, const std::string
       if (!snap) continue;  // Dropped as corrupt; the next plan cannot pick it again.
       plan.snapshot = std::move(*snap);
     }
-    for (auto& b : got) plan.blocks.push_back(std::move(*b));
     plan.chain.assign(keys.begin(), keys.begin() + static_cast<std::ptrdiff_t>(read));
     result = std::move(plan);
     break;
@@ -128,20 +135,24 @@ RestorePlan PrefixCache::Plan(std::span<const int32_t> prompt, const std::string
   return result;
 }
 
-StatusOr<SequenceState> PrefixCache::Apply(const RestorePlan& plan,
+StatusOr<SequenceState> PrefixCache::Apply(RestorePlan& plan,
                                            std::span<const int32_t> prompt) const {
   if (plan.kind == RestorePlan::Kind::kNone) return Internal("nothing to restore");
   KvPool& pool = *forward_->pool();
+  if (pool.capacity_blocks() - std::min(pool.capacity_blocks(), pool.used_blocks()) <
+      plan.blocks.size()) {
+    return ResourceExhausted("the KV pool has no room for the restored blocks");
+  }
   std::vector<int32_t> ids;
-  for (const std::string& bytes : plan.blocks) {
-    const int32_t id = bytes.size() == pool.block_bytes() ? pool.Allocate() : -1;
+  for (KvPool::BlockMemory& memory : plan.blocks) {
+    const int32_t id = pool.Adopt(std::move(memory));
     if (id < 0) {
       for (int32_t taken : ids) pool.Unref(taken);
       return ResourceExhausted("the KV pool has no room for the restored blocks");
     }
-    std::memcpy(pool.data(id), bytes.data(), bytes.size());
     ids.push_back(id);
   }
+  plan.blocks.clear();
   StatusOr<SequenceState> state =
       plan.kind == RestorePlan::Kind::kSnapshot
           ? forward_->Restore(plan.snapshot, std::move(ids))

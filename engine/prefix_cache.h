@@ -29,8 +29,10 @@ struct PrefixKeys {
 // What a prompt resumes from, with the bytes already read and checked.
 struct RestorePlan {
   enum class Kind { kNone, kSnapshot, kReplay } kind = Kind::kNone;
-  int64_t start = 0;                   // Position the sequence resumes at.
-  std::vector<std::string> blocks;     // Leading blocks' bytes.
+  int64_t start = 0;  // Position the sequence resumes at.
+  // The leading blocks, read by the store's threads straight into memory the KV pool adopts as
+  // its blocks at Apply (no copy between the disk's buffer and the pool).
+  std::vector<KvPool::BlockMemory> blocks;
   std::vector<cache::BlockKey> chain;  // Their keys.
   std::string snapshot;
   double seconds = 0;  // Spent finding, reading and checking.
@@ -52,9 +54,10 @@ class PrefixCache {
   // The best restore for `prompt` of `tenant` (also from prefixes published to `shared`).
   RestorePlan Plan(std::span<const int32_t> prompt, const std::string& tenant,
                    std::span<const std::string> shared) const;
-  // The state the plan describes (its blocks copied into the pool), or an error (the pool full,
-  // a snapshot that does not fit): the caller then prefills from the start.
-  StatusOr<SequenceState> Apply(const RestorePlan& plan, std::span<const int32_t> prompt) const;
+  // The state the plan describes (its blocks adopted by the pool, so `plan.blocks` is emptied),
+  // or an error (the pool full, a snapshot that does not fit): the caller then prefills from the
+  // start.
+  StatusOr<SequenceState> Apply(RestorePlan& plan, std::span<const int32_t> prompt) const;
 
   // Stores every full block of `fed` (the tokens `state` has run) not stored yet, extending
   // `chain` (the keys of the blocks stored so far).

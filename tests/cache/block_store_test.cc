@@ -5,8 +5,11 @@
 #include <sqlite3.h>
 
 #include <boost/test/unit_test.hpp>
+#include <cstring>
+#include <mutex>
 #include <numeric>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "cache/catalog.h"
@@ -94,13 +97,21 @@ BOOST_AUTO_TEST_CASE(crc32c_hardware_table_and_rocksdb_agree) {
     return v;
   };
   for (size_t offset = 0; offset < 8; ++offset) {
-    for (size_t n : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{63}, size_t{64},
-                     size_t{65}, size_t{1000}, size_t{4097}, buf.size() - 8}) {
+    // Around one and several three-lane rounds too (internal::kCrcLane).
+    constexpr size_t R = 3 * internal::kCrcLane;
+    for (size_t n :
+         {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{63}, size_t{64}, size_t{65},
+          size_t{1000}, size_t{4097}, R - 1, R, R + 1, 2 * R + 13, size_t{10240}, buf.size() - 8}) {
       const uint32_t want = rocks(&buf[offset], n);
       BOOST_TEST(internal::Crc32cTable(0, &buf[offset], n) == want, offset << " " << n);
       if (Crc32cInHardware()) {
         BOOST_TEST(internal::Crc32cSse42(0, &buf[offset], n) == want, offset << " " << n);
+        BOOST_TEST(internal::Crc32cSse42OneStream(0, &buf[offset], n) == want);
       }
+      std::vector<uint8_t> copy(n + 1, 0xA5);
+      BOOST_TEST(Crc32cExtendCopy(0, copy.data(), &buf[offset], n) == want);
+      BOOST_TEST(std::memcmp(copy.data(), &buf[offset], n) == 0);
+      BOOST_TEST(copy[n] == 0xA5);  // Not a byte past the end.
       BOOST_TEST(Crc32cExtend(Crc32cExtend(0, &buf[offset], n / 3), &buf[offset + n / 3],
                               n - n / 3) == want);
     }
@@ -113,6 +124,79 @@ BOOST_AUTO_TEST_CASE(crc32c_is_castagnoli) {
   BOOST_TEST(Crc32c("123456789") == 0xE3069283u);
   BOOST_TEST(Crc32c(std::string(32, '\0')) == 0x8A9136AAu);
   BOOST_TEST(Crc32c("123456789") != Crc32c("123456788"));
+}
+
+// The read into destinations, as a restore uses it: a long chain read on several threads (over
+// the 256-key slice), each payload put once, from disk and then from RAM; what the caller
+// refuses, or what is not stored, is reported as not delivered.
+BOOST_AUTO_TEST_CASE(read_blocks_into_puts_each_payload_once_from_any_thread) {
+  TempDir dir;
+  Chain c(700, 1);
+  {
+    auto store = OpenStore(dir.path(), 1 << 30, 0, 64 << 20);
+    PutChain(*store, c, 300);
+  }
+  auto store = OpenStore(dir.path(), 1 << 30, 0, 64 << 20);
+  Chain missing(1, 90000, c.keys.back());
+  std::vector<BlockKey> keys = c.keys;
+  keys.push_back(missing.keys[0]);
+  auto spans = c.spans();
+  spans.push_back(missing.tokens[0]);
+  for (const char* from : {"disk", "ram"}) {
+    std::vector<std::string> got(keys.size());
+    std::vector<std::atomic<int>> calls(keys.size());
+    std::mutex mu;
+    std::set<std::thread::id> threads;
+    auto delivered = store->ReadBlocksInto(keys, spans, [&](size_t i, size_t bytes) -> uint8_t* {
+      calls[i] += 1;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        threads.insert(std::this_thread::get_id());
+      }
+      if (i == 5) return nullptr;  // Refused: a miss.
+      got[i].assign(bytes, '?');
+      return reinterpret_cast<uint8_t*>(got[i].data());
+    });
+    BOOST_REQUIRE(delivered.size() == keys.size());
+    for (size_t i = 0; i < c.keys.size(); ++i) {
+      BOOST_TEST(calls[i] == 1, from << " " << i);
+      BOOST_TEST(delivered[i] == (i != 5), from << " " << i);
+      if (i != 5) BOOST_TEST(got[i] == PayloadFor(c.keys[i], 300), from << " " << i);
+    }
+    BOOST_TEST(calls.back() == 0);
+    BOOST_TEST(!delivered.back());
+    if (std::string(from) == "disk") {
+      BOOST_TEST(threads.size() > 1u);  // 700 keys: three slices, read in parallel.
+      BOOST_TEST(store->stats().bytes_read_disk > 699u * 300u);
+    }
+  }
+  // The second pass came from the RAM tier; refusing a block is not a corruption.
+  BOOST_TEST(store->stats().bytes_read_ram >= 699u * 300u);
+  BOOST_TEST(store->stats().corruptions == 0u);
+}
+
+// A read that would take more than a quarter of the RAM tier goes around it: one long restore
+// must not push out every other prompt's hot blocks. A short one still fills it.
+BOOST_AUTO_TEST_CASE(a_long_read_leaves_the_ram_tier_alone) {
+  TempDir dir;
+  Chain long_chain(100, 1), short_chain(3, 5000);
+  {
+    auto store = OpenStore(dir.path());
+    PutChain(*store, long_chain, 1000);
+    PutChain(*store, short_chain, 1000);
+  }
+  auto store = OpenStore(dir.path(), 1 << 30, 0, 40000);  // 100 KB chain > 10 KB (a quarter).
+  auto read = [&](const Chain& c) {
+    for (const auto& p : store->ReadBlocks(c.keys, c.spans())) BOOST_TEST(p.has_value());
+  };
+  read(short_chain);
+  read(long_chain);
+  BOOST_TEST(store->stats().ram_bytes == 3000u);  // Only the short chain is in RAM.
+  const uint64_t disk = store->stats().bytes_read_disk;
+  read(short_chain);
+  BOOST_TEST(store->stats().bytes_read_disk == disk);  // Still served from RAM.
+  read(long_chain);
+  BOOST_TEST(store->stats().bytes_read_disk > disk + 100000);
 }
 
 BOOST_AUTO_TEST_CASE(round_trip_survives_a_restart) {

@@ -37,6 +37,38 @@ BOOST_AUTO_TEST_CASE(reserve_appends_copies_shared_blocks_and_commits) {
   BOOST_TEST(pool->used_blocks() == 5u);
 }
 
+// A restore's blocks become the pool's without a copy: adopted memory is the block's memory,
+// into a freed id or a new one, counted like an allocation, refused (and freed) at capacity.
+BOOST_AUTO_TEST_CASE(adopted_memory_becomes_a_block) {
+  KvPool pool(40, 3);
+  const int32_t a = pool.Allocate();
+  pool.Allocate();
+  pool.Unref(a);  // a's id is free again.
+  KvPool::BlockMemory m = KvPool::NewBlockMemory(40);
+  BOOST_REQUIRE(m);
+  BOOST_TEST(reinterpret_cast<uintptr_t>(m.get()) % 64 == 0u);
+  BOOST_TEST(m.get()[40] == 0);  // The padding to 64 bytes is zeroed.
+  std::memset(m.get(), 9, 40);
+  uint8_t* bytes = m.get();
+  const int32_t reused = pool.Adopt(std::move(m));
+  BOOST_TEST(reused == a);
+  BOOST_TEST(pool.data(reused) == bytes);
+  BOOST_TEST(pool.block_table()[reused] == bytes);
+  BOOST_TEST(pool.refs(reused) == 1);
+  KvPool::BlockMemory n = KvPool::NewBlockMemory(40);
+  uint8_t* more = n.get();
+  const int32_t fresh = pool.Adopt(std::move(n));
+  BOOST_TEST(fresh == 2);
+  BOOST_TEST(pool.data(fresh) == more);
+  BOOST_TEST(pool.used_blocks() == 3u);
+  BOOST_TEST(pool.Adopt(KvPool::NewBlockMemory(40)) == -1);  // At capacity.
+  BOOST_TEST(pool.Allocate() == -1);
+  pool.Unref(fresh);
+  const int32_t again = pool.Allocate();  // Allocate zeroes adopted memory it hands out again.
+  BOOST_TEST(again == fresh);
+  BOOST_TEST(pool.data(again)[0] == 0);
+}
+
 BOOST_AUTO_TEST_CASE(rollback_and_a_full_pool_change_nothing) {
   auto pool = std::make_shared<KvPool>(16, 4);
   BlockManager bm(pool);

@@ -3,6 +3,7 @@
 // shared prefixes are stored once; tenants never hit each other; a corrupt block is never used.
 #include <boost/test/unit_test.hpp>
 #include <cstring>
+#include <future>
 #include <random>
 
 #include "engine/engine.h"
@@ -74,8 +75,11 @@ std::shared_ptr<cache::BlockStore> OpenStore(const std::filesystem::path& dir) {
   return std::shared_ptr<cache::BlockStore>(std::move(store).value());
 }
 
-std::unique_ptr<Engine> OpenEngine(std::shared_ptr<cache::BlockStore> store) {
+std::unique_ptr<Engine> OpenEngine(
+    std::shared_ptr<cache::BlockStore> store,
+    std::function<void(const GenerationRequest&)> before_lookup = nullptr) {
   EngineOptions o;
+  o.before_lookup_for_test = std::move(before_lookup);
   o.model_dir = FLASHD_GOLDEN_DIR;
   o.step_token_budget = 256;
   o.prefill_chunk = 128;
@@ -249,6 +253,37 @@ BOOST_AUTO_TEST_CASE(a_corrupt_block_is_never_used) {
   // Only the two blocks before the bad one could be used; the output is still exact.
   BOOST_TEST(got.cached <= 128);
   BOOST_TEST(SameOutput(got, Uncached(longer, 6)));
+}
+
+BOOST_AUTO_TEST_CASE(a_slow_lookup_holds_no_other_request) {
+  TempDir dir;
+  const std::vector<int32_t> a = Tokens(300, 12), b = Tokens(300, 13);
+  std::promise<void> release, entered;
+  std::shared_future<void> released = release.get_future().share();
+  std::future<void> slow_entered = entered.get_future();
+  {
+    auto engine = OpenEngine(OpenStore(dir.path()));
+    Run(*engine, a, 1, "slow");
+    Run(*engine, b, 1);
+  }
+  // The "slow" tenant's lookup waits inside the loader until the other request has finished:
+  // with one loader thread the other request would wait behind it, and this test would hang.
+  auto engine = OpenEngine(OpenStore(dir.path()), [&](const GenerationRequest& r) {
+    if (r.tenant != "slow") return;
+    entered.set_value();
+    released.wait();
+  });
+  const std::vector<int32_t> a2 = Concat(a, Tokens(10, 14)), b2 = Concat(b, Tokens(10, 15));
+  auto slow = std::async(std::launch::async, [&] { return Run(*engine, a2, 3, "slow"); });
+  slow_entered.wait();  // A loader holds the slow request now.
+  Outcome other = Run(*engine, b2, 3);
+  BOOST_TEST(other.cached == 300);
+  BOOST_TEST((slow.wait_for(milliseconds(0)) == std::future_status::timeout));
+  release.set_value();
+  Outcome got = slow.get();
+  BOOST_TEST(got.cached == 300);
+  BOOST_TEST(SameOutput(got, Uncached(a2, 3)));
+  BOOST_TEST(SameOutput(other, Uncached(b2, 3)));
 }
 
 BOOST_AUTO_TEST_SUITE_END()
