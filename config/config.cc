@@ -118,6 +118,12 @@ const std::vector<Field>& Schema() {
          c->model.tokenizer_dir = t;
          return Status::Ok();
        }},
+      {"model.verify", "true or false",
+       [](const std::string& t, Config* c) {
+         if (t != "true" && t != "false") return InvalidArgument("not true or false");
+         c->model.verify = t == "true";
+         return Status::Ok();
+       }},
       {"model.id", "a non-empty model name",
        [](const std::string& t, Config* c) { return SetNonEmpty(t, &c->model.id); }},
       {"log.level", "one of trace, debug, info, warn, error, off",

@@ -48,6 +48,9 @@ struct ModelConfig {
   // the ones installed with the binary (engine::FindDefaultTokenizerDir), wherever it was
   // started from.
   std::string tokenizer_dir;
+  // Check every weight file's SHA-256 against SHA256SUMS in the model directory while reading
+  // the files at start-up; a file that differs (or has no line there) stops the model loading.
+  bool verify = false;
 };
 
 struct LogConfig {

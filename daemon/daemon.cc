@@ -22,6 +22,7 @@
 #include "daemon/connection_server.h"
 #include "daemon/task_queue.h"
 #include "daemon/unix_socket.h"
+#include "engine/model_files.h"
 #include "engine/tokenizer.h"
 
 namespace flashd::daemon {
@@ -190,7 +191,12 @@ void Daemon::LoadModel() {
     dir = engine::DefaultModelDir(config_.state_dir);
   }
   api_->SetPhase(api::Phase::kLoading, "loading the model from " + dir);
-  ReadModelFiles(dir);
+  if (Status s = ReadModelFiles(dir); !s.ok()) {
+    spdlog::error("cannot load the model: {}", s.message());
+    api_->SetPhase(api::Phase::kFailed, "cannot load the model: " + s.message());
+    load_finished_ = true;
+    return;
+  }
   engine::EngineOptions options;
   static_cast<EngineConfig&>(options) = config_.engine;
   options.model_dir = dir;
@@ -227,50 +233,44 @@ void Daemon::LoadModel() {
   load_finished_ = true;
 }
 
-void Daemon::ReadModelFiles(const std::string& dir) {
-  // The weights are memory-mapped; reading them once here makes them resident before the first
-  // request instead of page by page during it, and shows how far loading is (/health). Skipped
-  // when they would not fit in the free memory: the kernel would only evict them again.
-  namespace fs = std::filesystem;
-  std::vector<fs::path> files;
-  uint64_t total = 0;
+Status Daemon::ReadModelFiles(const std::string& dir) {
+  // The weights are memory-mapped; reading them once here, on several threads, brings them into
+  // the page cache before the first request instead of page by page during it, and shows how
+  // far loading is (/health). Skipped when they would not fit in half the free memory (the
+  // kernel would only evict them again), unless model.verify asks for every byte to be checked
+  // against SHA256SUMS.
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(dir, ec)) {
-    if (e.path().extension() != ".safetensors") continue;
-    files.push_back(e.path());
-    total += fs::file_size(e.path(), ec);
-  }
-  std::sort(files.begin(), files.end());
+  if (!std::filesystem::is_directory(dir, ec)) return Status::Ok();  // The loader says why.
+  StatusOr<std::vector<std::string>> files = engine::ModelWeightFiles(dir);
+  if (!files.ok()) return files.status();
+  if (files->empty()) return Status::Ok();
+  uint64_t total = 0;
+  for (const std::string& f : *files) total += std::filesystem::file_size(f, ec);
   const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   const uint64_t free_bytes = pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : 0;
-  if (files.empty() || total > free_bytes / 2) {
-    if (!files.empty()) {
-      spdlog::info("model files ({:.1f} GiB) exceed half the free memory: read on demand",
-                   total / 1073741824.0);
-    }
-    return;
+  const bool verify = config_.model.verify;
+  if (total > free_bytes / 2 && !verify) {
+    spdlog::info("model files ({:.1f} GiB) exceed half the free memory: read on demand",
+                 total / 1073741824.0);
+    return Status::Ok();
   }
   const auto start = std::chrono::steady_clock::now();
-  std::vector<char> buf(8 << 20);
-  uint64_t done = 0;
-  auto last = start;
-  for (const fs::path& f : files) {
-    std::ifstream in(f, std::ios::binary);
-    while (in) {
-      in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-      done += static_cast<uint64_t>(in.gcount());
-      const auto now = std::chrono::steady_clock::now();
-      if (now - last > std::chrono::milliseconds(200)) {
-        last = now;
-        api_->SetProgress("reading the model files", "bytes", done, total,
-                          std::chrono::duration<double>(now - start).count());
-      }
-    }
+  engine::ReadFilesOptions o;
+  o.progress = [&](uint64_t done, uint64_t all) {
+    api_->SetProgress(
+        verify ? "reading and checking the model files" : "reading the model files", "bytes", done,
+        all, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  };
+  engine::FilesRead read;
+  if (verify) {
+    FLASHD_RETURN_IF_ERROR(engine::VerifyModelFiles(dir, o, &read));
+  } else {
+    FLASHD_ASSIGN_OR_RETURN(read, engine::ReadFiles(*files, o));
   }
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  spdlog::info("read {} model files, {:.1f} MiB in {:.2f} s ({:.0f} MB/s)", files.size(),
-               done / 1048576.0, seconds, seconds > 0 ? done / seconds / 1e6 : 0.0);
+  spdlog::info("read {} model files{}, {:.1f} MiB in {:.2f} s ({:.0f} MB/s)", files->size(),
+               verify ? " (SHA-256 checked against SHA256SUMS)" : "", read.bytes / 1048576.0,
+               read.seconds, read.seconds > 0 ? read.bytes / read.seconds / 1e6 : 0.0);
+  return Status::Ok();
 }
 
 Status Daemon::OpenCache() {

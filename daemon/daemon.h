@@ -48,7 +48,7 @@ class Daemon {
   Status AdoptSystemdSockets(int* tcp_fd, int* unix_fd);
   void WritePidFile();
   // Reads the model's weight files once, with progress on /health (see daemon.cc).
-  void ReadModelFiles(const std::string& dir);
+  Status ReadModelFiles(const std::string& dir);
   // SIGHUP: applies the reloadable part of the config file; logs what it did or why not.
   void Reload();
   void RemoveFiles();

@@ -78,6 +78,10 @@ void PrintMkModelHelp() {
       "                    quantization_config / vision_config mappings are merged too\n"
       "  --set KEY=VALUE   one key, VALUE in YAML syntax (e.g. --set compress_ratios=[0,2,1])\n"
       "  --shards N        split into N files with model.safetensors.index.json (default 1)\n"
+      "  --layers N        the released dimensions instead, cut to the first N layers (every\n"
+      "                    list of layer ids cut to match), written as random codes of each\n"
+      "                    tensor's kind streamed to disk: checkpoints of tens of GB for\n"
+      "                    loading benchmarks (shrink Engram with --set engram_vocab_size=V)\n"
       "  --seed N          random seed (default 0)\n"
       "  --tokenizer DIR   copy tokenizer.json and tokenizer_config.json from DIR\n"
       "  --print-config    print the resulting config.json and write nothing\n");
@@ -111,6 +115,7 @@ int MkModelCommand(const std::vector<std::string>& args) {
   json overrides = json::object();
   engine::TinyModelOptions options;
   bool print_only = false;
+  int layers = 0;  // 0: the tiny model.
   auto fail = [](const std::string& message) {
     std::fprintf(stderr, "flashd mkmodel: %s\n", message.c_str());
     return kExitUsage;
@@ -134,6 +139,9 @@ int MkModelCommand(const std::vector<std::string>& args) {
         overrides[kv.substr(0, eq)] = YamlToJson(YAML::Load(kv.substr(eq + 1)));
       } else if (a == "--shards") {
         options.shards = std::stoi(value());
+      } else if (a == "--layers") {
+        layers = std::stoi(value());
+        if (layers < 1) return fail("--layers must be at least 1");
       } else if (a == "--seed") {
         options.seed = std::stoull(value());
       } else if (a == "--tokenizer") {
@@ -154,13 +162,26 @@ int MkModelCommand(const std::vector<std::string>& args) {
     return fail(e.what());
   }
   if (out_dir.empty() && !print_only) return fail("missing OUT_DIR (see flashd mkmodel --help)");
-  StatusOr<std::string> config = engine::TinyConfigJson(overrides.dump());
+  StatusOr<std::string> config = layers > 0 ? engine::ReleasedConfigJson(layers, overrides.dump())
+                                            : engine::TinyConfigJson(overrides.dump());
   if (!config.ok()) return fail(config.status().message());
   if (print_only) {
     std::printf("%s\n", config->c_str());
     return kExitOk;
   }
-  Status s = engine::WriteTinyModel(out_dir, *config, options);
+  if (layers > 0) {
+    // Progress on stderr: tens of GB take a while.
+    int last = -1;
+    options.progress = [&last](uint64_t done, uint64_t total) {
+      const int pct = static_cast<int>(100 * done / std::max<uint64_t>(total, 1));
+      if (pct / 5 == last / 5) return;
+      last = pct;
+      std::fprintf(stderr, "\rwriting: %d%% of %.1f GB", pct, total / 1e9);
+      if (done == total) std::fprintf(stderr, "\n");
+    };
+  }
+  Status s = layers > 0 ? engine::WriteLargeModel(out_dir, *config, options)
+                        : engine::WriteTinyModel(out_dir, *config, options);
   if (!s.ok()) return fail(s.message());
   std::printf("wrote %s\n", out_dir.c_str());
   return kExitOk;

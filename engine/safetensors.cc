@@ -306,23 +306,23 @@ uint64_t Checkpoint::total_file_bytes() const {
   return total;
 }
 
-Status WriteSafetensors(const std::string& path, const std::vector<const TensorData*>& tensors,
-                        const std::map<std::string, std::string>& metadata) {
+Status WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorHeader>& tensors,
+                                const std::map<std::string, std::string>& metadata,
+                                const TensorFill& fill) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   uint64_t offset = 0;
-  for (const TensorData* t : tensors) {
+  std::vector<uint64_t> sizes;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorHeader& t = tensors[i];
     uint64_t elements = 1;
-    for (int64_t d : t->shape) elements *= static_cast<uint64_t>(d);
-    if (DTypeBytes(t->dtype, elements) != t->bytes.size()) {
-      return Internal("WriteSafetensors: " + t->name + " has " + std::to_string(t->bytes.size()) +
-                      " bytes for its shape");
-    }
-    header[t->name] = {{"dtype", std::string(DTypeName(t->dtype))},
-                       {"shape", t->shape},
-                       {"data_offsets", {offset, offset + t->bytes.size()}}};
-    offset += t->bytes.size();
-    if (t != tensors.back()) offset = (offset + 7) / 8 * 8;
+    for (int64_t d : t.shape) elements *= static_cast<uint64_t>(d);
+    sizes.push_back(DTypeBytes(t.dtype, elements));
+    header[t.name] = {{"dtype", std::string(DTypeName(t.dtype))},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + sizes.back()}}};
+    offset += sizes.back();
+    if (i + 1 < tensors.size()) offset = (offset + 7) / 8 * 8;
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -331,20 +331,45 @@ Status WriteSafetensors(const std::string& path, const std::vector<const TensorD
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xFF));
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  uint64_t written = 0;
   static const char kZeros[8] = {};
-  for (const TensorData* t : tensors) {
-    out.write(reinterpret_cast<const char*>(t->bytes.data()),
-              static_cast<std::streamsize>(t->bytes.size()));
-    written += t->bytes.size();
-    if (t == tensors.back()) break;  // Nothing follows the last tensor.
-    uint64_t pad = (8 - written % 8) % 8;
+  constexpr uint64_t kChunk = 32ull << 20;
+  std::vector<uint8_t> buf;
+  uint64_t written = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    for (uint64_t at = 0; at < sizes[i]; at += kChunk) {
+      const uint64_t len = std::min(kChunk, sizes[i] - at);
+      buf.resize(len);
+      FLASHD_RETURN_IF_ERROR(fill(i, at, buf.data(), len));
+      out.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(len));
+    }
+    written += sizes[i];
+    if (i + 1 == tensors.size()) break;  // Nothing follows the last tensor.
+    const uint64_t pad = (8 - written % 8) % 8;
     out.write(kZeros, static_cast<std::streamsize>(pad));
     written += pad;
   }
   out.flush();
   if (!out) return IoError(path + ": write failed: " + std::strerror(errno));
   return Status::Ok();
+}
+
+Status WriteSafetensors(const std::string& path, const std::vector<const TensorData*>& tensors,
+                        const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorHeader> headers;
+  for (const TensorData* t : tensors) {
+    uint64_t elements = 1;
+    for (int64_t d : t->shape) elements *= static_cast<uint64_t>(d);
+    if (DTypeBytes(t->dtype, elements) != t->bytes.size()) {
+      return Internal("WriteSafetensors: " + t->name + " has " + std::to_string(t->bytes.size()) +
+                      " bytes for its shape");
+    }
+    headers.push_back({t->name, t->dtype, t->shape});
+  }
+  return WriteSafetensorsStreamed(path, headers, metadata,
+                                  [&](size_t i, uint64_t offset, uint8_t* out, uint64_t n) {
+                                    std::memcpy(out, tensors[i]->bytes.data() + offset, n);
+                                    return Status::Ok();
+                                  });
 }
 
 }  // namespace flashd::engine

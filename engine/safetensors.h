@@ -14,6 +14,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -114,5 +115,17 @@ struct TensorData {
 };
 Status WriteSafetensors(const std::string& path, const std::vector<const TensorData*>& tensors,
                         const std::map<std::string, std::string>& metadata = {});
+
+// The same layout for tensors too large to hold: the header from names, dtypes and shapes, then
+// each tensor's bytes asked of `fill(tensor index, offset, out, n)` a chunk at a time.
+struct TensorHeader {
+  std::string name;
+  DType dtype;
+  std::vector<int64_t> shape;
+};
+using TensorFill = std::function<Status(size_t i, uint64_t offset, uint8_t* out, uint64_t n)>;
+Status WriteSafetensorsStreamed(const std::string& path, const std::vector<TensorHeader>& tensors,
+                                const std::map<std::string, std::string>& metadata,
+                                const TensorFill& fill);
 
 }  // namespace flashd::engine

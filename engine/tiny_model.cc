@@ -241,8 +241,11 @@ Status CopyFile(const std::filesystem::path& from, const std::filesystem::path& 
 
 }  // namespace
 
-StatusOr<std::string> TinyConfigJson(std::string_view overrides_json) {
-  json config = json::parse(kDefaultConfig);
+namespace {
+
+// `base` (a whole config.json) with `overrides_json` applied, Engram table sizes recomputed from
+// the other Engram keys unless given, validated like any model's config.
+StatusOr<std::string> WithOverrides(json config, std::string_view overrides_json) {
   bool sizes_given = false;
   if (!overrides_json.empty()) {
     json overrides;
@@ -291,6 +294,175 @@ StatusOr<std::string> TinyConfigJson(std::string_view overrides_json) {
   std::string out = config.dump(2);
   FLASHD_RETURN_IF_ERROR(ParseModelConfig(out, "model spec").status());
   return out;
+}
+
+}  // namespace
+
+StatusOr<std::string> TinyConfigJson(std::string_view overrides_json) {
+  return WithOverrides(json::parse(kDefaultConfig), overrides_json);
+}
+
+StatusOr<std::string> ReleasedConfigJson(int layers, std::string_view overrides_json) {
+  json config = json::parse(ReleasedConfigText());
+  json& text = config.contains("text_config") ? config["text_config"] : config;
+  const int released = text["num_hidden_layers"].get<int>();
+  if (layers < 1 || layers > released) {
+    return InvalidArgument("--layers must be between 1 and " + std::to_string(released));
+  }
+  // The first `layers` layers, and every list of layer ids cut to them: the sources, the
+  // candidate source (the last index source left, else none), the Engram layers, and DSpark's
+  // target layers moved to the last layers there are.
+  std::vector<int> ratios = text["compress_ratios"].get<std::vector<int>>();
+  std::vector<int> cut(ratios.begin(), ratios.begin() + layers);
+  cut.insert(cut.end(), ratios.begin() + released, ratios.end());
+  text["compress_ratios"] = cut;
+  text["num_hidden_layers"] = layers;
+  auto below = [&](const char* key) {
+    std::vector<int> kept;
+    for (int l : text[key].get<std::vector<int>>()) {
+      if (l < layers) kept.push_back(l);
+    }
+    return kept;
+  };
+  const std::vector<int> index_sources = below("index_source_layer_ids");
+  text["kv_source_layer_ids"] = below("kv_source_layer_ids");
+  text["index_source_layer_ids"] = index_sources;
+  if (text["candidate_source_layer_id"].get<int>() >= layers) {
+    text["candidate_source_layer_id"] = index_sources.empty() ? -1 : index_sources.back();
+  }
+  const std::vector<int> engram = below("engram_layer_ids");
+  const std::vector<int64_t> tables = text["engram_num_embeddings"].get<std::vector<int64_t>>();
+  text["engram_layer_ids"] = engram;
+  text["engram_num_embeddings"] =
+      std::vector<int64_t>(tables.begin(), tables.begin() + engram.size());
+  const size_t targets = text["dspark_target_layer_ids"].size();
+  std::vector<int> moved;
+  for (int l = std::max(0, layers - static_cast<int>(targets)); l < layers; ++l) moved.push_back(l);
+  text["dspark_target_layer_ids"] = moved;
+  return WithOverrides(std::move(config), overrides_json);
+}
+
+namespace {
+
+// Bytes of one tensor chunk for WriteLargeModel: valid codes of the tensor's kind from a
+// generator seeded by the tensor and the chunk, so any chunk can be made on its own. FP8 codes
+// stay below 1 in magnitude (no NaN code), UE8M0 scales between 2^-7 and 2^-4, FP4 codes are all
+// valid; norms are 1, biases and sinks 0, other BF16/F32 values small and uniform.
+void FillCodes(const TensorSpec& spec, DType dtype, uint64_t seed, uint64_t offset, uint8_t* out,
+               uint64_t n) {
+  Rng rng(SeedFor(seed, spec.name) ^ (offset * 0x9E3779B97F4A7C15ULL));
+  auto bytes = [&](uint8_t mask, uint8_t add) {
+    uint64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      uint64_t r = rng.Next();
+      for (int b = 0; b < 8; ++b) out[i + b] = static_cast<uint8_t>(((r >> (8 * b)) & mask) + add);
+    }
+    for (uint64_t r = rng.Next(); i < n; ++i, r >>= 8)
+      out[i] = static_cast<uint8_t>((r & mask) + add);
+  };
+  switch (spec.kind) {
+    case TensorKind::kFp8Weight:
+    case TensorKind::kFp8Table:
+      return bytes(0xB7, 0);
+    case TensorKind::kFp4Weight:
+      return bytes(0xFF, 0);
+    case TensorKind::kFp8Scale:
+    case TensorKind::kFp4Scale:
+    case TensorKind::kFp8RowScale:
+      return bytes(0x03, 120);
+    case TensorKind::kBf16:
+    case TensorKind::kF32:
+      break;
+  }
+  const size_t width = dtype == DType::kF32 ? 4 : 2;
+  float fixed = -1;
+  if (EndsWith(spec.name, "norm.weight") || EndsWith(spec.name, "q_weight") ||
+      EndsWith(spec.name, "k_weight") || EndsWith(spec.name, "_scale")) {
+    fixed = 1;
+  } else if (EndsWith(spec.name, "_base") || EndsWith(spec.name, "attn_sink") ||
+             EndsWith(spec.name, "gate.bias") || EndsWith(spec.name, "gate.bias_vl")) {
+    fixed = 0;
+  }
+  // Chunks are whole elements (WriteSafetensorsStreamed's chunk is a multiple of 4).
+  for (uint64_t i = 0; i + width <= n; i += width) {
+    const float v =
+        fixed >= 0 ? fixed : (static_cast<float>(rng.Next() >> 40) * 0x1p-24f - 0.5f) * 0.02f;
+    if (width == 4) {
+      std::memcpy(out + i, &v, 4);
+    } else {
+      const uint16_t b = k::FloatToBf16(v);
+      std::memcpy(out + i, &b, 2);
+    }
+  }
+}
+
+}  // namespace
+
+Status WriteLargeModel(const std::string& dir, std::string_view config_json,
+                       const TinyModelOptions& options) {
+  namespace fs = std::filesystem;
+  FLASHD_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(config_json, "model spec"));
+  if (options.shards < 1) return InvalidArgument("mkmodel: --shards must be at least 1");
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return IoError(dir + ": cannot create: " + ec.message());
+  const std::vector<TensorSpec> specs = ExpectedTensors(config);
+  std::vector<uint64_t> sizes;
+  uint64_t total = 0;
+  for (const TensorSpec& s : specs) {
+    uint64_t elements = 1;
+    for (int64_t d : s.shape) elements *= static_cast<uint64_t>(d);
+    sizes.push_back(DTypeBytes(StoredDType(s.kind), elements));
+    total += sizes.back();
+  }
+  // Shards of about equal bytes, tensors in spec order.
+  const uint64_t per_shard = (total + options.shards - 1) / options.shards;
+  std::vector<std::vector<size_t>> shards(static_cast<size_t>(options.shards));
+  uint64_t filled = 0;
+  size_t current = 0;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (filled >= per_shard * (current + 1) && current + 1 < shards.size()) ++current;
+    shards[current].push_back(i);
+    filled += sizes[i];
+  }
+  json weight_map = json::object();
+  uint64_t done = 0;
+  for (size_t k = 0; k < shards.size(); ++k) {
+    char name[64];
+    if (options.shards == 1) {
+      std::snprintf(name, sizeof name, "model.safetensors");
+    } else {
+      std::snprintf(name, sizeof name, "model-%05zu-of-%05d.safetensors", k + 1, options.shards);
+    }
+    std::vector<TensorHeader> headers;
+    for (size_t i : shards[k]) {
+      headers.push_back({specs[i].name, StoredDType(specs[i].kind), specs[i].shape});
+      weight_map[specs[i].name] = name;
+    }
+    FLASHD_RETURN_IF_ERROR(WriteSafetensorsStreamed(
+        (fs::path(dir) / name).string(), headers, {{"format", "pt"}},
+        [&](size_t j, uint64_t offset, uint8_t* out, uint64_t n) {
+          const TensorSpec& spec = specs[shards[k][j]];
+          FillCodes(spec, StoredDType(spec.kind), options.seed, offset, out, n);
+          done += n;
+          if (options.progress) options.progress(done, total);
+          return Status::Ok();
+        }));
+  }
+  if (options.shards > 1) {
+    json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    std::ofstream(fs::path(dir) / "model.safetensors.index.json") << index.dump(2) << "\n";
+  }
+  std::ofstream out(fs::path(dir) / "config.json");
+  out << config_json << "\n";
+  if (!out) return IoError(dir + "/config.json: write failed");
+  if (!options.tokenizer_dir.empty()) {
+    for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
+      fs::path from = fs::path(options.tokenizer_dir) / file;
+      if (fs::exists(from, ec)) FLASHD_RETURN_IF_ERROR(CopyFile(from, fs::path(dir) / file));
+    }
+  }
+  return Status::Ok();
 }
 
 Status WriteTinyModel(const std::string& dir, std::string_view config_json,

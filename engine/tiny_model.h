@@ -30,6 +30,17 @@ struct TinyModelOptions {
 // config.json text; it is validated like any model's.
 StatusOr<std::string> TinyConfigJson(std::string_view overrides_json);
 
+// The released config (built in from tests/data/deepseek-v4.1-flash/config.json) cut to its
+// first `layers` layers, every list of layer ids cut to match, with `overrides` applied as above.
+StatusOr<std::string> ReleasedConfigJson(int layers, std::string_view overrides_json);
+const char* ReleasedConfigText();
+
+// Writes a checkpoint of any size without holding it: every tensor streamed to its shard as valid
+// random codes of its kind (not the tiny model's quantized normals), a fixed seed. Its use is
+// loading at the released model's scale (bench/load_bench); the values mean nothing.
+Status WriteLargeModel(const std::string& dir, std::string_view config_json,
+                       const TinyModelOptions& options);
+
 // Writes config.json, the weights and the tokenizer files into `dir` (created if needed).
 Status WriteTinyModel(const std::string& dir, std::string_view config_json,
                       const TinyModelOptions& options);

@@ -8,7 +8,7 @@ packages=(
   build-essential cmake pkg-config make curl ca-certificates
   librocksdb-dev libyaml-cpp-dev libcpp-httplib-dev libuv1-dev libxxhash-dev
   nlohmann-json3-dev libspdlog-dev libsqlite3-dev libboost-test-dev
-  libpcre2-dev libutf8proc-dev liburing-dev libsystemd-dev
+  libpcre2-dev libutf8proc-dev liburing-dev libsystemd-dev libssl-dev
   python3 python3-venv python3-pip clang-format util-linux
   debootstrap lintian git jq libtbb-dev
 )

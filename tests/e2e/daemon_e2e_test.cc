@@ -615,6 +615,42 @@ BOOST_AUTO_TEST_CASE(truncated_shard_is_reported_by_health_naming_the_file) {
   BOOST_TEST(d.Stop(SIGTERM) == 0);
 }
 
+// model.verify: every weight file against SHA256SUMS (written here by coreutils' sha256sum)
+// before the model loads; one changed byte stops the load, and /health names the file.
+BOOST_AUTO_TEST_CASE(model_verify_checks_sha256sums_and_names_a_changed_file) {
+  TempDir tmp;
+  fs::path model = tmp.path() / "model";
+  fs::copy(SharedTinyModelDir(), model);
+  CommandResult sums =
+      RunCommand("cd '" + model.string() + "' && sha256sum model.safetensors > SHA256SUMS");
+  BOOST_REQUIRE_MESSAGE(sums.code == 0, sums.out);
+  const std::string yaml = "model:\n  verify: true\n";
+  const std::map<std::string, std::string> env = {{"FLASHD_MODEL_DIR", model.string()}};
+  fs::create_directories(tmp.path() / "good");
+  fs::create_directories(tmp.path() / "bad");
+  {
+    DaemonProcess d({tmp.path() / "good", yaml, env, {}});
+    BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+    BOOST_REQUIRE_MESSAGE(WaitHealthy("127.0.0.1", d.port()) == 200, d.log());
+    BOOST_TEST(Contains(d.log(), "SHA-256 checked against SHA256SUMS"), d.log());
+    BOOST_TEST(d.Stop(SIGTERM) == 0);
+  }
+  {
+    std::fstream f(model / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(fs::file_size(model / "model.safetensors") / 2));
+    const char c = static_cast<char>(f.get());
+    f.seekp(static_cast<std::streamoff>(fs::file_size(model / "model.safetensors") / 2));
+    f.put(static_cast<char>(c ^ 1));
+  }
+  DaemonProcess d({tmp.path() / "bad", yaml, env, {}});
+  BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
+  httplib::Client c("127.0.0.1", d.port());
+  json h = WaitForFailedLoad(c);
+  BOOST_TEST(h["status"] == "error");
+  BOOST_TEST(Contains(h["reason"].get<std::string>(), "model.safetensors: SHA-256"), h.dump());
+  BOOST_TEST(d.Stop(SIGTERM) == 0);
+}
+
 BOOST_AUTO_TEST_CASE(version_and_help) {
   CommandResult version = RunCommand(std::string(FLASHD_BINARY) + " version");
   BOOST_TEST(version.code == 0);

@@ -139,6 +139,27 @@ BOOST_AUTO_TEST_CASE(mkmodel_spec_file_and_print_config) {
   BOOST_TEST(c["quantization_config"]["expert_dtype"] == "fp4");
 }
 
+// --layers: the released dimensions cut to N layers (the writer itself is model_files_test's).
+BOOST_AUTO_TEST_CASE(mkmodel_layers_prints_the_released_config_cut) {
+  Run printed = Flashd("mkmodel --print-config --layers 3 --set engram_vocab_size=1000");
+  BOOST_REQUIRE_MESSAGE(printed.code == 0, printed.out);
+  json c = json::parse(printed.out);
+  json released;
+  std::ifstream(kReleased) >> released;
+  BOOST_TEST(c["text_config"]["num_hidden_layers"] == 3);
+  BOOST_TEST(c["text_config"]["hidden_size"] == released["text_config"]["hidden_size"]);
+  BOOST_TEST(c["text_config"]["n_routed_experts"] == released["text_config"]["n_routed_experts"]);
+  BOOST_TEST(c["text_config"]["kv_source_layer_ids"] == json::array({2}));
+  BOOST_TEST(c["text_config"]["compress_ratios"].size() ==
+             3u + released["text_config"]["num_nextn_predict_layers"].get<size_t>());
+  Run bad = Flashd("mkmodel /tmp/never --layers 0");
+  BOOST_TEST(bad.code == 2);
+  BOOST_TEST(Contains(bad.out, "--layers must be at least 1"), bad.out);
+  Run too_many = Flashd("mkmodel --print-config --layers 41");
+  BOOST_TEST(too_many.code == 2);
+  BOOST_TEST(Contains(too_many.out, "--layers must be between 1 and 40"), too_many.out);
+}
+
 // --- flashd eval -------------------------------------------------------------------------------
 
 // A float32 .npy as numpy writes it (the header is checked, not trusted blindly).
