@@ -398,57 +398,43 @@ void FillCodes(const TensorSpec& spec, DType dtype, uint64_t seed, uint64_t offs
 
 }  // namespace
 
-Status WriteLargeModel(const std::string& dir, std::string_view config_json,
-                       const TinyModelOptions& options) {
-  namespace fs = std::filesystem;
-  FLASHD_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(config_json, "model spec"));
-  if (options.shards < 1) return InvalidArgument("mkmodel: --shards must be at least 1");
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return IoError(dir + ": cannot create: " + ec.message());
-  const std::vector<TensorSpec> specs = ExpectedTensors(config);
-  std::vector<uint64_t> sizes;
+namespace {
+
+// Tensors of `bytes` (in spec order) cut into `shards` runs of about equal bytes.
+std::vector<std::vector<size_t>> SplitShards(const std::vector<uint64_t>& bytes, int shards) {
   uint64_t total = 0;
-  for (const TensorSpec& s : specs) {
-    uint64_t elements = 1;
-    for (int64_t d : s.shape) elements *= static_cast<uint64_t>(d);
-    sizes.push_back(DTypeBytes(StoredDType(s.kind), elements));
-    total += sizes.back();
-  }
-  // Shards of about equal bytes, tensors in spec order.
-  const uint64_t per_shard = (total + options.shards - 1) / options.shards;
-  std::vector<std::vector<size_t>> shards(static_cast<size_t>(options.shards));
+  for (uint64_t b : bytes) total += b;
+  const uint64_t per_shard = (total + shards - 1) / shards;
+  std::vector<std::vector<size_t>> out(static_cast<size_t>(shards));
   uint64_t filled = 0;
   size_t current = 0;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    if (filled >= per_shard * (current + 1) && current + 1 < shards.size()) ++current;
-    shards[current].push_back(i);
-    filled += sizes[i];
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    if (filled >= per_shard * (current + 1) && current + 1 < out.size()) ++current;
+    out[current].push_back(i);
+    filled += bytes[i];
   }
-  json weight_map = json::object();
-  uint64_t done = 0;
-  for (size_t k = 0; k < shards.size(); ++k) {
-    char name[64];
-    if (options.shards == 1) {
-      std::snprintf(name, sizeof name, "model.safetensors");
-    } else {
-      std::snprintf(name, sizeof name, "model-%05zu-of-%05d.safetensors", k + 1, options.shards);
-    }
-    std::vector<TensorHeader> headers;
-    for (size_t i : shards[k]) {
-      headers.push_back({specs[i].name, StoredDType(specs[i].kind), specs[i].shape});
-      weight_map[specs[i].name] = name;
-    }
-    FLASHD_RETURN_IF_ERROR(WriteSafetensorsStreamed(
-        (fs::path(dir) / name).string(), headers, {{"format", "pt"}},
-        [&](size_t j, uint64_t offset, uint8_t* out, uint64_t n) {
-          const TensorSpec& spec = specs[shards[k][j]];
-          FillCodes(spec, StoredDType(spec.kind), options.seed, offset, out, n);
-          done += n;
-          if (options.progress) options.progress(done, total);
-          return Status::Ok();
-        }));
-  }
+  return out;
+}
+
+std::string ShardName(size_t k, int shards) {
+  if (shards == 1) return "model.safetensors";
+  char name[64];
+  std::snprintf(name, sizeof name, "model-%05zu-of-%05d.safetensors", k + 1, shards);
+  return name;
+}
+
+Status CreateModelDir(const std::string& dir, const TinyModelOptions& options) {
+  if (options.shards < 1) return InvalidArgument("mkmodel: --shards must be at least 1");
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return IoError(dir + ": cannot create: " + ec.message());
+  return Status::Ok();
+}
+
+// What goes beside the weights: the index (several shards), config.json, the tokenizer's files.
+Status WriteBesideWeights(const std::string& dir, std::string_view config_json,
+                          const json& weight_map, uint64_t total, const TinyModelOptions& options) {
+  namespace fs = std::filesystem;
   if (options.shards > 1) {
     json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     std::ofstream(fs::path(dir) / "model.safetensors.index.json") << index.dump(2) << "\n";
@@ -456,6 +442,7 @@ Status WriteLargeModel(const std::string& dir, std::string_view config_json,
   std::ofstream out(fs::path(dir) / "config.json");
   out << config_json << "\n";
   if (!out) return IoError(dir + "/config.json: write failed");
+  std::error_code ec;
   if (!options.tokenizer_dir.empty()) {
     for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
       fs::path from = fs::path(options.tokenizer_dir) / file;
@@ -465,58 +452,72 @@ Status WriteLargeModel(const std::string& dir, std::string_view config_json,
   return Status::Ok();
 }
 
+const std::map<std::string, std::string> kShardMetadata = {{"format", "pt"}};
+
+}  // namespace
+
+Status WriteLargeModel(const std::string& dir, std::string_view config_json,
+                       const TinyModelOptions& options) {
+  FLASHD_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(config_json, "model spec"));
+  FLASHD_RETURN_IF_ERROR(CreateModelDir(dir, options));
+  const std::vector<TensorSpec> specs = ExpectedTensors(config);
+  std::vector<uint64_t> sizes;
+  uint64_t total = 0;
+  for (const TensorSpec& s : specs) {
+    uint64_t elements = 1;
+    for (int64_t d : s.shape) elements *= static_cast<uint64_t>(d);
+    sizes.push_back(DTypeBytes(StoredDType(s.kind), elements));
+    total += sizes.back();
+  }
+  const std::vector<std::vector<size_t>> shards = SplitShards(sizes, options.shards);
+  json weight_map = json::object();
+  uint64_t done = 0;
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const std::string name = ShardName(k, options.shards);
+    std::vector<TensorHeader> headers;
+    for (size_t i : shards[k]) {
+      headers.push_back({specs[i].name, StoredDType(specs[i].kind), specs[i].shape});
+      weight_map[specs[i].name] = name;
+    }
+    FLASHD_RETURN_IF_ERROR(WriteSafetensorsStreamed(
+        (std::filesystem::path(dir) / name).string(), headers, kShardMetadata,
+        [&](size_t j, uint64_t offset, uint8_t* out, uint64_t n) {
+          const TensorSpec& spec = specs[shards[k][j]];
+          FillCodes(spec, StoredDType(spec.kind), options.seed, offset, out, n);
+          done += n;
+          if (options.progress) options.progress(done, total);
+          return Status::Ok();
+        }));
+  }
+  return WriteBesideWeights(dir, config_json, weight_map, total, options);
+}
+
 Status WriteTinyModel(const std::string& dir, std::string_view config_json,
                       const TinyModelOptions& options) {
-  namespace fs = std::filesystem;
   FLASHD_ASSIGN_OR_RETURN(ModelConfig config, ParseModelConfig(config_json, "model spec"));
-  if (options.shards < 1) return InvalidArgument("mkmodel: --shards must be at least 1");
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return IoError(dir + ": cannot create: " + ec.message());
-
+  FLASHD_RETURN_IF_ERROR(CreateModelDir(dir, options));
   const std::vector<TensorSpec> specs = ExpectedTensors(config);
   std::map<std::string, TensorData> tensors;
   FLASHD_RETURN_IF_ERROR(Generate(specs, options.seed, &tensors, options.progress));
-
-  // Split the tensors, in spec order, into shards of about equal bytes.
+  std::vector<uint64_t> sizes;
   uint64_t total = 0;
-  for (const auto& [name, t] : tensors) total += t.bytes.size();
-  const uint64_t per_shard = (total + options.shards - 1) / options.shards;
-  std::vector<std::vector<const TensorData*>> shards(options.shards);
-  uint64_t filled = 0;
-  size_t current = 0;
   for (const TensorSpec& s : specs) {
-    const TensorData& t = tensors.at(s.name);
-    if (filled >= per_shard * (current + 1) && current + 1 < shards.size()) ++current;
-    shards[current].push_back(&t);
-    filled += t.bytes.size();
+    sizes.push_back(tensors.at(s.name).bytes.size());
+    total += sizes.back();
   }
-
-  std::map<std::string, std::string> meta = {{"format", "pt"}};
-  if (options.shards == 1) {
+  json weight_map = json::object();
+  const std::vector<std::vector<size_t>> shards = SplitShards(sizes, options.shards);
+  for (size_t k = 0; k < shards.size(); ++k) {
+    const std::string name = ShardName(k, options.shards);
+    std::vector<const TensorData*> in_shard;
+    for (size_t i : shards[k]) {
+      in_shard.push_back(&tensors.at(specs[i].name));
+      weight_map[specs[i].name] = name;
+    }
     FLASHD_RETURN_IF_ERROR(
-        WriteSafetensors((fs::path(dir) / "model.safetensors").string(), shards[0], meta));
-  } else {
-    json weight_map = json::object();
-    for (size_t i = 0; i < shards.size(); ++i) {
-      char name[64];
-      std::snprintf(name, sizeof name, "model-%05zu-of-%05d.safetensors", i + 1, options.shards);
-      FLASHD_RETURN_IF_ERROR(WriteSafetensors((fs::path(dir) / name).string(), shards[i], meta));
-      for (const TensorData* t : shards[i]) weight_map[t->name] = name;
-    }
-    json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
-    std::ofstream(fs::path(dir) / "model.safetensors.index.json") << index.dump(2) << "\n";
+        WriteSafetensors((std::filesystem::path(dir) / name).string(), in_shard, kShardMetadata));
   }
-  std::ofstream out(fs::path(dir) / "config.json");
-  out << config_json << "\n";
-  if (!out) return IoError(dir + "/config.json: write failed");
-  if (!options.tokenizer_dir.empty()) {
-    for (const char* file : {"tokenizer.json", "tokenizer_config.json"}) {
-      fs::path from = fs::path(options.tokenizer_dir) / file;
-      if (fs::exists(from, ec)) FLASHD_RETURN_IF_ERROR(CopyFile(from, fs::path(dir) / file));
-    }
-  }
-  return Status::Ok();
+  return WriteBesideWeights(dir, config_json, weight_map, total, options);
 }
 
 }  // namespace flashd::engine
