@@ -1,0 +1,178 @@
+// What an SSD tier for the Engram tables (the released model's ~197 GB of n-gram rows) would have
+// to serve, measured: the rows real text reads under the released config (the DeepSeek V4
+// tokenizer, its compressed vocabulary, the released hashing), how many of them an in-memory
+// cache of hot rows of each size holds (LRU, hit rate), and this disk's random 4 KiB reads with
+// io_uring and O_DIRECT at several queue depths (the reads a missed row costs). The rows per
+// second the disk can give, against the rows a token needs at each hit rate, bound the prefill
+// speed such a tier allows.
+//
+//   build/bench/engram_bench TOKENIZER_DIR RAW_FILE TEXT_FILE...
+//
+// RAW_FILE: any large file on the disk to measure (a model shard, say), at least 1 GiB.
+#include <fcntl.h>
+#include <liburing.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <list>
+#include <random>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "engine/engram.h"
+#include "engine/model_config.h"
+#include "engine/tiny_model.h"
+#include "engine/tokenizer.h"
+
+using namespace flashd;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Hit rate of an LRU cache of `capacity` rows over the row reads `rows`.
+double LruHitRate(const std::vector<int64_t>& rows, size_t capacity) {
+  std::list<int64_t> order;
+  std::unordered_map<int64_t, std::list<int64_t>::iterator> where;
+  where.reserve(capacity * 2);
+  uint64_t hits = 0;
+  for (int64_t r : rows) {
+    auto it = where.find(r);
+    if (it != where.end()) {
+      ++hits;
+      order.splice(order.begin(), order, it->second);
+      continue;
+    }
+    order.push_front(r);
+    where[r] = order.begin();
+    if (order.size() > capacity) {
+      where.erase(order.back());
+      order.pop_back();
+    }
+  }
+  return rows.empty() ? 0 : static_cast<double>(hits) / static_cast<double>(rows.size());
+}
+
+// Random 4 KiB O_DIRECT reads of `path` for `seconds` at queue depth `depth`: reads per second.
+double RandomReads(const std::string& path, unsigned depth, double seconds) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT);
+  if (fd < 0) return 0;
+  const off_t size = ::lseek(fd, 0, SEEK_END);
+  const uint64_t blocks = static_cast<uint64_t>(size) / 4096;
+  io_uring ring;
+  if (io_uring_queue_init(depth, &ring, 0) != 0) {
+    ::close(fd);
+    return 0;
+  }
+  std::vector<void*> bufs(depth);
+  for (auto& b : bufs) b = std::aligned_alloc(4096, 4096);
+  std::mt19937_64 rng(7);
+  auto submit = [&](unsigned slot) {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+    io_uring_prep_read(sqe, fd, bufs[slot], 4096, static_cast<off_t>((rng() % blocks) * 4096));
+    io_uring_sqe_set_data64(sqe, slot);
+  };
+  for (unsigned i = 0; i < depth; ++i) submit(i);
+  io_uring_submit(&ring);
+  uint64_t done = 0;
+  const auto start = Clock::now();
+  const auto end = start + std::chrono::duration<double>(seconds);
+  while (Clock::now() < end) {
+    io_uring_cqe* cqe = nullptr;
+    if (io_uring_wait_cqe(&ring, &cqe) != 0) break;
+    const unsigned slot = static_cast<unsigned>(io_uring_cqe_get_data64(cqe));
+    if (cqe->res == 4096) ++done;
+    io_uring_cqe_seen(&ring, cqe);
+    submit(slot);
+    io_uring_submit(&ring);
+  }
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  // Drain what is still in flight.
+  for (unsigned i = 0; i < depth; ++i) {
+    io_uring_cqe* cqe = nullptr;
+    if (io_uring_wait_cqe(&ring, &cqe) != 0) break;
+    io_uring_cqe_seen(&ring, cqe);
+  }
+  io_uring_queue_exit(&ring);
+  for (auto& b : bufs) std::free(b);
+  ::close(fd);
+  return done / elapsed;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: engram_bench TOKENIZER_DIR RAW_FILE TEXT_FILE...\n");
+    return 2;
+  }
+  const std::string tokenizer_json = std::string(argv[1]) + "/tokenizer.json";
+  auto tokenizer = engine::Tokenizer::Load(tokenizer_json);
+  auto vocab = engine::BuildCompressedVocab(tokenizer_json);
+  auto config = engine::ParseModelConfig(engine::ReleasedConfigText(), "released config");
+  if (!tokenizer.ok() || !vocab.ok() || !config.ok()) {
+    std::fprintf(stderr, "cannot load the tokenizer or the released config\n");
+    return 1;
+  }
+  if (vocab->classes != config->engram_compressed_vocab_size) {
+    std::fprintf(stderr, "the tokenizer gives %lld classes, the released config %lld\n",
+                 static_cast<long long>(vocab->classes),
+                 static_cast<long long>(config->engram_compressed_vocab_size));
+    return 1;
+  }
+  engine::EngramHasher hasher(*config, std::move(*vocab));
+  const int layers = static_cast<int>(config->engram_layer_ids.size());
+  const int per_position = layers * hasher.columns();
+  int64_t table_rows = 0;
+  for (int64_t n : config->engram_num_embeddings) table_rows += n;
+  // Row reads of the text, every file a sequence of its own; ids made unique across layers.
+  std::vector<int64_t> rows;
+  size_t tokens = 0;
+  for (int i = 3; i < argc; ++i) {
+    std::ifstream in(argv[i]);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    const std::vector<int32_t> ids = (*tokenizer)->Encode(ss.str());
+    std::vector<int32_t> classes;
+    std::vector<int64_t> out(static_cast<size_t>(per_position));
+    for (int32_t t : ids) {
+      classes.push_back(hasher.ClassOf(t));
+      const int count = std::min<int>(static_cast<int>(classes.size()), hasher.history() + 1);
+      hasher.Hash(classes.data() + classes.size() - count, count, out.data());
+      for (int l = 0; l < layers; ++l) {
+        const int64_t base = l == 0 ? 0 : config->engram_num_embeddings[0];
+        for (int c = 0; c < hasher.columns(); ++c)
+          rows.push_back(base + out[l * hasher.columns() + c]);
+      }
+    }
+    tokens += ids.size();
+  }
+  std::unordered_set<int64_t> distinct(rows.begin(), rows.end());
+  const double row_bytes = config->engram_head_dim + config->engram_head_dim / 32.0;
+  std::printf(
+      "Text: %d files, %zu tokens, %zu row reads (%d per token), %zu distinct rows (%.1f%%) of "
+      "the released tables' %lld rows (%.0f bytes each with its scales)\n\n",
+      argc - 3, tokens, rows.size(), per_position, distinct.size(),
+      100.0 * distinct.size() / rows.size(), static_cast<long long>(table_rows), row_bytes);
+  std::printf(
+      "| hot-row cache, rows | of the tables | memory | hit rate (LRU) |\n|---|---|---|---|\n");
+  for (size_t cap :
+       {size_t{1} << 16, size_t{1} << 18, size_t{1} << 20, size_t{1} << 22, size_t{1} << 24}) {
+    std::printf("| %zu | %.3f%% | %.2f GB | %.1f%% |\n", cap, 100.0 * cap / table_rows,
+                cap * row_bytes / 1e9, 100 * LruHitRate(rows, cap));
+  }
+  std::printf(
+      "\nRandom 4 KiB reads of %s, O_DIRECT, io_uring:\n\n| queue depth | reads/s | MB/s "
+      "|\n|---|---|---|\n",
+      argv[2]);
+  for (unsigned depth : {1u, 8u, 32u, 128u}) {
+    const double iops = RandomReads(argv[2], depth, 3.0);
+    std::printf("| %u | %.0f | %.1f |\n", depth, iops, iops * 4096 / 1e6);
+  }
+  return 0;
+}
