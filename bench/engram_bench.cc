@@ -6,9 +6,12 @@
 // second the disk can give, against the rows a token needs at each hit rate, bound the prefill
 // speed such a tier allows.
 //
-//   build/bench/engram_bench TOKENIZER_DIR RAW_FILE TEXT_FILE...
+//   build/bench/engram_bench TOKENIZER_DIR MODEL_DIR TEXT_FILE...
 //
-// RAW_FILE: any large file on the disk to measure (a model shard, say), at least 1 GiB.
+// MODEL_DIR: a checkpoint with an Engram table (`flashd mkmodel --layers 2`, whose layer 1 has
+// one) on the disk to measure: its table's file is read at random, then the EngramStore
+// (engine/engram_store.h) gathers rows from it with its cache off, the calls sized like a
+// decode step and a prefill chunk: rows per second against the raw reads, and each call's time.
 #include <fcntl.h>
 #include <liburing.h>
 #include <unistd.h>
@@ -26,7 +29,9 @@
 #include <vector>
 
 #include "engine/engram.h"
+#include "engine/engram_store.h"
 #include "engine/model_config.h"
+#include "engine/safetensors.h"
 #include "engine/tiny_model.h"
 #include "engine/tokenizer.h"
 
@@ -108,7 +113,7 @@ double RandomReads(const std::string& path, unsigned depth, double seconds) {
 
 int main(int argc, char** argv) {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: engram_bench TOKENIZER_DIR RAW_FILE TEXT_FILE...\n");
+    std::fprintf(stderr, "usage: engram_bench TOKENIZER_DIR MODEL_DIR TEXT_FILE...\n");
     return 2;
   }
   const std::string tokenizer_json = std::string(argv[1]) + "/tokenizer.json";
@@ -166,13 +171,80 @@ int main(int argc, char** argv) {
     std::printf("| %zu | %.3f%% | %.2f GB | %.1f%% |\n", cap, 100.0 * cap / table_rows,
                 cap * row_bytes / 1e9, 100 * LruHitRate(rows, cap));
   }
-  std::printf(
-      "\nRandom 4 KiB reads of %s, O_DIRECT, io_uring:\n\n| queue depth | reads/s | MB/s "
-      "|\n|---|---|---|\n",
-      argv[2]);
+  auto cp = engine::Checkpoint::Open(argv[2]);
+  if (!cp.ok()) {
+    std::fprintf(stderr, "%s\n", cp.status().ToString().c_str());
+    return 1;
+  }
+  const engine::TensorView* rows_view = nullptr;
+  const engine::TensorView* scales_view = nullptr;
+  for (const auto& [name, view] : (*cp)->tensors()) {
+    if (name.find("engram.embed.weight") != std::string::npos) {
+      rows_view = view;
+      scales_view = (*cp)->Find(name.substr(0, name.size() - 6) + "scale");
+      break;
+    }
+  }
+  if (rows_view == nullptr || scales_view == nullptr) {
+    std::fprintf(stderr, "%s has no Engram table\n", argv[2]);
+    return 1;
+  }
+  const std::string raw = *rows_view->file;
+  std::printf("\nRandom 4 KiB reads of %s, O_DIRECT, io_uring:\n\n", raw.c_str());
+  std::printf("| queue depth | reads/s | MB/s |\n|---|---|---|\n");
+  double best = 0;
   for (unsigned depth : {1u, 8u, 32u, 128u}) {
-    const double iops = RandomReads(argv[2], depth, 3.0);
+    const double iops = RandomReads(raw, depth, 3.0);
+    best = std::max(best, iops);
     std::printf("| %u | %.0f | %.1f |\n", depth, iops, iops * 4096 / 1e6);
+  }
+  // The store on that table, its cache off: every row a miss.
+  engine::EngramTableFile table{*rows_view->file,
+                                rows_view->file_offset,
+                                scales_view->file_offset,
+                                *scales_view->file,
+                                rows_view->shape[0],
+                                static_cast<int>(rows_view->shape[1]),
+                                static_cast<int>(scales_view->shape[1])};
+  auto store = engine::EngramStore::Open({table}, 0, 128);
+  if (!store.ok()) {
+    std::fprintf(stderr, "%s\n", store.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("\nEngramStore::Gather on that table (%lld rows), cache off, random rows:\n\n",
+              static_cast<long long>(table.rows));
+  std::printf(
+      "| rows per call (one Engram layer of) | calls | ms per call | rows/s | disk reads/s | of "
+      "the raw reads/s at the best depth |\n|---|---|---|---|---|---|\n");
+  std::mt19937_64 rng(11);
+  struct Shape {
+    const char* what;
+    size_t rows;
+    int calls;
+  };
+  const size_t columns = static_cast<size_t>(hasher.columns());
+  for (const Shape& sh : std::vector<Shape>{{"a decode step of 1 sequence", columns, 400},
+                                            {"a decode step of 32", 32 * columns, 40},
+                                            {"a prefill chunk of 512 tokens", 512 * columns, 8}}) {
+    std::vector<int64_t> ids(sh.rows);
+    std::vector<uint8_t> out(sh.rows * static_cast<size_t>(table.row_bytes));
+    std::vector<uint8_t> scales(sh.rows * static_cast<size_t>(table.scale_bytes));
+    const auto before = (*store)->stats();
+    const auto t = Clock::now();
+    for (int c = 0; c < sh.calls; ++c) {
+      for (int64_t& id : ids) id = static_cast<int64_t>(rng() % static_cast<uint64_t>(table.rows));
+      const Status st = (*store)->Gather(0, ids.data(), ids.size(), out.data(), scales.data());
+      if (!st.ok()) {
+        std::fprintf(stderr, "%s\n", st.ToString().c_str());
+        return 1;
+      }
+    }
+    const double s = std::chrono::duration<double>(Clock::now() - t).count();
+    const auto after = (*store)->stats();
+    const double reads = static_cast<double>(after.reads - before.reads) / s;
+    std::printf("| %zu (%s) | %d | %.3f | %.0f | %.0f | %.0f%% |\n", sh.rows, sh.what, sh.calls,
+                1000 * s / sh.calls, static_cast<double>(sh.rows) * sh.calls / s, reads,
+                100 * reads / best);
   }
   return 0;
 }

@@ -168,6 +168,17 @@ const std::vector<Field>& Schema() {
          c->engine.speculative = t;
          return Status::Ok();
        }},
+      {"engine.engram", "memory or ssd",
+       [](const std::string& t, Config* c) {
+         if (t != "memory" && t != "ssd") return InvalidArgument("not memory or ssd");
+         c->engine.engram = t;
+         return Status::Ok();
+       }},
+      {"engine.engram_cache_bytes", "a size such as \"1GiB\"",
+       [](const std::string& t, Config* c) {
+         FLASHD_ASSIGN_OR_RETURN(c->engine.engram_cache_bytes, ParseByteSize(t));
+         return Status::Ok();
+       }},
       {"engine.speculative_tokens", "an integer in [0, 64] (0: adaptive)",
        [](const std::string& t, Config* c) {
          return SetInt(t, 0, 64, &c->engine.speculative_tokens);

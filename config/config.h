@@ -78,6 +78,11 @@ struct EngineConfig {
   // Drafted tokens verified per step: 0 lets the confidence head and the acceptance so far
   // decide (adaptive), N verifies N every step (for measurement), at most the draft block.
   int speculative_tokens = 0;
+  // Where the Engram tables' rows come from: memory (the mapped tables) or ssd (read from the
+  // checkpoint's files with io_uring per step, behind a cache of hot rows of
+  // engram_cache_bytes), for boxes whose memory does not hold the tables.
+  std::string engram = "memory";
+  uint64_t engram_cache_bytes = 1ull << 30;
 };
 
 struct CacheConfig {

@@ -29,6 +29,7 @@
 #include "cache/block_store.h"
 #include "config/config.h"
 #include "config/status.h"
+#include "engine/engram_store.h"
 #include "engine/forward.h"
 #include "engine/model.h"
 #include "engine/prefix_cache.h"
@@ -150,6 +151,8 @@ class Engine {
   const Tokenizer* tokenizer() const { return tokenizer_.get(); }
   // Whether DSpark drafts: engine.speculative is dspark and the checkpoint has the heads.
   bool speculative() const { return forward_->dspark(); }
+  // The Engram rows read from SSD (engine.engram: ssd; thread-safe itself), or null.
+  const EngramStore* engram_store() const { return forward_->engram_store(); }
   // The prefix cache (thread-safe itself), or null.
   cache::BlockStore* cache() const { return options_.cache.get(); }
   // What the prefix cache's keys cover besides tokens and tenant: the model's config.json, every

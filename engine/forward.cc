@@ -6,9 +6,11 @@
 #include <filesystem>
 #include <limits>
 #include <thread>
+#include <unordered_map>
 
 #include "engine/backend.h"
 #include "engine/block_manager.h"
+#include "engine/engram_store.h"
 #include "engine/forward_plan.h"
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
@@ -132,6 +134,9 @@ struct CpuForward::Impl {
   Status EnableDSpark();
   std::vector<float> embed, head, final_norm;
   std::unique_ptr<EngramHasher> engram;
+  // The Engram rows from SSD (engine/engram_store.h) instead of the mapped tables; table i is
+  // the i-th Engram layer's.
+  std::shared_ptr<EngramStore> engram_store;
   std::shared_ptr<const KvBlockLayout> layout;
   int64_t block_tokens = 64;
   std::shared_ptr<KvPool> pool;
@@ -657,15 +662,45 @@ Status Step::Engram(int l) {
   const int64_t hdim = c_.engram_head_dim;
   std::vector<float> e(static_cast<size_t>(rows * cols * hdim));
   std::vector<float> kv(static_cast<size_t>(rows * dim * (hc + 1)));
-  FLASHD_OP(EngramGather, {.table = L.engram_rows,
-                           .table_scales = L.engram_row_scales,
-                           .row_ids = plan_.engram_rows.data(),
-                           .tokens = rows,
-                           .columns = cols,
-                           .head_dim = hdim,
-                           .row_stride = plan_.engram_stride,
-                           .column0 = c_.layers[l].engram_index * cols,
-                           .out = e.data()});
+  const int64_t column0 = c_.layers[l].engram_index * cols;
+  if (m_.engram_store) {
+    // The step's rows of this layer, each distinct one gathered once from the store into a
+    // small table of the step's own; the op then reads that table with the ids renumbered.
+    std::vector<int64_t> distinct, renumbered(static_cast<size_t>(rows * cols));
+    std::unordered_map<int64_t, int64_t> index;
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t id =
+            plan_.engram_rows[static_cast<size_t>(t * plan_.engram_stride + column0 + c)];
+        auto [it, fresh] = index.emplace(id, static_cast<int64_t>(distinct.size()));
+        if (fresh) distinct.push_back(id);
+        renumbered[static_cast<size_t>(t * cols + c)] = it->second;
+      }
+    }
+    std::vector<uint8_t> table(distinct.size() * static_cast<size_t>(hdim));
+    std::vector<uint8_t> scales(distinct.size() * static_cast<size_t>(hdim / 32));
+    FLASHD_RETURN_IF_ERROR(m_.engram_store->Gather(c_.layers[l].engram_index, distinct.data(),
+                                                   distinct.size(), table.data(), scales.data()));
+    FLASHD_OP(EngramGather, {.table = table.data(),
+                             .table_scales = scales.data(),
+                             .row_ids = renumbered.data(),
+                             .tokens = rows,
+                             .columns = cols,
+                             .head_dim = hdim,
+                             .row_stride = cols,
+                             .column0 = 0,
+                             .out = e.data()});
+  } else {
+    FLASHD_OP(EngramGather, {.table = L.engram_rows,
+                             .table_scales = L.engram_row_scales,
+                             .row_ids = plan_.engram_rows.data(),
+                             .tokens = rows,
+                             .columns = cols,
+                             .head_dim = hdim,
+                             .row_stride = plan_.engram_stride,
+                             .column0 = column0,
+                             .out = e.data()});
+  }
   FLASHD_RETURN_IF_ERROR(Apply(L.engram_wkv, e.data(), rows, kv.data()));
   FLASHD_OP(RoundBf16, {.x = kv.data(), .n = static_cast<int64_t>(kv.size())});
   FLASHD_OP(EngramGate, {.X = X_.data(),
@@ -1357,6 +1392,25 @@ const Backend& CpuForward::backend() const { return *impl_->backends[0]; }
 int64_t CpuForward::block_tokens() const { return impl_->layout->block_tokens; }
 
 const std::shared_ptr<KvPool>& CpuForward::pool() const { return impl_->pool; }
+
+const EngramStore* CpuForward::engram_store() const { return impl_->engram_store.get(); }
+
+Status CpuForward::SetEngramStore(std::shared_ptr<EngramStore> store) {
+  const ModelConfig& c = impl_->c;
+  if (store && store->tables() != static_cast<int>(c.engram_layer_ids.size())) {
+    return InvalidArgument("the Engram store has " + std::to_string(store->tables()) +
+                           " tables, the model " + std::to_string(c.engram_layer_ids.size()));
+  }
+  for (int i = 0; store && i < store->tables(); ++i) {
+    if (store->table(i).rows != c.engram_num_embeddings[static_cast<size_t>(i)] ||
+        store->table(i).row_bytes != c.engram_head_dim) {
+      return InvalidArgument("the Engram store's table " + std::to_string(i) +
+                             " does not have the model's shape");
+    }
+  }
+  impl_->engram_store = std::move(store);
+  return Status::Ok();
+}
 
 StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<KvPool> pool,
                                         std::shared_ptr<const KvBlockLayout> layout,

@@ -32,6 +32,8 @@
 
 namespace flashd::engine {
 
+class EngramStore;
+
 // What a forward call can report besides logits, for tests against the reference.
 struct ForwardTrace {
   // For each index-source layer and token: the compressed positions selected (ascending).
@@ -152,6 +154,10 @@ class CpuForward {
   int64_t ExactReplayTokens() const;
   // The pool new sequences take their KV blocks from (unbounded until a capacity is set).
   const std::shared_ptr<KvPool>& pool() const;
+  // Engram rows from `store` (one table per Engram layer, in order) instead of the mapped
+  // tables; null goes back to the tables. Between forward calls only.
+  Status SetEngramStore(std::shared_ptr<EngramStore> store);
+  const EngramStore* engram_store() const;
 
   // Appends `tokens` to the sequence and writes vocab-sized fp32 logits for the last token, or
   // for every token with options.all_logits. A call that fails leaves the sequence as it was.

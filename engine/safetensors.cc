@@ -193,6 +193,7 @@ Status SafetensorsFile::Parse() {
     t.data = base_ + data_start + begin;
     t.nbytes = end - begin;
     t.file = &path_;
+    t.file_offset = data_start + begin;
     auto [pos, inserted] = tensors_.emplace(name, std::move(t));
     ranges.push_back({begin, end, &pos->first});
   }

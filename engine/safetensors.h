@@ -55,6 +55,7 @@ struct TensorView {
   const uint8_t* data = nullptr;  // Into the mapping; valid while the file is open.
   uint64_t nbytes = 0;
   const std::string* file = nullptr;  // The shard it lives in.
+  uint64_t file_offset = 0;           // Where its bytes start in that file.
 
   uint64_t elements() const;
   std::string ShapeString() const;  // "[1280, 5120]"

@@ -97,6 +97,17 @@ Api::Api(const Config& config, ServedModel model)
             e.spec_draft_seconds);
       gauge("flashd_speculative_verify_seconds_total",
             "Time in forward steps that verified drafts.", "counter", e.spec_verify_seconds);
+      if (const engine::EngramStore* engram = eng->engram_store()) {
+        const engine::EngramStore::Stats g = engram->stats();
+        gauge("flashd_engram_rows_total", "Engram rows gathered from the SSD tier.", "counter",
+              g.rows);
+        gauge("flashd_engram_row_hits_total", "Of them, served by the cache of hot rows.",
+              "counter", g.hits);
+        gauge("flashd_engram_reads_total", "Disk reads (4 KiB blocks) for missed rows.", "counter",
+              g.reads);
+        gauge("flashd_engram_read_seconds_total", "Time waiting for those reads.", "counter",
+              g.read_seconds);
+      }
       if (const cache::BlockStore* store = eng->cache()) {
         const cache::BlockStore::Stats c = store->stats();
         gauge("flashd_prefix_cache_lookups_total", "Prompts looked up in the prefix cache.",
