@@ -461,6 +461,8 @@ void PrintPlanHelp() {
       "tables in host memory. Exits 1 when the model does not fit, saying by how much.\n\n"
       "  --gpus SPEC       e.g. 8xH200, 4xMI300X, 2x96GiB, none (default: this machine's)\n"
       "  --host-ram SIZE   e.g. 512GiB (default: this machine's)\n"
+      "  --engram-ssd SIZE the Engram tables on SSD (engine.engram: ssd) with a hot-row cache\n"
+      "                    of SIZE in host memory, e.g. 4GiB\n"
       "  --context N       tokens per sequence for the sequence count (default 131072)\n"
       "  --json            print one JSON object\n");
 }
@@ -502,6 +504,13 @@ int PlanCommand(const std::vector<std::string>& args) {
         return kExitUsage;
       }
       options.host_ram_bytes = *bytes;
+    } else if (a == "--engram-ssd" && has_value) {
+      auto bytes = ParseByteSize(args[++i]);
+      if (!bytes.ok()) {
+        std::fprintf(stderr, "flashd plan: --engram-ssd: %s\n", bytes.status().message().c_str());
+        return kExitUsage;
+      }
+      options.engram_ssd_cache_bytes = static_cast<int64_t>(*bytes);
     } else if (a == "--context" && has_value) {
       options.context_tokens = std::atoll(args[++i].c_str());
       if (options.context_tokens < 1) {

@@ -123,6 +123,12 @@ PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
     plan.dense_bytes += dense[l];
     plan.expert_bytes += experts[l];
   }
+  plan.engram_table_bytes = plan.engram_bytes;
+  if (o.engram_ssd_cache_bytes >= 0 && plan.engram_bytes > 0) {
+    plan.engram_on_ssd = true;
+    plan.engram_bytes =
+        std::min<uint64_t>(plan.engram_bytes, static_cast<uint64_t>(o.engram_ssd_cache_bytes));
+  }
   plan.host_memory = o.host_ram_bytes;
   plan.host_reserve = o.host_reserve_bytes;
   plan.layer_gpu.assign(layers, -1);
@@ -139,9 +145,11 @@ PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
     plan.host_weights = plan.dense_bytes + plan.expert_bytes + embed + head;
     const uint64_t need = plan.host_weights + plan.engram_bytes;
     if (need >= host_usable) {
-      return refuse("host memory: the weights and Engram tables need " + Gib(need) + " and " +
-                    Gib(host_usable) + " is usable (" + Gib(o.host_ram_bytes) + " less " +
-                    Gib(o.host_reserve_bytes) + " kept free)");
+      return refuse(
+          "host memory: the weights and Engram tables need " + Gib(need) + " and " +
+          Gib(host_usable) + " is usable (" + Gib(o.host_ram_bytes) + " less " +
+          Gib(o.host_reserve_bytes) + " kept free)" +
+          (plan.engram_on_ssd ? "" : "; the Engram tables can stay on SSD (--engram-ssd SIZE)"));
     }
     plan.kv_tokens = static_cast<int64_t>((host_usable - need) / plan.kv_bytes_per_token);
     plan.host_kv = static_cast<uint64_t>(plan.kv_tokens * plan.kv_bytes_per_token);
@@ -211,7 +219,8 @@ PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
           "host memory: " + std::string(plan.host_weights > 0 ? "the routed experts, " : "") +
           "the Engram tables and the fp32 copies of the BF16 matrices need " + Gib(host_need) +
           " and " + Gib(host_usable) + " is usable (" + Gib(o.host_ram_bytes) + " less " +
-          Gib(o.host_reserve_bytes) + " kept free); tables on SSD need the EngramStore");
+          Gib(o.host_reserve_bytes) + " kept free)" +
+          (plan.engram_on_ssd ? "" : "; the Engram tables can stay on SSD (--engram-ssd SIZE)"));
     }
     // KV: every GPU holds the KV of its layers for the same tokens; the tightest decides.
     double tokens = std::numeric_limits<double>::infinity();
@@ -268,8 +277,10 @@ std::string DescribePlan(const PlacementPlan& p, const PlanOptions& o) {
   }
   line("  host: " + (p.host_weights > 0 ? "weights " + Gib(p.host_weights) + ", " : "") +
        (p.host_copies > 0 ? "fp32 copies of BF16 matrices " + Gib(p.host_copies) + ", " : "") +
-       "Engram tables " + Gib(p.engram_bytes) + (p.host_kv > 0 ? ", KV " + Gib(p.host_kv) : "") +
-       ", kept free " + Gib(p.host_reserve) + ", of " + Gib(p.host_memory));
+       (p.engram_on_ssd ? "Engram hot-row cache " + Gib(p.engram_bytes) + " (tables on SSD)"
+                        : "Engram tables " + Gib(p.engram_bytes)) +
+       (p.host_kv > 0 ? ", KV " + Gib(p.host_kv) : "") + ", kept free " + Gib(p.host_reserve) +
+       ", of " + Gib(p.host_memory));
   if (!p.fits) {
     line("does not fit: " + p.why_not);
     return s;
@@ -300,6 +311,7 @@ std::string PlanJson(const PlacementPlan& p) {
                       {"host_weights_bytes", p.host_weights},
                       {"host_copies_bytes", p.host_copies},
                       {"engram_bytes", p.engram_bytes},
+                      {"engram_on_ssd", p.engram_on_ssd},
                       {"host_kv_bytes", p.host_kv},
                       {"kv_bytes_per_token", p.kv_bytes_per_token},
                       {"kv_tokens", p.kv_tokens},

@@ -8,9 +8,10 @@
 //  2. if the layers do not fit: the hybrid mode, the routed experts in host memory run by the
 //     CPU while attention and the dense parts stay on the GPUs;
 //  3. without GPUs, everything in host memory on the CPU.
-// The Engram tables stay in host memory (a step's rows are known from its tokens); when they do
-// not fit beside the rest, the plan says so and is refused (serving them from SSD needs the
-// EngramStore, not built yet). KV lives with the layers that produce it, in the memory left.
+// The Engram tables stay in host memory (a step's rows are known from its tokens), or, with
+// PlanOptions::engram_ssd_cache_bytes, on SSD with only their cache of hot rows in memory
+// (engine.engram: ssd, engine/engram_store.h); a plan whose tables do not fit is refused with
+// the numbers. KV lives with the layers that produce it, in the memory left.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +41,9 @@ struct PlanOptions {
   uint64_t gpu_reserve_bytes = uint64_t{6} << 30;
   uint64_t host_reserve_bytes = uint64_t{16} << 30;
   int64_t context_tokens = 131072;  // The context the "sequences" figure is for.
+  // The Engram tables on SSD with a hot-row cache of this many bytes in host memory; -1: the
+  // tables in host memory.
+  int64_t engram_ssd_cache_bytes = -1;
 };
 
 struct PlacementPlan {
@@ -54,11 +58,13 @@ struct PlacementPlan {
     uint64_t memory = 0, weights = 0, kv = 0, reserve = 0;
     double kv_per_token = 0;  // KV bytes per token of the layers it holds.
   };
-  std::vector<Device> gpus;   // Weights, KV (the bytes the plan gives it) per GPU.
-  uint64_t host_weights = 0;  // Routed experts (hybrid) or everything (CPU), Engram excluded.
-  uint64_t engram_bytes = 0;  // The Engram tables, in host memory.
-  uint64_t host_copies = 0;   // With GPUs: the forward pass's fp32 copies of BF16 matrices.
-  uint64_t host_kv = 0;       // KV in host memory (CPU mode).
+  std::vector<Device> gpus;         // Weights, KV (the bytes the plan gives it) per GPU.
+  uint64_t host_weights = 0;        // Routed experts (hybrid) or everything (CPU), Engram excluded.
+  uint64_t engram_bytes = 0;        // The Engram tables (or their cache, on SSD) in host memory.
+  uint64_t engram_table_bytes = 0;  // The tables themselves.
+  bool engram_on_ssd = false;
+  uint64_t host_copies = 0;  // With GPUs: the forward pass's fp32 copies of BF16 matrices.
+  uint64_t host_kv = 0;      // KV in host memory (CPU mode).
   uint64_t host_memory = 0, host_reserve = 0;
   uint64_t dense_bytes = 0, expert_bytes = 0;  // Over all layers, as stored.
   int64_t kv_tokens = 0;  // Tokens of KV the plan holds (all sequences together).

@@ -111,6 +111,22 @@ BOOST_AUTO_TEST_CASE(a_machine_too_small_is_refused_with_the_numbers) {
   BOOST_TEST(testing::Contains(PlanJson(cpu), "\"fits\":false"));
 }
 
+// With the Engram tables on SSD only their cache counts in host memory: a machine too small for
+// the tables fits, and the refusal says where they could go.
+BOOST_AUTO_TEST_CASE(engram_tables_on_ssd_leave_only_their_cache_in_memory) {
+  PlanOptions o = Machine("1xH200", 384);
+  const PlacementPlan in_memory = MakePlan(Released(), o);
+  BOOST_TEST(!in_memory.fits);
+  BOOST_TEST(testing::Contains(in_memory.why_not, "--engram-ssd"), in_memory.why_not);
+  o.engram_ssd_cache_bytes = int64_t{4} << 30;
+  const PlacementPlan on_ssd = MakePlan(Released(), o);
+  BOOST_TEST(on_ssd.fits, on_ssd.why_not);
+  BOOST_TEST(on_ssd.engram_on_ssd);
+  BOOST_TEST(on_ssd.engram_bytes == uint64_t{4} << 30);
+  BOOST_TEST(on_ssd.engram_table_bytes == in_memory.engram_bytes);
+  BOOST_TEST(testing::Contains(DescribePlan(on_ssd, o), "(tables on SSD)"));
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 }  // namespace
