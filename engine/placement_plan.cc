@@ -123,12 +123,11 @@ PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
     plan.dense_bytes += dense[l];
     plan.expert_bytes += experts[l];
   }
-  plan.engram_table_bytes = plan.engram_bytes;
-  if (o.engram_ssd_cache_bytes >= 0 && plan.engram_bytes > 0) {
-    plan.engram_on_ssd = true;
-    plan.engram_bytes =
-        std::min<uint64_t>(plan.engram_bytes, static_cast<uint64_t>(o.engram_ssd_cache_bytes));
-  }
+  plan.engram_on_ssd = o.engram_ssd_cache_bytes >= 0 && plan.engram_bytes > 0;
+  plan.engram_host_bytes =
+      plan.engram_on_ssd
+          ? std::min<uint64_t>(plan.engram_bytes, static_cast<uint64_t>(o.engram_ssd_cache_bytes))
+          : plan.engram_bytes;
   plan.host_memory = o.host_ram_bytes;
   plan.host_reserve = o.host_reserve_bytes;
   plan.layer_gpu.assign(layers, -1);
@@ -143,7 +142,7 @@ PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
   if (o.gpus.empty()) {
     plan.mode = PlacementPlan::Mode::kCpu;
     plan.host_weights = plan.dense_bytes + plan.expert_bytes + embed + head;
-    const uint64_t need = plan.host_weights + plan.engram_bytes;
+    const uint64_t need = plan.host_weights + plan.engram_host_bytes;
     if (need >= host_usable) {
       return refuse(
           "host memory: the weights and Engram tables need " + Gib(need) + " and " +
@@ -213,7 +212,7 @@ PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
                       " is usable");
       }
     }
-    const uint64_t host_need = plan.host_weights + plan.engram_bytes + plan.host_copies;
+    const uint64_t host_need = plan.host_weights + plan.engram_host_bytes + plan.host_copies;
     if (host_need >= host_usable) {
       return refuse(
           "host memory: " + std::string(plan.host_weights > 0 ? "the routed experts, " : "") +
@@ -277,8 +276,8 @@ std::string DescribePlan(const PlacementPlan& p, const PlanOptions& o) {
   }
   line("  host: " + (p.host_weights > 0 ? "weights " + Gib(p.host_weights) + ", " : "") +
        (p.host_copies > 0 ? "fp32 copies of BF16 matrices " + Gib(p.host_copies) + ", " : "") +
-       (p.engram_on_ssd ? "Engram hot-row cache " + Gib(p.engram_bytes) + " (tables on SSD)"
-                        : "Engram tables " + Gib(p.engram_bytes)) +
+       (p.engram_on_ssd ? "Engram hot-row cache " + Gib(p.engram_host_bytes) + " (tables on SSD)"
+                        : "Engram tables " + Gib(p.engram_host_bytes)) +
        (p.host_kv > 0 ? ", KV " + Gib(p.host_kv) : "") + ", kept free " + Gib(p.host_reserve) +
        ", of " + Gib(p.host_memory));
   if (!p.fits) {
@@ -311,6 +310,7 @@ std::string PlanJson(const PlacementPlan& p) {
                       {"host_weights_bytes", p.host_weights},
                       {"host_copies_bytes", p.host_copies},
                       {"engram_bytes", p.engram_bytes},
+                      {"engram_host_bytes", p.engram_host_bytes},
                       {"engram_on_ssd", p.engram_on_ssd},
                       {"host_kv_bytes", p.host_kv},
                       {"kv_bytes_per_token", p.kv_bytes_per_token},

@@ -58,10 +58,10 @@ struct PlacementPlan {
     uint64_t memory = 0, weights = 0, kv = 0, reserve = 0;
     double kv_per_token = 0;  // KV bytes per token of the layers it holds.
   };
-  std::vector<Device> gpus;         // Weights, KV (the bytes the plan gives it) per GPU.
-  uint64_t host_weights = 0;        // Routed experts (hybrid) or everything (CPU), Engram excluded.
-  uint64_t engram_bytes = 0;        // The Engram tables (or their cache, on SSD) in host memory.
-  uint64_t engram_table_bytes = 0;  // The tables themselves.
+  std::vector<Device> gpus;        // Weights, KV (the bytes the plan gives it) per GPU.
+  uint64_t host_weights = 0;       // Routed experts (hybrid) or everything (CPU), Engram excluded.
+  uint64_t engram_bytes = 0;       // The Engram tables.
+  uint64_t engram_host_bytes = 0;  // Of Engram, in host memory: the tables, or on SSD their cache.
   bool engram_on_ssd = false;
   uint64_t host_copies = 0;  // With GPUs: the forward pass's fp32 copies of BF16 matrices.
   uint64_t host_kv = 0;      // KV in host memory (CPU mode).
