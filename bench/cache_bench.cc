@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "bench/disk.h"
 #include "cache/crc32c.h"
 #include "engine/engine.h"
 
@@ -46,17 +47,6 @@ std::vector<int32_t> Tokens(size_t n, uint32_t seed) {
   std::vector<int32_t> v(n);
   for (int32_t& t : v) t = d(rng);
   return v;
-}
-
-void DropFromPageCache(const fs::path& dir) {
-  for (const auto& e : fs::recursive_directory_iterator(dir)) {
-    if (!e.is_regular_file()) continue;
-    const int fd = ::open(e.path().c_str(), O_RDONLY);
-    if (fd < 0) continue;
-    ::fdatasync(fd);
-    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(fd);
-  }
 }
 
 uint64_t DirBytes(const fs::path& dir) {
@@ -118,21 +108,6 @@ double TimeToFirstToken(engine::Engine& e, std::vector<int32_t> prompt, int64_t*
   }
 }
 
-// Sequential read of `path` with O_DIRECT, 4 MiB at a time (the disk itself, as
-// `dd iflag=direct bs=4M`); 0 where O_DIRECT is refused.
-double DirectReadSpeed(const fs::path& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECT);
-  if (fd < 0) return 0;
-  void* aligned = std::aligned_alloc(4096, 4 << 20);
-  const auto t = Clock::now();
-  uint64_t total = 0;
-  for (ssize_t n; (n = ::read(fd, aligned, 4 << 20)) > 0;) total += static_cast<uint64_t>(n);
-  const double v = total / Since(t);
-  std::free(aligned);
-  ::close(fd);
-  return v;
-}
-
 // Writes a fresh file of `bytes` at `path` and reads it sequentially out of the page cache,
 // 4 MiB at a time: buffered (returned), and direct into `*direct`. The file stays, so that the
 // direct read can be repeated beside each measurement it is compared with.
@@ -146,7 +121,7 @@ double RawReadSpeed(const fs::path& path, uint64_t bytes, double* direct) {
       std::fwrite(buf.data(), 1, buf.size(), f);
     std::fclose(f);
   }
-  DropFromPageCache(path.parent_path());
+  bench::DropDirFromPageCache(path.parent_path());
   const int fd = ::open(path.c_str(), O_RDONLY);
   std::vector<char> buf(4 << 20);
   const auto t = Clock::now();
@@ -154,8 +129,8 @@ double RawReadSpeed(const fs::path& path, uint64_t bytes, double* direct) {
   for (ssize_t n; (n = ::read(fd, buf.data(), buf.size())) > 0;) total += static_cast<uint64_t>(n);
   const double s = Since(t);
   ::close(fd);
-  DropFromPageCache(path.parent_path());
-  *direct = DirectReadSpeed(path);
+  bench::DropDirFromPageCache(path.parent_path());
+  *direct = bench::DirectReadSpeed({path.string()});
   return total / s;
 }
 
@@ -183,7 +158,7 @@ Chain ChainOf(const std::vector<int32_t>& prompt, const cache::KeyContext& ctx) 
 // `*cpu_seconds`: the process's user + system CPU time over the read.
 double RestoreSpeed(const fs::path& dir, const Chain& chain, size_t batch, int threads,
                     bool into_blocks, double* cpu_seconds) {
-  DropFromPageCache(dir / "cache");
+  bench::DropDirFromPageCache(dir / "cache");
   auto store = Store(dir, 0);
   std::atomic<uint64_t> bytes{0};
   std::atomic<size_t> next{0};
@@ -267,7 +242,7 @@ int main(int argc, char** argv) {
       cold = TimeToFirstToken(*e, prompt, &cached);
       fingerprint = e->model_fingerprint();
     }
-    DropFromPageCache(dir);
+    bench::DropDirFromPageCache(dir);
     std::vector<int32_t> next = prompt;
     const std::vector<int32_t> more = Tokens(32, 2);
     next.insert(next.end(), more.begin(), more.end());
@@ -327,7 +302,7 @@ int main(int argc, char** argv) {
       up_to.push_back(7);
       TimeToFirstToken(*e, up_to, &c);
     }
-    DropFromPageCache(dir);
+    bench::DropDirFromPageCache(dir);
     std::vector<int32_t> next = prompt;
     next.push_back(7);
     const std::vector<int32_t> more = Tokens(32, 2);
@@ -397,8 +372,8 @@ int main(int argc, char** argv) {
                                            {all, 1, true},
                                            {all, 1, true}}) {
       // Direct where the disk allows it, else buffered; either way out of the page cache.
-      DropFromPageCache(largest_dir);
-      double raw = DirectReadSpeed(raw_file);
+      bench::DropDirFromPageCache(largest_dir);
+      double raw = bench::DirectReadSpeed({raw_file.string()});
       if (raw <= 0) raw = buffered;
       double cpu = 0;
       const double v =

@@ -176,36 +176,24 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", cp.status().ToString().c_str());
     return 1;
   }
-  const engine::TensorView* rows_view = nullptr;
-  const engine::TensorView* scales_view = nullptr;
-  for (const auto& [name, view] : (*cp)->tensors()) {
-    if (name.find("engram.embed.weight") != std::string::npos) {
-      rows_view = view;
-      scales_view = (*cp)->Find(name.substr(0, name.size() - 6) + "scale");
-      break;
-    }
-  }
-  if (rows_view == nullptr || scales_view == nullptr) {
+  auto model_config = engine::LoadModelConfig(argv[2]);
+  auto tables = model_config.ok()
+                    ? engine::EngramTableFiles(**cp, *model_config)
+                    : StatusOr<std::vector<engine::EngramTableFile>>(model_config.status());
+  if (!tables.ok() || tables->empty()) {
     std::fprintf(stderr, "%s has no Engram table\n", argv[2]);
     return 1;
   }
-  const std::string raw = *rows_view->file;
-  std::printf("\nRandom 4 KiB reads of %s, O_DIRECT, io_uring:\n\n", raw.c_str());
+  const engine::EngramTableFile table = tables->front();
+  std::printf("\nRandom 4 KiB reads of %s, O_DIRECT, io_uring:\n\n", table.path.c_str());
   std::printf("| queue depth | reads/s | MB/s |\n|---|---|---|\n");
   double best = 0;
   for (unsigned depth : {1u, 8u, 32u, 128u}) {
-    const double iops = RandomReads(raw, depth, 3.0);
+    const double iops = RandomReads(table.path, depth, 3.0);
     best = std::max(best, iops);
     std::printf("| %u | %.0f | %.1f |\n", depth, iops, iops * 4096 / 1e6);
   }
   // The store on that table, its cache off: every row a miss.
-  engine::EngramTableFile table{*rows_view->file,
-                                rows_view->file_offset,
-                                scales_view->file_offset,
-                                *scales_view->file,
-                                rows_view->shape[0],
-                                static_cast<int>(rows_view->shape[1]),
-                                static_cast<int>(scales_view->shape[1])};
   auto store = engine::EngramStore::Open({table}, 0, 128);
   if (!store.ok()) {
     std::fprintf(stderr, "%s\n", store.status().ToString().c_str());

@@ -17,8 +17,10 @@
 #include <string>
 #include <vector>
 
+#include "bench/disk.h"
 #include "engine/model.h"
 #include "engine/model_files.h"
+#include "engine/safetensors.h"
 
 using namespace flashd;
 using Clock = std::chrono::steady_clock;
@@ -27,31 +29,6 @@ namespace {
 
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-void Drop(const std::vector<std::string>& files) {
-  for (const std::string& f : files) {
-    const int fd = ::open(f.c_str(), O_RDONLY);
-    if (fd < 0) continue;
-    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
-    ::close(fd);
-  }
-}
-
-// Every file in turn with O_DIRECT, 4 MiB reads (as `dd iflag=direct bs=4M`): bytes per second.
-double DirectRead(const std::vector<std::string>& files) {
-  void* buf = std::aligned_alloc(4096, 4 << 20);
-  uint64_t total = 0;
-  const auto t = Clock::now();
-  for (const std::string& f : files) {
-    const int fd = ::open(f.c_str(), O_RDONLY | O_DIRECT);
-    if (fd < 0) continue;
-    for (ssize_t n; (n = ::read(fd, buf, 4 << 20)) > 0;) total += static_cast<uint64_t>(n);
-    ::close(fd);
-  }
-  const double s = Since(t);
-  std::free(buf);
-  return total / s;
 }
 
 }  // namespace
@@ -65,7 +42,7 @@ int main(int argc, char** argv) {
   std::vector<int> threads;
   for (int i = 2; i < argc; ++i) threads.push_back(std::atoi(argv[i]));
   if (threads.empty()) threads = {1, 2, 4, 8, 16};
-  auto files = engine::ModelWeightFiles(dir);
+  auto files = engine::CheckpointFiles(dir);
   if (!files.ok()) {
     std::fprintf(stderr, "%s\n", files.status().ToString().c_str());
     return 1;
@@ -83,9 +60,9 @@ int main(int argc, char** argv) {
       "| read | threads | GB/s | direct read before / after, GB/s | of their mean |\n"
       "|---|---|---|---|---|\n");
   auto row = [&](const char* what, int n, bool sha) {
-    Drop(*files);
-    const double before = DirectRead(*files);
-    Drop(*files);
+    bench::DropFromPageCache(*files);
+    const double before = bench::DirectReadSpeed(*files);
+    bench::DropFromPageCache(*files);
     engine::ReadFilesOptions o;
     o.threads = n;
     o.sha256 = sha;
@@ -95,8 +72,8 @@ int main(int argc, char** argv) {
       std::exit(1);
     }
     const double v = got->bytes / got->seconds;
-    Drop(*files);
-    const double after = DirectRead(*files);
+    bench::DropFromPageCache(*files);
+    const double after = bench::DirectReadSpeed(*files);
     const double direct = (before + after) / 2;
     std::printf("| %s | %d | %.2f | %.2f / %.2f | %.0f%% |\n", what, n, v / 1e9, before / 1e9,
                 after / 1e9, 100 * v / direct);

@@ -107,11 +107,17 @@ uint32_t Crc32cOf(std::initializer_list<std::string_view> pieces) {
   return crc;
 }
 
-// A stored value's checksum: its key, then the value with the CRC field read as zeros.
-uint32_t ValueCrc(std::string_view key_bytes, std::string_view value) {
+// The checksum of a stored value's first `end` bytes (end >= kCrcOffset + 4): its key, then
+// those bytes with the CRC field read as zeros.
+uint32_t ValuePrefixCrc(std::string_view key_bytes, std::string_view value, size_t end) {
   static const char kZero[4] = {0, 0, 0, 0};
   return Crc32cOf({key_bytes, value.substr(0, kCrcOffset), std::string_view(kZero, 4),
-                   value.substr(kCrcOffset + 4)});
+                   value.substr(kCrcOffset + 4, end - kCrcOffset - 4)});
+}
+
+// A stored value's checksum: the above over all of it.
+uint32_t ValueCrc(std::string_view key_bytes, std::string_view value) {
+  return ValuePrefixCrc(key_bytes, value, value.size());
 }
 
 }  // namespace
@@ -130,8 +136,7 @@ bool BlockStore::OrderLess::operator()(const Order& a, const Order& b) const {
   return x.hi != y.hi ? x.hi < y.hi : x.lo < y.lo;
 }
 
-BlockStore::BlockStore(StoreOptions options)
-    : options_(std::move(options)), ram_limit_(options_.ram_bytes) {}
+BlockStore::BlockStore(StoreOptions options) : options_(std::move(options)) {}
 
 StatusOr<std::unique_ptr<BlockStore>> BlockStore::Open(const StoreOptions& options) {
   std::error_code ec;
@@ -604,11 +609,8 @@ bool BlockStore::CheckedCopy(std::string_view value, const BlockKey& key,
   }
   uint8_t* out = dest(payload);
   if (out == nullptr) return false;
-  // ValueCrc's pieces, the payload's copied as it is summed.
-  static const char kZero[4] = {0, 0, 0, 0};
-  const std::string key_bytes = key.ToBytes();
-  uint32_t crc = Crc32cOf({key_bytes, value.substr(0, kCrcOffset), std::string_view(kZero, 4),
-                           value.substr(kCrcOffset + 4, fixed - kCrcOffset - 4)});
+  // ValueCrc, the payload copied as it is summed.
+  uint32_t crc = ValuePrefixCrc(key.ToBytes(), value, fixed);
   crc = Crc32cExtendCopy(crc, out, value.data() + fixed, payload);
   return crc == Get<uint32_t>(value, kCrcOffset);
 }
@@ -659,6 +661,7 @@ std::vector<bool> BlockStore::ReadBlocksInto(std::span<const BlockKey> keys,
   std::vector<size_t> misses;
   std::vector<std::string> data_keys;  // Of the misses.
   uint64_t miss_bytes = 0;
+  bool fill_ram = false;
   const int64_t now = NowMs();
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -677,6 +680,10 @@ std::vector<bool> BlockStore::ReadBlocksInto(std::span<const BlockKey> keys,
       stats_.bytes_read_ram += r->second->second->size();
       Touch(keys[i], now, i + 1 == keys.size());
     }
+    // What comes from disk joins the RAM tier unless it is a large share of it: one long chain
+    // (a million-token context) would otherwise push out every other prompt's hot blocks, and
+    // itself in turn.
+    fill_ram = miss_bytes <= options_.ram_bytes / 4;
   }
   // RAM hits (checked when they were read or written) are copied out with no lock held: the
   // tier shares them.
@@ -686,10 +693,6 @@ std::vector<bool> BlockStore::ReadBlocksInto(std::span<const BlockKey> keys,
     std::memcpy(out, payload->data(), payload->size());
     delivered[i] = 1;
   }
-  // What comes from disk joins the RAM tier unless it is a large share of it: one long chain
-  // (a million-token context) would otherwise push out every other prompt's hot blocks, and
-  // itself in turn.
-  const bool fill_ram = miss_bytes <= ram_limit_.load(std::memory_order_relaxed) / 4;
   // One MultiGet per slice of the misses, slices on several threads: a long chain restores at
   // several times one thread's speed (bench/cache_bench). Each thread checks what it read as it
   // copies it to its destination; the RAM tier's copy is made from there before the lock is
@@ -843,7 +846,6 @@ void BlockStore::SetSnapshotCost(double blocks) {
 void BlockStore::SetLimits(uint64_t ram_bytes, uint64_t disk_quota_bytes, int64_t ttl_seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   options_.ram_bytes = ram_bytes;
-  ram_limit_ = ram_bytes;
   options_.disk_quota_bytes = disk_quota_bytes;
   options_.ttl_seconds = ttl_seconds;
   const int64_t expire = ttl_seconds > 0 ? NowMs() - ttl_seconds * 1000 : 0;

@@ -252,7 +252,6 @@ class BlockStore {
   int64_t clock_ = 0;              // Guarded: kCost's rank of the last entry evicted.
   int64_t last_expiry_scan_ms_ = 0;
 
-  std::atomic<uint64_t> ram_limit_{0};  // options_.ram_bytes, for the reading threads.
   std::atomic<bool> writes_stopped_{false};
   std::atomic<uint64_t> commit_failures_{0};  // Failed or refused Commit()s.
   mutable std::mutex failure_mu_;

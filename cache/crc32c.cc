@@ -37,6 +37,7 @@ bool DetectHardware() {
 
 const bool kHardware = DetectHardware();
 
+#if defined(__x86_64__)
 // The raw register (no inversions) after `n` zero bytes, from `c`.
 uint32_t ZeroBytes(uint32_t c, size_t n) {
   for (; n > 0; --n) c = (c >> 8) ^ kTables[0][c & 0xFF];
@@ -65,7 +66,6 @@ const Shift& ShiftTwoLanes() {
   return s;
 }
 
-#if defined(__x86_64__)
 // Three lanes of kCrcLane bytes from p (copied to dst when not null) from raw register c.
 template <bool kCopy>
 __attribute__((target("sse4.2"))) uint64_t ThreeLanes(uint64_t c, uint8_t* dst, const uint8_t* p) {
@@ -139,27 +139,8 @@ uint32_t Crc32cTable(uint32_t crc, const void* data, size_t n) {
 uint32_t Crc32cSse42(uint32_t crc, const void* data, size_t n) {
   return Sse42<false>(crc, nullptr, static_cast<const uint8_t*>(data), n);
 }
-
-__attribute__((target("sse4.2"))) uint32_t Crc32cSse42OneStream(uint32_t crc, const void* data,
-                                                                size_t n) {
-  const auto* p = static_cast<const uint8_t*>(data);
-  uint64_t c = ~crc;
-  for (; n > 0 && (reinterpret_cast<uintptr_t>(p) & 7) != 0; --n, ++p) {
-    c = _mm_crc32_u8(static_cast<uint32_t>(c), *p);
-  }
-  for (; n >= 8; n -= 8, p += 8) {
-    uint64_t v;
-    std::memcpy(&v, p, 8);
-    c = _mm_crc32_u64(c, v);
-  }
-  for (; n > 0; --n, ++p) c = _mm_crc32_u8(static_cast<uint32_t>(c), *p);
-  return ~static_cast<uint32_t>(c);
-}
 #else
 uint32_t Crc32cSse42(uint32_t crc, const void* data, size_t n) { return Crc32cTable(crc, data, n); }
-uint32_t Crc32cSse42OneStream(uint32_t crc, const void* data, size_t n) {
-  return Crc32cTable(crc, data, n);
-}
 #endif
 
 }  // namespace internal

@@ -30,8 +30,6 @@ namespace internal {
 // Crc32cInHardware().
 uint32_t Crc32cTable(uint32_t crc, const void* data, size_t n);
 uint32_t Crc32cSse42(uint32_t crc, const void* data, size_t n);
-// The single-stream instruction loop (three streams are tested against it).
-uint32_t Crc32cSse42OneStream(uint32_t crc, const void* data, size_t n);
 constexpr size_t kCrcLane = 1024;
 }  // namespace internal
 

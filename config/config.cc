@@ -45,6 +45,11 @@ Status SetInt(const std::string& text, int64_t lo, int64_t hi, int* out) {
   return Status::Ok();
 }
 
+Status SetByteSize(const std::string& text, uint64_t* out) {
+  FLASHD_ASSIGN_OR_RETURN(*out, ParseByteSize(text));
+  return Status::Ok();
+}
+
 Status SetNonEmpty(const std::string& text, std::string* out) {
   if (text.empty()) return InvalidArgument("must not be empty");
   *out = text;
@@ -149,8 +154,7 @@ const std::vector<Field>& Schema() {
        }},
       {"engine.memory_budget_bytes", "a size such as \"8GiB\"",
        [](const std::string& t, Config* c) {
-         FLASHD_ASSIGN_OR_RETURN(c->engine.memory_budget_bytes, ParseByteSize(t));
-         return Status::Ok();
+         return SetByteSize(t, &c->engine.memory_budget_bytes);
        }},
       {"engine.threads", "an integer in [0, 1024] (0: all cores)",
        [](const std::string& t, Config* c) { return SetInt(t, 0, 1024, &c->engine.threads); }},
@@ -176,8 +180,7 @@ const std::vector<Field>& Schema() {
        }},
       {"engine.engram_cache_bytes", "a size such as \"1GiB\"",
        [](const std::string& t, Config* c) {
-         FLASHD_ASSIGN_OR_RETURN(c->engine.engram_cache_bytes, ParseByteSize(t));
-         return Status::Ok();
+         return SetByteSize(t, &c->engine.engram_cache_bytes);
        }},
       {"engine.speculative_tokens", "an integer in [0, 64] (0: adaptive)",
        [](const std::string& t, Config* c) {
@@ -199,15 +202,9 @@ const std::vector<Field>& Schema() {
          return Status::Ok();
        }},
       {"cache.ram_bytes", "a size such as 4294967296 or \"4GiB\"",
-       [](const std::string& t, Config* c) {
-         FLASHD_ASSIGN_OR_RETURN(c->cache.ram_bytes, ParseByteSize(t));
-         return Status::Ok();
-       }},
+       [](const std::string& t, Config* c) { return SetByteSize(t, &c->cache.ram_bytes); }},
       {"cache.disk_quota_bytes", "a size such as \"256GiB\"",
-       [](const std::string& t, Config* c) {
-         FLASHD_ASSIGN_OR_RETURN(c->cache.disk_quota_bytes, ParseByteSize(t));
-         return Status::Ok();
-       }},
+       [](const std::string& t, Config* c) { return SetByteSize(t, &c->cache.disk_quota_bytes); }},
       {"cache.ttl_seconds", "an integer number of seconds >= 0 (0: no expiry)",
        [](const std::string& t, Config* c) {
          FLASHD_ASSIGN_OR_RETURN(c->cache.ttl_seconds,

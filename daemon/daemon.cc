@@ -23,6 +23,7 @@
 #include "daemon/task_queue.h"
 #include "daemon/unix_socket.h"
 #include "engine/model_files.h"
+#include "engine/safetensors.h"
 #include "engine/tokenizer.h"
 
 namespace flashd::daemon {
@@ -239,12 +240,10 @@ Status Daemon::ReadModelFiles(const std::string& dir) {
   // far loading is (/health). Skipped when they would not fit in half the free memory (the
   // kernel would only evict them again), unless model.verify asks for every byte to be checked
   // against SHA256SUMS.
-  std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) return Status::Ok();  // The loader says why.
-  StatusOr<std::vector<std::string>> files = engine::ModelWeightFiles(dir);
-  if (!files.ok()) return files.status();
-  if (files->empty()) return Status::Ok();
+  StatusOr<std::vector<std::string>> files = engine::CheckpointFiles(dir);
+  if (!files.ok()) return Status::Ok();  // The loader says why, after the config's checks.
   uint64_t total = 0;
+  std::error_code ec;
   for (const std::string& f : *files) total += std::filesystem::file_size(f, ec);
   const long pages = ::sysconf(_SC_AVPHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
   const uint64_t free_bytes = pages > 0 && page > 0 ? uint64_t(pages) * uint64_t(page) : 0;

@@ -155,16 +155,8 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   if (options.engram == "ssd" && !e->model_->config().engram_layer_ids.empty()) {
     // Engram rows read from the checkpoint's files behind a cache of hot rows, instead of the
     // mapped tables (which the kernel would otherwise page in and out of memory).
-    std::vector<EngramTableFile> tables;
-    for (int l : e->model_->config().engram_layer_ids) {
-      const std::string p = "layers." + std::to_string(l) + ".engram.embed.";
-      const TensorView* rows = e->model_->checkpoint().Find(p + "weight");
-      const TensorView* scales = e->model_->checkpoint().Find(p + "scale");
-      if (rows == nullptr || scales == nullptr) return NotFound(p + "weight or scale");
-      tables.push_back({*rows->file, rows->file_offset, scales->file_offset, *scales->file,
-                        rows->shape[0], static_cast<int>(rows->shape[1]),
-                        static_cast<int>(scales->shape[1])});
-    }
+    FLASHD_ASSIGN_OR_RETURN(std::vector<EngramTableFile> tables,
+                            EngramTableFiles(e->model_->checkpoint(), e->model_->config()));
     FLASHD_ASSIGN_OR_RETURN(auto store,
                             EngramStore::Open(std::move(tables), options.engram_cache_bytes));
     FLASHD_RETURN_IF_ERROR(e->forward_->SetEngramStore(std::move(store)));

@@ -24,6 +24,21 @@ int OpenDirect(const std::string& path) {
 
 }  // namespace
 
+StatusOr<std::vector<EngramTableFile>> EngramTableFiles(const Checkpoint& checkpoint,
+                                                        const ModelConfig& config) {
+  std::vector<EngramTableFile> tables;
+  for (int l : config.engram_layer_ids) {
+    const std::string p = "layers." + std::to_string(l) + ".engram.embed.";
+    const TensorView* rows = checkpoint.Find(p + "weight");
+    const TensorView* scales = checkpoint.Find(p + "scale");
+    if (rows == nullptr || scales == nullptr) return NotFound(p + "weight or scale");
+    tables.push_back({*rows->file, rows->file_offset, scales->file_offset, *scales->file,
+                      rows->shape[0], static_cast<int>(rows->shape[1]),
+                      static_cast<int>(scales->shape[1])});
+  }
+  return tables;
+}
+
 struct EngramStore::Ring {
   io_uring ring;
 };

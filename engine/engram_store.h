@@ -20,6 +20,8 @@
 #include <vector>
 
 #include "config/status.h"
+#include "engine/model_config.h"
+#include "engine/safetensors.h"
 
 namespace flashd::engine {
 
@@ -31,6 +33,11 @@ struct EngramTableFile {
   int64_t rows = 0;
   int row_bytes = 0, scale_bytes = 0;
 };
+
+// The Engram tables of `checkpoint`, one per Engram layer of `config` in order, where the
+// checkpoint holds their rows and scales.
+StatusOr<std::vector<EngramTableFile>> EngramTableFiles(const Checkpoint& checkpoint,
+                                                        const ModelConfig& config);
 
 class EngramStore {
  public:

@@ -15,10 +15,9 @@
 #include <fstream>
 #include <memory>
 #include <mutex>
-#include <nlohmann/json.hpp>
-#include <set>
-#include <sstream>
 #include <thread>
+
+#include "engine/safetensors.h"
 
 namespace flashd::engine {
 namespace {
@@ -103,36 +102,6 @@ Status ReadRange(int fd, const std::string& path, uint64_t offset, uint64_t n, E
 }
 
 }  // namespace
-
-StatusOr<std::vector<std::string>> ModelWeightFiles(const std::string& dir) {
-  std::vector<std::string> out;
-  std::error_code ec;
-  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-  if (fs::exists(index, ec)) {
-    std::ifstream in(index);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, false);
-    if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-      return DataLoss(index.string() + ": has no weight_map object");
-    }
-    std::set<std::string> names;
-    for (const auto& [tensor, file] : j["weight_map"].items()) {
-      if (!file.is_string()) return DataLoss(index.string() + ": weight_map." + tensor);
-      names.insert(file.get<std::string>());
-    }
-    for (const std::string& n : names) out.push_back((fs::path(dir) / n).string());
-  } else if (fs::exists(fs::path(dir) / "model.safetensors", ec)) {
-    out.push_back((fs::path(dir) / "model.safetensors").string());
-  } else {
-    for (const auto& e : fs::directory_iterator(dir, ec)) {
-      if (e.path().extension() == ".safetensors") out.push_back(e.path().string());
-    }
-    std::sort(out.begin(), out.end());
-  }
-  if (ec) return IoError(dir + ": " + ec.message());
-  return out;
-}
 
 StatusOr<FilesRead> ReadFiles(const std::vector<std::string>& paths,
                               const ReadFilesOptions& options) {
@@ -258,10 +227,15 @@ StatusOr<std::map<std::string, std::string>> ReadSha256Sums(const std::string& d
   return sums;
 }
 
-Status CheckSha256Sums(const std::string& dir, const std::map<std::string, std::string>& sha256) {
+Status VerifyModelFiles(const std::string& dir, const ReadFilesOptions& options, FilesRead* read) {
+  // The sums first: a missing or malformed SHA256SUMS fails before any weight is read.
   FLASHD_ASSIGN_OR_RETURN(auto sums, ReadSha256Sums(dir));
+  FLASHD_ASSIGN_OR_RETURN(std::vector<std::string> files, CheckpointFiles(dir));
+  ReadFilesOptions o = options;
+  o.sha256 = true;
+  FLASHD_ASSIGN_OR_RETURN(FilesRead got, ReadFiles(files, o));
   std::string bad;
-  for (const auto& [path, hex] : sha256) {
+  for (const auto& [path, hex] : got.sha256) {
     const std::string name = fs::path(path).filename().string();
     auto want = sums.find(name);
     if (want == sums.end()) {
@@ -270,19 +244,9 @@ Status CheckSha256Sums(const std::string& dir, const std::map<std::string, std::
       bad += "\n  " + name + ": SHA-256 " + hex + ", SHA256SUMS says " + want->second;
     }
   }
+  if (read != nullptr) *read = std::move(got);
   if (!bad.empty()) return DataLoss(dir + ": weight files do not match their checksums:" + bad);
   return Status::Ok();
-}
-
-Status VerifyModelFiles(const std::string& dir, const ReadFilesOptions& options, FilesRead* read) {
-  FLASHD_RETURN_IF_ERROR(ReadSha256Sums(dir).status());
-  FLASHD_ASSIGN_OR_RETURN(std::vector<std::string> files, ModelWeightFiles(dir));
-  ReadFilesOptions o = options;
-  o.sha256 = true;
-  FLASHD_ASSIGN_OR_RETURN(FilesRead got, ReadFiles(files, o));
-  Status s = CheckSha256Sums(dir, got.sha256);
-  if (read != nullptr) *read = std::move(got);
-  return s;
 }
 
 }  // namespace flashd::engine

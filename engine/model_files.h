@@ -21,10 +21,6 @@
 
 namespace flashd::engine {
 
-// The weight files of a model directory: the shards model.safetensors.index.json names, else
-// model.safetensors, else every *.safetensors file; sorted.
-StatusOr<std::vector<std::string>> ModelWeightFiles(const std::string& dir);
-
 struct ReadFilesOptions {
   int threads = 8;
   uint64_t chunk_bytes = 64ull << 20;
@@ -46,11 +42,9 @@ StatusOr<FilesRead> ReadFiles(const std::vector<std::string>& paths,
 // naming the line when a line is not "<64 hex>  <name>".
 StatusOr<std::map<std::string, std::string>> ReadSha256Sums(const std::string& dir);
 
-// Every weight file of `dir` read with its SHA-256 and compared with SHA256SUMS: Ok, or
-// DataLoss listing every file that differs or has no checksum there.
+// Every weight file of `dir` (CheckpointFiles) read with its SHA-256 and compared with
+// SHA256SUMS: Ok, or DataLoss listing every file that differs or has no checksum there.
 Status VerifyModelFiles(const std::string& dir, const ReadFilesOptions& options,
                         FilesRead* read = nullptr);
-// The comparison alone: `sha256` by path against `dir`/SHA256SUMS.
-Status CheckSha256Sums(const std::string& dir, const std::map<std::string, std::string>& sha256);
 
 }  // namespace flashd::engine

@@ -208,12 +208,12 @@ Status SafetensorsFile::Parse() {
   return Status::Ok();
 }
 
-StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
+StatusOr<std::vector<std::string>> CheckpointFiles(const std::string& dir,
+                                                   std::map<std::string, std::string>* weight_map) {
   namespace fs = std::filesystem;
-  auto cp = std::make_unique<Checkpoint>();
   const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
   std::error_code ec;
-  std::map<std::string, std::string> weight_map;  // tensor -> file name
+  std::map<std::string, std::string> map;  // tensor -> file name
   std::vector<std::string> file_names;
   if (fs::exists(index_path, ec)) {
     std::ifstream in(index_path);
@@ -238,13 +238,13 @@ StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
         return DataLoss(index_path.string() + ": weight_map." + it.key() + " names \"" + file +
                         "\" outside the model directory");
       }
-      weight_map[it.key()] = file;
+      map[it.key()] = file;
       if (seen.insert(file).second) file_names.push_back(file);
     }
     for (const std::string& file : file_names) {
       if (!fs::exists(fs::path(dir) / file, ec)) {
         std::string example;
-        for (const auto& [tensor, f] : weight_map) {
+        for (const auto& [tensor, f] : map) {
           if (f == file) {
             example = tensor;
             break;
@@ -267,9 +267,20 @@ StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
       return NotFound(dir + ": no model.safetensors.index.json and no *.safetensors files");
     }
   }
+  std::vector<std::string> paths;
+  for (const std::string& name : file_names) paths.push_back((fs::path(dir) / name).string());
+  if (weight_map != nullptr) *weight_map = std::move(map);
+  return paths;
+}
 
-  for (const std::string& name : file_names) {
-    FLASHD_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open((fs::path(dir) / name).string()));
+StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
+  namespace fs = std::filesystem;
+  auto cp = std::make_unique<Checkpoint>();
+  std::map<std::string, std::string> weight_map;  // tensor -> file name
+  FLASHD_ASSIGN_OR_RETURN(std::vector<std::string> paths, CheckpointFiles(dir, &weight_map));
+  for (const std::string& path : paths) {
+    const std::string name = fs::path(path).filename().string();
+    FLASHD_ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
     for (const auto& [tensor, view] : file->tensors()) {
       if (!weight_map.empty()) {
         auto it = weight_map.find(tensor);

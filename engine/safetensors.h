@@ -88,6 +88,13 @@ class SafetensorsFile {
   std::map<std::string, TensorView> tensors_;
 };
 
+// The weight files of a model directory (paths), in the order Checkpoint::Open reads them: the
+// shards model.safetensors.index.json names (each must exist), else model.safetensors, else
+// every *.safetensors file, sorted. `weight_map`, when given, gets the index's tensor -> file
+// name (empty without an index).
+StatusOr<std::vector<std::string>> CheckpointFiles(
+    const std::string& dir, std::map<std::string, std::string>* weight_map = nullptr);
+
 // Every tensor of a model directory, whichever file holds it.
 class Checkpoint {
  public:

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <vector>
 
@@ -134,6 +135,20 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
          s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
+// The value every element of a BF16/F32 tensor of this name takes in a written checkpoint, where
+// it has one: norms, q/k weights and scales 1, bases, sinks and gate biases 0.
+std::optional<float> FixedValue(const std::string& name) {
+  if (EndsWith(name, "norm.weight") || EndsWith(name, "q_weight") || EndsWith(name, "k_weight") ||
+      EndsWith(name, "_scale")) {
+    return 1.0f;
+  }
+  if (EndsWith(name, "_base") || EndsWith(name, "attn_sink") || EndsWith(name, "gate.bias") ||
+      EndsWith(name, "gate.bias_vl")) {
+    return 0.0f;
+  }
+  return std::nullopt;
+}
+
 std::vector<uint8_t> AsBytes(const std::vector<float>& v, DType dtype) {
   std::vector<uint8_t> out;
   if (dtype == DType::kF32) {
@@ -209,12 +224,8 @@ Status Generate(const std::vector<TensorSpec>& specs, uint64_t seed,
       case TensorKind::kF32: {
         std::vector<float> v;
         const size_t n = rows * cols;
-        if (EndsWith(s.name, "norm.weight") || EndsWith(s.name, "q_weight") ||
-            EndsWith(s.name, "k_weight") || EndsWith(s.name, "_scale")) {
-          v.assign(n, 1.0f);
-        } else if (EndsWith(s.name, "_base") || EndsWith(s.name, "attn_sink") ||
-                   EndsWith(s.name, "gate.bias") || EndsWith(s.name, "gate.bias_vl")) {
-          v.assign(n, 0.0f);
+        if (const std::optional<float> fixed = FixedValue(s.name)) {
+          v.assign(n, *fixed);
         } else if (s.name == "embed.weight" || EndsWith(s.name, "markov_head.embed.weight")) {
           v = Normals(seed, s.name, n, 1.0f);
         } else if (s.name.find(".hc_") != std::string::npos) {
@@ -375,18 +386,11 @@ void FillCodes(const TensorSpec& spec, DType dtype, uint64_t seed, uint64_t offs
       break;
   }
   const size_t width = dtype == DType::kF32 ? 4 : 2;
-  float fixed = -1;
-  if (EndsWith(spec.name, "norm.weight") || EndsWith(spec.name, "q_weight") ||
-      EndsWith(spec.name, "k_weight") || EndsWith(spec.name, "_scale")) {
-    fixed = 1;
-  } else if (EndsWith(spec.name, "_base") || EndsWith(spec.name, "attn_sink") ||
-             EndsWith(spec.name, "gate.bias") || EndsWith(spec.name, "gate.bias_vl")) {
-    fixed = 0;
-  }
+  const std::optional<float> fixed = FixedValue(spec.name);
   // Chunks are whole elements (WriteSafetensorsStreamed's chunk is a multiple of 4).
   for (uint64_t i = 0; i + width <= n; i += width) {
     const float v =
-        fixed >= 0 ? fixed : (static_cast<float>(rng.Next() >> 40) * 0x1p-24f - 0.5f) * 0.02f;
+        fixed ? *fixed : (static_cast<float>(rng.Next() >> 40) * 0x1p-24f - 0.5f) * 0.02f;
     if (width == 4) {
       std::memcpy(out + i, &v, 4);
     } else {

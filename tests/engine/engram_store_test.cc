@@ -23,25 +23,18 @@ struct Table {
   const TensorView* scales = nullptr;
 };
 
+// The golden model's Engram tables as the engine finds them, with the mapped bytes to compare.
 std::vector<Table> Tables(const Checkpoint& cp) {
+  auto config = LoadModelConfig(FLASHD_GOLDEN_DIR);
+  BOOST_REQUIRE_MESSAGE(config.ok(), config.status().ToString());
+  auto files = EngramTableFiles(cp, *config);
+  BOOST_REQUIRE_MESSAGE(files.ok(), files.status().ToString());
   std::vector<Table> out;
-  for (const auto& [name, view] : cp.tensors()) {
-    const std::string suffix = "engram.embed.weight";
-    if (name.size() < suffix.size() ||
-        name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
-      continue;
-    Table t;
-    t.rows = view;
-    t.scales = cp.Find(name.substr(0, name.size() - 6) + "scale");
-    BOOST_REQUIRE(t.scales != nullptr);
-    t.file = {*view->file,
-              view->file_offset,
-              t.scales->file_offset,
-              *t.scales->file,
-              view->shape[0],
-              static_cast<int>(view->shape[1]),
-              static_cast<int>(t.scales->shape[1])};
-    out.push_back(t);
+  for (size_t i = 0; i < files->size(); ++i) {
+    const std::string p =
+        "layers." + std::to_string(config->engram_layer_ids[i]) + ".engram.embed.";
+    out.push_back({(*files)[i], cp.Find(p + "weight"), cp.Find(p + "scale")});
+    BOOST_REQUIRE(out.back().rows != nullptr && out.back().scales != nullptr);
   }
   return out;
 }

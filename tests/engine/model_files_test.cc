@@ -77,7 +77,7 @@ BOOST_AUTO_TEST_CASE(sha256_of_each_file_and_sha256sums) {
       {"weight_map",
        {{"a", "model-00001-of-00002.safetensors"}, {"b", "model-00002-of-00002.safetensors"}}}};
   std::ofstream(dir.path() / "model.safetensors.index.json") << index.dump();
-  auto files = ModelWeightFiles(dir.path().string());
+  auto files = CheckpointFiles(dir.path().string());
   BOOST_REQUIRE(files.ok());
   BOOST_REQUIRE(files->size() == 2u);
   ReadFilesOptions o;
@@ -150,13 +150,13 @@ BOOST_AUTO_TEST_CASE(a_streamed_checkpoint_loads_like_the_release) {
   BOOST_REQUIRE_MESSAGE(model.ok(), model.status().ToString());
   BOOST_TEST((*model)->checkpoint().files().size() == 3u);
   BOOST_TEST((*model)->weights().dspark);
-  auto files = ModelWeightFiles((dir.path() / "a").string());
+  auto files = CheckpointFiles((dir.path() / "a").string());
   BOOST_REQUIRE(files.ok());
   BOOST_TEST(files->size() == 3u);
   ReadFilesOptions sha;
   sha.sha256 = true;
   auto a = ReadFiles(*files, sha);
-  auto b = ReadFiles(*ModelWeightFiles((dir.path() / "b").string()), sha);
+  auto b = ReadFiles(*CheckpointFiles((dir.path() / "b").string()), sha);
   BOOST_REQUIRE(a.ok() && b.ok());
   std::vector<std::string> ha, hb;
   for (auto& [p, h] : a->sha256) ha.push_back(h);
