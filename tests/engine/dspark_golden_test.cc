@@ -1,5 +1,6 @@
 // The DSpark drafter against the official reference's own outputs, recorded in
-// tests/golden-dspark (its README says how). Nothing here needs torch.
+// tests/golden-dspark (its README says how), on the checkpoint they were made from, which the
+// build writes with flashd mkmodel (its SHA-256 is checked first). Nothing here needs torch.
 //
 // Each prompt is fed one token per call, as the reference was run; after every token the
 // reference drafted a block from its pending token (its greedy choice), and so does flashd here,
@@ -18,6 +19,7 @@
 
 #include "engine/forward.h"
 #include "engine/model.h"
+#include "engine/model_files.h"
 #include "tests/support/test_backend.h"
 
 namespace flashd::engine {
@@ -42,8 +44,19 @@ std::vector<float> ReadFloats(const std::string& path) {
 
 BOOST_AUTO_TEST_SUITE(dspark_golden)
 
+// The SHA-256 of the checkpoint the reference ran on (tests/golden-dspark/README.md).
+constexpr const char* kCheckpointSha256 =
+    "66cf10ca01abb572e738b6f69e6fac3b3876ec27a488f7b5fcd93624cdbfcfdf";
+
 BOOST_AUTO_TEST_CASE(drafts_match_the_reference) {
   const std::string kDir = Dir();
+  // Written by the build; if mkmodel ever wrote other bytes, nothing below would mean anything.
+  ReadFilesOptions sha;
+  sha.sha256 = true;
+  auto read = ReadFiles({kDir + "/model.safetensors"}, sha);
+  BOOST_REQUIRE_MESSAGE(read.ok(), read.status().ToString());
+  BOOST_REQUIRE_MESSAGE(read->sha256.begin()->second == kCheckpointSha256,
+                        "the DSpark golden checkpoint is not the one the reference ran on");
   auto model = Model::Load(kDir);
   BOOST_REQUIRE(model.ok());
   // On the backend FLASHD_TEST_BACKEND names (the CPU's when unset).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Gathers what a GPU machine needs to run flashd's device tests into build-device/ (git-ignored):
 # the GPU test binaries of an existing build (the kernels' tests, and the forward pass's tests,
-# which run on the backend FLASHD_TEST_BACKEND names), engine_bench, gpu_bench, and every shared
+# which run on the backend FLASHD_TEST_BACKEND names, with the DSpark golden checkpoint the build
+# wrote), engine_bench, gpu_bench, and every shared
 # library they load that is not part of the C library, because the device machine has the CUDA
 # toolkit but none of the project's Debian libraries. Then tests/gpu/run-on-device.sh runs them
 # there.
@@ -25,6 +26,8 @@ tests+=("$build"/tests/golden_test "$build"/tests/forward_equivalence_test
         "$build"/bench/gpu_bench_cuda)
 cp "${tests[@]}" "$dest/bin/"
 cp tests/gpu/run-on-device.sh "$dest/"
+# The DSpark golden checkpoint the build wrote, with the reference's outputs beside it.
+cp -r "$build"/tests/golden-dspark "$dest/"
 for t in "${tests[@]}"; do
   # Libraries the loader resolves here, except the C library and the CUDA driver (the device
   # machine has its own, matching its GPU).

@@ -14,7 +14,7 @@ out=${1:-${OUT:-./device-out}}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export FLASHD_TEST_BACKEND=cuda FLASHD_TEST_GOLDEN_DIR="$here/../tests/golden"
-export FLASHD_TEST_DSPARK_GOLDEN_DIR="$here/../tests/golden-dspark"
+export FLASHD_TEST_DSPARK_GOLDEN_DIR="$here/golden-dspark"
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 ||
