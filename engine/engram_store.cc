@@ -88,6 +88,11 @@ EngramStore::Stats EngramStore::stats() const {
   return stats_;
 }
 
+void EngramStore::AddWait(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.wait_seconds += seconds;
+}
+
 Status EngramStore::ReadAll(std::vector<Request>& requests) {
   // Distinct aligned spans (fd, first block, blocks) -> a buffer; most spans are one block.
   struct Span {
@@ -178,6 +183,7 @@ Status EngramStore::Gather(int t, const int64_t* ids, size_t n, uint8_t* rows_ou
     }
   }
   std::lock_guard<std::mutex> lock(mu_);
+  stats_.gathers += 1;
   stats_.rows += n;
   auto key_of = [&](int64_t id) {
     return (static_cast<uint64_t>(t) << 48) | static_cast<uint64_t>(id);

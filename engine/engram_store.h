@@ -6,7 +6,9 @@
 // one call: cache hits are copied at once, and every missed row (and its scales) is read with
 // O_DIRECT through one io_uring queue, all reads of the call in flight together, each 4 KiB
 // block read once however many rows of the call it holds. The rows land in a small table of the
-// call's own (EngramGatherParams can read it like the whole one, with its ids renumbered).
+// call's own (EngramGatherParams can read it like the whole one, with its ids renumbered). The
+// forward pass asks for every Engram layer's rows when a step starts, from a thread of its own,
+// so that they are read while the layers before each compute (CpuForward::SetEngramStore).
 //
 // Thread-safety: Gather may be called from one thread at a time (a mutex enforces it).
 #pragma once
@@ -56,13 +58,17 @@ class EngramStore {
   int tables() const { return static_cast<int>(tables_.size()); }
 
   struct Stats {
-    uint64_t rows = 0;   // Rows asked for.
-    uint64_t hits = 0;   // Of them, found in the cache (or earlier in the same call).
-    uint64_t reads = 0;  // Reads issued (4 KiB blocks, or 8 KiB where a row straddles).
+    uint64_t gathers = 0;  // Gather calls.
+    uint64_t rows = 0;     // Rows asked for.
+    uint64_t hits = 0;     // Of them, found in the cache (or earlier in the same call).
+    uint64_t reads = 0;    // Reads issued (4 KiB blocks, or 8 KiB where a row straddles).
     uint64_t read_bytes = 0;
-    double read_seconds = 0;  // Waiting for the reads.
+    double read_seconds = 0;  // The reads' time (off the forward pass when gathered ahead).
+    double wait_seconds = 0;  // The forward pass's time waiting for a layer's rows (AddWait).
   };
   Stats stats() const;
+  // Counts time a forward pass spent waiting for rows it had asked for ahead.
+  void AddWait(double seconds);
 
  private:
   struct Ring;

@@ -1,9 +1,11 @@
 #include "engine/forward.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <limits>
 #include <thread>
 #include <unordered_map>
@@ -137,6 +139,7 @@ struct CpuForward::Impl {
   // The Engram rows from SSD (engine/engram_store.h) instead of the mapped tables; table i is
   // the i-th Engram layer's.
   std::shared_ptr<EngramStore> engram_store;
+  bool engram_read_ahead = true;
   std::shared_ptr<const KvBlockLayout> layout;
   int64_t block_tokens = 64;
   std::shared_ptr<KvPool> pool;
@@ -344,6 +347,8 @@ class Step {
   size_t n() const { return plan_.rows(); }
   Status Apply(const Linear& lin, const float* x, int64_t rows, float* y);
   Status Engram(int l);
+  void StartEngramReads();
+  void ReadEngramRows(size_t e);
   Status Attention(int l);
   Status QueriesAndWindow(int l, std::vector<float>* qr, std::vector<float>* q,
                           std::vector<float>* kv);
@@ -399,6 +404,18 @@ class Step {
   std::vector<std::vector<CompressorRows>> compressor_rows_;
   bool draft_ = false;
   std::vector<int64_t> window_last_;  // Draft blocks: every query sees the whole block.
+  // Engram rows from the SSD store, gathered ahead: per Engram layer, the step's distinct ids,
+  // where each landed in the layer's small table, and when it is ready. One thread reads the
+  // layers in order from the step's start, while the layers before each one compute.
+  struct EngramRows {
+    std::vector<int64_t> distinct;
+    std::unordered_map<int64_t, int64_t> index;  // Id -> its row in table.
+    std::vector<uint8_t> table, scales;
+    std::promise<Status> read;
+    std::future<Status> ready;
+  };
+  std::vector<EngramRows> engram_rows_;
+  std::future<void> engram_reader_;  // Declared last: joined before anything it writes goes.
 };
 
 Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y) {
@@ -450,6 +467,7 @@ Status Step::Embed() {
 
 Status Step::Run() {
   const size_t rows = n();
+  StartEngramReads();
   FLASHD_RETURN_IF_ERROR(Embed());
   compressors_.resize(plan_.segments.size());
   ring_rows_.assign(plan_.segments.size(), std::vector<RingRows>(c_.num_hidden_layers));
@@ -655,6 +673,45 @@ void Step::Truncate(size_t keep) {
   comb_.resize(rows * hc * hc);
 }
 
+void Step::StartEngramReads() {
+  if (!m_.engram_store) return;
+  const size_t layers = c_.engram_layer_ids.size();
+  const int64_t rows = static_cast<int64_t>(n());
+  const int64_t cols = plan_.engram_stride / static_cast<int64_t>(layers);
+  const size_t hdim = static_cast<size_t>(c_.engram_head_dim);
+  engram_rows_ = std::vector<EngramRows>(layers);
+  for (size_t e = 0; e < layers; ++e) {
+    EngramRows& r = engram_rows_[e];
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t id = plan_.engram_rows[static_cast<size_t>(
+            t * plan_.engram_stride + static_cast<int64_t>(e) * cols + c)];
+        if (r.index.emplace(id, static_cast<int64_t>(r.distinct.size())).second) {
+          r.distinct.push_back(id);
+        }
+      }
+    }
+    r.table.resize(r.distinct.size() * hdim);
+    r.scales.resize(r.distinct.size() * (hdim / 32));
+    r.ready = r.read.get_future();
+  }
+  if (!m_.engram_read_ahead) return;  // Engram(l) reads each layer's rows.
+  auto read_all = [this] {
+    for (size_t e = 0; e < engram_rows_.size(); ++e) ReadEngramRows(e);
+  };
+  try {
+    engram_reader_ = std::async(std::launch::async, read_all);
+  } catch (const std::system_error&) {
+    read_all();  // No thread to be had: read them now.
+  }
+}
+
+void Step::ReadEngramRows(size_t e) {
+  EngramRows& r = engram_rows_[e];
+  r.read.set_value(m_.engram_store->Gather(static_cast<int>(e), r.distinct.data(),
+                                           r.distinct.size(), r.table.data(), r.scales.data()));
+}
+
 Status Step::Engram(int l) {
   const Layer& L = m_.layers[l];
   const int64_t rows = static_cast<int64_t>(n()), hc = c_.hc_mult, dim = c_.hidden_size;
@@ -664,25 +721,28 @@ Status Step::Engram(int l) {
   std::vector<float> kv(static_cast<size_t>(rows * dim * (hc + 1)));
   const int64_t column0 = c_.layers[l].engram_index * cols;
   if (m_.engram_store) {
-    // The step's rows of this layer, each distinct one gathered once from the store into a
-    // small table of the step's own; the op then reads that table with the ids renumbered.
-    std::vector<int64_t> distinct, renumbered(static_cast<size_t>(rows * cols));
-    std::unordered_map<int64_t, int64_t> index;
+    // The layer's rows, gathered ahead into a small table of the step's own (StartEngramReads);
+    // the op reads that table with the ids renumbered (the rows now in the step may be fewer).
+    const size_t index = static_cast<size_t>(c_.layers[l].engram_index);
+    const auto start = std::chrono::steady_clock::now();
+    if (!m_.engram_read_ahead) ReadEngramRows(index);
+    EngramRows& r = engram_rows_[index];
+    const Status read = r.ready.get();
+    m_.engram_store->AddWait(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    FLASHD_RETURN_IF_ERROR(read);
+    std::vector<int64_t> renumbered(static_cast<size_t>(rows * cols));
     for (int64_t t = 0; t < rows; ++t) {
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t id =
             plan_.engram_rows[static_cast<size_t>(t * plan_.engram_stride + column0 + c)];
-        auto [it, fresh] = index.emplace(id, static_cast<int64_t>(distinct.size()));
-        if (fresh) distinct.push_back(id);
+        const auto it = r.index.find(id);
+        if (it == r.index.end()) return Internal("forward: an Engram row was not gathered");
         renumbered[static_cast<size_t>(t * cols + c)] = it->second;
       }
     }
-    std::vector<uint8_t> table(distinct.size() * static_cast<size_t>(hdim));
-    std::vector<uint8_t> scales(distinct.size() * static_cast<size_t>(hdim / 32));
-    FLASHD_RETURN_IF_ERROR(m_.engram_store->Gather(c_.layers[l].engram_index, distinct.data(),
-                                                   distinct.size(), table.data(), scales.data()));
-    FLASHD_OP(EngramGather, {.table = table.data(),
-                             .table_scales = scales.data(),
+    FLASHD_OP(EngramGather, {.table = r.table.data(),
+                             .table_scales = r.scales.data(),
                              .row_ids = renumbered.data(),
                              .tokens = rows,
                              .columns = cols,
@@ -1395,7 +1455,7 @@ const std::shared_ptr<KvPool>& CpuForward::pool() const { return impl_->pool; }
 
 const EngramStore* CpuForward::engram_store() const { return impl_->engram_store.get(); }
 
-Status CpuForward::SetEngramStore(std::shared_ptr<EngramStore> store) {
+Status CpuForward::SetEngramStore(std::shared_ptr<EngramStore> store, bool read_ahead) {
   const ModelConfig& c = impl_->c;
   if (store && store->tables() != static_cast<int>(c.engram_layer_ids.size())) {
     return InvalidArgument("the Engram store has " + std::to_string(store->tables()) +
@@ -1409,6 +1469,7 @@ Status CpuForward::SetEngramStore(std::shared_ptr<EngramStore> store) {
     }
   }
   impl_->engram_store = std::move(store);
+  impl_->engram_read_ahead = read_ahead;
   return Status::Ok();
 }
 

@@ -155,8 +155,10 @@ class CpuForward {
   // The pool new sequences take their KV blocks from (unbounded until a capacity is set).
   const std::shared_ptr<KvPool>& pool() const;
   // Engram rows from `store` (one table per Engram layer, in order) instead of the mapped
-  // tables; null goes back to the tables. Between forward calls only.
-  Status SetEngramStore(std::shared_ptr<EngramStore> store);
+  // tables; null goes back to the tables. Between forward calls only. With `read_ahead` a step
+  // asks for every Engram layer's rows when it starts (one thread reads them in layer order
+  // while the layers before each compute); without, each layer reads its rows when reached.
+  Status SetEngramStore(std::shared_ptr<EngramStore> store, bool read_ahead = true);
   const EngramStore* engram_store() const;
 
   // Appends `tokens` to the sequence and writes vocab-sized fp32 logits for the last token, or

@@ -105,8 +105,11 @@ Api::Api(const Config& config, ServedModel model)
               "counter", g.hits);
         gauge("flashd_engram_reads_total", "Disk reads (4 KiB blocks) for missed rows.", "counter",
               g.reads);
-        gauge("flashd_engram_read_seconds_total", "Time waiting for those reads.", "counter",
+        gauge("flashd_engram_read_seconds_total",
+              "Time those reads took (gathered ahead, beside the layers before).", "counter",
               g.read_seconds);
+        gauge("flashd_engram_wait_seconds_total",
+              "Time forward steps waited for an Engram layer's rows.", "counter", g.wait_seconds);
       }
       if (const cache::BlockStore* store = eng->cache()) {
         const cache::BlockStore::Stats c = store->stats();

@@ -4,12 +4,16 @@
 #include "engine/engram_store.h"
 
 #include <boost/test/unit_test.hpp>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
+#include "engine/backend.h"
 #include "engine/engine.h"
+#include "engine/forward.h"
 #include "engine/model.h"
 #include "engine/safetensors.h"
 #include "tests/support/temp_dir.h"
@@ -184,6 +188,69 @@ BOOST_AUTO_TEST_CASE(the_engine_reading_rows_from_ssd_equals_the_mapped_tables) 
       BOOST_TEST(std::memcmp(&ssd[i].second, &mapped[i].second, 4) == 0);
     }
   }
+}
+
+// The CPU backend, but at each Engram layer's gate it notes how many Gather calls the store has
+// had, waiting (up to a bound) until every Engram layer of the step has been asked for.
+class WatchingBackend : public CpuBackend {
+ public:
+  explicit WatchingBackend(const EngramStore** store, uint64_t* want)
+      : store_(store), want_(want) {}
+  kernels::OpStatus EngramGate(const kernels::EngramGateParams& p) const override {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    uint64_t gathers = (*store_)->stats().gathers;
+    while (gathers < *want_ && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      gathers = (*store_)->stats().gathers;
+    }
+    seen.push_back(gathers);
+    return CpuBackend::EngramGate(p);
+  }
+  mutable std::vector<uint64_t> seen;
+
+ private:
+  const EngramStore** store_;
+  const uint64_t* want_;
+};
+
+// A step asks for every Engram layer's rows when it starts, so the last layer's rows are being
+// read while the first Engram layer computes. Read layer by layer as each is reached, the first
+// gate would find one call and wait out its bound.
+BOOST_AUTO_TEST_CASE(a_step_reads_every_engram_layers_rows_before_the_first_needs_them) {
+  auto model = Model::Load(FLASHD_GOLDEN_DIR);
+  BOOST_REQUIRE_MESSAGE(model.ok(), model.status().ToString());
+  const size_t layers = (*model)->config().engram_layer_ids.size();
+  BOOST_REQUIRE(layers >= 2u);
+  const EngramStore* watched = nullptr;
+  uint64_t want = 0;
+  auto backend = std::make_unique<WatchingBackend>(&watched, &want);
+  WatchingBackend* watch = backend.get();
+  auto fwd = CpuForward::Create(**model, "", 64, std::move(backend));
+  BOOST_REQUIRE_MESSAGE(fwd.ok(), fwd.status().ToString());
+  auto tables = EngramTableFiles((*model)->checkpoint(), (*model)->config());
+  BOOST_REQUIRE_MESSAGE(tables.ok(), tables.status().ToString());
+  auto store = EngramStore::Open(std::move(*tables), 0);
+  BOOST_REQUIRE_MESSAGE(store.ok(), store.status().ToString());
+  std::shared_ptr<EngramStore> shared = std::move(*store);
+  watched = shared.get();
+  BOOST_REQUIRE((*fwd)->SetEngramStore(shared).ok());
+
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 40; ++i) prompt.push_back(5 + 7 * i % 250);
+  SequenceState state = (*fwd)->NewSequence();
+  std::vector<float> logits;
+  for (int step = 0; step < 2; ++step) {
+    want = (step + 1) * layers;
+    const std::span<const int32_t> tokens =
+        step == 0 ? std::span<const int32_t>(prompt) : std::span<const int32_t>(prompt).first(1);
+    BOOST_REQUIRE((*fwd)->Forward(&state, tokens, &logits).ok());
+  }
+  // Every gate of a step saw all of the step's layers asked for.
+  BOOST_REQUIRE(watch->seen.size() == 2 * layers);
+  for (size_t i = 0; i < watch->seen.size(); ++i) {
+    BOOST_TEST(watch->seen[i] == (i / layers + 1) * layers, "gate " << i);
+  }
+  BOOST_TEST(shared->stats().gathers == 2 * layers);  // One call per layer and step.
 }
 
 BOOST_AUTO_TEST_SUITE_END()
