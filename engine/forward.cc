@@ -405,16 +405,17 @@ class Step {
   bool draft_ = false;
   std::vector<int64_t> window_last_;  // Draft blocks: every query sees the whole block.
   // Engram rows from the SSD store, gathered ahead: per Engram layer, the step's distinct ids,
-  // where each landed in the layer's small table, and when it is ready. One thread reads the
-  // layers in order from the step's start, while the layers before each one compute.
+  // each of the step's ids as its row in the layer's small table, and when it is ready. One
+  // thread reads the layers in order from the step's start, while the layers before each one
+  // compute.
   struct EngramRows {
     std::vector<int64_t> distinct;
-    std::unordered_map<int64_t, int64_t> index;  // Id -> its row in table.
+    std::vector<int64_t> renumbered;  // [rows, columns]; follows the step's rows (Truncate).
     std::vector<uint8_t> table, scales;
     std::promise<Status> read;
     std::future<Status> ready;
   };
-  std::vector<EngramRows> engram_rows_;
+  std::vector<EngramRows> engram_gathered_;
   std::future<void> engram_reader_;  // Declared last: joined before anything it writes goes.
 };
 
@@ -663,6 +664,10 @@ void Step::Truncate(size_t keep) {
   GatherRows(&pre_mix_, kept, hc);
   GatherRows(&selection_, kept, 1);
   GatherRows(&candidates_, kept, 1);
+  if (!engram_gathered_.empty()) {
+    const size_t cols = static_cast<size_t>(plan_.engram_stride) / engram_gathered_.size();
+    for (EngramRows& r : engram_gathered_) GatherRows(&r.renumbered, kept, cols);
+  }
   const size_t rows = kept.size();
   x_.resize(rows * dim);
   sub_.resize(rows * dim);
@@ -679,16 +684,18 @@ void Step::StartEngramReads() {
   const int64_t rows = static_cast<int64_t>(n());
   const int64_t cols = plan_.engram_stride / static_cast<int64_t>(layers);
   const size_t hdim = static_cast<size_t>(c_.engram_head_dim);
-  engram_rows_ = std::vector<EngramRows>(layers);
+  engram_gathered_ = std::vector<EngramRows>(layers);
   for (size_t e = 0; e < layers; ++e) {
-    EngramRows& r = engram_rows_[e];
+    EngramRows& r = engram_gathered_[e];
+    std::unordered_map<int64_t, int64_t> index;  // Id -> its row in the table.
+    r.renumbered.resize(static_cast<size_t>(rows * cols));
     for (int64_t t = 0; t < rows; ++t) {
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t id = plan_.engram_rows[static_cast<size_t>(
             t * plan_.engram_stride + static_cast<int64_t>(e) * cols + c)];
-        if (r.index.emplace(id, static_cast<int64_t>(r.distinct.size())).second) {
-          r.distinct.push_back(id);
-        }
+        auto [it, fresh] = index.emplace(id, static_cast<int64_t>(r.distinct.size()));
+        if (fresh) r.distinct.push_back(id);
+        r.renumbered[static_cast<size_t>(t * cols + c)] = it->second;
       }
     }
     r.table.resize(r.distinct.size() * hdim);
@@ -697,7 +704,7 @@ void Step::StartEngramReads() {
   }
   if (!m_.engram_read_ahead) return;  // Engram(l) reads each layer's rows.
   auto read_all = [this] {
-    for (size_t e = 0; e < engram_rows_.size(); ++e) ReadEngramRows(e);
+    for (size_t e = 0; e < engram_gathered_.size(); ++e) ReadEngramRows(e);
   };
   try {
     engram_reader_ = std::async(std::launch::async, read_all);
@@ -707,7 +714,7 @@ void Step::StartEngramReads() {
 }
 
 void Step::ReadEngramRows(size_t e) {
-  EngramRows& r = engram_rows_[e];
+  EngramRows& r = engram_gathered_[e];
   r.read.set_value(m_.engram_store->Gather(static_cast<int>(e), r.distinct.data(),
                                            r.distinct.size(), r.table.data(), r.scales.data()));
 }
@@ -722,28 +729,18 @@ Status Step::Engram(int l) {
   const int64_t column0 = c_.layers[l].engram_index * cols;
   if (m_.engram_store) {
     // The layer's rows, gathered ahead into a small table of the step's own (StartEngramReads);
-    // the op reads that table with the ids renumbered (the rows now in the step may be fewer).
+    // the op reads that table with the ids renumbered.
     const size_t index = static_cast<size_t>(c_.layers[l].engram_index);
     const auto start = std::chrono::steady_clock::now();
     if (!m_.engram_read_ahead) ReadEngramRows(index);
-    EngramRows& r = engram_rows_[index];
+    EngramRows& r = engram_gathered_[index];
     const Status read = r.ready.get();
     m_.engram_store->AddWait(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     FLASHD_RETURN_IF_ERROR(read);
-    std::vector<int64_t> renumbered(static_cast<size_t>(rows * cols));
-    for (int64_t t = 0; t < rows; ++t) {
-      for (int64_t c = 0; c < cols; ++c) {
-        const int64_t id =
-            plan_.engram_rows[static_cast<size_t>(t * plan_.engram_stride + column0 + c)];
-        const auto it = r.index.find(id);
-        if (it == r.index.end()) return Internal("forward: an Engram row was not gathered");
-        renumbered[static_cast<size_t>(t * cols + c)] = it->second;
-      }
-    }
     FLASHD_OP(EngramGather, {.table = r.table.data(),
                              .table_scales = r.scales.data(),
-                             .row_ids = renumbered.data(),
+                             .row_ids = r.renumbered.data(),
                              .tokens = rows,
                              .columns = cols,
                              .head_dim = hdim,

@@ -253,6 +253,38 @@ BOOST_AUTO_TEST_CASE(a_step_reads_every_engram_layers_rows_before_the_first_need
   BOOST_TEST(shared->stats().gathers == 2 * layers);  // One call per layer and step.
 }
 
+// The bounded replay drops rows of the step after the last KV source; the golden model's second
+// Engram layer comes after it, so its rows gathered ahead must follow the rows kept.
+BOOST_AUTO_TEST_CASE(rows_gathered_ahead_follow_the_bounded_replay) {
+  auto model = Model::Load(FLASHD_GOLDEN_DIR);
+  BOOST_REQUIRE_MESSAGE(model.ok(), model.status().ToString());
+  const ModelConfig& c = (*model)->config();
+  int last_source = -1;
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    if (c.layers[l].is_kv_source) last_source = l;
+  }
+  BOOST_REQUIRE(c.engram_layer_ids.back() > last_source);
+  auto mapped = CpuForward::Create(**model);
+  auto ssd = CpuForward::Create(**model);
+  BOOST_REQUIRE(mapped.ok() && ssd.ok());
+  auto tables = EngramTableFiles((*model)->checkpoint(), c);
+  BOOST_REQUIRE_MESSAGE(tables.ok(), tables.status().ToString());
+  auto store = EngramStore::Open(std::move(*tables), 0);
+  BOOST_REQUIRE_MESSAGE(store.ok(), store.status().ToString());
+  BOOST_REQUIRE((*ssd)->SetEngramStore(std::move(*store)).ok());
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 60; ++i) prompt.push_back(3 + (11 * i + 5) % 400);
+  ForwardOptions options;
+  options.replay_tokens = c.sliding_window;  // Fewer rows than the prompt's go on.
+  BOOST_REQUIRE(options.replay_tokens < static_cast<int64_t>(prompt.size()));
+  SequenceState a = (*mapped)->NewSequence(), b = (*ssd)->NewSequence();
+  std::vector<float> want, got;
+  BOOST_REQUIRE((*mapped)->Forward(&a, prompt, &want, options).ok());
+  BOOST_REQUIRE((*ssd)->Forward(&b, prompt, &got, options).ok());
+  BOOST_REQUIRE(want.size() == got.size());
+  BOOST_TEST(std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0);
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 }  // namespace
