@@ -16,6 +16,13 @@ int DeviceCount(std::string* reason);
 // A toolchain check: it proves that the backend compiles, links, launches and computes.
 std::string ScaleAddRoundTrip(const float* x, float a, float b, float* y, size_t n);
 
+// Stream order: `rounds` times, two kernels launched on one stream, the second reading what the
+// first wrote, the host pausing from 0 up to `max_pause_us` microseconds between the launches
+// (what a loaded host does); `*wrong` gets the rounds whose result was not the finished first
+// kernel's. Returns "" or the runtime's error. A runtime that lets the second kernel start before
+// the first has finished fails it.
+std::string StreamOrderCheck(int rounds, int max_pause_us, int* wrong);
+
 // Device memory for callers that include no GPU header (tests, the backend's host side). Each
 // returns "" or the runtime's error. Copies are synchronous.
 std::string DeviceAlloc(void** ptr, size_t bytes);

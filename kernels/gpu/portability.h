@@ -41,8 +41,22 @@ using gpuStream_t = hipStream_t;
 #define gpuGetDeviceProperties hipGetDeviceProperties
 #define gpuMemGetInfo hipMemGetInfo
 using gpuDeviceProp_t = hipDeviceProp_t;
+#if defined(FLASHD_HIP_CPU)
+// The CPU runtime does not keep one stream's kernels in order: its processor thread drains the
+// null stream from two executors in one pass (the null stream is also in its list of streams),
+// so a kernel launched while the previous one is being picked up can run beside it and read its
+// output half written (a host slowed between two launches makes it likely; StreamOrderCheck shows
+// it). Here each launch waits for its kernel (a device synchronisation, which that thread runs
+// after the pass in progress), so the stream never holds two kernels.
+#define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...)                       \
+  do {                                                                                \
+    hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), shared, stream, __VA_ARGS__); \
+    (void)hipDeviceSynchronize();                                                     \
+  } while (0)
+#else
 #define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
   hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), shared, stream, __VA_ARGS__)
+#endif
 #else
 #include <cuda_runtime.h>
 using gpuError_t = cudaError_t;

@@ -1,5 +1,7 @@
 // The first kernel compiled for both GPU backends from this one source.
 #include <algorithm>
+#include <chrono>
+#include <vector>
 
 #include "kernels/codecs.h"
 #include "kernels/gpu/device.h"
@@ -35,6 +37,21 @@ __global__ void FillFloatsKernel(float* dst, size_t n, uint64_t seed, float scal
     const float u = static_cast<float>(Mix(seed * 0x100000001b3ull + i) >> 40) / 16777216.0f;
     dst[i] = codecs::RoundBf16((2.0f * u - 1.0f) * scale);
   }
+}
+
+// Stream order: the first kernel's values take a few hundred operations each, the second doubles
+// them.
+__global__ void SlowStepKernel(const float* x, float* y, size_t n) {
+  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float v = x[i];
+  for (int k = 0; k < 64; ++k) v = v * 0.5f + 1.0f;
+  y[i] = v;
+}
+
+__global__ void DoubleKernel(const float* y, float* z, size_t n) {
+  const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) z[i] = y[i] * 2.0f;
 }
 
 std::string Describe(const char* what, gpuError_t err) {
@@ -82,6 +99,50 @@ std::string ScaleAddRoundTrip(const float* x, float a, float b, float* y, size_t
     if (p == nullptr) continue;
     gpuError_t free_err = gpuFree(p);
     if (free_err != gpuSuccess && error.empty()) error = Describe("free", free_err);
+  }
+  return error;
+}
+
+std::string StreamOrderCheck(int rounds, int max_pause_us, int* wrong) {
+  *wrong = 0;
+  constexpr size_t n = size_t{1} << 16;
+  constexpr unsigned threads = 256, blocks = n / threads;
+  std::vector<float> x(n), z(n);
+  float* d[3] = {nullptr, nullptr, nullptr};
+  std::string error;
+  for (float*& p : d) {
+    if (error.empty()) error = DeviceAlloc(reinterpret_cast<void**>(&p), n * sizeof(float));
+  }
+  for (int r = 0; r < rounds && error.empty(); ++r) {
+    // The first kernel's output (d[1]) holds zeros before it runs: v * 0.5 + 1 from x >= 0 is
+    // never 0, so a second kernel that ran early reads a 0 (or a half-written row) and differs.
+    for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>((i + static_cast<size_t>(r)) % 1000);
+    std::vector<float> zeros(n, 0.0f);
+    error = CopyToDevice(d[0], x.data(), n * sizeof(float));
+    if (error.empty()) error = CopyToDevice(d[1], zeros.data(), n * sizeof(float));
+    if (!error.empty()) break;
+    FLASHD_LAUNCH(SlowStepKernel, blocks, threads, 0, nullptr, d[0], d[1], n);
+    const auto pause = std::chrono::microseconds(max_pause_us > 0 ? r % (max_pause_us + 1) : 0);
+    const auto start = std::chrono::steady_clock::now();
+    while (std::chrono::steady_clock::now() - start < pause) {
+    }
+    FLASHD_LAUNCH(DoubleKernel, blocks, threads, 0, nullptr, d[1], d[2], n);
+    const gpuError_t err = gpuGetLastError();
+    if (err != gpuSuccess) error = Describe("launch", err);
+    if (error.empty()) error = Synchronize();
+    if (error.empty()) error = CopyToHost(z.data(), d[2], n * sizeof(float));
+    if (!error.empty()) break;
+    for (size_t i = 0; i < n; ++i) {
+      float v = x[i];
+      for (int k = 0; k < 64; ++k) v = v * 0.5f + 1.0f;
+      if (z[i] != v * 2.0f) {
+        ++*wrong;
+        break;
+      }
+    }
+  }
+  for (float* p : d) {
+    if (p != nullptr) (void)DeviceFree(p);
   }
   return error;
 }

@@ -102,6 +102,16 @@ const int64_t kRows[] = {1, 3, 257};
 
 BOOST_AUTO_TEST_SUITE(gpu_ops)
 
+// Two kernels launched on one stream run in launch order, also when the host is slow between the
+// launches (a loaded machine): each op's second kernel (the GEMM after the activations'
+// quantization, RoPE after attention) reads the first's output.
+BOOST_AUTO_TEST_CASE(kernels_on_one_stream_run_in_order) {
+  int wrong = -1;
+  const std::string err = gpu::StreamOrderCheck(200, 150, &wrong);
+  BOOST_REQUIRE_MESSAGE(err.empty(), err);
+  BOOST_TEST(wrong == 0, wrong << " of 200 rounds read the first kernel's output early");
+}
+
 // The portable GEMMs sum in the CPU fast path's order: equal bit for bit, all three formats.
 BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
   std::mt19937 rng(6);
