@@ -207,8 +207,12 @@ int Run(const EvalArgs& a) {
     forced = std::move(*f);
   }
   engine::SequenceState state = (*fwd)->NewSequence();
-  std::vector<float> logits, part, streams;
-  if (a.streams) streams.resize(static_cast<size_t>(T * L * width));
+  std::vector<float> logits, part, streams, sublayers;
+  const int64_t dim = c.hidden_size;
+  if (a.streams) {
+    streams.resize(static_cast<size_t>(T * L * width));
+    sublayers.resize(static_cast<size_t>(T * L * 4 * dim));
+  }
   const size_t chunk = a.chunk > 0 ? a.chunk : tokens->size();
   for (size_t done = 0; done < tokens->size(); done += chunk) {
     const size_t n = std::min(chunk, tokens->size() - done);
@@ -227,6 +231,10 @@ int Run(const EvalArgs& a) {
       for (size_t t = 0; t < n; ++t) {
         std::memcpy(&streams[((done + t) * L + l) * width], &trace.streams[l][t * width],
                     width * sizeof(float));
+        for (int64_t k = 0; k < 4; ++k) {
+          std::memcpy(&sublayers[(((done + t) * L + l) * 4 + k) * dim],
+                      &trace.sublayers[l * 4 + k][t * dim], dim * sizeof(float));
+        }
       }
     }
   }
@@ -243,10 +251,12 @@ int Run(const EvalArgs& a) {
     };
     const engine::TensorData lt = tensor("logits", logits_shape, logits);
     std::vector<const engine::TensorData*> out = {&lt};
-    engine::TensorData st;
+    engine::TensorData st, sl;
     if (a.streams) {
       st = tensor("streams", {T, L, c.hc_mult, c.hidden_size}, streams);
+      sl = tensor("sublayers", {T, L, 4, dim}, sublayers);
       out.push_back(&st);
+      out.push_back(&sl);
     }
     s = engine::WriteSafetensors(a.out, out, {{"model", a.model_dir}});
   }
