@@ -195,7 +195,7 @@ Status SafetensorsFile::Parse() {
     t.file = &path_;
     t.file_offset = data_start + begin;
     auto [pos, inserted] = tensors_.emplace(name, std::move(t));
-    ranges.push_back({begin, end, &pos->first});
+    if (end > begin) ranges.push_back({begin, end, &pos->first});  // An empty one overlaps none.
   }
   std::sort(ranges.begin(), ranges.end(),
             [](const Range& a, const Range& b) { return a.begin < b.begin; });
@@ -323,18 +323,27 @@ Status WriteSafetensorsStreamed(const std::string& path, const std::vector<Tenso
                                 const TensorFill& fill) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  uint64_t offset = 0;
-  std::vector<uint64_t> sizes;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const TensorHeader& t = tensors[i];
+  // The format allows no holes between tensors, so they are laid out back to back, the widest
+  // elements first (each class in the order given): every tensor then starts at a multiple of
+  // its element size, the header being padded to 8 bytes.
+  std::vector<uint64_t> sizes, widths;
+  for (const TensorHeader& t : tensors) {
     uint64_t elements = 1;
     for (int64_t d : t.shape) elements *= static_cast<uint64_t>(d);
     sizes.push_back(DTypeBytes(t.dtype, elements));
+    widths.push_back(std::max<uint64_t>(1, DTypeBytes(t.dtype, 8) / 8));
+  }
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return widths[a] > widths[b]; });
+  uint64_t offset = 0;
+  for (size_t i : order) {
+    const TensorHeader& t = tensors[i];
     header[t.name] = {{"dtype", std::string(DTypeName(t.dtype))},
                       {"shape", t.shape},
-                      {"data_offsets", {offset, offset + sizes.back()}}};
-    offset += sizes.back();
-    if (i + 1 < tensors.size()) offset = (offset + 7) / 8 * 8;
+                      {"data_offsets", {offset, offset + sizes[i]}}};
+    offset += sizes[i];
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -343,22 +352,15 @@ Status WriteSafetensorsStreamed(const std::string& path, const std::vector<Tenso
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) out.put(static_cast<char>((n >> (8 * i)) & 0xFF));
   out.write(text.data(), static_cast<std::streamsize>(text.size()));
-  static const char kZeros[8] = {};
   constexpr uint64_t kChunk = 32ull << 20;
   std::vector<uint8_t> buf;
-  uint64_t written = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
+  for (size_t i : order) {
     for (uint64_t at = 0; at < sizes[i]; at += kChunk) {
       const uint64_t len = std::min(kChunk, sizes[i] - at);
       buf.resize(len);
       FLASHD_RETURN_IF_ERROR(fill(i, at, buf.data(), len));
       out.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(len));
     }
-    written += sizes[i];
-    if (i + 1 == tensors.size()) break;  // Nothing follows the last tensor.
-    const uint64_t pad = (8 - written % 8) % 8;
-    out.write(kZeros, static_cast<std::streamsize>(pad));
-    written += pad;
   }
   out.flush();
   if (!out) return IoError(path + ": write failed: " + std::strerror(errno));

@@ -112,9 +112,10 @@ class Checkpoint {
   std::map<std::string, const TensorView*> index_;
 };
 
-// Writes tensors in the safetensors format (for mkmodel and tests). Tensors are laid out in the
-// order given, each starting at a multiple of 8 bytes, with the header padded to a multiple of 8
-// and nothing after the last tensor.
+// Writes tensors in the safetensors format (for mkmodel and tests), as other readers (the
+// safetensors library) accept it: the header padded to a multiple of 8 with spaces, then the
+// tensors back to back with no hole between them, the widest elements first (in the order
+// given within each width), so that each starts at a multiple of its element size.
 struct TensorData {
   std::string name;
   DType dtype;

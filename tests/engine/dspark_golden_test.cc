@@ -46,7 +46,7 @@ BOOST_AUTO_TEST_SUITE(dspark_golden)
 
 // The SHA-256 of the checkpoint the reference ran on (tests/golden-dspark/README.md).
 constexpr const char* kCheckpointSha256 =
-    "66cf10ca01abb572e738b6f69e6fac3b3876ec27a488f7b5fcd93624cdbfcfdf";
+    "7152e3ae1dbc52b69b3e3ff0f58be1e878985f0dbf1725d7d567e5dc11c2b04b";
 
 BOOST_AUTO_TEST_CASE(drafts_match_the_reference) {
   const std::string kDir = Dir();
