@@ -22,7 +22,7 @@
 namespace flashd::engine {
 
 // The CPU backend's numerics version.
-inline constexpr std::string_view kCpuNumerics = "cpu/1";
+inline constexpr std::string_view kCpuNumerics = "cpu/2";
 
 // What a backend runs on, for /health, /v1/models and the start-up log.
 struct BackendReport {

@@ -260,6 +260,22 @@ struct CandidateFilterParams {
 // this call's fresh rows when p >= fresh_first) and its selected compressed rows (FP4 with E4M3
 // scales per 16), with a per-head sink logit in the softmax. Keys are the values. Each output
 // head is rounded to BF16 and rotated back (inverse RoPE at the query's position).
+//
+// The softmax is the release's kernel's: the query's keys form one list, walked in blocks of
+// kAttentionBlock entries with a running maximum (starting at -1e30, the sink not in it). Per
+// block: m' = max(m, the block's logits), p = exp(logit - m') in fp32; the denominator is
+// sum * exp(m - m') + (the block's p, summed in list order), and the output accumulator
+// acc * exp(m - m') + (the block's BF16(p) times the keys, summed in list order). At the end
+// the sink adds exp(sink - m) to the denominator and out = BF16(acc / denominator). So the
+// probabilities meet the values rounded to BF16, against the maximum of the blocks so far.
+// Logits are (q . key, summed over the dimensions in order) * fp32(1 / sqrt(head_dim)).
+//
+// The list, as the release lays it out for one query decoded after another: the window's
+// `window` slots, slot i holding position t - window + 1 + i for the query at position t (empty
+// before window_first), then the selected entries that are not -1, in their order. A draft block
+// (window_last given) lists its ring rows (positions before fresh_first) by ring slot, p %
+// window, then the block's fresh rows in position order, then the selected entries.
+constexpr int64_t kAttentionBlock = 64;
 struct SparseAttentionParams {
   const float* q = nullptr;  // [tokens, heads, head_dim], BF16 values, rotated
   int64_t tokens = 0, heads = 0, head_dim = 0, rope_dim = 0;
@@ -283,6 +299,39 @@ struct SparseAttentionParams {
   const float* freqs = nullptr;  // For the inverse rotation.
   float* out = nullptr;          // [tokens, heads, head_dim]
   void* stream = nullptr;
+};
+
+// Query t's window keys in list order (SparseAttentionParams): key j's position and its index
+// in the list; the selected entries follow from list index selected_base().
+struct AttentionKeys {
+  int64_t first = 0, last = 0, window = 1;
+  bool draft = false;
+  int64_t ring_end = 0, wrapped = 0;  // Draft: ring positions are those < ring_end.
+
+  FLASHD_OPS_HD static AttentionKeys Of(const SparseAttentionParams& p, int64_t t) {
+    AttentionKeys k;
+    k.first = p.window_first[t];
+    k.window = p.window;
+    k.draft = p.window_last != nullptr;
+    k.last = k.draft ? p.window_last[t] : p.positions[t];
+    if (k.draft) {
+      k.ring_end = k.last + 1 < p.fresh_first ? k.last + 1 : p.fresh_first;
+      if (k.ring_end < k.first) k.ring_end = k.first;
+      // The ring rows by slot: those past the first wrap to slot 0 come first.
+      const int64_t w0 = k.first - k.first % k.window + k.window;
+      k.wrapped = k.ring_end > w0 ? k.ring_end - w0 : 0;
+    }
+    return k;
+  }
+  FLASHD_OPS_HD int64_t count() const { return last >= first ? last - first + 1 : 0; }
+  FLASHD_OPS_HD int64_t Position(int64_t j) const {
+    if (!draft || j >= ring_end - first) return first + j;
+    return j < wrapped ? ring_end - wrapped + j : first + (j - wrapped);
+  }
+  FLASHD_OPS_HD int64_t ListIndex(int64_t j) const {
+    return draft ? j : first + j - (last - window + 1);
+  }
+  FLASHD_OPS_HD int64_t selected_base() const { return draft ? count() : window; }
 };
 
 // --- MoE ----------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kernels/cpu/formats.h"
@@ -27,15 +28,20 @@ FLASHD_VECTOR_CLONES void LogitsByLane(const float* q, const float* keys_t, size
   for (size_t j = 0; j < nk; ++j) logit[j] *= scale;
 }
 
-// out[d] = sum over keys j, in order, of (weight[j] / denom) * key_j[d]: one lane per dimension.
-FLASHD_VECTOR_CLONES void WeightedSumByLane(const float* weight, float denom, const float* keys,
-                                            size_t nk, size_t hd, float* out) {
+// out[d] = sum over keys j, in order, of weight[j] * key_j[d]: one lane per dimension.
+FLASHD_VECTOR_CLONES void WeightedSumByLane(const float* weight, const float* keys, size_t nk,
+                                            size_t hd, float* out) {
   for (size_t d = 0; d < hd; ++d) out[d] = 0;
   for (size_t j = 0; j < nk; ++j) {
-    const float pj = weight[j] / denom;
+    const float w = weight[j];
     const float* key = keys + j * hd;
-    for (size_t d = 0; d < hd; ++d) out[d] += pj * key[d];
+    for (size_t d = 0; d < hd; ++d) out[d] += w * key[d];
   }
+}
+
+// acc = acc * scale + block, per dimension.
+FLASHD_VECTOR_CLONES void ScaleAdd(float* acc, float scale, const float* block, size_t hd) {
+  for (size_t d = 0; d < hd; ++d) acc[d] = acc[d] * scale + block[d];
 }
 }  // namespace
 
@@ -46,12 +52,18 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
     return OpStatus::kBadShape;
   }
   const size_t hd = static_cast<size_t>(p.head_dim), H = static_cast<size_t>(p.heads);
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  auto attend = [&](int64_t t, std::vector<float>& keys, std::vector<float>& keys_t,
-                    std::vector<float>& logit) {
-    const int64_t last = p.window_last != nullptr ? p.window_last[t] : p.positions[t];
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  struct Scratch {
+    std::vector<float> keys, keys_t, logit, weight, block, acc;
+    std::vector<int64_t> list;  // Each key's index in the query's list.
+  };
+  auto attend = [&](int64_t t, Scratch& w) {
+    const AttentionKeys ak = AttentionKeys::Of(p, t);
+    std::vector<float>& keys = w.keys;
     keys.clear();
-    for (int64_t q = p.window_first[t]; q <= last; ++q) {
+    w.list.clear();
+    for (int64_t j = 0; j < ak.count(); ++j) {
+      const int64_t q = ak.Position(j);
       keys.resize(keys.size() + hd);
       float* dst = &keys[keys.size() - hd];
       if (q >= p.fresh_first) {
@@ -61,32 +73,58 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
         DequantizeFp8PerBlock(p.ring_codes + slot * hd, p.ring_scales + slot * hd / 32, hd, 32,
                               dst);
       }
+      w.list.push_back(ak.ListIndex(j));
     }
+    int64_t next = ak.selected_base();
     for (int64_t i = 0; i < p.selected_stride; ++i) {
       const int64_t j = p.selected[t * p.selected_stride + i];
       if (j < 0) continue;
       const int64_t row = BlockRow(p.block_table, p.kv_codes.rows_per_block, j);
       keys.resize(keys.size() + hd);
       DequantizeFp4E4M3(p.kv_codes.Row(row), p.kv_scales.Row(row), hd, 16, &keys[keys.size() - hd]);
+      w.list.push_back(next++);
     }
     const size_t nk = keys.size() / hd;
     // The keys transposed, so that each key's dot product (summed over d in order) runs in its
     // own vector lane; the output runs one lane per dimension (summed over keys in order).
-    keys_t.resize(nk * hd);
+    w.keys_t.resize(nk * hd);
     for (size_t j = 0; j < nk; ++j) {
-      for (size_t d = 0; d < hd; ++d) keys_t[d * nk + j] = keys[j * hd + d];
+      for (size_t d = 0; d < hd; ++d) w.keys_t[d * nk + j] = keys[j * hd + d];
     }
-    logit.resize(nk);
+    w.logit.resize(nk);
+    w.weight.resize(nk);
+    w.block.resize(hd);
+    w.acc.resize(hd);
     for (size_t h = 0; h < H; ++h) {
       const float* qh = p.q + (t * p.heads + static_cast<int64_t>(h)) * p.head_dim;
-      LogitsByLane(qh, keys_t.data(), hd, nk, scale, logit.data());
-      float mx = p.sink[h];
-      for (size_t j = 0; j < nk; ++j) mx = std::max(mx, logit[j]);
-      float denom = std::exp(p.sink[h] - mx);
-      for (size_t j = 0; j < nk; ++j) denom += (logit[j] = std::exp(logit[j] - mx));
+      LogitsByLane(qh, w.keys_t.data(), hd, nk, scale, w.logit.data());
+      // The release's online softmax over blocks of the list (kernels/ops.h).
+      float m = -1e30f, denom = 0;
+      std::fill(w.acc.begin(), w.acc.end(), 0.0f);
+      for (size_t j0 = 0; j0 < nk;) {
+        const int64_t b = w.list[j0] / kAttentionBlock;
+        size_t j1 = j0;
+        float block_max = -std::numeric_limits<float>::infinity();
+        for (; j1 < nk && w.list[j1] / kAttentionBlock == b; ++j1) {
+          block_max = std::max(block_max, w.logit[j1]);
+        }
+        const float m_new = std::max(m, block_max);
+        const float rescale = std::exp(m - m_new);
+        float sum = 0;
+        for (size_t j = j0; j < j1; ++j) {
+          const float pj = std::exp(w.logit[j] - m_new);
+          sum += pj;
+          w.weight[j] = Bf(pj);
+        }
+        denom = denom * rescale + sum;
+        WeightedSumByLane(&w.weight[j0], &keys[j0 * hd], j1 - j0, hd, w.block.data());
+        ScaleAdd(w.acc.data(), rescale, w.block.data(), hd);
+        m = m_new;
+        j0 = j1;
+      }
+      denom += std::exp(p.sink[h] - m);
       float* oh = p.out + (t * p.heads + static_cast<int64_t>(h)) * p.head_dim;
-      WeightedSumByLane(logit.data(), denom, keys.data(), nk, hd, oh);
-      for (size_t d = 0; d < hd; ++d) oh[d] = Bf(oh[d]);
+      for (size_t d = 0; d < hd; ++d) oh[d] = Bf(w.acc[d] / denom);
     }
     return Rope({.x = p.out + t * p.heads * p.head_dim,
                  .rows = 1,
@@ -101,10 +139,8 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
   // Each query is its own: queries are spread over the threads.
   ParallelRanges(static_cast<size_t>(p.tokens), StreamThreads(p.stream),
                  [&](size_t begin, size_t end) {
-                   std::vector<float> keys, keys_t, logit;
-                   for (size_t t = begin; t < end; ++t) {
-                     attend(static_cast<int64_t>(t), keys, keys_t, logit);
-                   }
+                   Scratch w;
+                   for (size_t t = begin; t < end; ++t) attend(static_cast<int64_t>(t), w);
                  });
   return OpStatus::kOk;
 }

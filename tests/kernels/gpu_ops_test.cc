@@ -842,10 +842,11 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
 }
 
 // Attention over window rows (fresh and from the FP8 ring) and selected FP4 rows read through
-// device block pointers, -1 entries and a block shared by two entry ranges included.
+// device block pointers, -1 entries and a block shared by two entry ranges included; windows
+// and selections spanning several of the softmax's blocks, and a draft block whose ring wraps.
 BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
   std::mt19937 rng(9);
-  const int64_t heads = 2, hd = 64, rd = 16, window = 8, per = 4, nblocks = 5;
+  const int64_t heads = 2, hd = 64, rd = 16, per = 4, nblocks = 5;
   const size_t block_bytes = per * (hd / 2 + hd / 16);
   std::vector<std::vector<uint8_t>> host_blocks(nblocks, std::vector<uint8_t>(block_bytes));
   for (auto& b : host_blocks) {
@@ -863,10 +864,16 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
   const std::vector<int32_t> table = {3, 0, 0, 4};
   std::vector<float> freqs(rd / 2);
   cpu::RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
-  // whole: every query sees every row of the call (a DSpark draft block, window_last).
-  for (const auto& [tokens, whole] :
-       {std::pair<int64_t, bool>{1, false}, {5, false}, {20, false}, {5, true}, {20, true}}) {
-    const int64_t first = 30, width = 5;
+  struct Case {
+    int64_t tokens, window, width, first;
+    bool whole;  // Every query sees every row of the call (a DSpark draft block, window_last).
+  };
+  const Case cases[] = {{1, 8, 5, 30, false},     {5, 8, 5, 30, false},  {20, 8, 5, 30, false},
+                        {5, 8, 5, 30, true},      {20, 8, 5, 30, true},  {6, 80, 60, 10, false},
+                        {4, 150, 60, 170, false}, {5, 100, 0, 130, true}};
+  for (const Case& k : cases) {
+    const int64_t tokens = k.tokens, window = k.window, width = k.width, first = k.first;
+    const bool whole = k.whole;
     std::vector<float> ring_rows = Normal(rng, window * hd);
     std::vector<uint8_t> ring_codes(window * hd), ring_scales(window * hd / 32);
     cpu::QuantizeFp8PerBlock(ring_rows.data(), ring_rows.size(), 32, ring_codes.data(),
@@ -878,7 +885,8 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
     std::uniform_int_distribution<int64_t> entry(0, 15);
     for (int64_t t = 0; t < tokens; ++t) {
       pos[t] = first + t;
-      wfirst[t] = std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
+      wfirst[t] = whole ? std::max<int64_t>(0, first - window)
+                        : std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
       for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : entry(rng);
     }
     std::vector<int64_t> wlast(tokens, first + tokens - 1);
@@ -895,7 +903,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
                                  .fresh_first = first,
                                  .window_first = wfirst.data(),
                                  .window_last = whole ? wlast.data() : nullptr,
-                                 .selected = sel.data(),
+                                 .selected = width > 0 ? sel.data() : nullptr,
                                  .selected_stride = width,
                                  .block_table = table.data(),
                                  .kv_codes = {host_table, per, 0, static_cast<size_t>(hd / 2)},
@@ -917,7 +925,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
     params.fresh = dfresh.get();
     params.window_first = dwf.get();
     if (whole) params.window_last = dwl.get();
-    params.selected = dsel.get();
+    if (width > 0) params.selected = dsel.get();
     params.block_table = dtab.get();
     params.kv_codes.blocks = dev_table;
     params.kv_scales.blocks = dev_table;
@@ -925,7 +933,8 @@ BOOST_AUTO_TEST_CASE(sparse_attention_within_one_step) {
     params.freqs = dfreqs.get();
     params.out = dout.get();
     BOOST_REQUIRE(gpu::SparseAttention(params) == OpStatus::kOk);
-    BOOST_TEST(Bf16Steps(dout.Host(), want) <= 1.0, "tokens " << tokens << " whole " << whole);
+    BOOST_TEST(Bf16Steps(dout.Host(), want) <= 1.0,
+               "tokens " << tokens << " window " << window << " whole " << whole);
   }
 }
 

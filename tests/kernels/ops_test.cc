@@ -781,9 +781,49 @@ BOOST_AUTO_TEST_CASE(candidate_filter_keeps_the_best_blocks_and_the_newest) {
 }
 
 // --- Attention ----------------------------------------------------------------------------------
-BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
+// One query's keys in the release's list order, written out from its definition: for a query
+// decoded at position t the window's slots (slot i: position t - window + 1 + i), empty ones
+// kept as -1; for a draft block the ring rows by ring slot, then the block's rows; then the
+// selected entries. Each key: its list index and a pointer to its values.
+std::vector<std::pair<int64_t, const float*>> ReleaseKeyList(
+    int64_t t, int64_t pos, int64_t wfirst, int64_t wlast, bool whole, int64_t window,
+    int64_t first, const std::vector<float>& fresh, const std::vector<float>& ring,
+    const std::vector<int64_t>& sel, int64_t width, const std::vector<float>& comp,
+    const std::vector<int32_t>& table, int64_t per, int64_t hd) {
+  std::vector<std::pair<int64_t, const float*>> list;
+  auto row = [&](int64_t q) {
+    return q >= first ? &fresh[(q - first) * hd] : &ring[(q % window) * hd];
+  };
+  int64_t index = 0;
+  if (!whole) {
+    for (int64_t i = 0; i < window; ++i, ++index) {
+      const int64_t q = pos - window + 1 + i;
+      if (q >= wfirst && q <= pos) list.push_back({index, row(q)});
+    }
+  } else {
+    std::vector<int64_t> ring_positions;
+    for (int64_t q = wfirst; q <= wlast && q < first; ++q) ring_positions.push_back(q);
+    std::stable_sort(ring_positions.begin(), ring_positions.end(),
+                     [&](int64_t a, int64_t b) { return a % window < b % window; });
+    for (int64_t q : ring_positions) list.push_back({index++, row(q)});
+    for (int64_t q = std::max(wfirst, first); q <= wlast; ++q) list.push_back({index++, row(q)});
+  }
+  for (int64_t i = 0; i < width; ++i) {
+    const int64_t j = sel[t * width + i];
+    if (j >= 0) list.push_back({index++, &comp[BlockRow(table.data(), per, j) * hd]});
+  }
+  return list;
+}
+
+// Sparse attention against two oracles of the release's kernel (an online softmax over blocks
+// of 64 list entries, probabilities rounded to BF16 against the running maximum): one in
+// double but for that rounding (within 2 BF16 steps), and one in float summing in the order the
+// op documents (bit-equal, so that a key in the wrong block or order is caught). Cases: short
+// windows, windows longer than a block with empty slots in front, draft blocks whose ring
+// wraps, -1 selections, shared blocks.
+BOOST_AUTO_TEST_CASE(sparse_attention_against_the_release_kernel) {
   Rng rng(14);
-  const int64_t heads = 2, hd = 64, rd = 16, window = 8, per = 4;
+  const int64_t heads = 2, hd = 64, rd = 16, per = 4;
   std::vector<float> freqs(rd / 2);
   RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
   // Compressed rows: 5 blocks of 4, FP4 with E4M3 scales per 16.
@@ -797,10 +837,18 @@ BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
     DequantizeFp4E4M3(b + r * hd / 2, b + per * hd / 2 + r * hd / 16, hd, 16, &comp[row * hd]);
   }
   const std::vector<int32_t> table = {3, 0, 0, 4};  // Block 0 shared by two entry ranges.
-  // whole: every query sees every row of the call (a DSpark draft block, window_last).
-  for (const auto& [tokens, whole] :
-       {std::pair<int64_t, bool>{1, false}, {5, false}, {20, false}, {5, true}, {20, true}}) {
-    const int64_t first = 30;  // Position of this call's first row.
+  struct Case {
+    int64_t tokens, window, width, first;
+    bool whole;  // Every query sees every row of the call (a DSpark draft block, window_last).
+  };
+  // first: position of the call's first row. The windows of 80 and 150 span two and three
+  // blocks, the first with empty slots in front (positions before 0); width 60 puts the
+  // selections across a block boundary.
+  const Case cases[] = {{1, 8, 5, 30, false},     {5, 8, 5, 30, false},   {20, 8, 5, 30, false},
+                        {5, 8, 5, 30, true},      {20, 8, 5, 30, true},   {6, 80, 60, 10, false},
+                        {4, 150, 60, 170, false}, {5, 100, 0, 130, true}, {5, 100, 0, 40, true}};
+  for (const Case& k : cases) {
+    const int64_t tokens = k.tokens, window = k.window, width = k.width, first = k.first;
     std::vector<float> ring_rows = rng.Bf16Normal(window * hd);
     std::vector<uint8_t> ring_codes(window * hd), ring_scales(window * hd / 32);
     QuantizeFp8PerBlock(ring_rows.data(), ring_rows.size(), 32, ring_codes.data(),
@@ -809,13 +857,16 @@ BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
     DequantizeFp8PerBlock(ring_codes.data(), ring_scales.data(), ring.size(), 32, ring.data());
     std::vector<float> fresh = rng.Bf16Normal(tokens * hd);
     RoundTripFp8(fresh.data(), fresh.size(), 32);
-    std::vector<float> q = rng.Bf16Normal(tokens * heads * hd, 0.3f), sink = rng.Normal(heads);
+    std::vector<float> q = rng.Bf16Normal(tokens * heads * hd, 0.5f), sink = rng.Normal(heads);
     std::vector<int64_t> pos(tokens), wfirst(tokens);
-    const int64_t width = 5;
     std::vector<int64_t> sel(tokens * width);
     for (int64_t t = 0; t < tokens; ++t) {
       pos[t] = first + t;
-      wfirst[t] = std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
+      if (k.whole) {
+        wfirst[t] = std::max<int64_t>(0, first - window);  // The ring, then the block.
+      } else {
+        wfirst[t] = std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
+      }
       for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : rng.Int(0, 15);
     }
     std::vector<int64_t> wlast(tokens, first + tokens - 1);
@@ -833,8 +884,8 @@ BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
                                    .fresh = fresh.data(),
                                    .fresh_first = first,
                                    .window_first = wfirst.data(),
-                                   .window_last = whole ? wlast.data() : nullptr,
-                                   .selected = sel.data(),
+                                   .window_last = k.whole ? wlast.data() : nullptr,
+                                   .selected = width > 0 ? sel.data() : nullptr,
                                    .selected_stride = width,
                                    .block_table = table.data(),
                                    .kv_codes = pool.Region(0, hd / 2),
@@ -844,33 +895,73 @@ BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
                                    .out = out.data(),
                                    .stream = &two}) == OpStatus::kOk);
     std::vector<double> want(out.size());
+    std::vector<float> exact(out.size());
+    size_t blocks_seen = 0;
     for (int64_t t = 0; t < tokens; ++t) {
-      std::vector<const float*> keys;
-      for (int64_t p = wfirst[t]; p <= (whole ? wlast[t] : pos[t]); ++p) {
-        keys.push_back(p >= first ? &fresh[(p - first) * hd] : &ring[(p % window) * hd]);
-      }
-      for (int64_t i = 0; i < width; ++i) {
-        if (sel[t * width + i] >= 0) {
-          keys.push_back(&comp[BlockRow(table.data(), per, sel[t * width + i]) * hd]);
-        }
-      }
+      const auto list = ReleaseKeyList(t, pos[t], wfirst[t], wlast[t], k.whole, window, first,
+                                       fresh, ring, sel, width, comp, table, per, hd);
+      blocks_seen = std::max<size_t>(blocks_seen, list.back().first / 64 + 1);
       for (int64_t h = 0; h < heads; ++h) {
         const float* qh = &q[(t * heads + h) * hd];
-        std::vector<double> logit(keys.size());
-        double mx = sink[h];
-        for (size_t j = 0; j < keys.size(); ++j) {
+        const float scale = static_cast<float>(1.0 / std::sqrt(double(hd)));
+        std::vector<double> logit(list.size());
+        std::vector<float> logit_f(list.size());
+        for (size_t j = 0; j < list.size(); ++j) {
           double dot = 0;
-          for (int64_t d = 0; d < hd; ++d) dot += double(qh[d]) * keys[j][d];
+          float dot_f = 0;
+          for (int64_t d = 0; d < hd; ++d) {
+            dot += double(qh[d]) * list[j].second[d];
+            dot_f += qh[d] * list[j].second[d];
+          }
           logit[j] = dot / std::sqrt(double(hd));
-          mx = std::max(mx, logit[j]);
+          logit_f[j] = dot_f * scale;
         }
-        double denom = std::exp(sink[h] - mx);
-        for (double& l : logit) denom += (l = std::exp(l - mx));
+        // Block by block, both ways.
+        double m = -1e30, denom = 0;
+        float mf = -1e30f, denom_f = 0;
+        std::vector<double> acc(hd, 0.0);
+        std::vector<float> acc_f(hd, 0.0f);
+        for (size_t j0 = 0; j0 < list.size();) {
+          size_t j1 = j0;
+          double bm = -kInf;
+          float bmf = -std::numeric_limits<float>::infinity();
+          for (; j1 < list.size() && list[j1].first / 64 == list[j0].first / 64; ++j1) {
+            bm = std::max(bm, logit[j1]);
+            bmf = std::max(bmf, logit_f[j1]);
+          }
+          const double mn = std::max(m, bm);
+          const float mnf = std::max(mf, bmf);
+          const double rescale = std::exp(m - mn);
+          const float rescale_f = std::exp(mf - mnf);
+          denom *= rescale;
+          for (double& a : acc) a *= rescale;
+          float sum_f = 0;
+          std::vector<float> block_f(hd, 0.0f), w_f(j1 - j0);
+          for (size_t j = j0; j < j1; ++j) {
+            const double pj = std::exp(logit[j] - mn);
+            denom += pj;
+            const double w = Bf(static_cast<float>(pj));
+            for (int64_t d = 0; d < hd; ++d) acc[d] += w * list[j].second[d];
+            const float pf = std::exp(logit_f[j] - mnf);
+            sum_f += pf;
+            w_f[j - j0] = Bf(pf);
+          }
+          for (int64_t d = 0; d < hd; ++d) {
+            for (size_t j = j0; j < j1; ++j) block_f[d] += w_f[j - j0] * list[j].second[d];
+            acc_f[d] = acc_f[d] * rescale_f + block_f[d];
+          }
+          denom_f = denom_f * rescale_f + sum_f;
+          m = mn;
+          mf = mnf;
+          j0 = j1;
+        }
+        denom += std::exp(double(sink[h]) - m);
+        denom_f += std::exp(sink[h] - mf);
         double* o = &want[(t * heads + h) * hd];
+        float* of = &exact[(t * heads + h) * hd];
         for (int64_t d = 0; d < hd; ++d) {
-          double acc = 0;
-          for (size_t j = 0; j < keys.size(); ++j) acc += logit[j] / denom * keys[j][d];
-          o[d] = Bf(acc);
+          o[d] = Bf(acc[d] / denom);
+          of[d] = Bf(acc_f[d] / denom_f);
         }
         for (int64_t i = 0; i < rd / 2; ++i) {  // Rotate back by the query's position.
           const double angle = static_cast<float>(static_cast<float>(pos[t]) * freqs[i]);
@@ -881,8 +972,22 @@ BOOST_AUTO_TEST_CASE(sparse_attention_against_double) {
           x[1] = a * s + b * c;
         }
       }
+      BOOST_REQUIRE(Rope({.x = &exact[t * heads * hd],
+                          .rows = 1,
+                          .heads = heads,
+                          .head_dim = hd,
+                          .rope_dim = rd,
+                          .row_stride = heads * hd,
+                          .positions = &pos[t],
+                          .freqs = freqs.data(),
+                          .inverse = true}) == OpStatus::kOk);
     }
+    BOOST_TEST_MESSAGE("sparse attention, window " << window << ", " << tokens << " queries"
+                                                   << (k.whole ? " (draft)" : "") << ": "
+                                                   << blocks_seen << " blocks");
     CheckBf16Close(out, want, 2, "sparse_attention");
+    BOOST_TEST(BitEqual(out, exact),
+               "window " << window << " tokens " << tokens << (k.whole ? " draft" : ""));
   }
 }
 
