@@ -91,38 +91,159 @@ StatusOr<std::vector<GpuSpec>> ParseGpus(std::string_view text) {
   return out;
 }
 
-PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
-  PlacementPlan plan;
+namespace {
+
+// What a plan places: each layer's dense and routed-expert bytes and KV per token, the
+// embedding and the head; the totals go into the plan.
+struct Parts {
+  std::vector<uint64_t> dense, experts;
+  std::vector<double> kv;
+  uint64_t embed = 0, head = 0;
+};
+
+Parts CountParts(const ModelConfig& c, bool gpu, PlacementPlan* plan) {
   const int layers = static_cast<int>(c.num_hidden_layers);
   const ModelStats stats = ComputeModelStats(c);
-  plan.kv_bytes_per_token = stats.kv_bytes_per_token;
-  std::vector<uint64_t> dense(layers, 0), experts(layers, 0);
-  std::vector<double> kv(layers, 0.0);
-  for (const KvSourceBytes& k : stats.kv_sources) kv[k.layer] += k.bytes_per_token;
-  const bool gpu = !o.gpus.empty();
-  uint64_t embed = 0, head = 0;
+  plan->kv_bytes_per_token = stats.kv_bytes_per_token;
+  Parts parts{std::vector<uint64_t>(layers, 0), std::vector<uint64_t>(layers, 0),
+              std::vector<double>(layers, 0.0)};
+  for (const KvSourceBytes& k : stats.kv_sources) parts.kv[k.layer] += k.bytes_per_token;
   for (const TensorSpec& t : ExpectedTensors(c)) {
     if (t.part == ModelPart::kDSpark || t.part == ModelPart::kVision) continue;
     const uint64_t b = HeldBytes(t, gpu);
     // The forward pass keeps its own fp32 copy of every BF16 matrix in host memory.
     if (gpu &&
         (t.kind == TensorKind::kBf16 || t.name.find("attn.wo_a.weight") != std::string::npos)) {
-      plan.host_copies += HeldBytes(t, false);
+      plan->host_copies += HeldBytes(t, false);
     }
     if (t.kind == TensorKind::kFp8Table || t.kind == TensorKind::kFp8RowScale) {
-      plan.engram_bytes += b;
+      plan->engram_bytes += b;
     } else if (t.layer < 0) {
-      (t.name.find("embed") != std::string::npos ? embed : head) += b;
+      (t.name.find("embed") != std::string::npos ? parts.embed : parts.head) += b;
     } else if (t.expert >= 0) {
-      experts[t.layer] += b;
+      parts.experts[t.layer] += b;
     } else {
-      dense[t.layer] += b;
+      parts.dense[t.layer] += b;
     }
   }
   for (int l = 0; l < layers; ++l) {
-    plan.dense_bytes += dense[l];
-    plan.expert_bytes += experts[l];
+    plan->dense_bytes += parts.dense[l];
+    plan->expert_bytes += parts.experts[l];
   }
+  return parts;
+}
+
+std::string HostMemory(const PlacementPlan& plan, const PlanOptions& o, const std::string& what,
+                       uint64_t need, uint64_t usable) {
+  return "host memory: " + what + " need " + Gib(need) + " and " + Gib(usable) + " is usable (" +
+         Gib(o.host_ram_bytes) + " less " + Gib(o.host_reserve_bytes) + " kept free)" +
+         (plan.engram_on_ssd ? "" : "; the Engram tables can stay on SSD (--engram-ssd SIZE)");
+}
+
+// Everything in host memory; "" or why it does not fit.
+std::string PlanCpu(const Parts& parts, const PlanOptions& o, uint64_t host_usable,
+                    PlacementPlan* plan) {
+  plan->mode = PlacementPlan::Mode::kCpu;
+  plan->host_weights = plan->dense_bytes + plan->expert_bytes + parts.embed + parts.head;
+  const uint64_t need = plan->host_weights + plan->engram_host_bytes;
+  if (need >= host_usable) {
+    return HostMemory(*plan, o, "the weights and Engram tables", need, host_usable);
+  }
+  plan->kv_tokens = static_cast<int64_t>((host_usable - need) / plan->kv_bytes_per_token);
+  plan->host_kv = static_cast<uint64_t>(plan->kv_tokens * plan->kv_bytes_per_token);
+  return "";
+}
+
+// Whole layers in order over the GPUs, each taking its share of the bytes by its size (in hybrid
+// mode without the routed experts). Whether every GPU's part fits.
+bool SplitLayers(const Parts& parts, const PlanOptions& o, const std::vector<uint64_t>& usable,
+                 bool hybrid, PlacementPlan* plan) {
+  const size_t n = usable.size();
+  const int layers = static_cast<int>(parts.dense.size());
+  uint64_t total_usable = 0;
+  for (uint64_t u : usable) total_usable += u;
+  std::vector<uint64_t> layer_bytes(layers);
+  uint64_t total = parts.embed + parts.head;
+  for (int l = 0; l < layers; ++l) {
+    layer_bytes[l] = parts.dense[l] + (hybrid ? 0 : parts.experts[l]);
+    total += layer_bytes[l];
+  }
+  plan->gpus.assign(n, {});
+  const double per_usable = double(total) / double(std::max<uint64_t>(total_usable, 1));
+  double done = double(parts.embed), share_end = per_usable * double(usable[0]);
+  size_t g = 0;
+  plan->gpus[0].weights = parts.embed;
+  for (int l = 0; l < layers; ++l) {
+    while (g + 1 < n && done + double(layer_bytes[l]) / 2 > share_end) {
+      ++g;
+      share_end += per_usable * double(usable[g]);
+    }
+    plan->layer_gpu[l] = static_cast<int>(g);
+    plan->gpus[g].weights += layer_bytes[l];
+    plan->gpus[g].kv_per_token += parts.kv[l];
+    done += double(layer_bytes[l]);
+  }
+  plan->gpus[plan->layer_gpu[layers - 1]].weights += parts.head;
+  bool fits = true;
+  for (size_t i = 0; i < n; ++i) {
+    plan->gpus[i].name = o.gpus[i].name;
+    plan->gpus[i].memory = o.gpus[i].memory_bytes;
+    plan->gpus[i].reserve = o.gpu_reserve_bytes;
+    fits = fits && plan->gpus[i].weights < usable[i];
+  }
+  plan->mode = hybrid ? PlacementPlan::Mode::kHybrid : PlacementPlan::Mode::kGpu;
+  plan->host_weights = hybrid ? plan->expert_bytes : 0;
+  return fits;
+}
+
+// All layers on the GPUs if they fit, else the routed experts in host memory; "" or why not.
+std::string PlanGpus(const ModelConfig& c, const Parts& parts, const PlanOptions& o,
+                     uint64_t host_usable, PlacementPlan* plan) {
+  const size_t n = o.gpus.size();
+  std::vector<uint64_t> usable(n);
+  for (size_t g = 0; g < n; ++g) {
+    usable[g] = o.gpus[g].memory_bytes > o.gpu_reserve_bytes
+                    ? o.gpus[g].memory_bytes - o.gpu_reserve_bytes
+                    : 0;
+  }
+  if (!SplitLayers(parts, o, usable, false, plan) && !SplitLayers(parts, o, usable, true, plan)) {
+    uint64_t worst = 0;
+    size_t at = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (plan->gpus[i].weights > usable[i] && plan->gpus[i].weights - usable[i] > worst) {
+        worst = plan->gpus[i].weights - usable[i];
+        at = i;
+      }
+    }
+    return "GPU " + std::to_string(at) + ": even without the routed experts its layers need " +
+           Gib(plan->gpus[at].weights) + " and " + Gib(usable[at]) + " is usable";
+  }
+  const uint64_t host_need = plan->host_weights + plan->engram_host_bytes + plan->host_copies;
+  if (host_need >= host_usable) {
+    return HostMemory(*plan, o,
+                      std::string(plan->host_weights > 0 ? "the routed experts, " : "") +
+                          "the Engram tables and the fp32 copies of the BF16 matrices",
+                      host_need, host_usable);
+  }
+  // KV: every GPU holds the KV of its layers for the same tokens; the tightest decides.
+  double tokens = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < n; ++i) {
+    if (plan->gpus[i].kv_per_token > 0) {
+      tokens =
+          std::min(tokens, double(usable[i] - plan->gpus[i].weights) / plan->gpus[i].kv_per_token);
+    }
+  }
+  if (!std::isfinite(tokens)) tokens = double(c.max_position_embeddings);
+  plan->kv_tokens = static_cast<int64_t>(tokens);
+  for (auto& d : plan->gpus) d.kv = static_cast<uint64_t>(plan->kv_tokens * d.kv_per_token);
+  return "";
+}
+
+}  // namespace
+
+PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
+  PlacementPlan plan;
+  const Parts parts = CountParts(c, !o.gpus.empty(), &plan);
   plan.engram_on_ssd = o.engram_ssd_cache_bytes >= 0 && plan.engram_bytes > 0;
   plan.engram_host_bytes =
       plan.engram_on_ssd
@@ -130,115 +251,20 @@ PlacementPlan MakePlan(const ModelConfig& c, const PlanOptions& o) {
           : plan.engram_bytes;
   plan.host_memory = o.host_ram_bytes;
   plan.host_reserve = o.host_reserve_bytes;
-  plan.layer_gpu.assign(layers, -1);
+  plan.layer_gpu.assign(static_cast<size_t>(c.num_hidden_layers), -1);
   const uint64_t host_usable =
       o.host_ram_bytes > o.host_reserve_bytes ? o.host_ram_bytes - o.host_reserve_bytes : 0;
-  auto refuse = [&](std::string why) {
-    plan.fits = false;
-    plan.why_not = std::move(why);
-    return plan;
-  };
-
-  if (o.gpus.empty()) {
-    plan.mode = PlacementPlan::Mode::kCpu;
-    plan.host_weights = plan.dense_bytes + plan.expert_bytes + embed + head;
-    const uint64_t need = plan.host_weights + plan.engram_host_bytes;
-    if (need >= host_usable) {
-      return refuse(
-          "host memory: the weights and Engram tables need " + Gib(need) + " and " +
-          Gib(host_usable) + " is usable (" + Gib(o.host_ram_bytes) + " less " +
-          Gib(o.host_reserve_bytes) + " kept free)" +
-          (plan.engram_on_ssd ? "" : "; the Engram tables can stay on SSD (--engram-ssd SIZE)"));
+  std::string why = o.gpus.empty() ? PlanCpu(parts, o, host_usable, &plan)
+                                   : PlanGpus(c, parts, o, host_usable, &plan);
+  if (why.empty()) {
+    plan.sequences = plan.kv_tokens / std::max<int64_t>(o.context_tokens, 1);
+    if (plan.sequences < 1) {
+      why = "KV: room for " + Thousands(plan.kv_tokens) + " tokens, less than one context of " +
+            Thousands(o.context_tokens);
     }
-    plan.kv_tokens = static_cast<int64_t>((host_usable - need) / plan.kv_bytes_per_token);
-    plan.host_kv = static_cast<uint64_t>(plan.kv_tokens * plan.kv_bytes_per_token);
-  } else {
-    // All layers on the GPUs if they fit, else the routed experts in host memory.
-    const size_t n = o.gpus.size();
-    std::vector<uint64_t> usable(n);
-    uint64_t total_usable = 0;
-    for (size_t g = 0; g < n; ++g) {
-      usable[g] = o.gpus[g].memory_bytes > o.gpu_reserve_bytes
-                      ? o.gpus[g].memory_bytes - o.gpu_reserve_bytes
-                      : 0;
-      total_usable += usable[g];
-    }
-    for (PlacementPlan::Mode mode : {PlacementPlan::Mode::kGpu, PlacementPlan::Mode::kHybrid}) {
-      const bool hybrid = mode == PlacementPlan::Mode::kHybrid;
-      std::vector<uint64_t> layer_bytes(layers);
-      uint64_t total = embed + head;
-      for (int l = 0; l < layers; ++l) {
-        layer_bytes[l] = dense[l] + (hybrid ? 0 : experts[l]);
-        total += layer_bytes[l];
-      }
-      // Whole layers in order, each GPU taking its share of the bytes by its size.
-      plan.gpus.assign(n, {});
-      const double per_usable = double(total) / double(std::max<uint64_t>(total_usable, 1));
-      double done = double(embed), share_end = per_usable * double(usable[0]);
-      size_t g = 0;
-      plan.gpus[0].weights = embed;
-      for (int l = 0; l < layers; ++l) {
-        while (g + 1 < n && done + double(layer_bytes[l]) / 2 > share_end) {
-          ++g;
-          share_end += per_usable * double(usable[g]);
-        }
-        plan.layer_gpu[l] = static_cast<int>(g);
-        plan.gpus[g].weights += layer_bytes[l];
-        plan.gpus[g].kv_per_token += kv[l];
-        done += double(layer_bytes[l]);
-      }
-      plan.gpus[plan.layer_gpu[layers - 1]].weights += head;
-      bool fits = true;
-      for (size_t i = 0; i < n; ++i) {
-        plan.gpus[i].name = o.gpus[i].name;
-        plan.gpus[i].memory = o.gpus[i].memory_bytes;
-        plan.gpus[i].reserve = o.gpu_reserve_bytes;
-        fits = fits && plan.gpus[i].weights < usable[i];
-      }
-      plan.mode = mode;
-      plan.host_weights = hybrid ? plan.expert_bytes : 0;
-      if (fits) break;
-      if (hybrid) {
-        uint64_t worst = 0;
-        size_t at = 0;
-        for (size_t i = 0; i < n; ++i) {
-          if (plan.gpus[i].weights > usable[i] && plan.gpus[i].weights - usable[i] > worst) {
-            worst = plan.gpus[i].weights - usable[i];
-            at = i;
-          }
-        }
-        return refuse("GPU " + std::to_string(at) + ": even without the routed experts its " +
-                      "layers need " + Gib(plan.gpus[at].weights) + " and " + Gib(usable[at]) +
-                      " is usable");
-      }
-    }
-    const uint64_t host_need = plan.host_weights + plan.engram_host_bytes + plan.host_copies;
-    if (host_need >= host_usable) {
-      return refuse(
-          "host memory: " + std::string(plan.host_weights > 0 ? "the routed experts, " : "") +
-          "the Engram tables and the fp32 copies of the BF16 matrices need " + Gib(host_need) +
-          " and " + Gib(host_usable) + " is usable (" + Gib(o.host_ram_bytes) + " less " +
-          Gib(o.host_reserve_bytes) + " kept free)" +
-          (plan.engram_on_ssd ? "" : "; the Engram tables can stay on SSD (--engram-ssd SIZE)"));
-    }
-    // KV: every GPU holds the KV of its layers for the same tokens; the tightest decides.
-    double tokens = std::numeric_limits<double>::infinity();
-    for (size_t i = 0; i < n; ++i) {
-      if (plan.gpus[i].kv_per_token > 0) {
-        tokens =
-            std::min(tokens, double(usable[i] - plan.gpus[i].weights) / plan.gpus[i].kv_per_token);
-      }
-    }
-    if (!std::isfinite(tokens)) tokens = double(c.max_position_embeddings);
-    plan.kv_tokens = static_cast<int64_t>(tokens);
-    for (auto& d : plan.gpus) d.kv = static_cast<uint64_t>(plan.kv_tokens * d.kv_per_token);
   }
-  plan.sequences = plan.kv_tokens / std::max<int64_t>(o.context_tokens, 1);
-  if (plan.sequences < 1) {
-    return refuse("KV: room for " + Thousands(plan.kv_tokens) +
-                  " tokens, less than one context of " + Thousands(o.context_tokens));
-  }
-  plan.fits = true;
+  plan.fits = why.empty();
+  plan.why_not = std::move(why);
   return plan;
 }
 
