@@ -13,6 +13,7 @@
 #include "engine/forward.h"
 #include "engine/model.h"
 #include "engine/tiny_model.h"
+#include "engine/tokenizer.h"
 #include "tests/support/temp_dir.h"
 
 namespace flashd::engine {
@@ -315,21 +316,6 @@ std::vector<int32_t> Generate(Engine& e, std::vector<int32_t> prompt, float temp
   }
 }
 
-// Whether `s` is whole UTF-8 characters (what streamed text keeps as it is; a token's partial
-// character streams as U+FFFD).
-bool WholeUtf8(const std::string& s) {
-  for (size_t i = 0; i < s.size();) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    const size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    if (n == 0 || i + n > s.size()) return false;
-    for (size_t j = 1; j < n; ++j) {
-      if ((static_cast<unsigned char>(s[i + j]) & 0xC0) != 0x80) return false;
-    }
-    i += n;
-  }
-  return true;
-}
-
 // Greedy decoding gives the same tokens with and without DSpark, adaptive or with a fixed
 // number of drafts, for many prompts decoded together; a seeded sampled request is reproducible.
 BOOST_AUTO_TEST_CASE(greedy_output_is_identical_with_and_without_drafting) {
@@ -350,7 +336,8 @@ BOOST_AUTO_TEST_CASE(greedy_output_is_identical_with_and_without_drafting) {
   BOOST_TEST(stopped.size() <= 10u);
   BOOST_TEST(stopped.back() == stop);
   // A stop string completed by a token inside a verified block ends the output there too: the
-  // text of three tokens from the middle of a run, taken where it first appears in the run's text.
+  // text of three tokens from the middle of a run, whole characters (streamed as they are; a
+  // partial one streams as U+FFFD), taken where it first appears in the run's text.
   const auto decode = [&](size_t from, size_t n) {
     return (*off)->tokenizer()->Decode(std::span<const int32_t>(&want[6][from], n));
   };
@@ -359,7 +346,7 @@ BOOST_AUTO_TEST_CASE(greedy_output_is_identical_with_and_without_drafting) {
   size_t at = 0;
   for (size_t k = 8; k + 3 <= want[6].size() && later.empty(); ++k) {
     const std::string head = decode(0, k), text = decode(k, 3);
-    if (!text.empty() && WholeUtf8(text) && full.compare(0, head.size(), head) == 0 &&
+    if (!text.empty() && SanitizeUtf8(text) == text && full.compare(0, head.size(), head) == 0 &&
         full.find(text) == head.size()) {
       later = text;
       at = k;
