@@ -40,7 +40,7 @@ FLASHD_VECTOR_CLONES void WeightedSumByLane(const float* weight, const float* ke
 }
 
 // acc = acc * scale + block, per dimension.
-FLASHD_VECTOR_CLONES void ScaleAdd(float* acc, float scale, const float* block, size_t hd) {
+FLASHD_VECTOR_CLONES void RescaleAdd(float* acc, float scale, const float* block, size_t hd) {
   for (size_t d = 0; d < hd; ++d) acc[d] = acc[d] * scale + block[d];
 }
 }  // namespace
@@ -118,7 +118,7 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
         }
         denom = denom * rescale + sum;
         WeightedSumByLane(&w.weight[j0], &keys[j0 * hd], j1 - j0, hd, w.block.data());
-        ScaleAdd(w.acc.data(), rescale, w.block.data(), hd);
+        RescaleAdd(w.acc.data(), rescale, w.block.data(), hd);
         m = m_new;
         j0 = j1;
       }

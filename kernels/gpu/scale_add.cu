@@ -108,6 +108,7 @@ std::string StreamOrderCheck(int rounds, int max_pause_us, int* wrong) {
   constexpr size_t n = size_t{1} << 16;
   constexpr unsigned threads = 256, blocks = n / threads;
   std::vector<float> x(n), z(n);
+  const std::vector<float> zeros(n, 0.0f);
   float* d[3] = {nullptr, nullptr, nullptr};
   std::string error;
   for (float*& p : d) {
@@ -117,7 +118,6 @@ std::string StreamOrderCheck(int rounds, int max_pause_us, int* wrong) {
     // The first kernel's output (d[1]) holds zeros before it runs: v * 0.5 + 1 from x >= 0 is
     // never 0, so a second kernel that ran early reads a 0 (or a half-written row) and differs.
     for (size_t i = 0; i < n; ++i) x[i] = static_cast<float>((i + static_cast<size_t>(r)) % 1000);
-    std::vector<float> zeros(n, 0.0f);
     error = CopyToDevice(d[0], x.data(), n * sizeof(float));
     if (error.empty()) error = CopyToDevice(d[1], zeros.data(), n * sizeof(float));
     if (!error.empty()) break;
