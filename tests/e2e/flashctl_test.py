@@ -81,11 +81,13 @@ def main():
         check(models["data"][0]["id"] == "deepseek-v4.1-flash", "models")
         fits("models", where=t)
 
-        # Some traffic, so the counters move.
+        # Some traffic, so the counters move: two tokens each (sampled, so the end of sentence
+        # could otherwise come first).
         for i in range(3):
             req = urllib.request.Request(url + "/v1/completions", method="POST",
                                          data=json.dumps({"prompt": [5 + i] * 150,
-                                                          "max_tokens": 2}).encode(),
+                                                          "max_tokens": 2,
+                                                          "ignore_eos": True}).encode(),
                                          headers={"Content-Type": "application/json"})
             urllib.request.urlopen(req).read()
         metrics = ctl_json("metrics", where=s)
