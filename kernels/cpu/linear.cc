@@ -1,6 +1,7 @@
 #include "kernels/cpu/linear.h"
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -47,62 +48,156 @@ float ScaledBlockDotSse(const float* x, const float* w, const float* scales, siz
   }
   return acc;
 }
-
-// Two blocks at once, one per 128-bit half.
-__attribute__((target("avx2"))) float ScaledBlockDotAvx2(const float* x, const float* w,
-                                                         const float* scales, size_t blocks) {
-  float acc = 0.0f;
-  size_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    const float* x0 = x + b * kQuantBlock;
-    const float* w0 = w + b * kQuantBlock;
-    __m256 p = _mm256_setzero_ps();
-    for (size_t k = 0; k < kQuantBlock; k += 4) {
-      const __m256 xv = _mm256_set_m128(_mm_loadu_ps(x0 + kQuantBlock + k), _mm_loadu_ps(x0 + k));
-      const __m256 wv = _mm256_set_m128(_mm_loadu_ps(w0 + kQuantBlock + k), _mm_loadu_ps(w0 + k));
-      p = _mm256_add_ps(p, _mm256_mul_ps(xv, wv));
-    }
-    acc += LaneSum4(_mm256_castps256_ps128(p)) * scales[b];
-    acc += LaneSum4(_mm256_extractf128_ps(p, 1)) * scales[b + 1];
-  }
-  if (b < blocks) {
-    acc += ScaledBlockDotSse(x + b * kQuantBlock, w + b * kQuantBlock, scales + b, 1);
-  }
-  return acc;
-}
 #endif
 
+// The paired layout: each pair of blocks (b, b + 1) as 8 steps of 8 floats, step s holding
+// elements 4s..4s+3 of block b, then the same of block b + 1; a last odd block stays as it is.
+// One 256-bit load is then one step of both blocks, in the lanes the fixed order adds.
+size_t PairedIndex(size_t k) {
+  const size_t b = k / kQuantBlock, i = k % kQuantBlock;
+  const size_t pair = b / 2;
+  return pair * 2 * kQuantBlock + (i / 4) * 8 + (b % 2) * 4 + i % 4;
+}
+
+void ToPaired(const float* in, size_t K, float* out) {
+  const size_t whole = (K / kQuantBlock) / 2 * 2 * kQuantBlock;  // What the pairs cover.
+  for (size_t k = 0; k < whole; ++k) out[PairedIndex(k)] = in[k];
+  for (size_t k = whole; k < K; ++k) out[k] = in[k];
+}
+
 #if FLASHD_X86_VECTORS
-// Four activation rows against one weight row: the same lanes and order as ScaledBlockDotAvx2
-// for each row, with the weight loads shared and four independent chains in flight.
-__attribute__((target("avx2"))) void ScaledBlockDot4Avx2(const float* x, size_t x_stride,
-                                                         const float* w, const float* scales,
-                                                         size_t blocks, float* out) {
-  float acc[4] = {0, 0, 0, 0};
-  size_t b = 0;
-  for (; b + 2 <= blocks; b += 2) {
-    const float* w0 = w + b * kQuantBlock;
-    __m256 p[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
-    for (size_t k = 0; k < kQuantBlock; k += 4) {
-      const __m256 wv = _mm256_set_m128(_mm_loadu_ps(w0 + kQuantBlock + k), _mm_loadu_ps(w0 + k));
-      for (size_t r = 0; r < 4; ++r) {
-        const float* x0 = x + r * x_stride + b * kQuantBlock;
-        const __m256 xv = _mm256_set_m128(_mm_loadu_ps(x0 + kQuantBlock + k), _mm_loadu_ps(x0 + k));
-        p[r] = _mm256_add_ps(p[r], _mm256_mul_ps(xv, wv));
+// Rows x + r x_stride (r < R; R = 1, 4 or 8), paired, against one paired weight row: for each
+// row the same lanes, additions and order as ScaledBlockDotPlain, the weight loads shared by the
+// R rows. The lane sums of four rows close together: two horizontal adds give each row's
+// (p0 + p1) + (p2 + p3) for both blocks of a pair.
+template <int R>
+__attribute__((target("avx2"))) void PairedDotAvx2(const float* x, size_t x_stride, const float* w,
+                                                   const float* scales, size_t blocks, float* out) {
+  constexpr int G = R >= 4 ? R / 4 : 1;  // Groups of four rows (one group holds a single row).
+  __m128 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm_setzero_ps();
+  const size_t pairs = blocks / 2;
+  for (size_t p = 0; p < pairs; ++p) {
+    const float* wp = w + p * 2 * kQuantBlock;
+    __m256 sum[R];
+    for (int r = 0; r < R; ++r) sum[r] = _mm256_setzero_ps();
+    for (size_t step = 0; step < 8; ++step) {
+      const __m256 wv = _mm256_loadu_ps(wp + step * 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * x_stride + p * 2 * kQuantBlock + step * 8);
+        sum[r] = _mm256_add_ps(sum[r], _mm256_mul_ps(xv, wv));
       }
     }
-    for (size_t r = 0; r < 4; ++r) {
-      acc[r] += LaneSum4(_mm256_castps256_ps128(p[r])) * scales[b];
-      acc[r] += LaneSum4(_mm256_extractf128_ps(p[r], 1)) * scales[b + 1];
+    const __m128 s0 = _mm_set1_ps(scales[2 * p]), s1 = _mm_set1_ps(scales[2 * p + 1]);
+    for (int g = 0; g < G; ++g) {
+      __m256 h;
+      if constexpr (R == 1) {
+        const __m256 h01 = _mm256_hadd_ps(sum[0], sum[0]);
+        h = _mm256_hadd_ps(h01, h01);
+      } else {
+        const __m256 h01 = _mm256_hadd_ps(sum[4 * g], sum[4 * g + 1]);
+        const __m256 h23 = _mm256_hadd_ps(sum[4 * g + 2], sum[4 * g + 3]);
+        h = _mm256_hadd_ps(h01, h23);  // Low half: block 2p of rows 4g..4g+3; high: 2p + 1.
+      }
+      acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(_mm256_castps256_ps128(h), s0));
+      acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(_mm256_extractf128_ps(h, 1), s1));
     }
   }
-  for (size_t r = 0; r < 4; ++r) {
-    if (b < blocks) {
-      acc[r] +=
-          ScaledBlockDotSse(x + r * x_stride + b * kQuantBlock, w + b * kQuantBlock, scales + b, 1);
+  if (blocks % 2 == 1) {  // The odd last block, in plain order.
+    const size_t at = pairs * 2 * kQuantBlock;
+    const __m128 sb = _mm_set1_ps(scales[blocks - 1]);
+    for (int g = 0; g < G; ++g) {
+      __m128 q[4];
+      const int rows = R == 1 ? 1 : 4;
+      for (int r = 0; r < rows; ++r) {
+        q[r] = _mm_setzero_ps();
+        const float* xr = x + (4 * g + r) * x_stride + at;
+        for (size_t k = 0; k < kQuantBlock; k += 4) {
+          q[r] = _mm_add_ps(q[r], _mm_mul_ps(_mm_loadu_ps(xr + k), _mm_loadu_ps(w + at + k)));
+        }
+      }
+      if (R == 1) q[1] = q[2] = q[3] = q[0];
+      const __m128 t = _mm_hadd_ps(_mm_hadd_ps(q[0], q[1]), _mm_hadd_ps(q[2], q[3]));
+      acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(t, sb));
     }
-    out[r] = acc[r];
+  }
+  if constexpr (R == 1) {
+    out[0] = _mm_cvtss_f32(acc[0]);
+  } else {
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(out + 4 * g, acc[g]);
+  }
+}
+
+void PairedDot8Avx2(const float* x, size_t x_stride, const float* w, const float* scales,
+                    size_t blocks, float* out) {
+  PairedDotAvx2<8>(x, x_stride, w, scales, blocks, out);
+}
+void PairedDot4Avx2(const float* x, size_t x_stride, const float* w, const float* scales,
+                    size_t blocks, float* out) {
+  PairedDotAvx2<4>(x, x_stride, w, scales, blocks, out);
+}
+float PairedDot1Avx2(const float* x, const float* w, const float* scales, size_t blocks) {
+  float out;
+  PairedDotAvx2<1>(x, 0, w, scales, blocks, &out);
+  return out;
+}
+
+// Weight rows decoded straight into the paired layout, eight values per step.
+__attribute__((target("avx2"))) void DecodeFp8RowPairedAvx2(const uint8_t* w, size_t K,
+                                                            float* out) {
+  const size_t blocks = K / kQuantBlock, pairs = blocks / 2;
+  const __m256i mag_mask = _mm256_set1_epi32(0x7F), sign_mask = _mm256_set1_epi32(0x80);
+  const __m256 two120 = _mm256_set1_ps(0x1p120f);
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+  for (size_t p = 0; p < pairs; ++p) {
+    const uint8_t* b0 = w + 2 * p * kQuantBlock;
+    const uint8_t* b1 = b0 + kQuantBlock;
+    for (size_t step = 0; step < 8; ++step) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, b0 + 4 * step, 4);
+      std::memcpy(&hi, b1 + 4 * step, 4);
+      const __m256i c =
+          _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(lo | uint64_t{hi} << 32)));
+      const __m256i mag = _mm256_and_si256(c, mag_mask);
+      // As E4M3ToFloat: the magnitude's bits moved into a float's, times 2^120; the sign; NaN.
+      const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), two120);
+      const __m256 sign =
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_mask), 24));
+      const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask));
+      _mm256_storeu_ps(out + p * 2 * kQuantBlock + step * 8,
+                       _mm256_blendv_ps(_mm256_or_ps(v, sign), nan, is_nan));
+    }
+  }
+  for (size_t k = pairs * 2 * kQuantBlock; k < K; ++k) out[k] = E4M3ToFloatArith(w[k]);
+}
+
+__attribute__((target("avx2"))) void DecodeFp4RowPairedAvx2(const uint8_t* w, size_t K,
+                                                            float* out) {
+  const size_t blocks = K / kQuantBlock, pairs = blocks / 2;
+  float magnitudes[8];
+  for (int c = 0; c < 8; ++c) magnitudes[c] = E2M1ToFloat(static_cast<uint8_t>(c));
+  const __m256 table = _mm256_loadu_ps(magnitudes);
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i nibble = _mm256_set1_epi32(0xF), sign_bit = _mm256_set1_epi32(8);
+  constexpr size_t kBlockBytes = kQuantBlock / 2;
+  for (size_t p = 0; p < pairs; ++p) {
+    const uint8_t* b0 = w + 2 * p * kBlockBytes;
+    const uint8_t* b1 = b0 + kBlockBytes;
+    for (size_t step = 0; step < 8; ++step) {
+      uint16_t lo, hi;  // Four codes of each block: elements 4s..4s+3, low nibble first.
+      std::memcpy(&lo, b0 + 2 * step, 2);
+      std::memcpy(&hi, b1 + 2 * step, 2);
+      const __m256i u = _mm256_set1_epi32(static_cast<int>(lo | uint32_t{hi} << 16));
+      const __m256i c = _mm256_and_si256(_mm256_srlv_epi32(u, shifts), nibble);
+      const __m256 mag = _mm256_permutevar8x32_ps(table, c);  // Reads the low 3 bits.
+      const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_bit), 28));
+      _mm256_storeu_ps(out + p * 2 * kQuantBlock + step * 8, _mm256_or_ps(mag, sign));
+    }
+  }
+  const float* pairs_table = E2M1PairTable();
+  for (size_t k = pairs * 2 * kQuantBlock; k < K; k += 2) {
+    out[k] = pairs_table[2 * w[k / 2]];
+    out[k + 1] = pairs_table[2 * w[k / 2] + 1];
   }
 }
 #endif
@@ -150,8 +245,7 @@ bool CpuHasAvx2() {
 
 float ScaledBlockDot(const float* x, const float* w, const float* scales, size_t blocks) {
 #if FLASHD_X86_VECTORS
-  return CpuHasAvx2() ? ScaledBlockDotAvx2(x, w, scales, blocks)
-                      : ScaledBlockDotSse(x, w, scales, blocks);
+  return ScaledBlockDotSse(x, w, scales, blocks);
 #else
   return ScaledBlockDotPlain(x, w, scales, blocks);
 #endif
@@ -180,16 +274,30 @@ void DecodeFp4Row(const uint8_t* w, size_t K, float* out) {
   }
 }
 
-// The shared fast path: w_row_scale(n, kb) gives the weight scale of row n, K-block kb.
+#if FLASHD_X86_VECTORS
+constexpr auto kDecodeFp8Paired = internal::DecodeFp8RowPairedAvx2;
+constexpr auto kDecodeFp4Paired = internal::DecodeFp4RowPairedAvx2;
+#else
+constexpr auto kDecodeFp8Paired = DecodeFp8Row;
+constexpr auto kDecodeFp4Paired = DecodeFp4Row;
+#endif
+
+// The shared fast path: w_scale(n, b) gives the weight scale of row n, K-block b. With AVX2 the
+// activations and each decoded weight row are in the paired layout (decode_paired) and up to
+// eight rows share each weight load; without it, natural order (decode) and one row at a time.
+// Both add in the order ScaledBlockDotPlain defines.
 template <typename DecodeRow, typename RowBytes, typename WeightScale>
 void FastLinear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K, const uint8_t* w,
-                size_t N, float* y, int threads, DecodeRow decode, RowBytes row_bytes,
-                WeightScale w_scale) {
+                size_t N, float* y, int threads, DecodeRow decode, DecodeRow decode_paired,
+                RowBytes row_bytes, WeightScale w_scale) {
   const size_t blocks = K / kQuantBlock;
+  const bool paired = FLASHD_X86_VECTORS && internal::CpuHasAvx2();
   // Activations are decoded once with their scales applied; a power-of-two scale makes that exact.
-  std::vector<float> x(M * K);
+  std::vector<float> x(M * K), natural(paired ? K : 0);
   for (size_t m = 0; m < M; ++m) {
-    DequantizeFp8PerBlock(x_q + m * K, x_s + m * blocks, K, kQuantBlock, x.data() + m * K);
+    float* out = paired ? natural.data() : x.data() + m * K;
+    DequantizeFp8PerBlock(x_q + m * K, x_s + m * blocks, K, kQuantBlock, out);
+    if (paired) internal::ToPaired(natural.data(), K, x.data() + m * K);
   }
   // A range is worth waking a worker for from about 64K multiply-adds.
   const size_t min_rows = std::max<size_t>(1, (size_t{1} << 16) / (M * K));
@@ -198,17 +306,26 @@ void FastLinear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t K, cons
       [&](size_t begin, size_t end) {
         std::vector<float> row(K), scales(blocks);
         for (size_t n = begin; n < end; ++n) {
-          decode(w + n * row_bytes, K, row.data());
+          (paired ? decode_paired : decode)(w + n * row_bytes, K, row.data());
           for (size_t b = 0; b < blocks; ++b) scales[b] = w_scale(n, b);
           size_t m = 0;
-          if (internal::CpuHasAvx2()) {
-            float out[4];
+#if FLASHD_X86_VECTORS
+          if (paired) {
+            float out[8];
+            for (; m + 8 <= M; m += 8) {
+              internal::PairedDot8Avx2(x.data() + m * K, K, row.data(), scales.data(), blocks, out);
+              for (size_t i = 0; i < 8; ++i) y[(m + i) * N + n] = out[i];
+            }
             for (; m + 4 <= M; m += 4) {
-              internal::ScaledBlockDot4Avx2(x.data() + m * K, K, row.data(), scales.data(), blocks,
-                                            out);
+              internal::PairedDot4Avx2(x.data() + m * K, K, row.data(), scales.data(), blocks, out);
               for (size_t i = 0; i < 4; ++i) y[(m + i) * N + n] = out[i];
             }
+            for (; m < M; ++m) {
+              y[m * N + n] =
+                  internal::PairedDot1Avx2(x.data() + m * K, row.data(), scales.data(), blocks);
+            }
           }
+#endif
           for (; m < M; ++m) {
             y[m * N + n] = ScaledBlockDot(x.data() + m * K, row.data(), scales.data(), blocks);
           }
@@ -266,7 +383,7 @@ KernelStatus Fp8Linear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t 
                        const uint8_t* w_q, const uint8_t* w_s, size_t N, float* y, int threads) {
   if (!ShapeOk(M, K, N)) return KernelStatus::kBadShape;
   const size_t blocks = K / kQuantBlock;
-  FastLinear(x_q, x_s, M, K, w_q, N, y, threads, DecodeFp8Row, K,
+  FastLinear(x_q, x_s, M, K, w_q, N, y, threads, DecodeFp8Row, kDecodeFp8Paired, K,
              [&](size_t n, size_t b) { return E8M0ToFloat(w_s[(n / kQuantBlock) * blocks + b]); });
   return KernelStatus::kOk;
 }
@@ -276,7 +393,7 @@ KernelStatus Fp4Linear(const uint8_t* x_q, const uint8_t* x_s, size_t M, size_t 
                        int threads) {
   if (!ShapeOk(M, K, N)) return KernelStatus::kBadShape;
   const size_t blocks = K / kQuantBlock;
-  FastLinear(x_q, x_s, M, K, w_packed, N, y, threads, DecodeFp4Row, K / 2,
+  FastLinear(x_q, x_s, M, K, w_packed, N, y, threads, DecodeFp4Row, kDecodeFp4Paired, K / 2,
              [&](size_t n, size_t b) { return E8M0ToFloat(w_s[n * blocks + b]); });
   return KernelStatus::kOk;
 }

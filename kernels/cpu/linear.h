@@ -39,16 +39,27 @@ void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, f
                  int threads);
 
 // The fast path's dot product of one activation row with one decoded weight row, per
-// instruction set, for the tests that hold each to the plain definition. Sse and Avx2 exist on
-// x86-64 only; Avx2 REQUIRES CpuHasAvx2().
+// instruction set, for the tests that hold each to the plain definition. Sse exists on x86-64
+// only.
 namespace internal {
 float ScaledBlockDotPlain(const float* x, const float* w, const float* scales, size_t blocks);
 float ScaledBlockDotSse(const float* x, const float* w, const float* scales, size_t blocks);
-float ScaledBlockDotAvx2(const float* x, const float* w, const float* scales, size_t blocks);
 float ScaledBlockDot(const float* x, const float* w, const float* scales, size_t blocks);
-// Rows x, x + x_stride, x + 2 x_stride, x + 3 x_stride against one w into out[4].
-void ScaledBlockDot4Avx2(const float* x, size_t x_stride, const float* w, const float* scales,
-                         size_t blocks, float* out);
+// The AVX2 path's layout: blocks in pairs, each pair as 8 steps of (4 elements of the first
+// block, the same 4 of the second); an odd last block as it is. PairedIndex(k) is where element
+// k goes; ToPaired lays out a row of K (a multiple of 32) floats.
+size_t PairedIndex(size_t k);
+void ToPaired(const float* in, size_t K, float* out);
+// x86-64 only, REQUIRE CpuHasAvx2(): paired rows x + r x_stride (8, 4 or 1 of them) against
+// one paired weight row, each equal to ScaledBlockDotPlain on the natural rows; weight rows
+// decoded straight into the paired layout (without their scales).
+void PairedDot8Avx2(const float* x, size_t x_stride, const float* w, const float* scales,
+                    size_t blocks, float* out);
+void PairedDot4Avx2(const float* x, size_t x_stride, const float* w, const float* scales,
+                    size_t blocks, float* out);
+float PairedDot1Avx2(const float* x, const float* w, const float* scales, size_t blocks);
+void DecodeFp8RowPairedAvx2(const uint8_t* w, size_t K, float* out);
+void DecodeFp4RowPairedAvx2(const uint8_t* w, size_t K, float* out);
 bool CpuHasAvx2();
 // The dense path's dot product (four lanes k % 4, the tail in lane 0), plain and four rows of
 // x at once in SSE registers.

@@ -137,47 +137,101 @@ BOOST_AUTO_TEST_CASE(dense_linear_matches_reference) {
 }
 
 // Every instruction-set version of the fast path's dot product gives the plain definition's
-// bits: same lanes, same order. Odd block counts exercise the AVX2 path's single-block tail.
+// bits: same lanes, same order. Odd block counts exercise the paired layout's unpaired tail.
 BOOST_AUTO_TEST_CASE(vector_dot_products_equal_the_plain_one_bit_for_bit) {
   std::mt19937 rng(7);
   std::normal_distribution<float> dist(0.0f, 3.0f);
   std::uniform_int_distribution<int> scale_exp(-20, 20);
   for (size_t blocks : {1, 2, 3, 7, 8, 16, 33}) {
+    const size_t K = blocks * 32;
     for (int rep = 0; rep < 20; ++rep) {
-      std::vector<float> x(blocks * 32), w(blocks * 32), scales(blocks);
+      std::vector<float> x(8 * K), w(K), scales(blocks);
       for (float& v : x) v = dist(rng);
       for (float& v : w) v = dist(rng);
       for (float& v : scales) v = std::ldexp(1.0f, scale_exp(rng));
-      const float want = internal::ScaledBlockDotPlain(x.data(), w.data(), scales.data(), blocks);
+      if (rep == 0) x[3] = -0.0f;  // A signed zero product in some lane.
+      std::vector<float> want(8);
+      for (size_t r = 0; r < 8; ++r) {
+        want[r] = internal::ScaledBlockDotPlain(&x[r * K], w.data(), scales.data(), blocks);
+      }
       const float got = internal::ScaledBlockDot(x.data(), w.data(), scales.data(), blocks);
-      BOOST_TEST(std::bit_cast<uint32_t>(got) == std::bit_cast<uint32_t>(want),
+      BOOST_TEST(std::bit_cast<uint32_t>(got) == std::bit_cast<uint32_t>(want[0]),
                  "blocks " << blocks);
 #if defined(__x86_64__)
       const float sse = internal::ScaledBlockDotSse(x.data(), w.data(), scales.data(), blocks);
-      BOOST_TEST(std::bit_cast<uint32_t>(sse) == std::bit_cast<uint32_t>(want));
+      BOOST_TEST(std::bit_cast<uint32_t>(sse) == std::bit_cast<uint32_t>(want[0]));
       if (internal::CpuHasAvx2()) {
-        const float avx2 = internal::ScaledBlockDotAvx2(x.data(), w.data(), scales.data(), blocks);
-        BOOST_TEST(std::bit_cast<uint32_t>(avx2) == std::bit_cast<uint32_t>(want));
-        // Four rows at once: x itself and three shifted copies of w as the other rows.
-        std::vector<float> rows(4 * blocks * 32);
-        std::copy(x.begin(), x.end(), rows.begin());
-        for (size_t r = 1; r < 4; ++r) {
-          for (size_t i = 0; i < blocks * 32; ++i)
-            rows[r * blocks * 32 + i] = w[(i + r) % w.size()];
-        }
-        float four[4];
-        internal::ScaledBlockDot4Avx2(rows.data(), blocks * 32, w.data(), scales.data(), blocks,
-                                      four);
-        for (size_t r = 0; r < 4; ++r) {
-          const float one = internal::ScaledBlockDotPlain(&rows[r * blocks * 32], w.data(),
-                                                          scales.data(), blocks);
-          BOOST_TEST(std::bit_cast<uint32_t>(four[r]) == std::bit_cast<uint32_t>(one));
+        std::vector<float> px(8 * K), pw(K);
+        for (size_t r = 0; r < 8; ++r) internal::ToPaired(&x[r * K], K, &px[r * K]);
+        internal::ToPaired(w.data(), K, pw.data());
+        float eight[8], four[4];
+        internal::PairedDot8Avx2(px.data(), K, pw.data(), scales.data(), blocks, eight);
+        internal::PairedDot4Avx2(px.data() + 4 * K, K, pw.data(), scales.data(), blocks, four);
+        for (size_t r = 0; r < 8; ++r) {
+          const float one = internal::PairedDot1Avx2(&px[r * K], pw.data(), scales.data(), blocks);
+          BOOST_TEST(std::bit_cast<uint32_t>(one) == std::bit_cast<uint32_t>(want[r]),
+                     "blocks " << blocks << " row " << r);
+          BOOST_TEST(std::bit_cast<uint32_t>(eight[r]) == std::bit_cast<uint32_t>(want[r]),
+                     "blocks " << blocks << " row " << r);
+          if (r >= 4) {
+            BOOST_TEST(std::bit_cast<uint32_t>(four[r - 4]) == std::bit_cast<uint32_t>(want[r]));
+          }
         }
       }
 #endif
     }
   }
   if (!internal::CpuHasAvx2()) BOOST_TEST_MESSAGE("this CPU has no AVX2: that path was not run");
+}
+
+// The paired layout is a permutation, and the decoders that write it give every code's value
+// where that permutation puts it: all 256 FP8 codes (NaN too) and all 256 FP4 byte values.
+BOOST_AUTO_TEST_CASE(paired_decoders_equal_the_plain_decoding_of_every_code) {
+  for (size_t blocks : {1, 2, 3, 8, 9}) {
+    const size_t K = blocks * 32;
+    std::vector<int> seen(K, 0);
+    for (size_t k = 0; k < K; ++k) {
+      BOOST_REQUIRE(internal::PairedIndex(k) < K || (blocks % 2 == 1 && k >= K - 32));
+      if (k < K / 64 * 64) ++seen[internal::PairedIndex(k)];
+    }
+    for (size_t k = 0; k < K / 64 * 64; ++k) BOOST_TEST(seen[k] == 1);
+  }
+#if defined(__x86_64__)
+  if (!internal::CpuHasAvx2()) {
+    BOOST_TEST_MESSAGE("this CPU has no AVX2: the paired decoders were not run");
+    return;
+  }
+  for (size_t blocks : {1, 2, 3, 8, 9}) {
+    const size_t K = blocks * 32;
+    std::vector<uint8_t> codes(K);
+    for (int start = 0; start < 256; start += static_cast<int>(K)) {
+      for (size_t k = 0; k < K; ++k) codes[k] = static_cast<uint8_t>((start + k * 37) % 256);
+      std::vector<float> plain(K), want(K), got(K);
+      for (size_t k = 0; k < K; ++k) plain[k] = E4M3ToFloatArith(codes[k]);  // NaN unsigned.
+      internal::ToPaired(plain.data(), K, want.data());
+      internal::DecodeFp8RowPairedAvx2(codes.data(), K, got.data());
+      for (size_t k = 0; k < K; ++k) {
+        BOOST_TEST(std::bit_cast<uint32_t>(got[k]) == std::bit_cast<uint32_t>(want[k]),
+                   "fp8 k " << k);
+      }
+      // FP4: the same bytes as K / 2 packed pairs (low nibble first), then the other half.
+      for (size_t half = 0; half < 2; ++half) {
+        const uint8_t* packed = codes.data() + half * K / 2;
+        for (size_t k = 0; k < K; ++k) {
+          plain[k] = E2M1ToFloat(k % 2 == 0 ? packed[k / 2] & 0xF : packed[k / 2] >> 4);
+        }
+        internal::ToPaired(plain.data(), K, want.data());
+        internal::DecodeFp4RowPairedAvx2(packed, K, got.data());
+        for (size_t k = 0; k < K; ++k) {
+          BOOST_TEST(std::bit_cast<uint32_t>(got[k]) == std::bit_cast<uint32_t>(want[k]),
+                     "fp4 k " << k);
+        }
+      }
+    }
+  }
+#else
+  BOOST_TEST_MESSAGE("no AVX2 path on this architecture");
+#endif
 }
 
 BOOST_AUTO_TEST_CASE(dense_four_row_dot_equals_the_plain_one_bit_for_bit) {
