@@ -6,8 +6,10 @@
 // acceptance lengths peers publish follows from the measured costs.
 //
 //   build/bench/dspark_bench MODEL_DIR [--steps N] [--batch B] [--no-engine]
+//                            [--profile decode|verify]
 //
-// --batch measures that batch only; --no-engine leaves out the engine rows (for profiling).
+// --batch measures that batch only; --no-engine leaves out the engine rows; --profile runs only
+// plain decode steps or only verifications of a whole block, --steps of them (under perf).
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -80,11 +82,17 @@ int main(int argc, char** argv) {
   int steps = 24;
   std::vector<int> batches = {1, 8, 32};
   bool engine = true;
+  std::string profile;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
     if (a == "--batch" && i + 1 < argc) batches = {std::atoi(argv[++i])};
     if (a == "--no-engine") engine = false;
+    if (a == "--profile" && i + 1 < argc) profile = argv[++i];
+  }
+  if (!profile.empty() && profile != "decode" && profile != "verify") {
+    std::fprintf(stderr, "--profile: decode or verify, not %s\n", profile.c_str());
+    return 2;
   }
   auto model = Model::Load(dir);
   if (!model.ok()) {
@@ -132,7 +140,12 @@ int main(int argc, char** argv) {
       }
       return Since(t) / n;
     };
-    const double t1 = decode(steps);
+    if (profile == "decode") {
+      std::printf("%d plain decode steps at batch %d: %.2f ms each\n", steps, batch,
+                  decode(steps) * 1e3);
+      continue;
+    }
+    const double t1 = decode(profile.empty() ? steps : 1);
     // Drafting a block for every sequence.
     std::vector<std::vector<int32_t>> drafted(batch);
     std::vector<std::vector<float>> conf(batch);
@@ -146,13 +159,14 @@ int main(int argc, char** argv) {
       if (!f.Draft(items).ok()) std::exit(1);
     };
     auto t = Clock::now();
-    for (int s = 0; s < steps; ++s) draft();
-    const double td = Since(t) / steps;
+    const int draft_steps = profile.empty() ? steps : 1;
+    for (int s = 0; s < draft_steps; ++s) draft();
+    const double td = Since(t) / draft_steps;
     // Verifying k drafted tokens (k + 1 inputs), keeping one (the pending token): the state
     // stays where it was, so every k runs on the same context.
     std::printf("%5d  %9.2f  %12.2f ", batch, t1 * 1e3, td / t1);
     std::vector<double> tv(block + 1);
-    for (int k = 1; k <= block; ++k) {
+    for (int k = profile.empty() ? 1 : block; k <= block; ++k) {
       auto t0 = Clock::now();
       for (int s = 0; s < steps; ++s) {
         std::vector<std::vector<int32_t>> in(batch);
@@ -171,6 +185,7 @@ int main(int argc, char** argv) {
       std::printf(" %5.2f", tv[k] / t1);
     }
     std::printf("\n");
+    if (!profile.empty()) continue;
     // Speed-up at mean accepted drafts a per step with k = block verified: (a + 1) tokens per
     // draft + verify.
     std::printf("       speed-up at accepted drafts a = 0..%d per step (k = %d):", block, block);
