@@ -1,11 +1,12 @@
 // Sparse attention on the device, as the portable correctness path: one thread per query and
 // head walks that query's key list (kernels/ops.h: the window's slots, then the selected
-// entries) in blocks of kAttentionBlock, with the release's online softmax: the block's
-// largest logit, then its probabilities (fp32 into the denominator, BF16 into the values'
-// sum), the running sums rescaled by exp(m - m'). Each dot product sums over the dimensions in
-// order and each block's weighted sum over its keys in list order, as the CPU's do, so only
-// exp() may differ in the last bit. The output is rounded to BF16 and rotated back by the Rope
-// op. The split-KV kernels for long contexts come beside it, checked against it.
+// entries) once, in blocks of kAttentionBlock, each key's logit computed once, with the
+// release's online softmax: the block's largest logit, then its probabilities (fp32 into the
+// denominator, BF16 into the values' sum), the running sums rescaled by exp(m - m'). Each dot
+// product sums over the dimensions in order and each block's weighted sum over its keys in list
+// order, as the CPU's do, so only exp() may differ in the last bit. The output is rounded to
+// BF16 and rotated back by the Rope op. The split-KV kernels for long contexts come beside it,
+// checked against it.
 #include <cmath>
 
 #include "kernels/codecs.h"
@@ -18,45 +19,61 @@ namespace {
 namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 64;
 
-// Key j of query t in list order: the window keys first (AttentionKeys), then the selected
-// compressed rows that are not -1.
-struct Keys {
-  SparseAttentionParams p;
+// Where key j of query t comes from, in list order: the window keys first (AttentionKeys),
+// fresh rows or ring slots, then the selected compressed rows that are not -1.
+enum class KeySource : uint8_t { kFresh, kRing, kCompressed };
+
+struct Key {
+  KeySource source;
+  int64_t index;  // The fresh row, the ring slot or the KV row.
+};
+
+__device__ __host__ inline float KeyValue(const SparseAttentionParams& p, Key k, int64_t d) {
+  switch (k.source) {
+    case KeySource::kFresh:
+      return p.fresh[k.index * p.head_dim + d];
+    case KeySource::kRing:
+      return c::E4M3ToFloat(p.ring_codes[k.index * p.head_dim + d]) *
+             c::E8M0ToFloat(p.ring_scales[k.index * p.head_dim / 32 + d / 32]);
+    default: {
+      const uint8_t byte = p.kv_codes.Row(k.index)[d / 2];
+      const uint8_t code = (d % 2 == 0) ? (byte & 0xF) : (byte >> 4);
+      return c::E2M1ToFloat(code) * c::E4M3ToFloat(p.kv_scales.Row(k.index)[d / 16]);
+    }
+  }
+}
+
+// Walks query t's keys in list order, each looked up once: the selection row is read once for
+// the whole list.
+struct KeyWalk {
+  const SparseAttentionParams& p;
   int64_t t;
   AttentionKeys window;
+  int64_t j = 0;         // The next key's place in the list.
+  int64_t selected = 0;  // The next place in the selection row to look at.
 
-  __device__ __host__ float Value(int64_t j, int64_t d) const {
-    if (j < window.count()) {
-      const int64_t q = window.Position(j);
-      if (q >= p.fresh_first) return p.fresh[(q - p.fresh_first) * p.head_dim + d];
-      const int64_t slot = q % p.window;
-      return c::E4M3ToFloat(p.ring_codes[slot * p.head_dim + d]) *
-             c::E8M0ToFloat(p.ring_scales[slot * p.head_dim / 32 + d / 32]);
+  __device__ __host__ bool Done() {
+    if (j < window.count()) return false;
+    while (selected < p.selected_stride && p.selected[t * p.selected_stride + selected] < 0) {
+      ++selected;
     }
-    const int64_t entry = SelectedEntry(j - window.count());
-    const int64_t row = BlockRow(p.block_table, p.kv_codes.rows_per_block, entry);
-    const uint8_t byte = p.kv_codes.Row(row)[d / 2];
-    const uint8_t code = (d % 2 == 0) ? (byte & 0xF) : (byte >> 4);
-    return c::E2M1ToFloat(code) * c::E4M3ToFloat(p.kv_scales.Row(row)[d / 16]);
+    return selected >= p.selected_stride;
   }
-  // Key j's block of the list.
-  __device__ __host__ int64_t Block(int64_t j) const {
+  // REQUIRES: !Done(). The next key's block of the list.
+  __device__ __host__ int64_t Block() const {
     const int64_t w = window.count();
     return (j < w ? window.ListIndex(j) : window.selected_base() + (j - w)) / kAttentionBlock;
   }
-  // The i-th selected entry that is not -1.
-  __device__ __host__ int64_t SelectedEntry(int64_t i) const {
-    for (int64_t s = 0; s < p.selected_stride; ++s) {
-      const int64_t e = p.selected[t * p.selected_stride + s];
-      if (e < 0) continue;
-      if (i-- == 0) return e;
+  // REQUIRES: !Done(). The next key, and a step past it.
+  __device__ __host__ Key Next() {
+    if (j < window.count()) {
+      const int64_t q = window.Position(j++);
+      if (q >= p.fresh_first) return {KeySource::kFresh, q - p.fresh_first};
+      return {KeySource::kRing, q % p.window};
     }
-    return -1;
-  }
-  __device__ __host__ int64_t Count() const {
-    int64_t n = window.count();
-    for (int64_t s = 0; s < p.selected_stride; ++s) n += p.selected[t * p.selected_stride + s] >= 0;
-    return n;
+    const int64_t entry = p.selected[t * p.selected_stride + selected++];
+    ++j;
+    return {KeySource::kCompressed, BlockRow(p.block_table, p.kv_codes.rows_per_block, entry)};
   }
 };
 
@@ -64,40 +81,42 @@ __global__ void AttendKernel(SparseAttentionParams p) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= p.tokens * p.heads) return;
   const int64_t t = i / p.heads, h = i % p.heads, hd = p.head_dim;
-  const Keys keys{p, t, AttentionKeys::Of(p, t)};
-  const int64_t nk = keys.Count();
+  KeyWalk keys{p, t, AttentionKeys::Of(p, t)};
   const float* q = p.q + i * hd;
   const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
-  auto logit = [&](int64_t j) {
-    float dot = 0;
-    for (int64_t d = 0; d < hd; ++d) dot += q[d] * keys.Value(j, d);
-    return dot * scale;
-  };
   float* out = p.out + i * hd;  // The accumulator, then the output.
   for (int64_t d = 0; d < hd; ++d) out[d] = 0;
   float m = -1e30f, denom = 0;
-  float weight[kAttentionBlock];
-  for (int64_t j0 = 0; j0 < nk;) {
-    const int64_t b = keys.Block(j0);
-    int64_t j1 = j0;
+  Key key[kAttentionBlock];
+  float weight[kAttentionBlock];  // The block's logits, then its BF16 probabilities.
+  while (!keys.Done()) {
+    // One block of the list: its keys, each one's logit once, the block's largest.
+    const int64_t b = keys.Block();
+    int64_t n = 0;
     float block_max = -INFINITY;
-    for (; j1 < nk && keys.Block(j1) == b; ++j1) block_max = fmaxf(block_max, logit(j1));
+    do {
+      key[n] = keys.Next();
+      float dot = 0;
+      for (int64_t d = 0; d < hd; ++d) dot += q[d] * KeyValue(p, key[n], d);
+      weight[n] = dot * scale;
+      block_max = fmaxf(block_max, weight[n]);
+      ++n;
+    } while (!keys.Done() && keys.Block() == b);
     const float m_new = fmaxf(m, block_max);
     const float rescale = expf(m - m_new);
     float sum = 0;
-    for (int64_t j = j0; j < j1; ++j) {
-      const float pj = expf(logit(j) - m_new);
+    for (int64_t j = 0; j < n; ++j) {
+      const float pj = expf(weight[j] - m_new);
       sum += pj;
-      weight[j - j0] = c::RoundBf16(pj);
+      weight[j] = c::RoundBf16(pj);
     }
     denom = denom * rescale + sum;
     for (int64_t d = 0; d < hd; ++d) {
       float block = 0;
-      for (int64_t j = j0; j < j1; ++j) block += weight[j - j0] * keys.Value(j, d);
+      for (int64_t j = 0; j < n; ++j) block += weight[j] * KeyValue(p, key[j], d);
       out[d] = out[d] * rescale + block;
     }
     m = m_new;
-    j0 = j1;
   }
   denom += expf(p.sink[h] - m);
   for (int64_t d = 0; d < hd; ++d) out[d] = c::RoundBf16(out[d] / denom);
