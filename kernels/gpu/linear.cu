@@ -1,8 +1,10 @@
 // The linear layers on the device, as the portable correctness path: activations quantized to
-// FP8 per 32 (one thread per block), then one thread per output value summing exactly as the CPU
-// fast path does (per 32-block four lanes k % 4, the lanes' sum times the weight scale added in
-// block order; dense weights: four lanes over K, the tail in lane 0). Results equal the CPU's bit
-// for bit. Matrix-core GEMMs come beside it, checked against it.
+// FP8 per 32 (one thread per block), then sums exactly as the CPU fast path's (per 32-block four
+// lanes k % 4, the lanes' sum times the weight scale added in block order; dense weights: four
+// lanes over K, the tail in lane 0, one thread per output value). Quantized weights are read by
+// a thread block per output column, its threads on neighbouring K-blocks, shared by up to eight
+// rows. Results equal the CPU's bit for bit. Matrix-core GEMMs come beside it, checked against
+// it.
 #include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
@@ -28,32 +30,62 @@ __global__ void QuantizeKernel(const float* x, int64_t blocks, uint8_t* q, uint8
 }
 
 // format 0: FP8 weights [N, K] with scales [ceil(N/32), K/32]; 1: FP4 [N, K/2], scales [N, K/32].
+//
+// One thread block per output column n and group of up to kGemmRows rows: thread t takes the
+// K-blocks t, t + kGemmThreads, ... (neighbouring threads read neighbouring bytes of the weight
+// row, which the group's rows share), computes each block's ((p0 + p1) + (p2 + p3)) times the
+// weight scale for every row, and thread 0 adds those in block order. The sums are the CPU's;
+// no warp size is assumed.
+constexpr unsigned kGemmThreads = 64;
+constexpr int64_t kGemmRows = 8;
+
 __global__ void QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
                                     const uint8_t* w, const uint8_t* ws, int64_t N, int format,
                                     float* y) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= M * N) return;
-  const int64_t m = i / N, n = i % N, blocks = K / kBlock;
-  float acc = 0.0f;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const float x_scale = c::E8M0ToFloat(xs[m * blocks + b]);
-    float p[4] = {0, 0, 0, 0};
-    for (int64_t k = 0; k < kBlock; ++k) {
-      const int64_t col = b * kBlock + k;
-      const float xv = c::E4M3ToFloat(xq[m * K + col]) * x_scale;
-      float wv;
-      if (format == 0) {
-        wv = c::E4M3ToFloat(w[n * K + col]);
-      } else {
-        const uint8_t byte = w[n * (K / 2) + col / 2];
-        wv = c::E2M1ToFloat((col % 2 == 0) ? (byte & 0xF) : (byte >> 4));
+  __shared__ float partial[kGemmRows][kGemmThreads];
+  const int64_t n = blockIdx.x % N, m0 = (blockIdx.x / N) * kGemmRows;
+  const int64_t rows = M - m0 < kGemmRows ? M - m0 : kGemmRows;
+  const int64_t blocks = K / kBlock;
+  const unsigned t = threadIdx.x;
+  float acc[kGemmRows];
+  for (int64_t r = 0; r < kGemmRows; ++r) acc[r] = 0.0f;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kGemmThreads) {
+    const int64_t b = b0 + t;
+    if (b < blocks) {
+      float wv[kBlock];
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const int64_t col = b * kBlock + k;
+        if (format == 0) {
+          wv[k] = c::E4M3ToFloat(w[n * K + col]);
+        } else {
+          const uint8_t byte = w[n * (K / 2) + col / 2];
+          wv[k] = c::E2M1ToFloat((col % 2 == 0) ? (byte & 0xF) : (byte >> 4));
+        }
       }
-      p[k % 4] += xv * wv;
+      const uint8_t code = format == 0 ? ws[(n / kBlock) * blocks + b] : ws[n * blocks + b];
+      const float w_scale = c::E8M0ToFloat(code);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        const float x_scale = c::E8M0ToFloat(xs[m * blocks + b]);
+        float p[4] = {0, 0, 0, 0};
+        for (int64_t k = 0; k < kBlock; ++k) {
+          p[k % 4] += (c::E4M3ToFloat(xq[m * K + b * kBlock + k]) * x_scale) * wv[k];
+        }
+        partial[r][t] = ((p[0] + p[1]) + (p[2] + p[3])) * w_scale;
+      }
     }
-    const uint8_t code = format == 0 ? ws[(n / kBlock) * blocks + b] : ws[n * blocks + b];
-    acc += ((p[0] + p[1]) + (p[2] + p[3])) * c::E8M0ToFloat(code);
+    __syncthreads();
+    if (t == 0) {
+      const int64_t here = blocks - b0 < kGemmThreads ? blocks - b0 : kGemmThreads;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < here; ++j) acc[r] += partial[r][j];
+      }
+    }
+    __syncthreads();
   }
-  y[m * N + n] = acc;
+  if (t == 0) {
+    for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = acc[r];
+  }
 }
 
 __device__ inline float Weight(const float* w, int64_t i) { return w[i]; }
@@ -106,11 +138,13 @@ OpStatus Linear(const LinearParams& p) {
   if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
     return OpStatus::kBadArgument;
   }
+  const int64_t groups = (p.rows + kGemmRows - 1) / kGemmRows;
+  if (groups * p.out > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
   const int64_t blocks = p.rows * p.in / kBlock;
   FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
                 p.x_scales);
-  FLASHD_LAUNCH(QuantizedGemmKernel, Blocks(p.rows * p.out), kThreads, 0, stream, p.x_codes,
-                p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out,
+  FLASHD_LAUNCH(QuantizedGemmKernel, static_cast<unsigned>(groups * p.out), kGemmThreads, 0, stream,
+                p.x_codes, p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out,
                 p.format == WeightFormat::kFp8 ? 0 : 1, p.y);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
