@@ -216,6 +216,17 @@ float DenseDotPlain(const float* x, const float* w, size_t K) {
 }
 
 #if FLASHD_X86_VECTORS
+float DenseDot1Sse(const float* x, const float* w, size_t K) {
+  __m128 p = _mm_setzero_ps();
+  size_t k = 0;
+  for (; k + 4 <= K; k += 4)
+    p = _mm_add_ps(p, _mm_mul_ps(_mm_loadu_ps(x + k), _mm_loadu_ps(w + k)));
+  float lane[4];
+  _mm_storeu_ps(lane, p);
+  for (; k < K; ++k) lane[0] += x[k] * w[k];
+  return (lane[0] + lane[1]) + (lane[2] + lane[3]);
+}
+
 void DenseDot4Sse(const float* x, size_t x_stride, const float* w, size_t K, float* out) {
   __m128 p[4] = {_mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps(), _mm_setzero_ps()};
   size_t k = 0;
@@ -422,7 +433,11 @@ void DenseColumn(const float* x, size_t M, size_t K, const float* wn, size_t N, 
     for (size_t r = 0; r < 4; ++r) y[(m + r) * N + n] = out[r];
   }
 #endif
+#if FLASHD_X86_VECTORS
+  for (; m < M; ++m) y[m * N + n] = internal::DenseDot1Sse(x + m * K, wn, K);
+#else
   for (; m < M; ++m) y[m * N + n] = internal::DenseDotPlain(x + m * K, wn, K);
+#endif
 }
 
 }  // namespace

@@ -61,9 +61,10 @@ float PairedDot1Avx2(const float* x, const float* w, const float* scales, size_t
 void DecodeFp8RowPairedAvx2(const uint8_t* w, size_t K, float* out);
 void DecodeFp4RowPairedAvx2(const uint8_t* w, size_t K, float* out);
 bool CpuHasAvx2();
-// The dense path's dot product (four lanes k % 4, the tail in lane 0), plain and four rows of
-// x at once in SSE registers.
+// The dense path's dot product (four lanes k % 4, the tail in lane 0), plain, in one SSE
+// register, and four rows of x at once in SSE registers.
 float DenseDotPlain(const float* x, const float* w, size_t K);
+float DenseDot1Sse(const float* x, const float* w, size_t K);
 void DenseDot4Sse(const float* x, size_t x_stride, const float* w, size_t K, float* out);
 }  // namespace internal
 

@@ -234,7 +234,7 @@ BOOST_AUTO_TEST_CASE(paired_decoders_equal_the_plain_decoding_of_every_code) {
 #endif
 }
 
-BOOST_AUTO_TEST_CASE(dense_four_row_dot_equals_the_plain_one_bit_for_bit) {
+BOOST_AUTO_TEST_CASE(dense_vector_dots_equal_the_plain_one_bit_for_bit) {
 #if defined(__x86_64__)
   std::mt19937 rng(9);
   std::normal_distribution<float> dist(0.0f, 2.0f);
@@ -247,6 +247,8 @@ BOOST_AUTO_TEST_CASE(dense_four_row_dot_equals_the_plain_one_bit_for_bit) {
     for (size_t r = 0; r < 4; ++r) {
       const float one = internal::DenseDotPlain(&x[r * K], w.data(), K);
       BOOST_TEST(std::bit_cast<uint32_t>(four[r]) == std::bit_cast<uint32_t>(one), "K " << K);
+      const float sse = internal::DenseDot1Sse(&x[r * K], w.data(), K);
+      BOOST_TEST(std::bit_cast<uint32_t>(sse) == std::bit_cast<uint32_t>(one), "K " << K);
     }
   }
 #else
