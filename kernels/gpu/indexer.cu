@@ -1,13 +1,13 @@
 // The indexer on the device: scores (one thread per query and entry: the key decoded exactly from
 // its FP4 codes, each head's dot product in the CPU's eight lanes, the same BF16 roundings, so the
-// scores are equal bit for bit) and the candidate pre-filter (one thread per query: block maxima,
-// the newest block pinned, the best blocks in the total order).
+// scores are equal bit for bit) and the candidate pre-filter (a thread block per query: block
+// maxima, the newest block pinned, the best blocks in the total order).
 #include <cmath>
 
 #include "kernels/codecs.h"
+#include "kernels/gpu/block_select.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
-#include "kernels/gpu/select.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
@@ -43,25 +43,36 @@ __global__ void ScoreKernel(IndexerScoreParams p) {
   p.scores[i] = c::RoundBf16(total);
 }
 
+// One thread block per query: the block maxima, the mask cleared, the best blocks (a block-wide
+// selection), their entries marked.
+constexpr unsigned kCandidateThreads = 256;
+
 __global__ void CandidateKernel(CandidateFilterParams p) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= p.tokens) return;
+  const int64_t t = blockIdx.x;
+  const unsigned tid = threadIdx.x;
   const int64_t bs = p.block, nb_stride = (p.stride + bs - 1) / bs;
   const int64_t visible = p.visible[t] < p.stride ? p.visible[t] : p.stride;
   const float* score = p.scores + t * p.stride;
   float* block_score = p.block_scores + t * nb_stride;
   const int64_t blocks = (visible + bs - 1) / bs;
-  for (int64_t b = 0; b < blocks; ++b) block_score[b] = -INFINITY;
-  for (int64_t j = 0; j < visible; ++j) {
+  for (int64_t b = tid; b < blocks; b += kCandidateThreads) {
     // std::max(a, b) keeps a unless a < b: the same with NaN scores.
-    if (block_score[j / bs] < score[j]) block_score[j / bs] = score[j];
+    float best = -INFINITY;
+    const int64_t end = (b + 1) * bs < visible ? (b + 1) * bs : visible;
+    for (int64_t j = b * bs; j < end; ++j) {
+      if (best < score[j]) best = score[j];
+    }
+    block_score[b] = best;
   }
-  if (visible > 0) block_score[(visible - 1) / bs] = INFINITY;
   uint8_t* mask = p.mask + t * p.stride;
-  for (int64_t j = 0; j < p.stride; ++j) mask[j] = 0;
+  for (int64_t j = tid; j < p.stride; j += kCandidateThreads) mask[j] = 0;
+  __syncthreads();
+  if (tid == 0 && visible > 0) block_score[(visible - 1) / bs] = INFINITY;
+  __syncthreads();
   int64_t* top = p.block_top + t * p.top_blocks;
-  const int64_t got = gpu_select::SelectTop(block_score, blocks, p.top_blocks, top);
-  for (int64_t i = 0; i < got; ++i) {
+  const int64_t got =
+      gpu_select::BlockSelectTop<kCandidateThreads>(block_score, blocks, p.top_blocks, top);
+  for (int64_t i = tid; i < got; i += kCandidateThreads) {
     const int64_t b = top[i];
     if (block_score[b] == -INFINITY) continue;
     const int64_t end = (b + 1) * bs < visible ? (b + 1) * bs : visible;
@@ -90,8 +101,9 @@ OpStatus CandidateFilter(const CandidateFilterParams& p) {
   }
   if (p.order != TopKOrder::kTotal) return OpStatus::kBadArgument;
   if (p.tokens == 0) return OpStatus::kOk;
-  FLASHD_LAUNCH(CandidateKernel, static_cast<unsigned>((p.tokens + kThreads - 1) / kThreads),
-                kThreads, 0, static_cast<gpuStream_t>(p.stream), p);
+  if (p.tokens > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  FLASHD_LAUNCH(CandidateKernel, static_cast<unsigned>(p.tokens), kCandidateThreads, 0,
+                static_cast<gpuStream_t>(p.stream), p);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

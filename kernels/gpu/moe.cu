@@ -1,12 +1,12 @@
-// Top-k in the total order and the MoE router on the device. Top-k: one thread per row picks the
-// k best one after another, each the best of those ranking below the previous one (value
-// descending, then index ascending, NaN first), so it needs no memory and gives the CPU's total
-// order exactly. The reference's libstdc++ order exists on the CPU only.
+// Top-k in the total order and the MoE router on the device. Top-k: a thread block per row
+// selects in the total order (value descending, then index ascending, NaN first;
+// block_select.h), the CPU's order exactly; the router's few experts per token are picked by one
+// thread, one after another (select.h). The reference's libstdc++ order exists on the CPU only.
 #include <cmath>
 
+#include "kernels/gpu/block_select.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
-#include "kernels/gpu/select.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
@@ -14,13 +14,16 @@ namespace {
 using gpu_select::SelectTop;
 constexpr unsigned kThreads = 128;
 
-__global__ void TopKKernel(const float* values, int64_t rows, int64_t stride, int64_t k,
-                           const int64_t* n, int64_t* out) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (r >= rows) return;
+// One thread block per row.
+constexpr unsigned kSelectThreads = 256;
+
+__global__ void TopKKernel(const float* values, int64_t stride, int64_t k, const int64_t* n,
+                           int64_t* out) {
+  const int64_t r = blockIdx.x;
   const int64_t count = n[r] < stride ? n[r] : stride;
-  const int64_t got = SelectTop(values + r * stride, count, k, out + r * k);
-  for (int64_t i = got; i < k; ++i) out[r * k + i] = -1;
+  const int64_t got =
+      gpu_select::BlockSelectTop<kSelectThreads>(values + r * stride, count, k, out + r * k);
+  for (int64_t i = got + threadIdx.x; i < k; i += kSelectThreads) out[r * k + i] = -1;
 }
 
 __global__ void RouteKernel(const float* logits, const float* bias, int64_t tokens, int64_t E,
@@ -64,8 +67,9 @@ OpStatus TopK(const TopKParams& p) {
   if (p.rows < 0 || p.k < 0 || p.n == nullptr || p.out == nullptr) return OpStatus::kBadShape;
   if (p.order != TopKOrder::kTotal) return OpStatus::kBadArgument;
   if (p.rows == 0 || p.k == 0) return OpStatus::kOk;
-  FLASHD_LAUNCH(TopKKernel, static_cast<unsigned>((p.rows + kThreads - 1) / kThreads), kThreads, 0,
-                static_cast<gpuStream_t>(p.stream), p.values, p.rows, p.stride, p.k, p.n, p.out);
+  if (p.rows > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  FLASHD_LAUNCH(TopKKernel, static_cast<unsigned>(p.rows), kSelectThreads, 0,
+                static_cast<gpuStream_t>(p.stream), p.values, p.stride, p.k, p.n, p.out);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

@@ -797,6 +797,43 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
                          .n = dn.get(),
                          .order = TopKOrder::kReference,
                          .out = dout.get()}) == OpStatus::kBadArgument));
+  // Long rows and large k, as the indexer's: several radix passes over ties, both zeros,
+  // infinities and NaNs; k beyond one entry per thread, and beyond what the threads order (one
+  // thread then selects).
+  {
+    const int64_t long_rows = 3, long_stride = 6000;
+    std::vector<float> lv(long_rows * long_stride);
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    for (size_t i = 0; i < lv.size(); ++i) {
+      lv[i] = i % 3 == 0 ? static_cast<float>(level(rng)) : d(rng);
+    }
+    for (size_t i = 7; i < lv.size(); i += 611) lv[i] = 0.0f;
+    for (size_t i = 11; i < lv.size(); i += 613) lv[i] = -0.0f;
+    for (size_t i = 13; i < lv.size(); i += 997) lv[i] = std::nanf("");
+    lv[100] = INFINITY;
+    lv[200] = -INFINITY;
+    const std::vector<int64_t> ln = {long_stride, 4500, 100};
+    for (int64_t lk : {600, 5000}) {
+      std::vector<int64_t> lwant(long_rows * lk);
+      cpu::TopK({.values = lv.data(),
+                 .rows = long_rows,
+                 .stride = long_stride,
+                 .k = lk,
+                 .n = ln.data(),
+                 .order = TopKOrder::kTotal,
+                 .out = lwant.data()});
+      Dev<float> dlv(lv);
+      Dev<int64_t> dln(ln), dlout(std::vector<int64_t>(lwant.size()));
+      BOOST_REQUIRE(gpu::TopK({.values = dlv.get(),
+                               .rows = long_rows,
+                               .stride = long_stride,
+                               .k = lk,
+                               .n = dln.get(),
+                               .order = TopKOrder::kTotal,
+                               .out = dlout.get()}) == OpStatus::kOk);
+      BOOST_TEST((dlout.Host() == lwant), "k " << lk);
+    }
+  }
   const RouteScoring scorings[] = {RouteScoring::kSoftmax, RouteScoring::kSigmoid,
                                    RouteScoring::kSqrtSoftplus};
   for (RouteScoring sc : scorings) {
