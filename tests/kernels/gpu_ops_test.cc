@@ -12,6 +12,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cpu/formats.h"
@@ -96,6 +97,32 @@ double Bf16Steps(const std::vector<float>& a, const std::vector<float>& b) {
 
 bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+// TopK in the total order of `rows` rows of `stride` values (row r's first n[r]) by the CPU op
+// (first) and by the device's (second).
+std::pair<std::vector<int64_t>, std::vector<int64_t>> TopKBoth(const std::vector<float>& v,
+                                                               int64_t rows, int64_t stride,
+                                                               int64_t k,
+                                                               const std::vector<int64_t>& n) {
+  std::vector<int64_t> want(rows * k);
+  cpu::TopK({.values = v.data(),
+             .rows = rows,
+             .stride = stride,
+             .k = k,
+             .n = n.data(),
+             .order = TopKOrder::kTotal,
+             .out = want.data()});
+  Dev<float> dv(v);
+  Dev<int64_t> dn(n), dout(std::vector<int64_t>(want.size()));
+  BOOST_REQUIRE(gpu::TopK({.values = dv.get(),
+                           .rows = rows,
+                           .stride = stride,
+                           .k = k,
+                           .n = dn.get(),
+                           .order = TopKOrder::kTotal,
+                           .out = dout.get()}) == OpStatus::kOk);
+  return {std::move(want), dout.Host()};
 }
 
 const int64_t kRows[] = {1, 3, 257};
@@ -772,24 +799,10 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
   v[5] = std::nanf("");
   std::vector<int64_t> n(rows);
   for (int64_t r = 0; r < rows; ++r) n[r] = r % 71;  // Including rows shorter than k.
-  std::vector<int64_t> want(rows * k);
-  cpu::TopK({.values = v.data(),
-             .rows = rows,
-             .stride = stride,
-             .k = k,
-             .n = n.data(),
-             .order = TopKOrder::kTotal,
-             .out = want.data()});
+  const auto [want, got] = TopKBoth(v, rows, stride, k, n);
+  BOOST_TEST((got == want));
   Dev<float> dv(v);
-  Dev<int64_t> dn(n), dout(std::vector<int64_t>(want.size()));
-  BOOST_REQUIRE(gpu::TopK({.values = dv.get(),
-                           .rows = rows,
-                           .stride = stride,
-                           .k = k,
-                           .n = dn.get(),
-                           .order = TopKOrder::kTotal,
-                           .out = dout.get()}) == OpStatus::kOk);
-  BOOST_TEST((dout.Host() == want));
+  Dev<int64_t> dn(n), dout(std::vector<int64_t>(rows * k));
   BOOST_TEST((gpu::TopK({.values = dv.get(),
                          .rows = rows,
                          .stride = stride,
@@ -812,26 +825,9 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
     for (size_t i = 13; i < lv.size(); i += 997) lv[i] = std::nanf("");
     lv[100] = INFINITY;
     lv[200] = -INFINITY;
-    const std::vector<int64_t> ln = {long_stride, 4500, 100};
     for (int64_t lk : {600, 5000}) {
-      std::vector<int64_t> lwant(long_rows * lk);
-      cpu::TopK({.values = lv.data(),
-                 .rows = long_rows,
-                 .stride = long_stride,
-                 .k = lk,
-                 .n = ln.data(),
-                 .order = TopKOrder::kTotal,
-                 .out = lwant.data()});
-      Dev<float> dlv(lv);
-      Dev<int64_t> dln(ln), dlout(std::vector<int64_t>(lwant.size()));
-      BOOST_REQUIRE(gpu::TopK({.values = dlv.get(),
-                               .rows = long_rows,
-                               .stride = long_stride,
-                               .k = lk,
-                               .n = dln.get(),
-                               .order = TopKOrder::kTotal,
-                               .out = dlout.get()}) == OpStatus::kOk);
-      BOOST_TEST((dlout.Host() == lwant), "k " << lk);
+      const auto [lwant, lgot] = TopKBoth(lv, long_rows, long_stride, lk, {long_stride, 4500, 100});
+      BOOST_TEST((lgot == lwant), "k " << lk);
     }
   }
   const RouteScoring scorings[] = {RouteScoring::kSoftmax, RouteScoring::kSigmoid,
