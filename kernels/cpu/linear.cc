@@ -108,7 +108,7 @@ __attribute__((target("avx2"))) void PairedDotAvx2(const float* x, size_t x_stri
     const __m128 sb = _mm_set1_ps(scales[blocks - 1]);
     for (int g = 0; g < G; ++g) {
       __m128 q[4];
-      const int rows = R == 1 ? 1 : 4;
+      constexpr int rows = R == 1 ? 1 : 4;
       for (int r = 0; r < rows; ++r) {
         q[r] = _mm_setzero_ps();
         const float* xr = x + (4 * g + r) * x_stride + at;
@@ -116,7 +116,7 @@ __attribute__((target("avx2"))) void PairedDotAvx2(const float* x, size_t x_stri
           q[r] = _mm_add_ps(q[r], _mm_mul_ps(_mm_loadu_ps(xr + k), _mm_loadu_ps(w + at + k)));
         }
       }
-      if (R == 1) q[1] = q[2] = q[3] = q[0];
+      if constexpr (R == 1) q[1] = q[2] = q[3] = q[0];
       const __m128 t = _mm_hadd_ps(_mm_hadd_ps(q[0], q[1]), _mm_hadd_ps(q[2], q[3]));
       acc[g] = _mm_add_ps(acc[g], _mm_mul_ps(t, sb));
     }
