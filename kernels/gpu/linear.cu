@@ -88,6 +88,68 @@ __global__ void QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_
   }
 }
 
+// The free-order schedule (LinearFreeOrder), for measuring what the fixed order costs: thread t
+// keeps one running sum per row over its K-blocks, the block's threads meet in a tree, and with
+// `split` > 1 the K-blocks are shared by `split` thread blocks per output tile, whose sums land
+// by atomic adds into a zeroed output. Sums in no order the CPU has, and with atomics in the
+// order the blocks finish.
+__global__ void FreeOrderGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
+                                    const uint8_t* w, const uint8_t* ws, int64_t N, int format,
+                                    int split, float* y) {
+  __shared__ float partial[kGemmRows][kGemmThreads];
+  const int64_t tile = blockIdx.x / split, part = blockIdx.x % split;
+  const int64_t n = tile % N, m0 = (tile / N) * kGemmRows;
+  const int64_t rows = M - m0 < kGemmRows ? M - m0 : kGemmRows;
+  const int64_t blocks = K / kBlock;
+  const int64_t lo = blocks * part / split, hi = blocks * (part + 1) / split;
+  const unsigned t = threadIdx.x;
+  float acc[kGemmRows];
+  for (int64_t r = 0; r < kGemmRows; ++r) acc[r] = 0.0f;
+  for (int64_t b = lo + t; b < hi; b += kGemmThreads) {
+    float wv[kBlock];
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int64_t col = b * kBlock + k;
+      if (format == 0) {
+        wv[k] = c::E4M3ToFloat(w[n * K + col]);
+      } else {
+        const uint8_t byte = w[n * (K / 2) + col / 2];
+        wv[k] = c::E2M1ToFloat((col % 2 == 0) ? (byte & 0xF) : (byte >> 4));
+      }
+    }
+    const uint8_t code = format == 0 ? ws[(n / kBlock) * blocks + b] : ws[n * blocks + b];
+    const float w_scale = c::E8M0ToFloat(code);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = m0 + r;
+      float dot = 0.0f;
+      const uint8_t* xb = xq + m * K + b * kBlock;
+      for (int64_t k = 0; k < kBlock; ++k) dot += c::E4M3ToFloat(xb[k]) * wv[k];
+      acc[r] += dot * (c::E8M0ToFloat(xs[m * blocks + b]) * w_scale);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) partial[r][t] = acc[r];
+  __syncthreads();
+  for (unsigned half = kGemmThreads / 2; half > 0; half /= 2) {
+    if (t < half) {
+      for (int64_t r = 0; r < rows; ++r) partial[r][t] += partial[r][t + half];
+    }
+    __syncthreads();
+  }
+  if (t == 0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (split == 1) {
+        y[(m0 + r) * N + n] = partial[r][0];
+      } else {
+        atomicAdd(&y[(m0 + r) * N + n], partial[r][0]);
+      }
+    }
+  }
+}
+
+__global__ void ZeroKernel(float* y, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = 0.0f;
+}
+
 __device__ inline float Weight(const float* w, int64_t i) { return w[i]; }
 __device__ inline float Weight(const uint16_t* w, int64_t i) { return c::Bf16ToFloat(w[i]); }
 
@@ -114,6 +176,34 @@ __global__ void DenseGemmKernel(const float* x, int64_t M, int64_t K, const W* w
 
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
+// FP8 or FP4 weights: the activations quantized, then the fixed-order GEMM (split 0) or the
+// free-order one split `split` ways over K.
+OpStatus QuantizedLinear(const LinearParams& p, int split) {
+  if (p.in % kBlock != 0) return OpStatus::kBadShape;
+  if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
+    return OpStatus::kBadArgument;
+  }
+  const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
+  const int64_t groups = (p.rows + kGemmRows - 1) / kGemmRows;
+  const int64_t grid = groups * p.out * (split > 1 ? split : 1);
+  if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  const int64_t blocks = p.rows * p.in / kBlock;
+  const int format = p.format == WeightFormat::kFp8 ? 0 : 1;
+  FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
+                p.x_scales);
+  if (split == 0) {
+    FLASHD_LAUNCH(QuantizedGemmKernel, static_cast<unsigned>(grid), kGemmThreads, 0, stream,
+                  p.x_codes, p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, format, p.y);
+  } else {
+    if (split > 1) {
+      FLASHD_LAUNCH(ZeroKernel, Blocks(p.rows * p.out), kThreads, 0, stream, p.y, p.rows * p.out);
+    }
+    FLASHD_LAUNCH(FreeOrderGemmKernel, static_cast<unsigned>(grid), kGemmThreads, 0, stream,
+                  p.x_codes, p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, format, split, p.y);
+  }
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
 }  // namespace
 
 OpStatus Linear(const LinearParams& p) {
@@ -134,19 +224,18 @@ OpStatus Linear(const LinearParams& p) {
                   p.rows, p.in, reinterpret_cast<const uint16_t*>(p.w), p.out, p.y);
     return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
   }
-  if (p.in % kBlock != 0) return OpStatus::kBadShape;
-  if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
+  return QuantizedLinear(p, 0);
+}
+
+OpStatus LinearFreeOrder(const LinearParams& p, int split) {
+  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
+    return OpStatus::kBadShape;
+  }
+  if (split < 1 || p.format == WeightFormat::kDense || p.format == WeightFormat::kBf16) {
     return OpStatus::kBadArgument;
   }
-  const int64_t groups = (p.rows + kGemmRows - 1) / kGemmRows;
-  if (groups * p.out > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
-  const int64_t blocks = p.rows * p.in / kBlock;
-  FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
-                p.x_scales);
-  FLASHD_LAUNCH(QuantizedGemmKernel, static_cast<unsigned>(groups * p.out), kGemmThreads, 0, stream,
-                p.x_codes, p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out,
-                p.format == WeightFormat::kFp8 ? 0 : 1, p.y);
-  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  if (p.rows == 0) return OpStatus::kOk;
+  return QuantizedLinear(p, split);
 }
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -15,6 +15,12 @@
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 
 OpStatus Linear(const LinearParams& p);
+// FP8 and FP4 weights in a free order, for measuring what Linear's fixed order costs: each
+// thread's K-blocks summed in its registers, the thread block's threads by a tree, and K shared
+// by `split` thread blocks (1 or more) whose sums meet by atomic adds, so results depend on
+// `split` and on the order the blocks finish. Never used by the backend (gpu_bench compares
+// the two; gpu_ops_test holds it to the CPU's results within rounding).
+OpStatus LinearFreeOrder(const LinearParams& p, int split);
 OpStatus RoundBf16(const RoundBf16Params& p);
 OpStatus AddRound(const AddRoundParams& p);
 OpStatus Swiglu(const SwigluParams& p);

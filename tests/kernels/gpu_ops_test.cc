@@ -192,6 +192,81 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
   }
 }
 
+// The free-order GEMM (gpu_bench's comparison for the fixed order's cost) gives the CPU's results
+// within rounding, split over K or not: each value within 1e-5 of its row's largest magnitude
+// (a K-block dropped or counted twice, or a scale misplaced, moves values by far more). Dense
+// weights are refused.
+BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
+  std::mt19937 rng(16);
+  struct Case {
+    WeightFormat format;
+    int64_t in, out;
+  };
+  const Case cases[] = {{WeightFormat::kFp8, 64, 33},
+                        {WeightFormat::kFp8, 4480, 9},
+                        {WeightFormat::kFp4, 96, 40},
+                        {WeightFormat::kFp4, 4160, 5}};
+  for (const Case& c : cases) {
+    for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{13}}) {
+      std::vector<float> x = Normal(rng, rows * c.in), w = Normal(rng, c.out * c.in, 0.2f);
+      const flashd::testing::QuantizedWeights qw =
+          flashd::testing::QuantizeWeights(c.format, w, c.out, c.in);
+      std::vector<uint8_t> xq(x.size()), xs(x.size() / 32 + 1);
+      std::vector<float> want(rows * c.out);
+      BOOST_REQUIRE(cpu::Linear({.x = x.data(),
+                                 .rows = rows,
+                                 .in = c.in,
+                                 .out = c.out,
+                                 .format = c.format,
+                                 .w = qw.codes.data(),
+                                 .w_scales = qw.scales.data(),
+                                 .x_codes = xq.data(),
+                                 .x_scales = xs.data(),
+                                 .y = want.data()}) == OpStatus::kOk);
+      for (int split : {1, 3, 4}) {
+        Dev<float> dx(x), dy(std::vector<float>(want.size(), 7.0f));
+        Dev<uint8_t> dwq(qw.codes), dws(qw.scales), dxq(xq), dxs(xs);
+        const LinearParams p = {.x = dx.get(),
+                                .rows = rows,
+                                .in = c.in,
+                                .out = c.out,
+                                .format = c.format,
+                                .w = dwq.get(),
+                                .w_scales = dws.get(),
+                                .x_codes = dxq.get(),
+                                .x_scales = dxs.get(),
+                                .y = dy.get()};
+        BOOST_REQUIRE(gpu::LinearFreeOrder(p, split) == OpStatus::kOk);
+        const std::vector<float> got = dy.Host();
+        double worst = 0;
+        for (int64_t r = 0; r < rows; ++r) {
+          double largest = 0;
+          for (int64_t n = 0; n < c.out; ++n) {
+            largest = std::max(largest, double(std::fabs(want[r * c.out + n])));
+          }
+          for (int64_t n = 0; n < c.out; ++n) {
+            worst = std::max(worst,
+                             std::fabs(double(got[r * c.out + n]) - want[r * c.out + n]) / largest);
+          }
+        }
+        BOOST_TEST(worst <= 1e-5, "format " << static_cast<int>(c.format) << " rows " << rows
+                                            << " split " << split << ": " << worst);
+      }
+    }
+  }
+  const std::vector<float> x(32, 1.0f), dense(32, 1.0f);
+  std::vector<float> y(1);
+  Dev<float> dx(x), dd(dense), dy(y);
+  BOOST_TEST((gpu::LinearFreeOrder({.x = dx.get(),
+                                    .rows = 1,
+                                    .in = 32,
+                                    .out = 1,
+                                    .format = WeightFormat::kDense,
+                                    .dense = dd.get(),
+                                    .y = dy.get()},
+                                   1) == OpStatus::kBadArgument));
+}
+
 // BF16 matrices kept as BF16 codes (how the GPU backend holds them) give the fp32 path's results,
 // for the dense GEMM and the embedding, on both sides.
 BOOST_AUTO_TEST_CASE(bf16_weights_equal_their_fp32_values) {
