@@ -2,8 +2,9 @@
 // (no checkpoint, no file): each op of one decoding layer timed alone, the layer's step time at
 // batch 1, 8 and 64 (as the sum of its ops), extrapolated to the 40-layer model, the layer's
 // prefill of 4,096 tokens of one sequence, and the prefill GEMMs against the device's dense FP8
-// peak. Compiled once per GPU runtime
-// (gpu_bench_cuda, gpu_bench_hip, gpu_bench_hipcpu; the last only checks the bench runs).
+// peak, and each GEMM against a free-order schedule (what the fixed order costs). Compiled once
+// per GPU runtime (gpu_bench_cuda, gpu_bench_hip, gpu_bench_hipcpu; the last only checks the
+// bench runs).
 //
 //   build/bench/gpu_bench_cuda [--tiny] [--reps N]
 //
@@ -111,19 +112,21 @@ Weight Dense(int64_t out, int64_t in) {
   return {k::WeightFormat::kDense, nullptr, nullptr, Floats(out * in, 0.05f), in, out};
 }
 
-void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y) {
-  CheckOp(g::Linear({.x = x,
-                     .rows = rows,
-                     .in = w.in,
-                     .out = w.out,
-                     .format = w.format,
-                     .w = w.w,
-                     .w_scales = w.scales,
-                     .dense = w.dense,
-                     .x_codes = xq,
-                     .x_scales = xs,
-                     .y = y}),
-          "Linear");
+// The shipped GEMM (split 0), or the free-order one split `split` ways over K.
+void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
+              int split = 0) {
+  const k::LinearParams p = {.x = x,
+                             .rows = rows,
+                             .in = w.in,
+                             .out = w.out,
+                             .format = w.format,
+                             .w = w.w,
+                             .w_scales = w.scales,
+                             .dense = w.dense,
+                             .x_codes = xq,
+                             .x_scales = xs,
+                             .y = y};
+  CheckOp(split == 0 ? g::Linear(p) : g::LinearFreeOrder(p, split), "Linear");
 }
 
 // Seconds per call of `op`, best of three rounds of `reps` calls each.
@@ -373,13 +376,13 @@ class Layer {
     return rows;
   }
 
-  // A linear layer at `rows` tokens: seconds per call.
-  double TimeLinear(const Weight& w, int64_t rows, int reps) {
+  // A linear layer at `rows` tokens: seconds per call (split as LinearOn's).
+  double TimeLinear(const Weight& w, int64_t rows, int reps, int split = 0) {
     float* x = Floats(rows * w.in, 1.0f);
     float* y = Alloc<float>(rows * w.out);
     uint8_t* xq = Alloc<uint8_t>(rows * w.in);
     uint8_t* xs = Alloc<uint8_t>(rows * w.in / 32);
-    const double s = Time([&] { LinearOn(w, x, rows, xq, xs, y); }, reps);
+    const double s = Time([&] { LinearOn(w, x, rows, xq, xs, y, split); }, reps);
     for (void* p : {static_cast<void*>(x), static_cast<void*>(y), static_cast<void*>(xq),
                     static_cast<void*>(xs)}) {
       g::DeviceFree(p);
@@ -388,6 +391,8 @@ class Layer {
   }
 
   const Weight& wq_a() const { return wq_a_; }
+  const Weight& wq_b() const { return wq_b_; }
+  const Weight& wkv() const { return wkv_; }
   const Weight& wo_b() const { return wo_b_; }
   const std::vector<Weight>& shared() const { return shared_; }
   const std::vector<Weight>& expert(int64_t e) const { return experts_[e]; }
@@ -480,6 +485,18 @@ class Layer {
   k::PagedRows kv_rows_, kv_scales_;
 };
 
+// The free-order GEMM's best time over splits 1, 2, 4, ... max_split (each thread block keeping
+// at least one K-block per thread): seconds, and the split that gave it in `*split`.
+double FreeOrderBest(Layer& layer, const Weight& w, int64_t rows, int reps, int* split,
+                     int max_split = 32) {
+  double best = 1e30;
+  for (int s = 1; s <= max_split && (s == 1 || w.in / 32 / s >= 64); s *= 2) {
+    const double t = layer.TimeLinear(w, rows, reps, s);
+    if (t < best) best = t, *split = s;
+  }
+  return best;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -547,6 +564,41 @@ int main(int argc, char** argv) {
                 batch / (s * d.layers));
   }
 
+  // What the fixed order costs: the shipped GEMMs (the CPU's order, the same whatever the batch)
+  // against the free-order schedule at its best split for each shape, which no backend uses.
+  std::printf(
+      "\nfixed order vs free order (tree sums, K split over thread blocks by atomic adds, the best "
+      "of splits 1-32)\n");
+  std::printf("%-22s %5s %6s %6s %12s %12s %6s %10s\n", "GEMM", "M", "N", "K", "fixed us",
+              "free us", "split", "fixed/free");
+  struct Decode {
+    std::string name;
+    const Weight* w;
+  };
+  const std::vector<Decode> decode_gemms = {{"wq_a (FP8)", &layer.wq_a()},
+                                            {"wq_b (FP8)", &layer.wq_b()},
+                                            {"wkv (FP8)", &layer.wkv()},
+                                            {"wo_b (FP8)", &layer.wo_b()},
+                                            {"shared gate (FP8)", &layer.shared()[0]},
+                                            {"shared down (FP8)", &layer.shared()[2]},
+                                            {"expert gate (FP4)", &layer.expert(0)[0]},
+                                            {"expert down (FP4)", &layer.expert(0)[2]}};
+  for (int64_t batch : {1, 8, 64}) {
+    double fixed_sum = 0, free_sum = 0;
+    for (const Decode& gm : decode_gemms) {
+      int split = 1;
+      const double fixed = layer.TimeLinear(*gm.w, batch, reps);
+      const double free = FreeOrderBest(layer, *gm.w, batch, reps, &split);
+      fixed_sum += fixed, free_sum += free;
+      std::printf("%-22s %5lld %6lld %6lld %12.1f %12.1f %6d %9.2fx\n", gm.name.c_str(),
+                  static_cast<long long>(batch), static_cast<long long>(gm.w->out),
+                  static_cast<long long>(gm.w->in), fixed * 1e6, free * 1e6, split, fixed / free);
+    }
+    std::printf("%-22s %5lld %6s %6s %12.1f %12.1f %6s %9.2fx\n", "these GEMMs",
+                static_cast<long long>(batch), "", "", fixed_sum * 1e6, free_sum * 1e6, "",
+                fixed_sum / free_sum);
+  }
+
   // Prefill: one layer over a chunk of one sequence's tokens, the same ops.
   double prefill_s = 0;
   for (const Row& r : layer.Decode(tokens, std::max(1, reps / 10), rng, true)) {
@@ -564,8 +616,8 @@ int main(int argc, char** argv) {
       device.find("H100") != std::string::npos || device.find("H200") != std::string::npos;
   std::printf("\nprefill GEMMs (%lld tokens)%s\n", static_cast<long long>(tokens),
               hopper ? "; peak: 1979 TFLOP/s dense FP8 (NVIDIA's H100/H200 SXM datasheet)" : "");
-  std::printf("%-28s %6s %6s %6s %10s %10s %8s\n", "GEMM", "M", "N", "K", "us", "TFLOP/s",
-              "of peak");
+  std::printf("%-28s %6s %6s %6s %10s %10s %8s %12s\n", "GEMM", "M", "N", "K", "us", "TFLOP/s",
+              "of peak", "free-order us");
   struct Gemm {
     std::string name;
     const Weight* w;
@@ -579,10 +631,14 @@ int main(int argc, char** argv) {
   for (const Gemm& gm : gemms) {
     const double s = layer.TimeLinear(*gm.w, gm.rows, std::max(1, reps / 4));
     const double tflops = 2.0 * gm.rows * gm.w->out * gm.w->in / s / 1e12;
-    std::printf("%-28s %6lld %6lld %6lld %10.1f %10.2f %7.2f%%\n", gm.name.c_str(),
+    int split = 1;
+    // Thousands of rows fill the device without a split.
+    const double free =
+        FreeOrderBest(layer, *gm.w, gm.rows, std::max(1, reps / 4), &split, gm.rows <= 64 ? 32 : 1);
+    std::printf("%-28s %6lld %6lld %6lld %10.1f %10.2f %7.2f%% %12.1f\n", gm.name.c_str(),
                 static_cast<long long>(gm.rows), static_cast<long long>(gm.w->out),
                 static_cast<long long>(gm.w->in), s * 1e6, tflops,
-                hopper ? 100.0 * tflops / 1979.0 : 0.0);
+                hopper ? 100.0 * tflops / 1979.0 : 0.0, free * 1e6);
   }
   return 0;
 }
