@@ -1,6 +1,6 @@
-// Sparse attention on the device, as the portable correctness path: one thread per query and
-// head walks that query's key list (kernels/ops.h: the window's slots, then the selected
-// entries) once, in blocks of kAttentionBlock, each key's logit computed once, with the
+// Sparse attention on the device, as the portable path: a thread block per query and head walks
+// that query's key list (kernels/ops.h: the window's slots, then the selected entries) once, in
+// blocks of kAttentionBlock, each key's logit computed once (a thread per key), with the
 // release's online softmax: the block's largest logit, then its probabilities (fp32 into the
 // denominator, BF16 into the values' sum), the running sums rescaled by exp(m - m'). Each dot
 // product sums over the dimensions in order and each block's weighted sum over its keys in list
@@ -77,49 +77,70 @@ struct KeyWalk {
   }
 };
 
+// One thread block per query and head. Thread 0 walks the key list and gathers a block of it;
+// the threads compute its logits (a key each, its dot product over the dimensions in order);
+// thread 0 takes the block's largest logit and its probabilities and denominator in list order;
+// then each thread updates its dimensions of the accumulator (dimension d: the block's keys in
+// list order). The same sums in the same order as the CPU's, spread over the threads.
 __global__ void AttendKernel(SparseAttentionParams p) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= p.tokens * p.heads) return;
-  const int64_t t = i / p.heads, h = i % p.heads, hd = p.head_dim;
-  KeyWalk keys{p, t, AttentionKeys::Of(p, t)};
+  __shared__ Key key[kAttentionBlock];
+  __shared__ float weight[kAttentionBlock];  // The block's logits, then its BF16 probabilities.
+  __shared__ int64_t count;                  // The block's keys; 0: the list is done.
+  __shared__ float rescale, denom;
+  const int64_t i = blockIdx.x, t = i / p.heads, h = i % p.heads, hd = p.head_dim;
+  const unsigned tid = threadIdx.x, threads = blockDim.x;
+  KeyWalk keys{p, t, AttentionKeys::Of(p, t)};  // Walked by thread 0 only.
   const float* q = p.q + i * hd;
   const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
   float* out = p.out + i * hd;  // The accumulator, then the output.
-  for (int64_t d = 0; d < hd; ++d) out[d] = 0;
-  float m = -1e30f, denom = 0;
-  Key key[kAttentionBlock];
-  float weight[kAttentionBlock];  // The block's logits, then its BF16 probabilities.
-  while (!keys.Done()) {
-    // One block of the list: its keys, each one's logit once, the block's largest.
-    const int64_t b = keys.Block();
-    int64_t n = 0;
-    float block_max = -INFINITY;
-    do {
-      key[n] = keys.Next();
-      float dot = 0;
-      for (int64_t d = 0; d < hd; ++d) dot += q[d] * KeyValue(p, key[n], d);
-      weight[n] = dot * scale;
-      block_max = fmaxf(block_max, weight[n]);
-      ++n;
-    } while (!keys.Done() && keys.Block() == b);
-    const float m_new = fmaxf(m, block_max);
-    const float rescale = expf(m - m_new);
-    float sum = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const float pj = expf(weight[j] - m_new);
-      sum += pj;
-      weight[j] = c::RoundBf16(pj);
+  for (int64_t d = tid; d < hd; d += threads) out[d] = 0;
+  float m = -1e30f;  // Thread 0's running maximum.
+  if (tid == 0) denom = 0;
+  for (;;) {
+    if (tid == 0) {
+      int64_t n = 0;
+      if (!keys.Done()) {
+        const int64_t b = keys.Block();
+        do {
+          key[n++] = keys.Next();
+        } while (!keys.Done() && keys.Block() == b);
+      }
+      count = n;
     }
-    denom = denom * rescale + sum;
-    for (int64_t d = 0; d < hd; ++d) {
+    __syncthreads();
+    const int64_t n = count;
+    if (n == 0) break;
+    for (int64_t j = tid; j < n; j += threads) {
+      float dot = 0;
+      for (int64_t d = 0; d < hd; ++d) dot += q[d] * KeyValue(p, key[j], d);
+      weight[j] = dot * scale;
+    }
+    __syncthreads();
+    if (tid == 0) {
+      float block_max = -INFINITY;
+      for (int64_t j = 0; j < n; ++j) block_max = fmaxf(block_max, weight[j]);
+      const float m_new = fmaxf(m, block_max);
+      rescale = expf(m - m_new);
+      float sum = 0;
+      for (int64_t j = 0; j < n; ++j) {
+        const float pj = expf(weight[j] - m_new);
+        sum += pj;
+        weight[j] = c::RoundBf16(pj);
+      }
+      denom = denom * rescale + sum;
+      m = m_new;
+    }
+    __syncthreads();
+    for (int64_t d = tid; d < hd; d += threads) {
       float block = 0;
       for (int64_t j = 0; j < n; ++j) block += weight[j] * KeyValue(p, key[j], d);
       out[d] = out[d] * rescale + block;
     }
-    m = m_new;
+    __syncthreads();  // Before thread 0 gathers the next block.
   }
-  denom += expf(p.sink[h] - m);
-  for (int64_t d = 0; d < hd; ++d) out[d] = c::RoundBf16(out[d] / denom);
+  if (tid == 0) denom += expf(p.sink[h] - m);
+  __syncthreads();
+  for (int64_t d = tid; d < hd; d += threads) out[d] = c::RoundBf16(out[d] / denom);
 }
 
 }  // namespace
@@ -132,7 +153,8 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
   }
   const int64_t n = p.tokens * p.heads;
   if (n == 0) return OpStatus::kOk;
-  FLASHD_LAUNCH(AttendKernel, static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0,
+  if (n > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  FLASHD_LAUNCH(AttendKernel, static_cast<unsigned>(n), kThreads, 0,
                 static_cast<gpuStream_t>(p.stream), p);
   if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
   // Each head rotated back by its query's position.
