@@ -30,7 +30,22 @@ __global__ void QuantizeKernel(const float* x, int64_t blocks, uint8_t* q, uint8
 }
 
 // format 0: FP8 weights [N, K] with scales [ceil(N/32), K/32]; 1: FP4 [N, K/2], scales [N, K/32].
-//
+// K-block b of weight row n decoded into wv[0..kBlock); returns the block's scale.
+__device__ inline float WeightBlock(const uint8_t* w, const uint8_t* ws, int64_t n, int64_t K,
+                                    int64_t b, int format, float* wv) {
+  for (int64_t k = 0; k < kBlock; ++k) {
+    const int64_t col = b * kBlock + k;
+    if (format == 0) {
+      wv[k] = c::E4M3ToFloat(w[n * K + col]);
+    } else {
+      const uint8_t byte = w[n * (K / 2) + col / 2];
+      wv[k] = c::E2M1ToFloat((col % 2 == 0) ? (byte & 0xF) : (byte >> 4));
+    }
+  }
+  const int64_t blocks = K / kBlock;
+  return c::E8M0ToFloat(format == 0 ? ws[(n / kBlock) * blocks + b] : ws[n * blocks + b]);
+}
+
 // One thread block per output column n and group of up to kGemmRows rows: thread t takes the
 // K-blocks t, t + kGemmThreads, ... (neighbouring threads read neighbouring bytes of the weight
 // row, which the group's rows share), computes each block's ((p0 + p1) + (p2 + p3)) times the
@@ -53,17 +68,7 @@ __global__ void QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_
     const int64_t b = b0 + t;
     if (b < blocks) {
       float wv[kBlock];
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const int64_t col = b * kBlock + k;
-        if (format == 0) {
-          wv[k] = c::E4M3ToFloat(w[n * K + col]);
-        } else {
-          const uint8_t byte = w[n * (K / 2) + col / 2];
-          wv[k] = c::E2M1ToFloat((col % 2 == 0) ? (byte & 0xF) : (byte >> 4));
-        }
-      }
-      const uint8_t code = format == 0 ? ws[(n / kBlock) * blocks + b] : ws[n * blocks + b];
-      const float w_scale = c::E8M0ToFloat(code);
+      const float w_scale = WeightBlock(w, ws, n, K, b, format, wv);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t m = m0 + r;
         const float x_scale = c::E8M0ToFloat(xs[m * blocks + b]);
@@ -107,17 +112,7 @@ __global__ void FreeOrderGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_
   for (int64_t r = 0; r < kGemmRows; ++r) acc[r] = 0.0f;
   for (int64_t b = lo + t; b < hi; b += kGemmThreads) {
     float wv[kBlock];
-    for (int64_t k = 0; k < kBlock; ++k) {
-      const int64_t col = b * kBlock + k;
-      if (format == 0) {
-        wv[k] = c::E4M3ToFloat(w[n * K + col]);
-      } else {
-        const uint8_t byte = w[n * (K / 2) + col / 2];
-        wv[k] = c::E2M1ToFloat((col % 2 == 0) ? (byte & 0xF) : (byte >> 4));
-      }
-    }
-    const uint8_t code = format == 0 ? ws[(n / kBlock) * blocks + b] : ws[n * blocks + b];
-    const float w_scale = c::E8M0ToFloat(code);
+    const float w_scale = WeightBlock(w, ws, n, K, b, format, wv);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t m = m0 + r;
       float dot = 0.0f;

@@ -125,6 +125,27 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> TopKBoth(const std::vector
   return {std::move(want), dout.Host()};
 }
 
+// A linear layer's shape; Params fills a LinearParams of it with the given buffers (host ones
+// for the CPU op, device ones for the GPU's).
+struct LinearShape {
+  WeightFormat format;
+  int64_t rows, in, out;
+  LinearParams Params(const float* x, const uint8_t* w, const uint8_t* w_scales, const float* dense,
+                      uint8_t* x_codes, uint8_t* x_scales, float* y) const {
+    return {.x = x,
+            .rows = rows,
+            .in = in,
+            .out = out,
+            .format = format,
+            .w = w,
+            .w_scales = w_scales,
+            .dense = dense,
+            .x_codes = x_codes,
+            .x_scales = x_scales,
+            .y = y};
+  }
+};
+
 const int64_t kRows[] = {1, 3, 257};
 
 BOOST_AUTO_TEST_SUITE(gpu_ops)
@@ -159,30 +180,13 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
       const std::vector<uint8_t>& ws = qw.scales;
       std::vector<uint8_t> xq(x.size()), xs(x.size() / 32 + 1);
       std::vector<float> want(rows * c.out);
-      BOOST_REQUIRE(cpu::Linear({.x = x.data(),
-                                 .rows = rows,
-                                 .in = c.in,
-                                 .out = c.out,
-                                 .format = c.format,
-                                 .w = wq.data(),
-                                 .w_scales = ws.data(),
-                                 .dense = w.data(),
-                                 .x_codes = xq.data(),
-                                 .x_scales = xs.data(),
-                                 .y = want.data()}) == OpStatus::kOk);
+      const LinearShape shape{c.format, rows, c.in, c.out};
+      BOOST_REQUIRE(cpu::Linear(shape.Params(x.data(), wq.data(), ws.data(), w.data(), xq.data(),
+                                             xs.data(), want.data())) == OpStatus::kOk);
       Dev<float> dx(x), dw(w), dy(std::vector<float>(want.size()));
       Dev<uint8_t> dwq(wq), dws(ws), dxq(xq), dxs(xs);
-      BOOST_REQUIRE(gpu::Linear({.x = dx.get(),
-                                 .rows = rows,
-                                 .in = c.in,
-                                 .out = c.out,
-                                 .format = c.format,
-                                 .w = dwq.get(),
-                                 .w_scales = dws.get(),
-                                 .dense = dw.get(),
-                                 .x_codes = dxq.get(),
-                                 .x_scales = dxs.get(),
-                                 .y = dy.get()}) == OpStatus::kOk);
+      BOOST_REQUIRE(gpu::Linear(shape.Params(dx.get(), dwq.get(), dws.get(), dw.get(), dxq.get(),
+                                             dxs.get(), dy.get())) == OpStatus::kOk);
       BOOST_TEST(BitEqual(dy.Host(), want),
                  "format " << static_cast<int>(c.format) << " rows " << rows);
       if (c.format != WeightFormat::kDense) {
@@ -213,30 +217,15 @@ BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
           flashd::testing::QuantizeWeights(c.format, w, c.out, c.in);
       std::vector<uint8_t> xq(x.size()), xs(x.size() / 32 + 1);
       std::vector<float> want(rows * c.out);
-      BOOST_REQUIRE(cpu::Linear({.x = x.data(),
-                                 .rows = rows,
-                                 .in = c.in,
-                                 .out = c.out,
-                                 .format = c.format,
-                                 .w = qw.codes.data(),
-                                 .w_scales = qw.scales.data(),
-                                 .x_codes = xq.data(),
-                                 .x_scales = xs.data(),
-                                 .y = want.data()}) == OpStatus::kOk);
+      const LinearShape shape{c.format, rows, c.in, c.out};
+      BOOST_REQUIRE(cpu::Linear(shape.Params(x.data(), qw.codes.data(), qw.scales.data(), nullptr,
+                                             xq.data(), xs.data(), want.data())) == OpStatus::kOk);
       for (int split : {1, 3, 4}) {
         Dev<float> dx(x), dy(std::vector<float>(want.size(), 7.0f));
         Dev<uint8_t> dwq(qw.codes), dws(qw.scales), dxq(xq), dxs(xs);
-        const LinearParams p = {.x = dx.get(),
-                                .rows = rows,
-                                .in = c.in,
-                                .out = c.out,
-                                .format = c.format,
-                                .w = dwq.get(),
-                                .w_scales = dws.get(),
-                                .x_codes = dxq.get(),
-                                .x_scales = dxs.get(),
-                                .y = dy.get()};
-        BOOST_REQUIRE(gpu::LinearFreeOrder(p, split) == OpStatus::kOk);
+        BOOST_REQUIRE(gpu::LinearFreeOrder(shape.Params(dx.get(), dwq.get(), dws.get(), nullptr,
+                                                        dxq.get(), dxs.get(), dy.get()),
+                                           split) == OpStatus::kOk);
         const std::vector<float> got = dy.Host();
         double worst = 0;
         for (int64_t r = 0; r < rows; ++r) {
@@ -257,13 +246,9 @@ BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
   const std::vector<float> x(32, 1.0f), dense(32, 1.0f);
   std::vector<float> y(1);
   Dev<float> dx(x), dd(dense), dy(y);
-  BOOST_TEST((gpu::LinearFreeOrder({.x = dx.get(),
-                                    .rows = 1,
-                                    .in = 32,
-                                    .out = 1,
-                                    .format = WeightFormat::kDense,
-                                    .dense = dd.get(),
-                                    .y = dy.get()},
+  const LinearShape dense_shape{WeightFormat::kDense, 1, 32, 1};
+  BOOST_TEST((gpu::LinearFreeOrder(dense_shape.Params(dx.get(), nullptr, nullptr, dd.get(), nullptr,
+                                                      nullptr, dy.get()),
                                    1) == OpStatus::kBadArgument));
 }
 
