@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
       KvPool& pool = *(*fwd)->pool();
       for (int64_t b = 0; b < position / block; ++b) {
         const int32_t id = pool.Allocate();
-        uint8_t* data = pool.data(id);
+        uint8_t* data = pool.mutable_data(id);
         for (size_t i = 0; i < pool.block_bytes(); ++i) data[i] = static_cast<uint8_t>(byte(rng));
         blocks.push_back(id);
       }

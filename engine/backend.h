@@ -28,8 +28,12 @@ inline constexpr std::string_view kCpuNumerics = "cpu/2";
 struct BackendReport {
   std::string backend;         // "cpu", "cuda", "hip" or "hipcpu".
   std::string device;          // The device's name ("cpu" for the CPU).
-  uint64_t memory_in_use = 0;  // Device bytes the backend holds (weights and workspace).
+  uint64_t memory_in_use = 0;  // Device bytes the backend holds (weights, KV and workspace).
   uint64_t memory_total = 0;   // The device's memory; 0 for the CPU.
+  // The KV pool's blocks kept on the device (a GPU backend's KV arena): its bytes, and how many
+  // times a block was copied there (once when first read, again after its host bytes changed).
+  uint64_t kv_device_bytes = 0;
+  uint64_t kv_blocks_copied = 0;
 };
 
 class Backend {

@@ -64,7 +64,7 @@ StatusOr<BlockReservation> BlockManager::Reserve(std::vector<int32_t>* blocks, s
     // Shared with another sequence: this one writes its own copy.
     const int32_t copy = pool_->Allocate();
     if (copy < 0) return full("while copying a shared block");
-    std::memcpy(pool_->data(copy), pool_->data(original), pool_->block_bytes());
+    std::memcpy(pool_->mutable_data(copy), pool_->data(original), pool_->block_bytes());
     (*blocks)[i] = copy;
     r.copies_.push_back({i, original, copy});
   }

@@ -152,6 +152,13 @@ struct CpuForward::Impl {
   const Backend* LayerBackend(int l) const { return backends[layer_backend[l]].get(); }
   Status Place(Placement placement);
 
+  // One region of a KV source in every block of the pool, with the pool's block versions.
+  kernels::PagedRows Rows(const KvBlockLayout::Source& src,
+                          const KvBlockLayout::Region& region) const {
+    return {pool->block_table(), src.entries_per_block, region.offset,
+            region.row_bytes,    pool->versions(),      layout->block_bytes};
+  }
+
   Status Prepare(const Model& m, const std::string& tokenizer_json);
   const TensorView& T(const std::string& name) const { return *model->weights().tensors.at(name); }
   Linear Lin(const std::string& prefix) const;
@@ -922,10 +929,8 @@ Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
   kernels::PagedRows kv_codes, kv_scales;
   if (width > 0) {
     const KvBlockLayout::Source& src = m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
-    kv_codes = {m_.pool->block_table(), src.entries_per_block, src.kv_codes.offset,
-                src.kv_codes.row_bytes};
-    kv_scales = {m_.pool->block_table(), src.entries_per_block, src.kv_scales.offset,
-                 src.kv_scales.row_bytes};
+    kv_codes = m_.Rows(src, src.kv_codes);
+    kv_scales = m_.Rows(src, src.kv_scales);
   }
   const SequenceState::Ring& ring = st.rings[l];
   FLASHD_OP(SparseAttention, {.q = &q[sg.offset * H * hd],
@@ -1085,22 +1090,19 @@ Status Step::Compress(int l, size_t seg, const float* kvp, const float* score) {
                         .round_input = true});
   }
   const KvBlockLayout::Source& src = m_.layout->sources[source];
-  uint8_t* const* table = m_.pool->block_table();
-  const int64_t per = src.entries_per_block;
-  FLASHD_OP(CompressWrite,
-            {.latent = latents.data(),
-             .key = keys.empty() ? nullptr : keys.data(),
-             .groups = count,
-             .head_dim = hd,
-             .index_dim = idd,
-             .rope_dim = c_.qk_rope_head_dim,
-             .positions = groups.positions.data(),
-             .freqs = L.freqs.data(),
-             .rows = groups.rows.data(),
-             .kv_codes = {table, per, src.kv_codes.offset, src.kv_codes.row_bytes},
-             .kv_scales = {table, per, src.kv_scales.offset, src.kv_scales.row_bytes},
-             .key_codes = {table, per, src.key_codes.offset, src.key_codes.row_bytes},
-             .key_scales = {table, per, src.key_scales.offset, src.key_scales.row_bytes}});
+  FLASHD_OP(CompressWrite, {.latent = latents.data(),
+                            .key = keys.empty() ? nullptr : keys.data(),
+                            .groups = count,
+                            .head_dim = hd,
+                            .index_dim = idd,
+                            .rope_dim = c_.qk_rope_head_dim,
+                            .positions = groups.positions.data(),
+                            .freqs = L.freqs.data(),
+                            .rows = groups.rows.data(),
+                            .kv_codes = m_.Rows(src, src.kv_codes),
+                            .kv_scales = m_.Rows(src, src.kv_scales),
+                            .key_codes = m_.Rows(src, src.key_codes),
+                            .key_scales = m_.Rows(src, src.key_scales)});
   compressors_[seg][l].entries = groups.first_entry + count;
   return Status::Ok();
 }
@@ -1133,11 +1135,8 @@ Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_
   for (size_t t = 0; t < sg.count; ++t) visible[t] = (plan_.positions[sg.offset + t] + 1) / ratio;
   const int64_t stride = visible.empty() ? 0 : visible.back();
   const KvBlockLayout::Source& src = m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
-  uint8_t* const* table = m_.pool->block_table();
-  const kernels::PagedRows key_codes{table, src.entries_per_block, src.key_codes.offset,
-                                     src.key_codes.row_bytes};
-  const kernels::PagedRows key_scales{table, src.entries_per_block, src.key_scales.offset,
-                                      src.key_scales.row_bytes};
+  const kernels::PagedRows key_codes = m_.Rows(src, src.key_codes);
+  const kernels::PagedRows key_scales = m_.Rows(src, src.key_scales);
   const int32_t* block_table = items_[seg].state->blocks.data();
   const int64_t topk = c_.index_topk, bs = c_.candidate_block_size;
   // Queries go in chunks whose score rows fit in about 64 MiB.

@@ -4,12 +4,15 @@
 //
 // Memory. The weights an op reads are uploaded the first time and stay on the device, as stored:
 // FP8 and FP4 codes with their scales, and BF16 matrices (which the forward pass keeps as fp32
-// values) as BF16 codes again, never widened. Everything else an op touches (activations, the
-// sequence's window ring and compressor groups, the KV blocks it reads or writes) is copied to
-// device workspace for the op and its outputs copied back, so the forward pass's host state stays
-// the one authority: the prefix cache, snapshots, forks and copy on write work unchanged, and each
-// op's results are exactly its kernel's. What this costs in transfers is the price of a first,
-// checked version; activations and the KV arena resident on the device remove it.
+// values) as BF16 codes again, never widened. The KV pool's blocks stay on the device too (the
+// KV arena, KvArena below): a block is copied there when an op first reads it and again only
+// after its bytes changed on the host (the pool's block versions say when: a restore from the
+// prefix cache, a snapshot read, a copy on write, a CPU backend's write in a layer split); what
+// a kernel writes into a block is copied back to the host block at once. So the pool's host
+// bytes stay the one authority the prefix cache, snapshots and forks read, and the indexer and
+// the attention read their keys and KV in place. Everything else an op touches (activations,
+// the sequence's window ring and compressor groups) is copied to device workspace for the op
+// and its outputs copied back; activations resident on the device remove that.
 //
 // Two ops stay on the host: the Engram gather (its tables live in host memory by design; the
 // rows a step needs are known from its tokens) and, for the reference's own top-k order (the
@@ -47,7 +50,141 @@ constexpr size_t kMinChunk = size_t{64} << 20;
 
 size_t Count(int64_t n) { return n > 0 ? static_cast<size_t>(n) : 0; }
 
-// The device memory a backend holds: resident weights, and workspace reused by every op.
+// Device copies of the KV pool's blocks, kept from op to op. A block is copied to the device when
+// an op needs it and its version (kernels::PagedRows::versions) is not the one copied last; a
+// block's slot, once given, stays its own for the backend's life (the pool reuses its ids and
+// its capacity bounds them). REQUIRES: one pool per backend (a CpuForward's).
+class KvArena {
+ public:
+  KvArena() = default;
+  KvArena(const KvArena&) = delete;
+  KvArena& operator=(const KvArena&) = delete;
+  ~KvArena() {
+    for (void* c : chunks_) g::DeviceFree(c);
+    if (table_ != nullptr) g::DeviceFree(table_);
+  }
+
+  // The device table (block id -> its copy) after making every block of `ids` current from
+  // the host blocks of `pool`. Null with *error set when a copy failed, or with *error empty
+  // when device memory ran out (the caller then copies the blocks for its op alone).
+  uint8_t** Prepare(const std::vector<int64_t>& ids, const k::PagedRows& pool, std::string* error) {
+    if (ids.empty()) return table_;
+    if (block_bytes_ != 0 && block_bytes_ != pool.block_bytes) {
+      *error = "KV arena: blocks of " + std::to_string(pool.block_bytes) + " bytes after " +
+               std::to_string(block_bytes_);
+      return nullptr;
+    }
+    block_bytes_ = pool.block_bytes;
+    slot_bytes_ = (block_bytes_ + kAlign - 1) / kAlign * kAlign;
+    const size_t top = static_cast<size_t>(ids.back()) + 1;  // ids are sorted.
+    if (top > slots_.size()) {
+      slots_.resize(top, nullptr);
+      held_.resize(top, 0);
+    }
+    if (top > table_size_ && !GrowTable(top, error)) return nullptr;
+    // The table entries of slots given out by this call go to the device even when a later
+    // block finds no memory, since the slots stay given.
+    size_t lo = SIZE_MAX, hi = 0;
+    auto publish = [&] {
+      if (lo >= hi) return true;
+      const std::string e =
+          g::CopyToDevice(table_ + lo, slots_.data() + lo, (hi - lo) * sizeof(uint8_t*));
+      if (!e.empty()) *error = e;
+      return e.empty();
+    };
+    for (int64_t id : ids) {
+      const size_t i = static_cast<size_t>(id);
+      if (slots_[i] == nullptr) {
+        if ((slots_[i] = NewSlot()) == nullptr) {
+          publish();
+          return nullptr;
+        }
+        lo = std::min(lo, i);
+        hi = std::max(hi, i + 1);
+      }
+      if (held_[i] != pool.versions[i]) {
+        if (const std::string e = g::CopyToDevice(slots_[i], pool.blocks[i], block_bytes_);
+            !e.empty()) {
+          publish();
+          *error = e;
+          return nullptr;
+        }
+        held_[i] = pool.versions[i];
+        ++copied_;
+      }
+    }
+    return publish() ? table_ : nullptr;
+  }
+
+  // After a kernel wrote rows of block `id`, all within [lo, hi) of the block: those bytes go
+  // back to the host block, whose version moves on, and the device copy stays current.
+  std::string WriteBack(int64_t id, size_t lo, size_t hi, const k::PagedRows& pool) {
+    const size_t i = static_cast<size_t>(id);
+    if (const std::string e = g::CopyToHost(pool.blocks[i] + lo, slots_[i] + lo, hi - lo);
+        !e.empty()) {
+      return e;
+    }
+    pool.versions[i] += 1;
+    held_[i] = pool.versions[i];
+    return "";
+  }
+
+  uint64_t bytes() const { return bytes_; }
+  uint64_t copied() const { return copied_; }
+
+ private:
+  bool GrowTable(size_t need, std::string* error) {
+    const size_t size = std::max(need, 2 * table_size_);
+    void* table = nullptr;
+    if (!g::DeviceAlloc(&table, size * sizeof(uint8_t*)).empty()) return false;  // Out of memory.
+    std::vector<uint8_t*> host(size, nullptr);
+    std::copy(slots_.begin(), slots_.end(), host.begin());
+    if (const std::string e = g::CopyToDevice(table, host.data(), size * sizeof(uint8_t*));
+        !e.empty()) {
+      g::DeviceFree(table);
+      *error = e;
+      return false;
+    }
+    if (table_ != nullptr) g::DeviceFree(table_);
+    bytes_ += (size - table_size_) * sizeof(uint8_t*);
+    table_ = static_cast<uint8_t**>(table);
+    table_size_ = size;
+    return true;
+  }
+
+  // A block's slot from the current chunk; a new chunk (as many slots as are given already,
+  // from 64 up to 64 MiB) when it is full. Null when the device has no memory for one.
+  uint8_t* NewSlot() {
+    if (chunk_left_ == 0) {
+      const size_t most = std::max<size_t>(kMinChunk / slot_bytes_, 64);
+      const size_t slots = std::clamp<size_t>(given_, 64, most);
+      void* chunk = nullptr;
+      if (!g::DeviceAlloc(&chunk, slots * slot_bytes_).empty()) return nullptr;
+      chunks_.push_back(chunk);
+      chunk_next_ = static_cast<uint8_t*>(chunk);
+      chunk_left_ = slots;
+      bytes_ += slots * slot_bytes_;
+    }
+    uint8_t* slot = chunk_next_;
+    chunk_next_ += slot_bytes_;
+    --chunk_left_;
+    ++given_;
+    return slot;
+  }
+
+  size_t block_bytes_ = 0, slot_bytes_ = 0;
+  std::vector<uint8_t*> slots_;  // Block id -> its device copy, or null.
+  std::vector<uint64_t> held_;   // Block id -> the version its copy holds (0: none).
+  uint8_t** table_ = nullptr;    // slots_ on the device, table_size_ entries.
+  size_t table_size_ = 0;
+  std::vector<void*> chunks_;
+  uint8_t* chunk_next_ = nullptr;
+  size_t chunk_left_ = 0, given_ = 0;
+  uint64_t bytes_ = 0, copied_ = 0;
+};
+
+// The device memory a backend holds: resident weights, the KV arena, and workspace reused by
+// every op.
 class DeviceMemory {
  public:
   DeviceMemory() = default;
@@ -136,7 +273,9 @@ class DeviceMemory {
     current_ = 0;
   }
 
-  uint64_t bytes() const { return resident_ + workspace_; }
+  uint64_t bytes() const { return resident_ + workspace_ + kv.bytes(); }
+
+  KvArena kv;
 
  private:
   struct Resident {
@@ -216,6 +355,7 @@ class Call {
       }
       std::sort(ids.begin(), ids.end());
       ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      if (InArena(ids, group, lo, hi, write) || !error_.empty()) continue;
       std::vector<uint8_t*> table(ids.empty() ? 1 : Count(ids.back() + 1), nullptr);
       Gathered gathered{{}, std::vector<uint8_t>(ids.size() * span), nullptr, hi - lo, span};
       for (size_t i = 0; i < ids.size(); ++i) {
@@ -249,6 +389,25 @@ class Call {
   bool ok() const { return error_.empty(); }
   const std::string& error() const { return error_; }
 
+  // The blocks `ids` of a pool whose regions carry its block versions, read and written in place
+  // in the backend's KV arena, the regions pointed at its table. False when there is nothing to
+  // read, the pool has no versions, or the arena is out of device memory: the caller then
+  // copies the blocks for this op alone (or when a copy failed, with the error set).
+  bool InArena(const std::vector<int64_t>& ids, const std::vector<k::PagedRows*>& group, size_t lo,
+               size_t hi, bool write) {
+    const k::PagedRows pool = *group.front();
+    if (ids.empty() || pool.versions == nullptr || pool.block_bytes < hi) return false;
+    for (const k::PagedRows* r : group) {
+      if (r->versions != pool.versions || r->rows_per_block != pool.rows_per_block) return false;
+    }
+    std::string e;
+    uint8_t** table = memory_->kv.Prepare(ids, pool, &e);
+    if (table == nullptr) return !Check(e);
+    for (k::PagedRows* r : group) r->blocks = table;
+    if (write) written_.push_back({ids, lo, hi, pool});
+    return true;
+  }
+
   // After the launch: waits for the kernels and copies the outputs back.
   OpStatus Finish(OpStatus launched) {
     if (!error_.empty()) return OpStatus::kDeviceError;
@@ -263,6 +422,11 @@ class Call {
       }
       for (size_t i = 0; i < s.host.size(); ++i) {
         std::memcpy(s.host[i], &s.staging[i * s.span], s.bytes);
+      }
+    }
+    for (const Written& w : written_) {
+      for (int64_t id : w.ids) {
+        if (!Check(memory_->kv.WriteBack(id, w.lo, w.hi, w.pool))) return OpStatus::kDeviceError;
       }
     }
     return OpStatus::kOk;
@@ -305,9 +469,17 @@ class Call {
     return e.empty();
   }
 
+  // Blocks of the KV arena an op writes: the bytes [lo, hi) of each go back to the host pool.
+  struct Written {
+    std::vector<int64_t> ids;
+    size_t lo, hi;
+    k::PagedRows pool;
+  };
+
   DeviceMemory* memory_;
   std::vector<Copy> mapped_, back_;
   std::vector<Gathered> scatter_;
+  std::vector<Written> written_;
   std::string error_;
 };
 
@@ -334,6 +506,8 @@ class GpuBackend final : public Backend {
     size_t free_bytes = 0, total = 0;
     if (g::MemoryInfo(&free_bytes, &total).empty()) r.memory_total = total;
     r.memory_in_use = memory_.bytes();
+    r.kv_device_bytes = memory_.kv.bytes();
+    r.kv_blocks_copied = memory_.kv.copied();
     return r;
   }
 

@@ -73,8 +73,10 @@ int32_t KvPool::Adopt(BlockMemory memory) {
     table_.push_back(memory.get());
     blocks_.push_back(std::move(memory));
     refs_.push_back(0);
+    versions_.push_back(0);
   }
   refs_[static_cast<size_t>(id)] = 1;
+  versions_[static_cast<size_t>(id)] += 1;
   used_ += 1;
   return id;
 }
@@ -95,8 +97,10 @@ int32_t KvPool::Allocate() {
     blocks_.emplace_back(block);
     table_.push_back(block);
     refs_.push_back(0);
+    versions_.push_back(0);
   }
   refs_[id] = 1;
+  versions_[static_cast<size_t>(id)] += 1;
   used_ += 1;
   return id;
 }

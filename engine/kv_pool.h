@@ -65,11 +65,22 @@ class KvPool {
   void Ref(int32_t block);
   void Unref(int32_t block);  // The last reference returns the block to the pool.
   int refs(int32_t block) const { return refs_[static_cast<size_t>(block)]; }
-  uint8_t* data(int32_t block) { return table_[static_cast<size_t>(block)]; }
   const uint8_t* data(int32_t block) const { return table_[static_cast<size_t>(block)]; }
+  // The block's bytes for writing: counts as a write (its version moves on).
+  uint8_t* mutable_data(int32_t block) {
+    versions_[static_cast<size_t>(block)] += 1;
+    return table_[static_cast<size_t>(block)];
+  }
   // Block id -> its bytes (64-byte aligned), for kernels that address rows by block id. Valid
   // until the next Allocate or Adopt.
   uint8_t* const* block_table() const { return table_.data(); }
+  // Block id -> its version: a count that every write of the block's bytes moves on (Allocate,
+  // Adopt, mutable_data, and an op writing rows through block_table(), which adds one itself;
+  // kernels::PagedRows::versions). It never goes back, also across a block's reuse, so a device
+  // copy of a block made at version v is the block's bytes exactly while the version is still v.
+  // Valid until the next Allocate or Adopt.
+  uint64_t* versions() { return versions_.data(); }
+  uint64_t version(int32_t block) const { return versions_[static_cast<size_t>(block)]; }
 
   size_t block_bytes() const { return block_bytes_; }
   size_t used_blocks() const { return used_.load(std::memory_order_relaxed); }
@@ -83,6 +94,7 @@ class KvPool {
   std::vector<BlockMemory> blocks_;
   std::vector<uint8_t*> table_;
   std::vector<int> refs_;
+  std::vector<uint64_t> versions_;
   std::vector<int32_t> free_;
 };
 

@@ -169,7 +169,7 @@ StatusOr<SequenceState> RestoreSequence(std::string_view bytes, std::shared_ptr<
     const int32_t id = pool->Allocate();
     if (id < 0) return ResourceExhausted("KV pool full while restoring a snapshot");
     s.blocks.push_back(id);
-    if (!r.Raw(pool->data(id), pool->block_bytes())) {
+    if (!r.Raw(pool->mutable_data(id), pool->block_bytes())) {
       return DataLoss("sequence snapshot: truncated or corrupt");
     }
   }

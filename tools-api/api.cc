@@ -44,7 +44,9 @@ nlohmann::json BackendJson(const engine::BackendReport& r) {
   return {{"name", r.backend},
           {"device", r.device},
           {"memory_in_use_bytes", r.memory_in_use},
-          {"memory_total_bytes", r.memory_total}};
+          {"memory_total_bytes", r.memory_total},
+          {"kv_device_bytes", r.kv_device_bytes},
+          {"kv_blocks_copied", r.kv_blocks_copied}};
 }
 
 }  // namespace

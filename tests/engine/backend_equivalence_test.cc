@@ -13,10 +13,13 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 
 #include "engine/forward.h"
+#include "engine/kv_pool.h"
 #include "kernels/cpu/formats.h"
+#include "kernels/cpu/ops.h"
 #include "tests/support/test_backend.h"
 
 namespace flashd::engine {
@@ -340,6 +343,194 @@ BOOST_AUTO_TEST_CASE(a_layer_split_and_cpu_experts_give_the_cpu_tokens) {
   bad.backends.push_back(std::make_unique<CpuBackend>());
   bad.layer_backend.assign(layers, 1);
   BOOST_TEST(!CpuForward::Create(*p.model, "", 64, std::move(bad)).ok());
+}
+
+// A pool of blocks of 16 entries of head_dim 64 and index_dim 64: KV codes and scales, then the
+// index keys' codes and scales, as KvBlockLayout lays out a source that owns its keys.
+struct TestPool {
+  static constexpr int64_t kPer = 16, kDim = 64;
+  static constexpr size_t kKvCodes = 0, kKvScales = kPer * kDim / 2;
+  static constexpr size_t kKeyCodes = kKvScales + kPer * kDim / 16;
+  static constexpr size_t kKeyScales = kKeyCodes + kPer * kDim / 2;
+  static constexpr size_t kBytes = kKeyScales + kPer * kDim / 32;
+  KvPool pool{kBytes, 64};
+  kernels::PagedRows Rows(size_t offset, size_t row_bytes) {
+    return {pool.block_table(), kPer, offset, row_bytes, pool.versions(), kBytes};
+  }
+  // Random FP4 index keys in every entry of `block`.
+  void FillKeys(int32_t block, std::mt19937* rng) {
+    std::normal_distribution<float> d(0.0f, 2.0f);
+    uint8_t* b = pool.mutable_data(block);
+    for (int64_t r = 0; r < kPer; ++r) {
+      std::vector<float> key(kDim);
+      for (float& v : key) v = d(*rng);
+      kernels::cpu::QuantizeFp4E8M0(key.data(), kDim, 32, b + kKeyCodes + r * kDim / 2,
+                                    b + kKeyScales + r * kDim / 32);
+    }
+  }
+};
+
+// Index scores of three queries over the entries of `table`'s blocks in `pool`.
+std::vector<float> Scores(const Backend& b, TestPool* pool, const std::vector<int32_t>& table) {
+  const int64_t tokens = 3, heads = 3, dim = TestPool::kDim;
+  const int64_t stride = static_cast<int64_t>(table.size()) * TestPool::kPer - 5;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> q(tokens * heads * dim), w(tokens * heads);
+  for (float& v : q) v = d(rng);
+  for (float& v : w) v = d(rng);
+  kernels::cpu::FakeQuant({.x = q.data(),
+                           .n = static_cast<int64_t>(q.size()),
+                           .block = 32,
+                           .format = kernels::FakeQuantFormat::kFp4E8M0});
+  const std::vector<int64_t> visible = {stride, stride - 17, 1};
+  std::vector<float> scores(tokens * stride);
+  BOOST_REQUIRE(b.IndexerScores({.q = q.data(),
+                                 .weights = w.data(),
+                                 .tokens = tokens,
+                                 .heads = heads,
+                                 .dim = dim,
+                                 .visible = visible.data(),
+                                 .block_table = table.data(),
+                                 .key_codes = pool->Rows(TestPool::kKeyCodes, dim / 2),
+                                 .key_scales = pool->Rows(TestPool::kKeyScales, dim / 32),
+                                 .stride = stride,
+                                 .scores = scores.data()}) == kernels::OpStatus::kOk);
+  return scores;
+}
+
+// The KV pool's blocks stay on the device: an op reads each block's device copy, made when
+// the block was first read and made again only after the block's version moved on, and sees
+// the same values as the CPU reading the host blocks.
+BOOST_AUTO_TEST_CASE(kv_blocks_stay_on_the_device_until_their_version_moves) {
+  Load();
+  std::unique_ptr<Backend> gpu = testing::TestBackend();
+  CpuBackend cpu;
+  TestPool tp;
+  std::mt19937 rng(3);
+  for (int i = 0; i < 6; ++i) {
+    const int32_t id = tp.pool.Allocate();
+    BOOST_REQUIRE(id == i);
+    tp.FillKeys(id, &rng);
+  }
+  const std::vector<int32_t> table = {4, 2, 0, 2, 5, 1};  // Five distinct blocks.
+  auto copied = [&] { return gpu->Report().kv_blocks_copied; };
+  BOOST_TEST(copied() == 0u);
+  const std::vector<float> first = Scores(cpu, &tp, table);
+  BOOST_TEST(Scores(*gpu, &tp, table) == first, boost::test_tools::per_element());
+  BOOST_TEST(copied() == 5u);
+  BOOST_TEST(gpu->Report().kv_device_bytes >= 5 * TestPool::kBytes);
+  BOOST_TEST(Scores(*gpu, &tp, table) == first, boost::test_tools::per_element());
+  BOOST_TEST(copied() == 5u);  // Nothing changed: nothing copied.
+
+  // New keys through the pool: the block's version moves on, its copy is made again.
+  tp.FillKeys(2, &rng);
+  const std::vector<float> second = Scores(cpu, &tp, table);
+  BOOST_TEST(second != first);
+  BOOST_TEST(Scores(*gpu, &tp, table) == second, boost::test_tools::per_element());
+  BOOST_TEST(copied() == 6u);
+
+  // Bytes changed behind the pool's back (no version) are not seen: the op read the device
+  // copy, not the host block. Once the version moves on they are.
+  uint8_t* raw = tp.pool.block_table()[4];
+  std::memset(raw + TestPool::kKeyCodes, 0x77, TestPool::kPer * TestPool::kDim / 2);
+  const std::vector<float> third = Scores(cpu, &tp, table);
+  BOOST_TEST(third != second);
+  BOOST_TEST(Scores(*gpu, &tp, table) == second, boost::test_tools::per_element());
+  tp.pool.mutable_data(4);
+  BOOST_TEST(Scores(*gpu, &tp, table) == third, boost::test_tools::per_element());
+  BOOST_TEST(copied() == 7u);
+
+  // A block freed and given out again is a new version: copied again when read.
+  tp.pool.Unref(5);
+  BOOST_REQUIRE(tp.pool.Allocate() == 5);
+  tp.FillKeys(5, &rng);
+  BOOST_TEST(Scores(*gpu, &tp, table) == Scores(cpu, &tp, table), boost::test_tools::per_element());
+  BOOST_TEST(copied() == 8u);
+}
+
+// Rows a kernel writes into device copies reach the host blocks at once (what the prefix cache
+// and snapshots read), with the blocks' versions moved on; the copies stay current, so reading
+// the written blocks copies nothing.
+BOOST_AUTO_TEST_CASE(rows_written_on_the_device_reach_the_host_blocks) {
+  Load();
+  std::unique_ptr<Backend> gpu = testing::TestBackend();
+  CpuBackend cpu;
+  TestPool on_gpu, on_cpu;
+  std::mt19937 rng(5);
+  for (int i = 0; i < 3; ++i) {
+    BOOST_REQUIRE(on_gpu.pool.Allocate() == i);
+    BOOST_REQUIRE(on_cpu.pool.Allocate() == i);
+    on_gpu.FillKeys(i, &rng);
+    std::memcpy(on_cpu.pool.mutable_data(i), on_gpu.pool.data(i), TestPool::kBytes);
+  }
+  const std::vector<int32_t> table = {0, 1, 2};
+  BOOST_REQUIRE(Scores(*gpu, &on_gpu, table) == Scores(cpu, &on_cpu, table));  // 3 copies.
+  const int64_t groups = 13, dim = TestPool::kDim;
+  std::vector<float> freqs(8);
+  kernels::cpu::RopeFrequencies(16, 0, 10000.0, 1, 0, 0, freqs.data());
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> latent(groups * dim), key(groups * dim);
+  for (float& v : latent) v = d(rng);
+  for (float& v : key) v = d(rng);
+  std::vector<int64_t> positions(groups), rows(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    positions[g] = 4 * g;
+    rows[g] = g % 5 == 2 ? -1 : (g * 7) % 32;  // Blocks 0 and 1 only; one entry skipped.
+  }
+  auto write = [&](const Backend& b, TestPool* tp) {
+    std::vector<float> l = latent, k = key;
+    return b.CompressWrite({.latent = l.data(),
+                            .key = k.data(),
+                            .groups = groups,
+                            .head_dim = dim,
+                            .index_dim = dim,
+                            .rope_dim = 0,
+                            .positions = positions.data(),
+                            .freqs = freqs.data(),
+                            .rows = rows.data(),
+                            .kv_codes = tp->Rows(TestPool::kKvCodes, dim / 2),
+                            .kv_scales = tp->Rows(TestPool::kKvScales, dim / 16),
+                            .key_codes = tp->Rows(TestPool::kKeyCodes, dim / 2),
+                            .key_scales = tp->Rows(TestPool::kKeyScales, dim / 32)});
+  };
+  const uint64_t before = gpu->Report().kv_blocks_copied;
+  BOOST_TEST(before == 3u);
+  const std::vector<uint64_t> versions(on_gpu.pool.versions(), on_gpu.pool.versions() + 3);
+  BOOST_REQUIRE(write(*gpu, &on_gpu) == kernels::OpStatus::kOk);
+  BOOST_REQUIRE(write(cpu, &on_cpu) == kernels::OpStatus::kOk);
+  for (int32_t b = 0; b < 3; ++b) {
+    BOOST_TEST(std::memcmp(on_gpu.pool.data(b), on_cpu.pool.data(b), TestPool::kBytes) == 0,
+               "block " << b);
+    // Blocks 0 and 1 were written, block 2 was not.
+    BOOST_TEST((on_gpu.pool.version(b) > versions[b]) == (b < 2), "block " << b);
+    BOOST_TEST((on_cpu.pool.version(b) > versions[b]) == (b < 2), "block " << b);
+  }
+  BOOST_TEST(Scores(*gpu, &on_gpu, table) == Scores(cpu, &on_cpu, table),
+             boost::test_tools::per_element());
+  BOOST_TEST(gpu->Report().kv_blocks_copied == before);
+}
+
+// Decoding writes one entry at a time into blocks the device holds already: after the prompt,
+// steps that stay in the sequence's last block copy no block again.
+BOOST_AUTO_TEST_CASE(decoding_copies_no_kv_block_again) {
+  const Pair& p = Load();
+  const std::vector<int32_t> prompt = Prompt(0);
+  SequenceState st = p.gpu->NewSequence();
+  std::vector<float> logits;
+  BOOST_REQUIRE(p.gpu->Forward(&st, prompt, &logits).ok());
+  const uint64_t after_prompt = p.gpu->backend().Report().kv_blocks_copied;
+  BOOST_TEST(after_prompt > 0u);
+  const int64_t block = p.gpu->block_tokens();
+  int steps = 0;
+  while (st.position % block != block - 1 && steps < 8) {
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    BOOST_REQUIRE(p.gpu->Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+    ++steps;
+  }
+  BOOST_TEST(steps > 0);
+  BOOST_TEST(p.gpu->backend().Report().kv_blocks_copied == after_prompt);
 }
 
 BOOST_AUTO_TEST_SUITE_END()

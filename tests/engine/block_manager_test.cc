@@ -20,7 +20,7 @@ BOOST_AUTO_TEST_CASE(reserve_appends_copies_shared_blocks_and_commits) {
   auto pool = std::make_shared<KvPool>(32, 10);
   BlockManager bm(pool);
   std::vector<int32_t> a = {pool->Allocate(), pool->Allocate()};
-  std::memset(pool->data(a[1]), 7, 32);
+  std::memset(pool->mutable_data(a[1]), 7, 32);
   std::vector<int32_t> b = {a[0], a[1]};  // A fork: both blocks shared.
   pool->Ref(a[0]);
   pool->Ref(a[1]);

@@ -272,7 +272,7 @@ BOOST_AUTO_TEST_CASE(a_replayed_resume_rebuilds_the_drafters_rings) {
     for (size_t b = 0; b < count; ++b) {
       const int32_t id = pool.Allocate();
       BOOST_REQUIRE(id >= 0);
-      std::memcpy(pool.data(id), pool.data(whole.blocks[b]), pool.block_bytes());
+      std::memcpy(pool.mutable_data(id), pool.data(whole.blocks[b]), pool.block_bytes());
       ids.push_back(id);
     }
     return ids;

@@ -81,7 +81,7 @@ std::vector<int32_t> CopyBlocks(const SequenceState& from, size_t count) {
   for (size_t b = 0; b < count; ++b) {
     const int32_t id = pool.Allocate();
     BOOST_REQUIRE(id >= 0);
-    std::memcpy(pool.data(id), pool.data(from.blocks[b]), pool.block_bytes());
+    std::memcpy(pool.mutable_data(id), pool.data(from.blocks[b]), pool.block_bytes());
     ids.push_back(id);
   }
   return ids;
