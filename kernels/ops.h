@@ -88,11 +88,12 @@ struct LinearParams {
 };
 
 // --- Element-wise and row ops -----------------------------------------------------------------
-// x = BF16(x).
+// x = BF16(BF16(x) * scale): BF16(x) with the default scale of 1.
 struct RoundBf16Params {
   float* x = nullptr;
   int64_t n = 0;
   void* stream = nullptr;
+  float scale = 1.0f;
 };
 
 // x = BF16(weight * (x * rsqrt(mean(x^2) + eps))) per row, the mean accumulated in double; with
@@ -390,6 +391,20 @@ struct AddRoundParams {
   const float* b = nullptr;
   int64_t n = 0;
   float* out = nullptr;
+  void* stream = nullptr;
+};
+
+// --- Data movement ------------------------------------------------------------------------------
+// dst[i * dst_stride + j] = src[r(i) * src_stride + j] for i < rows, j < cols, where r(i) =
+// index[i] with an index, else i: a strided block copied, or rows gathered. Exact; src and dst
+// must not overlap.
+struct CopyRowsParams {
+  const float* src = nullptr;
+  int64_t src_stride = 0;
+  const int64_t* index = nullptr;  // Optional [rows], each >= 0.
+  int64_t rows = 0, cols = 0;
+  float* dst = nullptr;
+  int64_t dst_stride = 0;
   void* stream = nullptr;
 };
 

@@ -1,6 +1,8 @@
-// MoE: routing, the experts' SwiGLU activation, and the combination of expert outputs.
+// MoE: routing, the experts' SwiGLU activation, and the combination of expert outputs; and the
+// row copies that gather the experts' inputs.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/formats.h"
@@ -82,6 +84,19 @@ OpStatus MoeCombine(const MoeCombineParams& p) {
 OpStatus AddRound(const AddRoundParams& p) {
   if (p.n < 0) return OpStatus::kBadShape;
   for (int64_t i = 0; i < p.n; ++i) p.out[i] = Bf(p.a[i] + p.b[i]);
+  return OpStatus::kOk;
+}
+
+OpStatus CopyRows(const CopyRowsParams& p) {
+  if (p.rows < 0 || p.cols < 0 || p.src_stride < p.cols || p.dst_stride < p.cols) {
+    return OpStatus::kBadShape;
+  }
+  for (int64_t i = 0; i < p.rows; ++i) {
+    const int64_t r = p.index != nullptr ? p.index[i] : i;
+    if (r < 0) return OpStatus::kBadArgument;
+    std::memcpy(p.dst + i * p.dst_stride, p.src + r * p.src_stride,
+                static_cast<size_t>(p.cols) * sizeof(float));
+  }
   return OpStatus::kOk;
 }
 

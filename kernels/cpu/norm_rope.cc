@@ -19,7 +19,11 @@ int StreamThreads(const void* stream) {
 
 OpStatus RoundBf16(const RoundBf16Params& p) {
   if (p.n < 0 || (p.n > 0 && p.x == nullptr)) return OpStatus::kBadArgument;
-  for (int64_t i = 0; i < p.n; ++i) p.x[i] = Bf(p.x[i]);
+  if (p.scale == 1.0f) {
+    for (int64_t i = 0; i < p.n; ++i) p.x[i] = Bf(p.x[i]);
+  } else {
+    for (int64_t i = 0; i < p.n; ++i) p.x[i] = Bf(Bf(p.x[i]) * p.scale);
+  }
   return OpStatus::kOk;
 }
 

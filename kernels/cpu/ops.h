@@ -45,6 +45,7 @@ OpStatus MoeRoute(const MoeRouteParams& p);
 OpStatus Swiglu(const SwigluParams& p);
 OpStatus MoeCombine(const MoeCombineParams& p);
 OpStatus AddRound(const AddRoundParams& p);
+OpStatus CopyRows(const CopyRowsParams& p);
 
 OpStatus EngramGather(const EngramGatherParams& p);
 OpStatus EngramGate(const EngramGateParams& p);

@@ -1,7 +1,7 @@
-// Element-wise and row-local ops: BF16 rounding, add-and-round, SwiGLU, the fake quantizers, the
-// embedding copy and the MoE combine. Each thread computes what the CPU reference computes for
-// its element, in the same order, so results are equal bit for bit except where exp() is used
-// (SwiGLU's sigmoid), whose device implementation may differ in the last bit.
+// Element-wise and row-local ops: BF16 rounding, add-and-round, row copies, SwiGLU, the fake
+// quantizers, the embedding copy and the MoE combine. Each thread computes what the CPU
+// reference computes for its element, in the same order, so results are equal bit for bit except
+// where exp() is used (SwiGLU's sigmoid), whose device implementation may differ in the last bit.
 #include <cmath>
 
 #include "kernels/codecs.h"
@@ -20,9 +20,10 @@ OpStatus Launched() {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
-__global__ void RoundKernel(float* x, int64_t n) {
+__global__ void RoundKernel(float* x, int64_t n, float scale) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) x[i] = c::RoundBf16(x[i]);
+  if (i >= n) return;
+  x[i] = scale == 1.0f ? c::RoundBf16(x[i]) : c::RoundBf16(c::RoundBf16(x[i]) * scale);
 }
 
 __global__ void AddRoundKernel(const float* a, const float* b, float* out, int64_t n) {
@@ -79,6 +80,16 @@ __global__ void EmbedKernel(const int32_t* tokens, int64_t count, int64_t hc, in
   X[i] = embed != nullptr ? embed[at] : c::Bf16ToFloat(embed_bf16[at]);
 }
 
+// One thread per value; a row's values are neighbouring threads.
+__global__ void CopyRowsKernel(const float* src, int64_t src_stride, const int64_t* index,
+                               int64_t rows, int64_t cols, float* dst, int64_t dst_stride) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * cols) return;
+  const int64_t row = i / cols, col = i % cols;
+  const int64_t from = index != nullptr ? index[row] : row;
+  dst[row * dst_stride + col] = src[from * src_stride + col];
+}
+
 // One thread per dimension: the contributions added in their given order.
 __global__ void CombineKernel(const float* expert_out, const int64_t* rows, int64_t count,
                               int64_t dim, float* y) {
@@ -92,7 +103,7 @@ __global__ void CombineKernel(const float* expert_out, const int64_t* rows, int6
 OpStatus RoundBf16(const RoundBf16Params& p) {
   if (p.n < 0) return OpStatus::kBadArgument;
   if (p.n == 0) return OpStatus::kOk;
-  FLASHD_LAUNCH(RoundKernel, Blocks(p.n), kThreads, 0, Stream(p.stream), p.x, p.n);
+  FLASHD_LAUNCH(RoundKernel, Blocks(p.n), kThreads, 0, Stream(p.stream), p.x, p.n, p.scale);
   return Launched();
 }
 
@@ -100,6 +111,17 @@ OpStatus AddRound(const AddRoundParams& p) {
   if (p.n < 0) return OpStatus::kBadShape;
   if (p.n == 0) return OpStatus::kOk;
   FLASHD_LAUNCH(AddRoundKernel, Blocks(p.n), kThreads, 0, Stream(p.stream), p.a, p.b, p.out, p.n);
+  return Launched();
+}
+
+OpStatus CopyRows(const CopyRowsParams& p) {
+  if (p.rows < 0 || p.cols < 0 || p.src_stride < p.cols || p.dst_stride < p.cols) {
+    return OpStatus::kBadShape;
+  }
+  const int64_t n = p.rows * p.cols;
+  if (n == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(CopyRowsKernel, Blocks(n), kThreads, 0, Stream(p.stream), p.src, p.src_stride,
+                p.index, p.rows, p.cols, p.dst, p.dst_stride);
   return Launched();
 }
 

@@ -23,6 +23,7 @@ OpStatus Linear(const LinearParams& p);
 OpStatus LinearFreeOrder(const LinearParams& p, int split);
 OpStatus RoundBf16(const RoundBf16Params& p);
 OpStatus AddRound(const AddRoundParams& p);
+OpStatus CopyRows(const CopyRowsParams& p);
 OpStatus Swiglu(const SwigluParams& p);
 OpStatus FakeQuant(const FakeQuantParams& p);
 OpStatus Embed(const EmbedParams& p);

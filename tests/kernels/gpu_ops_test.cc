@@ -347,6 +347,14 @@ BOOST_AUTO_TEST_CASE(round_add_and_combine_are_bit_equal) {
   const std::vector<float> got = dx.Host();
   BOOST_TEST(std::isnan(got[0]));
   BOOST_TEST(std::memcmp(got.data() + 1, want.data() + 1, 999 * 4) == 0);
+  // Scaled between two roundings.
+  std::vector<float> scaled = x;
+  cpu::RoundBf16({.x = scaled.data(), .n = 1000, .scale = 0.0883883f});
+  Dev<float> dscaled(x);
+  BOOST_REQUIRE(gpu::RoundBf16({.x = dscaled.get(), .n = 1000, .scale = 0.0883883f}) ==
+                OpStatus::kOk);
+  const std::vector<float> gscaled = dscaled.Host();
+  BOOST_TEST(std::memcmp(gscaled.data() + 1, scaled.data() + 1, 999 * 4) == 0);
   std::vector<float> sum(1000);
   cpu::AddRound({.a = x.data() + 0, .b = y.data(), .n = 1000, .out = sum.data()});
   Dev<float> a(x), b(y), out(std::vector<float>(1000));
@@ -368,6 +376,34 @@ BOOST_AUTO_TEST_CASE(round_add_and_combine_are_bit_equal) {
                                  .dim = dim,
                                  .y = dacc.get()}) == OpStatus::kOk);
   BOOST_TEST(BitEqual(dacc.Host(), cacc));
+}
+
+// Row copies: a strided block and a gather of repeated, unordered rows, bit for bit the CPU's,
+// the bytes between dst's rows untouched.
+BOOST_AUTO_TEST_CASE(copy_rows_is_the_cpu_copy) {
+  std::mt19937 rng(14);
+  const int64_t cols = 300, src_stride = 311, dst_stride = 305;
+  const std::vector<float> src = Normal(rng, 13 * src_stride);
+  for (bool gather : {false, true}) {
+    const std::vector<int64_t> index = {12, 0, 5, 5, 11, 3, 12};
+    const int64_t rows = gather ? 7 : 13;
+    std::vector<float> want(rows * dst_stride, -3.0f);
+    CopyRowsParams p{.src = src.data(),
+                     .src_stride = src_stride,
+                     .index = gather ? index.data() : nullptr,
+                     .rows = rows,
+                     .cols = cols,
+                     .dst = want.data(),
+                     .dst_stride = dst_stride};
+    BOOST_REQUIRE(cpu::CopyRows(p) == OpStatus::kOk);
+    Dev<float> dsrc(src), ddst(std::vector<float>(want.size(), -3.0f));
+    Dev<int64_t> dindex(index);
+    p.src = dsrc.get();
+    p.index = gather ? dindex.get() : nullptr;
+    p.dst = ddst.get();
+    BOOST_REQUIRE(gpu::CopyRows(p) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(ddst.Host(), want));
+  }
 }
 
 BOOST_AUTO_TEST_CASE(fake_quantizers_are_bit_equal) {

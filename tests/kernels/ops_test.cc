@@ -156,6 +156,17 @@ BOOST_AUTO_TEST_CASE(round_bf16_is_nearest_even) {
   }
   BOOST_TEST(got[5000] == 1.0f);
   BOOST_TEST(got[5001] == 1.0f + 0x1p-6f);
+  // With a scale: the rounded value scaled, rounded again (two roundings, not one).
+  std::vector<float> scaled = x;
+  const float s = 0.0883883f;
+  BOOST_REQUIRE(RoundBf16({.x = scaled.data(), .n = static_cast<int64_t>(x.size()), .scale = s}) ==
+                OpStatus::kOk);
+  size_t twice_differs = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    BOOST_TEST(scaled[i] == Bf(got[i] * s), "x=" << x[i]);
+    twice_differs += scaled[i] != Bf(x[i] * s);
+  }
+  BOOST_TEST(twice_differs > 0u);  // The first rounding matters for some inputs.
 }
 
 BOOST_AUTO_TEST_CASE(rms_norm_against_double) {
@@ -1084,6 +1095,49 @@ BOOST_AUTO_TEST_CASE(moe_route_swiglu_combine_against_double) {
   std::vector<double> wsum(257);
   for (int i = 0; i < 257; ++i) wsum[i] = double(a[i]) + bb[i];
   CheckBf16Close(sum, wsum, 1, "add_round");
+}
+
+// --- Data movement ------------------------------------------------------------------------------
+// A strided block and a gather of rows (repeated and out of order), each value where the
+// definition puts it and the rest of dst untouched; bad shapes and a negative index refused.
+BOOST_AUTO_TEST_CASE(copy_rows_copies_and_gathers) {
+  Rng rng(15);
+  const int64_t cols = 37, src_stride = 41, dst_stride = 40;
+  const std::vector<float> src = rng.Normal(9 * src_stride);
+  for (bool gather : {false, true}) {
+    const std::vector<int64_t> index = {8, 0, 3, 3, 7};
+    const int64_t rows = gather ? 5 : 9;
+    std::vector<float> dst(rows * dst_stride, -7.0f);
+    BOOST_REQUIRE(CopyRows({.src = src.data(),
+                            .src_stride = src_stride,
+                            .index = gather ? index.data() : nullptr,
+                            .rows = rows,
+                            .cols = cols,
+                            .dst = dst.data(),
+                            .dst_stride = dst_stride}) == OpStatus::kOk);
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = gather ? index[i] : i;
+      for (int64_t j = 0; j < dst_stride; ++j) {
+        const float want = j < cols ? src[r * src_stride + j] : -7.0f;
+        BOOST_TEST(std::memcmp(&dst[i * dst_stride + j], &want, 4) == 0, i << "," << j);
+      }
+    }
+  }
+  std::vector<float> dst(64);
+  const std::vector<int64_t> bad = {1, -1};
+  BOOST_TEST((CopyRows({.src = src.data(),
+                        .src_stride = 4,
+                        .rows = 2,
+                        .cols = 5,
+                        .dst = dst.data(),
+                        .dst_stride = 5}) == OpStatus::kBadShape));
+  BOOST_TEST((CopyRows({.src = src.data(),
+                        .src_stride = 5,
+                        .index = bad.data(),
+                        .rows = 2,
+                        .cols = 5,
+                        .dst = dst.data(),
+                        .dst_stride = 5}) == OpStatus::kBadArgument));
 }
 
 // --- Engram -------------------------------------------------------------------------------------
