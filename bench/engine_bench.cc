@@ -4,7 +4,9 @@
 //   build/bench/engine_bench MODEL_DIR [PREFILL_CONTEXT...] [--decode-at CONTEXT]...
 //                            [--backend auto|cpu|cuda|hip|hipcpu]
 //
-// --backend runs every op on that backend (default cpu); the bandwidth figure is the host's.
+// --backend runs every op on that backend (default cpu); the bandwidth figure is the host's. A
+// GPU backend's decode rows are followed by what one step moved between host and device and
+// how many times the host waited for the device (BackendReport).
 // --decode-at measures decode at batch 1 behind a context of CONTEXT tokens without prefilling
 // it: the sequence resumes from KV blocks filled with valid random codes (every byte in
 // 0x30-0x3F: finite FP4 pairs, E4M3 scales in [0.5, 2), small UE8M0 scales), so a million-token
@@ -143,6 +145,7 @@ int main(int argc, char** argv) {
     }
     const int steps = 64;
     std::vector<std::vector<int32_t>> next(batch, std::vector<int32_t>(1));
+    const BackendReport before = (*fwd)->backend().Report();
     auto t = Clock::now();
     for (int s = 0; s < steps; ++s) {
       std::vector<BatchItem> items;
@@ -160,6 +163,13 @@ int main(int argc, char** argv) {
     const double gbs = step_bytes * (steps / seconds) / 1e9;
     std::printf("%5d  %15.1f  %17llu  %9.2f  %17.1f%%\n", batch, batch * steps / seconds,
                 static_cast<unsigned long long>(step_bytes), gbs, 100.0 * gbs / bandwidth);
+    const BackendReport after = (*fwd)->backend().Report();
+    if (after.backend != "cpu") {
+      std::printf("       per step: %.1f KB to the device, %.1f KB to the host, %.1f waits\n",
+                  (after.bytes_to_device - before.bytes_to_device) / 1e3 / steps,
+                  (after.bytes_to_host - before.bytes_to_host) / 1e3 / steps,
+                  double(after.waits - before.waits) / steps);
+    }
   }
   std::printf("context  prefill tokens/s (whole prompt)  last chunk tokens/s\n");
   for (size_t n : contexts) {

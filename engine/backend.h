@@ -34,6 +34,9 @@ struct BackendReport {
   // times a block was copied there (once when first read, again after its host bytes changed).
   uint64_t kv_device_bytes = 0;
   uint64_t kv_blocks_copied = 0;
+  // Bytes copied to the device and back since start, and how many times the host waited for
+  // the device (a synchronisation, or a read of activations it kept).
+  uint64_t bytes_to_device = 0, bytes_to_host = 0, waits = 0;
 };
 
 class Backend {
@@ -62,8 +65,32 @@ class Backend {
   virtual kernels::OpStatus Swiglu(const kernels::SwigluParams& p) const = 0;
   virtual kernels::OpStatus MoeCombine(const kernels::MoeCombineParams& p) const = 0;
   virtual kernels::OpStatus AddRound(const kernels::AddRoundParams& p) const = 0;
+  virtual kernels::OpStatus CopyRows(const kernels::CopyRowsParams& p) const = 0;
   virtual kernels::OpStatus EngramGather(const kernels::EngramGatherParams& p) const = 0;
   virtual kernels::OpStatus EngramGate(const kernels::EngramGateParams& p) const = 0;
+
+  // Activations kept on the device from op to op (a GPU backend; on the CPU these do nothing).
+  // From Keep to Release, `count` floats at `host` have a device copy that ops read and write in
+  // place (also through pointers into the middle of it): an op's outputs there stay on the
+  // device, and the host bytes catch up only when ToHost asks for a range. A host write into a
+  // kept buffer is announced with HostWrote (the bytes go to the device copy). `fresh`: no op
+  // reads the buffer before ops have written it, so its host bytes need not go to the device.
+  // Settle brings every kept buffer's host bytes up to date and makes the host the only valid
+  // copy; the forward pass calls it on the backend it leaves and on the one that takes over.
+  // REQUIRES: kept buffers do not overlap; Release before the host memory goes.
+  virtual void Keep(float* host, size_t count, bool fresh) const {
+    (void)host, (void)count, (void)fresh;
+  }
+  virtual void Release(const float* host) const { (void)host; }
+  virtual kernels::OpStatus ToHost(const float* host, size_t count) const {
+    (void)host, (void)count;
+    return kernels::OpStatus::kOk;
+  }
+  virtual kernels::OpStatus HostWrote(const float* host, size_t count) const {
+    (void)host, (void)count;
+    return kernels::OpStatus::kOk;
+  }
+  virtual kernels::OpStatus Settle() const { return kernels::OpStatus::kOk; }
 };
 
 class CpuBackend : public Backend {
@@ -128,6 +155,9 @@ class CpuBackend : public Backend {
   }
   kernels::OpStatus AddRound(const kernels::AddRoundParams& p) const override {
     return kernels::cpu::AddRound(p);
+  }
+  kernels::OpStatus CopyRows(const kernels::CopyRowsParams& p) const override {
+    return kernels::cpu::CopyRows(p);
   }
   kernels::OpStatus EngramGather(const kernels::EngramGatherParams& p) const override {
     return kernels::cpu::EngramGather(p);

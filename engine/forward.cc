@@ -342,6 +342,10 @@ class Step {
     stream_.threads = options.threads;
   }
 
+  ~Step();
+  Step(const Step&) = delete;
+  Step& operator=(const Step&) = delete;
+
   Status Run();
   // A DSpark draft block per sequence (the plan CpuForward::Draft makes): the stages, the head,
   // the Markov head and the confidence. Changes no state.
@@ -373,9 +377,21 @@ class Step {
   Status SeedDrafts();
   Status WindowKeys(const Layer& L, const float* x, int64_t rows, const int64_t* positions,
                     std::vector<float>* kv);
-  void Force(int layer);
-  void Truncate(size_t keep);
+  Status Force(int layer);
+  Status Truncate(size_t keep);
   Status Logits();
+
+  // Activations kept on the backends' devices between ops (Backend::Keep): the step's own
+  // streams from Embed to the end, a function's own vectors while it runs (Kept). Only the
+  // current backend's device copies can be newer than the host; Use settles both backends when
+  // another takes over, and every host read or write of a kept buffer says so (ToHost,
+  // HostWrote).
+  class Kept;
+  void KeepStreams(bool fresh);
+  void ReleaseStreams();
+  Status ToHost(const std::vector<float>& v);
+  Status HostWrote(const std::vector<float>& v);
+  Status Use(const Backend* b);
 
   const CpuForward::Impl& m_;
   const Backend* b_;  // The current layer's backend (the first for the embedding).
@@ -423,8 +439,75 @@ class Step {
     std::future<Status> ready;
   };
   std::vector<EngramRows> engram_gathered_;
-  std::future<void> engram_reader_;  // Declared last: joined before anything it writes goes.
+  std::vector<const float*> streams_kept_;  // KeepStreams' buffers, as kept.
+  std::future<void> engram_reader_;         // Declared last: joined before anything it writes goes.
 };
+
+// A function's own activation vectors kept on the step's backends until it returns (empty ones
+// are not). Made once the vectors have their sizes; each is released at the address it was kept
+// at, so a vector that moved anyway leaves no stale entry.
+class Step::Kept {
+ public:
+  Kept(Step* step, std::initializer_list<std::vector<float>*> vectors, bool fresh = true)
+      : step_(step) {
+    for (std::vector<float>* v : vectors) {
+      if (v->empty()) continue;
+      for (const auto& b : step_->m_.backends) b->Keep(v->data(), v->size(), fresh);
+      kept_.push_back(v->data());
+    }
+  }
+  ~Kept() {
+    for (const float* p : kept_) {
+      for (const auto& b : step_->m_.backends) b->Release(p);
+    }
+  }
+  Kept(const Kept&) = delete;
+  Kept& operator=(const Kept&) = delete;
+
+ private:
+  Step* step_;
+  std::vector<const float*> kept_;
+};
+
+Step::~Step() { ReleaseStreams(); }
+
+// The step's streams and mixes; `fresh` when no op has written them yet (X_ and pre_mix_ hold
+// host values after a truncation).
+void Step::KeepStreams(bool fresh) {
+  ReleaseStreams();
+  for (std::vector<float>* v :
+       {&X_, &next_, &x_, &sub_, &mixes_, &pre_a_, &pre_f_, &post_, &comb_, &pre_mix_}) {
+    if (v->empty()) continue;
+    const bool host_values = v == &pre_mix_ || (!fresh && v == &X_);
+    for (const auto& b : m_.backends) b->Keep(v->data(), v->size(), !host_values);
+    streams_kept_.push_back(v->data());
+  }
+}
+
+void Step::ReleaseStreams() {
+  for (const float* p : streams_kept_) {
+    for (const auto& b : m_.backends) b->Release(p);
+  }
+  streams_kept_.clear();
+}
+
+Status Step::ToHost(const std::vector<float>& v) {
+  return Check(b_->ToHost(v.data(), v.size()), "ToHost");
+}
+
+Status Step::HostWrote(const std::vector<float>& v) {
+  return Check(b_->HostWrote(v.data(), v.size()), "HostWrote");
+}
+
+// The backend leaving brings its newer device bytes to the host; the one coming starts from the
+// host's (what it holds from before, or never wrote, may be out of date).
+Status Step::Use(const Backend* b) {
+  if (b == b_) return Status::Ok();
+  FLASHD_RETURN_IF_ERROR(Check(b_->Settle(), "Settle"));
+  FLASHD_RETURN_IF_ERROR(Check(b->Settle(), "Settle"));
+  b_ = b;
+  return Status::Ok();
+}
 
 Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y) {
   const size_t need = static_cast<size_t>(rows * lin.in);
@@ -451,14 +534,9 @@ Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y) {
 Status Step::Embed() {
   const int64_t dim = c_.hidden_size, hc = c_.hc_mult;
   const size_t rows = n();
+  ReleaseStreams();
   X_.resize(rows * hc * dim);
-  FLASHD_OP(Embed, {.tokens = plan_.tokens.data(),
-                    .count = static_cast<int64_t>(rows),
-                    .hc = hc,
-                    .dim = dim,
-                    .vocab = c_.vocab_size,
-                    .embed = m_.embed.data(),
-                    .X = X_.data()});
+  next_.resize(X_.size());
   pre_mix_.assign(rows * hc, 0.0f);
   for (size_t t = 0; t < rows; ++t) pre_mix_[t * hc] = 1.0f;
   selection_.assign(rows, {});
@@ -470,6 +548,14 @@ Status Step::Embed() {
   pre_f_.resize(rows * hc);
   post_.resize(rows * hc);
   comb_.resize(rows * hc * hc);
+  KeepStreams(true);
+  FLASHD_OP(Embed, {.tokens = plan_.tokens.data(),
+                    .count = static_cast<int64_t>(rows),
+                    .hc = hc,
+                    .dim = dim,
+                    .vocab = c_.vocab_size,
+                    .embed = m_.embed.data(),
+                    .X = X_.data()});
   return Status::Ok();
 }
 
@@ -493,22 +579,31 @@ Status Step::Run() {
   }
   const bool record = options_.trace != nullptr && options_.trace->record_streams;
   for (int l = 0; l < c_.num_hidden_layers; ++l) {
-    b_ = m_.LayerBackend(l);
-    if (options_.forced_streams != nullptr && l > 0) Force(l - 1);
+    FLASHD_RETURN_IF_ERROR(Use(m_.LayerBackend(l)));
+    if (options_.forced_streams != nullptr && l > 0) FLASHD_RETURN_IF_ERROR(Force(l - 1));
     if (c_.layers[l].engram_index >= 0) FLASHD_RETURN_IF_ERROR(Engram(l));
     if (m_.dspark) {
       const std::vector<int>& targets = m_.dspark->targets;
       const auto it = std::find(targets.begin(), targets.end(), l);
-      if (it != targets.end()) RecordHidden(static_cast<int>(it - targets.begin()));
+      if (it != targets.end()) {
+        FLASHD_RETURN_IF_ERROR(ToHost(X_));
+        RecordHidden(static_cast<int>(it - targets.begin()));
+      }
     }
     FLASHD_RETURN_IF_ERROR(RunBlock(l, record));
-    if (record) options_.trace->streams.push_back(X_);
+    if (record) {
+      FLASHD_RETURN_IF_ERROR(ToHost(X_));
+      options_.trace->streams.push_back(X_);
+    }
     if (l == last_kv_source && options_.replay_tokens > 0) {
-      Truncate(static_cast<size_t>(std::max<int64_t>(options_.replay_tokens, c_.sliding_window)));
+      FLASHD_RETURN_IF_ERROR(Truncate(
+          static_cast<size_t>(std::max<int64_t>(options_.replay_tokens, c_.sliding_window))));
     }
   }
   if (m_.dspark) FLASHD_RETURN_IF_ERROR(SeedDrafts());
-  if (options_.forced_streams != nullptr) Force(c_.num_hidden_layers - 1);
+  if (options_.forced_streams != nullptr) {
+    FLASHD_RETURN_IF_ERROR(Force(c_.num_hidden_layers - 1));
+  }
   FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), m_.final_norm));
   return Logits();
 }
@@ -542,6 +637,8 @@ Status Step::RunBlock(int l, bool record) {
   FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), L.attn_norm));
   FLASHD_RETURN_IF_ERROR(Attention(l));
   if (record) {
+    FLASHD_RETURN_IF_ERROR(ToHost(x_));
+    FLASHD_RETURN_IF_ERROR(ToHost(sub_));
     options_.trace->sublayers.push_back(x_);
     options_.trace->sublayers.push_back(sub_);
   }
@@ -551,11 +648,14 @@ Status Step::RunBlock(int l, bool record) {
   FLASHD_RETURN_IF_ERROR(Collapse(pre_a_.data(), L.ffn_norm));
   FLASHD_RETURN_IF_ERROR(Moe(l));
   if (record) {
+    FLASHD_RETURN_IF_ERROR(ToHost(x_));
+    FLASHD_RETURN_IF_ERROR(ToHost(sub_));
     options_.trace->sublayers.push_back(x_);
     options_.trace->sublayers.push_back(sub_);
   }
   FLASHD_RETURN_IF_ERROR(Expand());
-  pre_mix_ = pre_f_;
+  // The FFN's pre is the next layer's; pre_f_ is written again before it is read.
+  pre_mix_.swap(pre_f_);
   return Status::Ok();
 }
 
@@ -564,13 +664,14 @@ Status Step::RunDraft(std::span<DraftItem> drafts) {
   const int64_t dim = c_.hidden_size, V = c_.vocab_size;
   const size_t rows = n();
   draft_ = true;
-  b_ = m_.LayerBackend(c_.num_hidden_layers - 1);
+  FLASHD_RETURN_IF_ERROR(Use(m_.LayerBackend(c_.num_hidden_layers - 1)));
   FLASHD_RETURN_IF_ERROR(Embed());
   for (int st = 0; st < d.stages; ++st) {
     FLASHD_RETURN_IF_ERROR(RunBlock(c_.num_hidden_layers + st, false));
   }
   // The stages' output collapsed (kept for the confidence head), normed, through the head.
   FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), {}));
+  FLASHD_RETURN_IF_ERROR(ToHost(x_));
   const std::vector<float> hidden = x_;
   FLASHD_OP(RmsNorm, {.x = x_.data(),
                       .rows = static_cast<int64_t>(rows),
@@ -640,7 +741,6 @@ Status Step::Collapse(const float* weights, const std::vector<float>& norm) {
 }
 
 Status Step::Expand() {
-  next_.resize(X_.size());
   FLASHD_OP(HcExpand, {.X = X_.data(),
                        .sub = sub_.data(),
                        .post = post_.data(),
@@ -654,17 +754,22 @@ Status Step::Expand() {
 }
 
 // X = the forced output of `layer` (a batch of one; see ForwardOptions::forced_streams).
-void Step::Force(int layer) {
+Status Step::Force(int layer) {
   const size_t width = static_cast<size_t>(c_.hc_mult * c_.hidden_size);
   const size_t layers = static_cast<size_t>(c_.num_hidden_layers);
   for (size_t t = 0; t < n(); ++t) {
     std::memcpy(&X_[t * width], options_.forced_streams + (t * layers + layer) * width,
                 width * sizeof(float));
   }
+  return HostWrote(X_);
 }
 
-// The bounded replay: only the last `keep` rows of each sequence go on.
-void Step::Truncate(size_t keep) {
+// The bounded replay: only the last `keep` rows of each sequence go on. Between layers: no
+// function's own vectors are kept then.
+Status Step::Truncate(size_t keep) {
+  FLASHD_RETURN_IF_ERROR(ToHost(X_));
+  FLASHD_RETURN_IF_ERROR(ToHost(pre_mix_));
+  ReleaseStreams();
   const std::vector<size_t> kept = plan_.Truncate(keep);
   const size_t hc = static_cast<size_t>(c_.hc_mult), dim = static_cast<size_t>(c_.hidden_size);
   GatherRows(&X_, kept, hc * dim);
@@ -676,6 +781,7 @@ void Step::Truncate(size_t keep) {
     for (EngramRows& r : engram_gathered_) GatherRows(&r.renumbered, kept, cols);
   }
   const size_t rows = kept.size();
+  next_.resize(X_.size());
   x_.resize(rows * dim);
   sub_.resize(rows * dim);
   mixes_.resize(rows * (2 + hc) * hc);
@@ -683,6 +789,8 @@ void Step::Truncate(size_t keep) {
   pre_f_.resize(rows * hc);
   post_.resize(rows * hc);
   comb_.resize(rows * hc * hc);
+  KeepStreams(false);
+  return Status::Ok();
 }
 
 void Step::StartEngramReads() {
@@ -733,6 +841,7 @@ Status Step::Engram(int l) {
   const int64_t hdim = c_.engram_head_dim;
   std::vector<float> e(static_cast<size_t>(rows * cols * hdim));
   std::vector<float> kv(static_cast<size_t>(rows * dim * (hc + 1)));
+  const Kept kept(this, {&kv});
   const int64_t column0 = c_.layers[l].engram_index * cols;
   if (m_.engram_store) {
     // The layer's rows, gathered ahead into a small table of the step's own (StartEngramReads);
@@ -958,6 +1067,7 @@ Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
   // The window ring keeps the last `window` rows; written when the step commits.
   if (draft_) return Status::Ok();
   const size_t keep = std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window));
+  FLASHD_RETURN_IF_ERROR(ToHost(kv));
   RingRows& rr = ring_rows_[i][l];
   rr.first_position = sg.start + static_cast<int64_t>(sg.count - keep);
   rr.rows.assign(kv.begin() + (sg.offset + sg.count - keep) * hd,
@@ -972,10 +1082,14 @@ Status Step::Output(int l, const std::vector<float>& o) {
   const int64_t G = c_.o_groups, olr = c_.o_lora_rank, gin = H * hd / G;
   std::vector<float> og(static_cast<size_t>(rows * G * olr)), gx(static_cast<size_t>(rows * gin));
   std::vector<float> gy(static_cast<size_t>(rows * olr));
+  const Kept kept(this, {&og, &gx, &gy});
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t t = 0; t < rows; ++t) {
-      std::memcpy(&gx[t * gin], &o[t * H * hd + g * gin], gin * sizeof(float));
-    }
+    FLASHD_OP(CopyRows, {.src = &o[g * gin],
+                         .src_stride = H * hd,
+                         .rows = rows,
+                         .cols = gin,
+                         .dst = gx.data(),
+                         .dst_stride = gin});
     FLASHD_OP(Linear, {.x = gx.data(),
                        .rows = rows,
                        .in = gin,
@@ -983,9 +1097,12 @@ Status Step::Output(int l, const std::vector<float>& o) {
                        .dense = &L.wo_a[g * olr * gin],
                        .y = gy.data(),
                        .stream = &stream_});
-    for (int64_t t = 0; t < rows; ++t) {
-      std::memcpy(&og[(t * G + g) * olr], &gy[t * olr], olr * sizeof(float));
-    }
+    FLASHD_OP(CopyRows, {.src = gy.data(),
+                         .src_stride = olr,
+                         .rows = rows,
+                         .cols = olr,
+                         .dst = &og[g * olr],
+                         .dst_stride = G * olr});
   }
   FLASHD_OP(RoundBf16, {.x = og.data(), .n = static_cast<int64_t>(og.size())});
   FLASHD_RETURN_IF_ERROR(Apply(L.wo_b, og.data(), rows, sub_.data()));
@@ -998,33 +1115,37 @@ Status Step::Attention(int l) {
   const LayerPlan& lp = m_.Plan(l);
   const int64_t rows = static_cast<int64_t>(n()), H = c_.num_attention_heads;
   const int64_t hd = c_.head_dim;
-  std::vector<float> qr, q, kv;
-  FLASHD_RETURN_IF_ERROR(QueriesAndWindow(l, &qr, &q, &kv));
+  const size_t rows_hd = static_cast<size_t>(rows * hd);
+  std::vector<float> qr(static_cast<size_t>(rows * c_.q_lora_rank));
+  std::vector<float> q(static_cast<size_t>(rows * H * hd)), kv(rows_hd);
   // The compressor's projections, then per sequence its entries, selections and attention.
-  std::vector<float> kvp, score, iw;
+  std::vector<float> kvp(lp.is_kv_source ? rows_hd : 0);
+  std::vector<float> score(lp.is_kv_source && lp.compress_ratio > 1 ? rows_hd : 0);
+  std::vector<float> iw(lp.is_index_source ? static_cast<size_t>(rows * c_.index_n_heads) : 0);
+  std::vector<float> o(static_cast<size_t>(rows * H * hd));
+  const Kept kept(this, {&qr, &q, &kv, &kvp, &score, &iw, &o});
+  FLASHD_RETURN_IF_ERROR(QueriesAndWindow(l, &qr, &q, &kv));
   if (lp.is_kv_source) {
-    kvp.resize(static_cast<size_t>(rows * hd));
     FLASHD_RETURN_IF_ERROR(Apply(L.comp_wkv, x_.data(), rows, kvp.data()));
     if (lp.compress_ratio > 1) {
-      score.resize(kvp.size());
       FLASHD_RETURN_IF_ERROR(Apply(L.comp_wgate, x_.data(), rows, score.data()));
     }
   }
   if (lp.is_index_source) {
     const int64_t ih = c_.index_n_heads, idd = c_.index_head_dim;
-    iw.resize(static_cast<size_t>(rows * ih));
     FLASHD_RETURN_IF_ERROR(Apply(L.idx_weights_proj, x_.data(), rows, iw.data()));
     const float wscale =
         static_cast<float>(std::pow(double(idd), -0.5) * std::pow(double(ih), -0.5));
-    for (float& v : iw) v = k::Bf(k::Bf(v) * wscale);
+    FLASHD_OP(RoundBf16, {.x = iw.data(), .n = static_cast<int64_t>(iw.size()), .scale = wscale});
   }
-  std::vector<float> o(static_cast<size_t>(rows * H * hd));
   for (size_t i = 0; i < plan_.segments.size(); ++i) {
     const ForwardPlan::Segment& sg = plan_.segments[i];
     if (lp.is_kv_source) {
       FLASHD_RETURN_IF_ERROR(
           Compress(l, i, &kvp[sg.offset * hd], score.empty() ? nullptr : &score[sg.offset * hd]));
       if (items_[i].accept && lp.compress_ratio > 1) {
+        FLASHD_RETURN_IF_ERROR(ToHost(kvp));
+        FLASHD_RETURN_IF_ERROR(ToHost(score));
         if (compressor_rows_.empty()) compressor_rows_.resize(plan_.segments.size());
         compressor_rows_[i].resize(static_cast<size_t>(c_.num_hidden_layers));
         CompressorRows& cr = compressor_rows_[i][l];
@@ -1050,8 +1171,15 @@ Status Step::Compress(int l, size_t seg, const float* kvp, const float* score) {
   const ForwardPlan::Groups& groups = plan_.groups[seg][source];
   const int64_t count = static_cast<int64_t>(groups.positions.size());
   std::vector<float> latents(static_cast<size_t>(count * hd));
+  std::vector<float> keys(lp.owns_index_keys ? static_cast<size_t>(count * idd) : 0);
+  const Kept kept(this, {&latents, &keys});
   if (lp.compress_ratio == 1) {
-    std::memcpy(latents.data(), kvp, latents.size() * sizeof(float));
+    FLASHD_OP(CopyRows, {.src = kvp,
+                         .src_stride = hd,
+                         .rows = count,
+                         .cols = hd,
+                         .dst = latents.data(),
+                         .dst_stride = hd});
     FLASHD_OP(RmsNorm, {.x = latents.data(),
                         .rows = count,
                         .dim = hd,
@@ -1077,9 +1205,7 @@ Status Step::Compress(int l, size_t seg, const float* kvp, const float* score) {
                         .weight = L.comp_norm.data(),
                         .eps = eps});
   }
-  std::vector<float> keys;
-  if (lp.owns_index_keys && count > 0) {
-    keys.resize(static_cast<size_t>(count * idd));
+  if (!keys.empty()) {
     FLASHD_RETURN_IF_ERROR(Apply(L.idx_wk, latents.data(), count, keys.data()));
     FLASHD_OP(RmsNorm, {.x = keys.data(),
                         .rows = count,
@@ -1115,6 +1241,7 @@ Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_
   const int64_t ih = c_.index_n_heads, idd = c_.index_head_dim, ratio = lp.compress_ratio;
   const int64_t count = static_cast<int64_t>(sg.count), qlr = c_.q_lora_rank;
   std::vector<float> iq(static_cast<size_t>(count * ih * idd));
+  const Kept kept(this, {&iq});
   FLASHD_RETURN_IF_ERROR(Apply(L.idx_wq_b, qr_all + sg.offset * qlr, count, iq.data()));
   FLASHD_OP(RoundBf16, {.x = iq.data(), .n = static_cast<int64_t>(iq.size())});
   FLASHD_OP(Rope, {.x = iq.data(),
@@ -1141,12 +1268,13 @@ Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_
   const int64_t topk = c_.index_topk, bs = c_.candidate_block_size;
   // Queries go in chunks whose score rows fit in about 64 MiB.
   const int64_t chunk = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(1, stride));
-  std::vector<float> scores;
+  // A chunk's scores, kept on the device from the indexer to the selections.
+  std::vector<float> scores(static_cast<size_t>(std::min(chunk, count) * stride));
+  const Kept kept_scores(this, {&scores});
   std::vector<uint8_t> mask;
   std::vector<int64_t> top;
   for (int64_t t0 = 0; t0 < count; t0 += chunk) {
     const int64_t rows = std::min(chunk, count - t0);
-    scores.resize(static_cast<size_t>(rows * stride));
     const uint8_t* use_mask = nullptr;
     if (lp.uses_candidates && !lp.is_candidate_source) {
       mask.assign(static_cast<size_t>(rows * stride), 0);
@@ -1220,6 +1348,7 @@ Status Step::Moe(int l) {
   const int64_t rows = static_cast<int64_t>(n()), dim = c_.hidden_size;
   const int64_t E = static_cast<int64_t>(L.experts.size()), K = L.top_k;
   std::vector<float> logits(static_cast<size_t>(rows * E)), s(logits.size()), b(logits.size());
+  const Kept kept(this, {&logits, &s, &b});
   FLASHD_OP(Linear, {.x = x_.data(),
                      .rows = rows,
                      .in = dim,
@@ -1254,6 +1383,7 @@ Status Step::Moe(int l) {
   auto expert = [&](const Expert& e, const float* x, int64_t m, const float* w, float* out) {
     const int64_t inter = e.w1.out;
     std::vector<float> g(static_cast<size_t>(m * inter)), u(g.size()), h(g.size());
+    const Kept kept_gate(this, {&g, &u, &h});
     FLASHD_RETURN_IF_ERROR(Apply(e.w1, x, m, g.data()));
     FLASHD_RETURN_IF_ERROR(Apply(e.w3, x, m, u.data()));
     FLASHD_OP(Swiglu, {.gate = g.data(),
@@ -1267,17 +1397,24 @@ Status Step::Moe(int l) {
     FLASHD_OP(RoundBf16, {.x = out, .n = m * dim});
     return Status::Ok();
   };
-  std::vector<float> y(static_cast<size_t>(rows * dim), 0.0f);
+  // y starts as zeros (on the host, kept): rows no routed expert took stay zero.
+  std::vector<float> y(static_cast<size_t>(rows * dim), 0.0f), shared(y.size());
+  const Kept kept_y(this, {&y}, false), kept_shared(this, {&shared});
   // The routed experts may run elsewhere than the layer (Placement::routed_experts).
   const Backend* layer_backend = b_;
-  if (m_.routed_experts >= 0) b_ = m_.backends[m_.routed_experts].get();
+  if (m_.routed_experts >= 0) FLASHD_RETURN_IF_ERROR(Use(m_.backends[m_.routed_experts].get()));
   for (int64_t e = 0; e < E; ++e) {
     const int64_t m = static_cast<int64_t>(token_rows[e].size());
     if (m == 0) continue;
     std::vector<float> xe(static_cast<size_t>(m * dim)), oe(xe.size());
-    for (int64_t i = 0; i < m; ++i) {
-      std::memcpy(&xe[i * dim], &x_[token_rows[e][i] * dim], dim * sizeof(float));
-    }
+    const Kept kept_expert(this, {&xe, &oe});
+    FLASHD_OP(CopyRows, {.src = x_.data(),
+                         .src_stride = dim,
+                         .index = token_rows[e].data(),
+                         .rows = m,
+                         .cols = dim,
+                         .dst = xe.data(),
+                         .dst_stride = dim});
     FLASHD_RETURN_IF_ERROR(expert(L.experts[e], xe.data(), m, token_weights[e].data(), oe.data()));
     FLASHD_OP(MoeCombine, {.expert_out = oe.data(),
                            .rows = token_rows[e].data(),
@@ -1285,8 +1422,7 @@ Status Step::Moe(int l) {
                            .dim = dim,
                            .y = y.data()});
   }
-  b_ = layer_backend;
-  std::vector<float> shared(y.size());
+  FLASHD_RETURN_IF_ERROR(Use(layer_backend));
   FLASHD_RETURN_IF_ERROR(expert(L.shared, x_.data(), rows, nullptr, shared.data()));
   FLASHD_OP(
       AddRound,

@@ -10,9 +10,13 @@
 // prefix cache, a snapshot read, a copy on write, a CPU backend's write in a layer split); what
 // a kernel writes into a block is copied back to the host block at once. So the pool's host
 // bytes stay the one authority the prefix cache, snapshots and forks read, and the indexer and
-// the attention read their keys and KV in place. Everything else an op touches (activations,
-// the sequence's window ring and compressor groups) is copied to device workspace for the op
-// and its outputs copied back; activations resident on the device remove that.
+// the attention read their keys and KV in place. The forward pass's activations stay on the
+// device between ops too (Backend::Keep, KeptBuffers below): ops read and write the device
+// copies of the buffers the step keeps, and the host copy catches up only where the forward
+// pass reads it (the window rows a step commits, the experts each token chose, the indexer's
+// picks, the logits). An op whose outputs all stay on the device is not waited for. Everything
+// else an op touches (the sequence's window ring and compressor groups, the indexer's scores,
+// buffers nobody kept) is copied to device workspace for the op and its outputs copied back.
 //
 // Two ops stay on the host: the Engram gather (its tables live in host memory by design; the
 // rows a step needs are known from its tokens) and, for the reference's own top-k order (the
@@ -49,6 +53,24 @@ constexpr size_t kAlign = 256;
 constexpr size_t kMinChunk = size_t{64} << 20;
 
 size_t Count(int64_t n) { return n > 0 ? static_cast<size_t>(n) : 0; }
+
+// What crossed between host and device, and how often the host waited for the device (a
+// synchronisation, or a read of kept activations, which waits for the ops before it).
+struct Traffic {
+  uint64_t to_device = 0, to_host = 0, waits = 0;
+  std::string Up(void* dst, const void* src, size_t bytes) {
+    to_device += bytes;
+    return g::CopyToDevice(dst, src, bytes);
+  }
+  std::string Down(void* dst, const void* src, size_t bytes) {
+    to_host += bytes;
+    return g::CopyToHost(dst, src, bytes);
+  }
+  std::string Wait() {
+    ++waits;
+    return g::Synchronize();
+  }
+};
 
 // Device copies of the KV pool's blocks, kept from op to op. A block is copied to the device when
 // an op needs it and its version (kernels::PagedRows::versions) is not the one copied last; a
@@ -88,7 +110,7 @@ class KvArena {
     auto publish = [&] {
       if (lo >= hi) return true;
       const std::string e =
-          g::CopyToDevice(table_ + lo, slots_.data() + lo, (hi - lo) * sizeof(uint8_t*));
+          traffic->Up(table_ + lo, slots_.data() + lo, (hi - lo) * sizeof(uint8_t*));
       if (!e.empty()) *error = e;
       return e.empty();
     };
@@ -103,7 +125,7 @@ class KvArena {
         hi = std::max(hi, i + 1);
       }
       if (held_[i] != pool.versions[i]) {
-        if (const std::string e = g::CopyToDevice(slots_[i], pool.blocks[i], block_bytes_);
+        if (const std::string e = traffic->Up(slots_[i], pool.blocks[i], block_bytes_);
             !e.empty()) {
           publish();
           *error = e;
@@ -120,7 +142,7 @@ class KvArena {
   // back to the host block, whose version moves on, and the device copy stays current.
   std::string WriteBack(int64_t id, size_t lo, size_t hi, const k::PagedRows& pool) {
     const size_t i = static_cast<size_t>(id);
-    if (const std::string e = g::CopyToHost(pool.blocks[i] + lo, slots_[i] + lo, hi - lo);
+    if (const std::string e = traffic->Down(pool.blocks[i] + lo, slots_[i] + lo, hi - lo);
         !e.empty()) {
       return e;
     }
@@ -132,6 +154,8 @@ class KvArena {
   uint64_t bytes() const { return bytes_; }
   uint64_t copied() const { return copied_; }
 
+  Traffic* traffic = nullptr;
+
  private:
   bool GrowTable(size_t need, std::string* error) {
     const size_t size = std::max(need, 2 * table_size_);
@@ -139,7 +163,7 @@ class KvArena {
     if (!g::DeviceAlloc(&table, size * sizeof(uint8_t*)).empty()) return false;  // Out of memory.
     std::vector<uint8_t*> host(size, nullptr);
     std::copy(slots_.begin(), slots_.end(), host.begin());
-    if (const std::string e = g::CopyToDevice(table, host.data(), size * sizeof(uint8_t*));
+    if (const std::string e = traffic->Up(table, host.data(), size * sizeof(uint8_t*));
         !e.empty()) {
       g::DeviceFree(table);
       *error = e;
@@ -183,11 +207,159 @@ class KvArena {
   uint64_t bytes_ = 0, copied_ = 0;
 };
 
+// A step's activations kept on the device from op to op (Backend::Keep). Each kept buffer has a
+// device copy and knows which side holds its bytes: the host only, the device only, both, or
+// neither yet (fresh: nothing has written it, so an op writing it first uploads nothing). The
+// device memory of released buffers is reused by later ones of a similar size.
+class KeptBuffers {
+ public:
+  enum class Where { kFresh, kHost, kDevice, kBoth };
+  struct Buffer {
+    uint8_t* host;
+    size_t bytes;
+    uint8_t* device;
+    Where where;
+  };
+
+  KeptBuffers() = default;
+  KeptBuffers(const KeptBuffers&) = delete;
+  KeptBuffers& operator=(const KeptBuffers&) = delete;
+  ~KeptBuffers() {
+    for (auto& [host, b] : kept_) g::DeviceFree(b.device);
+    for (auto& [size, device] : free_) g::DeviceFree(device);
+  }
+
+  // False when the device has no memory for it (the buffer then stays the host's alone, and
+  // ops copy it as they would any other).
+  bool Keep(uint8_t* host, size_t bytes, bool fresh) {
+    if (host == nullptr || bytes == 0) return false;
+    Release(host);
+    uint8_t* device = nullptr;
+    auto it = free_.lower_bound(bytes);
+    if (it != free_.end() && it->first <= 2 * bytes) {
+      device = static_cast<uint8_t*>(it->second);
+      bytes_free_ -= it->first;
+      sizes_[device] = it->first;
+      free_.erase(it);
+    } else {
+      const size_t size = (bytes + kAlign - 1) / kAlign * kAlign;
+      void* fresh_memory = nullptr;
+      if (!g::DeviceAlloc(&fresh_memory, size).empty()) {
+        Trim();
+        if (!g::DeviceAlloc(&fresh_memory, size).empty()) return false;
+      }
+      device = static_cast<uint8_t*>(fresh_memory);
+      sizes_[device] = size;
+      bytes_ += size;
+    }
+    kept_[reinterpret_cast<uintptr_t>(host)] = {host, bytes, device,
+                                                fresh ? Where::kFresh : Where::kHost};
+    return true;
+  }
+
+  void Release(const void* host) {
+    auto it = kept_.find(reinterpret_cast<uintptr_t>(host));
+    if (it == kept_.end()) return;
+    const size_t size = sizes_[it->second.device];
+    free_.emplace(size, it->second.device);
+    bytes_free_ += size;
+    kept_.erase(it);
+  }
+
+  // The kept buffer holding all of [p, p + bytes), or null; *straddles when the range starts in
+  // a kept buffer but runs past its end (or starts before one and runs into it).
+  Buffer* Find(const void* p, size_t bytes, bool* straddles) {
+    *straddles = false;
+    if (kept_.empty()) return nullptr;
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(p), hi = lo + bytes;
+    auto it = kept_.upper_bound(lo);
+    if (it != kept_.end() && it->first < hi) *straddles = true;  // Runs into the next one.
+    if (it == kept_.begin()) return nullptr;
+    Buffer& b = std::prev(it)->second;
+    const uintptr_t start = reinterpret_cast<uintptr_t>(b.host);
+    if (lo >= start + b.bytes) return nullptr;
+    if (hi > start + b.bytes || *straddles) {
+      *straddles = true;
+      return nullptr;
+    }
+    return &b;
+  }
+
+  // Makes the device copy hold the host's bytes (all of them).
+  std::string Upload(Buffer* b) {
+    std::string e = traffic->Up(b->device, b->host, b->bytes);
+    if (e.empty()) b->where = Where::kBoth;
+    return e;
+  }
+
+  // The device's bytes of [p, p + bytes) to the host, when the device holds the newer ones.
+  std::string ToHost(const void* p, size_t bytes) {
+    bool straddles = false;
+    Buffer* b = Find(p, bytes, &straddles);
+    if (straddles) return "a host read runs past a kept buffer";
+    if (b == nullptr || b->where != Where::kDevice) return "";
+    ++traffic->waits;
+    std::string e = traffic->Down(b->host, b->device, b->bytes);
+    if (e.empty()) b->where = Where::kBoth;
+    return e;
+  }
+
+  // The host wrote [p, p + bytes): a device copy that holds the rest gets these bytes too.
+  std::string HostWrote(const void* p, size_t bytes) {
+    bool straddles = false;
+    Buffer* b = Find(p, bytes, &straddles);
+    if (straddles) return "a host write runs past a kept buffer";
+    if (b == nullptr) return "";
+    if (b->where == Where::kFresh || b->where == Where::kHost) {
+      b->where = Where::kHost;
+      return "";
+    }
+    const size_t at = static_cast<const uint8_t*>(p) - b->host;
+    return traffic->Up(b->device + at, p, bytes);
+  }
+
+  // Every buffer's newer device bytes to the host; from then on the host's are the only copy.
+  std::string Settle() {
+    for (auto& [host, b] : kept_) {
+      if (b.where == Where::kDevice) {
+        ++traffic->waits;
+        if (std::string e = traffic->Down(b.host, b.device, b.bytes); !e.empty()) return e;
+      }
+      b.where = Where::kHost;
+    }
+    return "";
+  }
+
+  uint64_t bytes() const { return bytes_; }
+
+  Traffic* traffic = nullptr;
+
+ private:
+  // Frees the device memory no kept buffer uses.
+  void Trim() {
+    for (auto& [size, device] : free_) {
+      sizes_.erase(device);
+      g::DeviceFree(device);
+      bytes_ -= size;
+    }
+    free_.clear();
+    bytes_free_ = 0;
+  }
+
+  std::map<uintptr_t, Buffer> kept_;     // By host address.
+  std::multimap<size_t, void*> free_;    // Released device memory by size.
+  std::map<const void*, size_t> sizes_;  // Device allocation -> its size.
+  uint64_t bytes_ = 0, bytes_free_ = 0;
+};
+
 // The device memory a backend holds: resident weights, the KV arena, and workspace reused by
 // every op.
 class DeviceMemory {
  public:
-  DeviceMemory() = default;
+  DeviceMemory() {
+    kv.traffic = &traffic;
+    kept.traffic = &traffic;
+  }
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
   ~DeviceMemory() {
@@ -229,7 +401,7 @@ class DeviceMemory {
     }
     void* device = nullptr;
     std::string e = g::DeviceAlloc(&device, std::max<size_t>(bytes, 1));
-    if (e.empty()) e = g::CopyToDevice(device, data, bytes);
+    if (e.empty()) e = traffic.Up(device, data, bytes);
     if (!e.empty()) {
       if (device != nullptr) g::DeviceFree(device);
       *error = e;
@@ -273,9 +445,11 @@ class DeviceMemory {
     current_ = 0;
   }
 
-  uint64_t bytes() const { return resident_ + workspace_ + kv.bytes(); }
+  uint64_t bytes() const { return resident_ + workspace_ + kv.bytes() + kept.bytes(); }
 
+  Traffic traffic;
   KvArena kv;
+  KeptBuffers kept;
 
  private:
   struct Resident {
@@ -364,15 +538,15 @@ class Call {
       }
       uint8_t* device = Work<uint8_t>(static_cast<int64_t>(gathered.staging.size()));
       if (device == nullptr ||
-          !Check(g::CopyToDevice(device, gathered.staging.data(), gathered.staging.size()))) {
+          !Check(memory_->traffic.Up(device, gathered.staging.data(), gathered.staging.size()))) {
         return;
       }
       for (size_t i = 0; i < ids.size(); ++i) table[Count(ids[i])] = device + i * span;
       gathered.device = device;
       if (write && !ids.empty()) scatter_.push_back(std::move(gathered));
       uint8_t** device_table = Work<uint8_t*>(static_cast<int64_t>(table.size()));
-      if (device_table == nullptr ||
-          !Check(g::CopyToDevice(device_table, table.data(), table.size() * sizeof(uint8_t*)))) {
+      if (device_table == nullptr || !Check(memory_->traffic.Up(device_table, table.data(),
+                                                                table.size() * sizeof(uint8_t*)))) {
         return;
       }
       for (k::PagedRows* r : group) {
@@ -412,12 +586,16 @@ class Call {
   OpStatus Finish(OpStatus launched) {
     if (!error_.empty()) return OpStatus::kDeviceError;
     if (launched != OpStatus::kOk) return launched;
-    if (!Check(g::Synchronize())) return OpStatus::kDeviceError;
+    for (KeptBuffers::Buffer* k : kept_written_) k->where = KeptBuffers::Where::kDevice;
+    // An op whose outputs all stay on the device is not waited for: the next op on the stream
+    // runs after it, and a host read of its outputs (ToHost) waits for it.
+    if (back_.empty() && scatter_.empty() && written_.empty()) return OpStatus::kOk;
+    if (!Check(memory_->traffic.Wait())) return OpStatus::kDeviceError;
     for (const Copy& c : back_) {
-      if (!Check(g::CopyToHost(c.host, c.device, c.bytes))) return OpStatus::kDeviceError;
+      if (!Check(memory_->traffic.Down(c.host, c.device, c.bytes))) return OpStatus::kDeviceError;
     }
     for (Gathered& s : scatter_) {
-      if (!Check(g::CopyToHost(s.staging.data(), s.device, s.staging.size()))) {
+      if (!Check(memory_->traffic.Down(s.staging.data(), s.device, s.staging.size()))) {
         return OpStatus::kDeviceError;
       }
       for (size_t i = 0; i < s.host.size(); ++i) {
@@ -450,6 +628,22 @@ class Call {
   T* Map(T* host, int64_t count, bool upload, bool write) {
     if (host == nullptr || !error_.empty()) return nullptr;
     const size_t bytes = Count(count) * sizeof(T);
+    bool straddles = false;
+    if (KeptBuffers::Buffer* k = memory_->kept.Find(host, bytes, &straddles)) {
+      // A kept buffer is read and written in place: its device copy gets the host's bytes
+      // first when those are the newer ones (a fresh buffer's are not: no op reads what ops
+      // have not written).
+      if (k->where == KeptBuffers::Where::kHost && !Check(memory_->kept.Upload(k))) {
+        return nullptr;
+      }
+      if (write) kept_written_.push_back(k);
+      const size_t at = reinterpret_cast<const uint8_t*>(host) - k->host;
+      return reinterpret_cast<T*>(k->device + at);
+    }
+    if (straddles) {
+      error_ = "an op's operand runs past the end of a kept buffer";
+      return nullptr;
+    }
     for (Copy& c : mapped_) {
       if (c.host == host && bytes <= c.bytes) {
         if (write) back_.push_back({host, c.device, bytes});
@@ -458,7 +652,7 @@ class Call {
     }
     void* device = memory_->Scratch(bytes, &error_);
     if (device == nullptr) return nullptr;
-    if (upload && bytes > 0 && !Check(g::CopyToDevice(device, host, bytes))) return nullptr;
+    if (upload && bytes > 0 && !Check(memory_->traffic.Up(device, host, bytes))) return nullptr;
     mapped_.push_back({host, device, bytes});
     if (write) back_.push_back({host, device, bytes});
     return static_cast<T*>(device);
@@ -480,6 +674,7 @@ class Call {
   std::vector<Copy> mapped_, back_;
   std::vector<Gathered> scatter_;
   std::vector<Written> written_;
+  std::vector<KeptBuffers::Buffer*> kept_written_;
   std::string error_;
 };
 
@@ -508,6 +703,9 @@ class GpuBackend final : public Backend {
     r.memory_in_use = memory_.bytes();
     r.kv_device_bytes = memory_.kv.bytes();
     r.kv_blocks_copied = memory_.kv.copied();
+    r.bytes_to_device = memory_.traffic.to_device;
+    r.bytes_to_host = memory_.traffic.to_host;
+    r.waits = memory_.traffic.waits;
     return r;
   }
 
@@ -702,7 +900,9 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus TopK(const k::TopKParams& p) const override {
-    if (p.order == k::TopKOrder::kReference) return k::cpu::TopK(p);
+    if (p.order == k::TopKOrder::kReference) {
+      return OnHost({{p.values, p.rows * p.stride}}, {}, [&] { return k::cpu::TopK(p); });
+    }
     return Run([&](Call& c) {
       k::TopKParams d = p;
       d.stream = nullptr;
@@ -714,7 +914,12 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus CandidateFilter(const k::CandidateFilterParams& p) const override {
-    if (p.order == k::TopKOrder::kReference) return k::cpu::CandidateFilter(p);
+    if (p.order == k::TopKOrder::kReference) {
+      const int64_t blocks = p.block > 0 ? (p.stride + p.block - 1) / p.block : 0;
+      return OnHost({{p.scores, p.tokens * p.stride}, {p.block_scores, p.tokens * blocks}},
+                    {{p.block_scores, p.tokens * blocks}},
+                    [&] { return k::cpu::CandidateFilter(p); });
+    }
     return Run([&](Call& c) {
       k::CandidateFilterParams d = p;
       d.stream = nullptr;
@@ -761,7 +966,11 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus MoeRoute(const k::MoeRouteParams& p) const override {
-    if (p.order == k::TopKOrder::kReference) return k::cpu::MoeRoute(p);
+    if (p.order == k::TopKOrder::kReference) {
+      const int64_t n = p.tokens * p.experts;
+      return OnHost({{p.logits, n}}, {{p.scores, n}, {p.biased, n}, {p.weights, p.tokens * p.k}},
+                    [&] { return k::cpu::MoeRoute(p); });
+    }
     return Run([&](Call& c) {
       k::MoeRouteParams d = p;
       d.stream = nullptr;
@@ -814,8 +1023,32 @@ class GpuBackend final : public Backend {
     });
   }
 
+  OpStatus CopyRows(const k::CopyRowsParams& p) const override {
+    int64_t src_rows = p.rows;
+    if (p.index != nullptr) {
+      src_rows = 0;
+      for (int64_t i = 0; i < p.rows; ++i) {
+        if (p.index[i] < 0) return OpStatus::kBadArgument;
+        src_rows = std::max(src_rows, p.index[i] + 1);
+      }
+    }
+    auto span = [](int64_t rows, int64_t stride, int64_t cols) {
+      return rows > 0 ? (rows - 1) * stride + cols : 0;
+    };
+    return Run([&](Call& c) {
+      k::CopyRowsParams d = p;
+      d.stream = nullptr;
+      d.src = c.In(p.src, span(src_rows, p.src_stride, p.cols));
+      if (p.index != nullptr) d.index = c.In(p.index, p.rows);
+      // Between rows the destination keeps its bytes, so it goes up and comes back whole.
+      d.dst = c.InOut(p.dst, span(p.rows, p.dst_stride, p.cols));
+      return Launch(c, [&] { return g::CopyRows(d); });
+    });
+  }
+
   OpStatus EngramGather(const k::EngramGatherParams& p) const override {
-    return k::cpu::EngramGather(p);
+    const int64_t out = p.tokens * p.columns * p.head_dim;
+    return OnHost({}, {{p.out, out}}, [&] { return k::cpu::EngramGather(p); });
   }
 
   OpStatus EngramGate(const k::EngramGateParams& p) const override {
@@ -827,6 +1060,30 @@ class GpuBackend final : public Backend {
       d.qk = c.Weight(p.qk, p.hc * p.dim);
       return Launch(c, [&] { return g::EngramGate(d); });
     });
+  }
+
+  void Keep(float* host, size_t count, bool fresh) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (g::SetDevice(device_).empty()) memory_.kept.Keep(Bytes(host), count * 4, fresh);
+  }
+  void Release(const float* host) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    memory_.kept.Release(host);
+  }
+  OpStatus ToHost(const float* host, size_t count) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
+    return Checked(memory_.kept.ToHost(host, count * 4));
+  }
+  OpStatus HostWrote(const float* host, size_t count) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
+    return Checked(memory_.kept.HostWrote(host, count * 4));
+  }
+  OpStatus Settle() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
+    return Checked(memory_.kept.Settle());
   }
 
   // The last device error, for the log.
@@ -847,6 +1104,47 @@ class GpuBackend final : public Backend {
     const OpStatus s = body(c);
     if (s == OpStatus::kDeviceError) last_error_ = c.error();
     return s;
+  }
+
+  static uint8_t* Bytes(float* p) { return reinterpret_cast<uint8_t*>(p); }
+
+  // A device call's error as an op's status, kept for the log. REQUIRES: mu_ held.
+  OpStatus Checked(const std::string& e) const {
+    if (e.empty()) return OpStatus::kOk;
+    last_error_ = e;
+    return OpStatus::kDeviceError;
+  }
+
+  // A float operand of an op the CPU runs for this backend: `count` floats from `host`.
+  struct HostRange {
+    const float* host;
+    int64_t count;
+  };
+  // An op that runs on the host (the Engram gather; the reference's top-k order): kept buffers
+  // among its inputs are brought to the host first, and those among its outputs get the bytes
+  // it wrote. Only float operands can be kept, so only they are named.
+  template <class F>
+  OpStatus OnHost(std::initializer_list<HostRange> in, std::initializer_list<HostRange> out,
+                  F op) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
+    for (const HostRange& r : in) {
+      if (r.host == nullptr || r.count <= 0) continue;
+      if (const OpStatus s = Checked(memory_.kept.ToHost(r.host, Count(r.count) * 4));
+          s != OpStatus::kOk) {
+        return s;
+      }
+    }
+    const OpStatus s = op();
+    if (s != OpStatus::kOk) return s;
+    for (const HostRange& r : out) {
+      if (r.host == nullptr || r.count <= 0) continue;
+      if (const OpStatus w = Checked(memory_.kept.HostWrote(r.host, Count(r.count) * 4));
+          w != OpStatus::kOk) {
+        return w;
+      }
+    }
+    return OpStatus::kOk;
   }
 
   template <class L>

@@ -218,13 +218,15 @@ BOOST_AUTO_TEST_CASE(greedy_continuations_are_identical) {
   }
 }
 
-// A backend that counts the ops it is given, by name, and passes them to another.
+// A backend that counts the ops it is given, by name, and passes them to another; with `keep`
+// off it keeps no activations on the device (each op's operands are then copied for it).
 class Counting final : public Backend {
  public:
-  Counting(std::unique_ptr<Backend> inner, std::map<std::string, int>* counts)
-      : inner_(std::move(inner)), counts_(counts) {}
+  Counting(std::unique_ptr<Backend> inner, std::map<std::string, int>* counts, bool keep = true)
+      : inner_(std::move(inner)), counts_(counts), keep_(keep) {}
   std::string_view name() const override { return inner_->name(); }
   std::string_view numerics() const override { return inner_->numerics(); }
+  BackendReport Report() const override { return inner_->Report(); }
 #define FLASHD_COUNTED(Op, Params)                                \
   kernels::OpStatus Op(const kernels::Params& p) const override { \
     ++(*counts_)[#Op];                                            \
@@ -249,14 +251,72 @@ class Counting final : public Backend {
   FLASHD_COUNTED(Swiglu, SwigluParams)
   FLASHD_COUNTED(MoeCombine, MoeCombineParams)
   FLASHD_COUNTED(AddRound, AddRoundParams)
+  FLASHD_COUNTED(CopyRows, CopyRowsParams)
   FLASHD_COUNTED(EngramGather, EngramGatherParams)
   FLASHD_COUNTED(EngramGate, EngramGateParams)
 #undef FLASHD_COUNTED
+  // Kept activations: passed on uncounted.
+  void Keep(float* host, size_t count, bool fresh) const override {
+    if (keep_) inner_->Keep(host, count, fresh);
+  }
+  void Release(const float* host) const override { inner_->Release(host); }
+  kernels::OpStatus ToHost(const float* host, size_t count) const override {
+    return inner_->ToHost(host, count);
+  }
+  kernels::OpStatus HostWrote(const float* host, size_t count) const override {
+    return inner_->HostWrote(host, count);
+  }
+  kernels::OpStatus Settle() const override { return inner_->Settle(); }
 
  private:
   std::unique_ptr<Backend> inner_;
   std::map<std::string, int>* counts_;
+  bool keep_;
 };
+
+// Activations stay on the device between ops: a prompt and decode steps with them kept give the
+// logits of copying every op's operands for it, bit for bit, while the decode steps move a
+// fraction of the bytes back to the host and wait for the device a fraction of the times.
+BOOST_AUTO_TEST_CASE(kept_activations_give_the_same_logits_with_less_traffic) {
+  const Pair& p = Load();
+  struct Result {
+    std::vector<float> logits;
+    uint64_t to_device = 0, to_host = 0, waits = 0;
+  };
+  auto run = [&](bool keep) {
+    std::map<std::string, int> counts;
+    auto backend = std::make_unique<Counting>(testing::TestBackend(), &counts, keep);
+    const Backend* gpu = backend.get();
+    auto f = CpuForward::Create(*p.model, "", 64, std::move(backend));
+    BOOST_REQUIRE_MESSAGE(f.ok(), f.status().ToString());
+    SequenceState st = (*f)->NewSequence();
+    Result r;
+    std::vector<float> logits;
+    BOOST_REQUIRE((*f)->Forward(&st, Prompt(1), &logits).ok());
+    r.logits = logits;
+    const BackendReport before = gpu->Report();
+    for (int step = 0; step < 4; ++step) {
+      const int32_t next =
+          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      BOOST_REQUIRE((*f)->Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+      r.logits.insert(r.logits.end(), logits.begin(), logits.end());
+    }
+    const BackendReport after = gpu->Report();
+    r.to_device = after.bytes_to_device - before.bytes_to_device;
+    r.to_host = after.bytes_to_host - before.bytes_to_host;
+    r.waits = after.waits - before.waits;
+    BOOST_TEST_MESSAGE((keep ? "kept" : "copied per op")
+                       << ": 4 decode steps moved " << r.to_device << " bytes to the device, "
+                       << r.to_host << " to the host, and waited " << r.waits << " times");
+    return r;
+  };
+  const Result copied = run(false), kept = run(true);
+  BOOST_REQUIRE(kept.logits.size() == copied.logits.size());
+  BOOST_TEST(std::memcmp(kept.logits.data(), copied.logits.data(), kept.logits.size() * 4) == 0);
+  BOOST_TEST(kept.to_host * 3 < copied.to_host);
+  BOOST_TEST(kept.waits * 3 < copied.waits);
+  BOOST_TEST(kept.to_device < copied.to_device);
+}
 
 // Greedy tokens of every golden prompt (16 steps) and the prompt's last logits.
 std::vector<int32_t> Greedy(const CpuForward& f, size_t run, std::vector<float>* prompt_logits) {
@@ -331,8 +391,8 @@ BOOST_AUTO_TEST_CASE(a_layer_split_and_cpu_experts_give_the_cpu_tokens) {
       BOOST_TEST(cpu_ops["Swiglu"] > 0);
       BOOST_TEST(cpu_ops["MoeCombine"] > 0);
       for (const auto& [op, n] : cpu_ops) {
-        const bool expert_op =
-            op == "Linear" || op == "Swiglu" || op == "RoundBf16" || op == "MoeCombine";
+        const bool expert_op = op == "Linear" || op == "Swiglu" || op == "RoundBf16" ||
+                               op == "MoeCombine" || op == "CopyRows";
         BOOST_TEST(expert_op, op << " ran on the CPU " << n << " times");
       }
       BOOST_TEST(gpu_ops["MoeCombine"] == 0);
