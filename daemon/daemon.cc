@@ -208,6 +208,12 @@ void Daemon::LoadModel() {
     cache_error_ = s.message();
   }
   options.cache = cache_;
+  const auto upload_start = std::chrono::steady_clock::now();
+  options.upload_progress = [this, upload_start](uint64_t done, uint64_t total) {
+    api_->SetProgress(
+        "uploading the weights to the GPU", "bytes", done, total,
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - upload_start).count());
+  };
   api_->SetCatalog(catalog_.get());
   auto engine = engine::Engine::Open(options);
   if (!engine.ok()) {

@@ -34,6 +34,7 @@ struct BackendReport {
   // times a block was copied there (once when first read, again after its host bytes changed).
   uint64_t kv_device_bytes = 0;
   uint64_t kv_blocks_copied = 0;
+  uint64_t weight_bytes = 0;  // Device bytes of weights.
   // Bytes copied to the device and back since start, and how many times the host waited for
   // the device (a synchronisation, or a read of activations it kept).
   uint64_t bytes_to_device = 0, bytes_to_host = 0, waits = 0;
@@ -68,6 +69,21 @@ class Backend {
   virtual kernels::OpStatus CopyRows(const kernels::CopyRowsParams& p) const = 0;
   virtual kernels::OpStatus EngramGather(const kernels::EngramGatherParams& p) const = 0;
   virtual kernels::OpStatus EngramGate(const kernels::EngramGateParams& p) const = 0;
+
+  // Weights placed before the first op needs them: `bytes` at `host` as stored (FP8/FP4 codes,
+  // their scales, fp32 vectors), or `count` fp32 values of a matrix the ops take as dense (kept
+  // as BF16 codes on a GPU when they all are BF16 numbers), keyed as the ops key them. A backend
+  // that copies weights (copies_weights) uploads them now; the CPU reads them in place, so
+  // these do nothing there.
+  virtual bool copies_weights() const { return false; }
+  virtual kernels::OpStatus Upload(const void* host, size_t bytes) const {
+    (void)host, (void)bytes;
+    return kernels::OpStatus::kOk;
+  }
+  virtual kernels::OpStatus UploadDense(const float* host, size_t count) const {
+    (void)host, (void)count;
+    return kernels::OpStatus::kOk;
+  }
 
   // Activations kept on the device from op to op (a GPU backend; on the CPU these do nothing).
   // From Keep to Release, `count` floats at `host` have a device copy that ops read and write in

@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -173,6 +174,21 @@ StatusOr<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
                        : std::to_string(options.speculative_tokens) + " verified per step");
     } else {
       spdlog::info("engine: speculative decoding off: the checkpoint has no DSpark heads");
+    }
+  }
+  {
+    // Every weight on its GPU now, not during the first request.
+    const auto start = std::chrono::steady_clock::now();
+    uint64_t uploaded = 0;
+    FLASHD_RETURN_IF_ERROR(e->forward_->UploadWeights([&](uint64_t done, uint64_t total) {
+      uploaded = done;
+      if (options.upload_progress) options.upload_progress(done, total);
+    }));
+    if (uploaded > 0) {
+      const double s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      spdlog::info("engine: weights on the device: {:.2f} GiB in {:.2f} s ({:.0f} MB/s)",
+                   uploaded / 1073741824.0, s, s > 0 ? uploaded / s / 1e6 : 0.0);
     }
   }
   const std::string tokenizer =

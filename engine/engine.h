@@ -52,6 +52,8 @@ struct EngineOptions : EngineConfig {
   // blocks plus an exact replay of the tokens before their end (CpuForward::ResumeAt). Full
   // blocks are written as they complete, a snapshot at the end of every prompt and generation.
   std::shared_ptr<cache::BlockStore> cache;
+  // Hears how far the weights' upload to the GPUs is (bytes done and in all), during Open.
+  std::function<void(uint64_t done, uint64_t total)> upload_progress;
   // Test hook: called on a loader thread before it looks a request up in the cache.
   std::function<void(const GenerationRequest&)> before_lookup_for_test;
 };

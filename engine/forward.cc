@@ -1,10 +1,14 @@
 #include "engine/forward.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <limits>
 #include <thread>
@@ -1658,6 +1662,113 @@ int64_t CpuForward::ExactReplayTokens() const {
 }
 
 Status CpuForward::EnableDSpark() { return impl_->EnableDSpark(); }
+
+namespace {
+
+// A weight as an op is given it: `bytes` at `host` (dense: `bytes` / 4 fp32 values), on `b`.
+struct WeightRef {
+  const Backend* b;
+  const void* host;
+  size_t bytes;
+  bool dense;
+};
+
+void AddLinear(const Backend* b, const Linear& lin, std::vector<WeightRef>* out) {
+  const size_t out_rows = static_cast<size_t>(lin.out), in = static_cast<size_t>(lin.in);
+  switch (lin.format) {
+    case kernels::WeightFormat::kFp8:
+      out->push_back({b, lin.w, out_rows * in, false});
+      out->push_back({b, lin.s, (out_rows + 31) / 32 * (in / 32), false});
+      break;
+    case kernels::WeightFormat::kFp4:
+      out->push_back({b, lin.w, out_rows * in / 2, false});
+      out->push_back({b, lin.s, out_rows * (in / 32), false});
+      break;
+    default:
+      if (!lin.dense.empty()) out->push_back({b, lin.dense.data(), lin.dense.size() * 4, true});
+  }
+}
+
+void AddFloats(const Backend* b, const std::vector<float>& v, std::vector<WeightRef>* out) {
+  if (!v.empty()) out->push_back({b, v.data(), v.size() * 4, false});
+}
+
+}  // namespace
+
+Status CpuForward::UploadWeights(
+    const std::function<void(uint64_t done, uint64_t total)>& progress) const {
+  const Impl& m = *impl_;
+  const ModelConfig& c = m.c;
+  std::vector<WeightRef> weights;
+  const Backend* last = m.LayerBackend(c.num_hidden_layers - 1);
+  weights.push_back({m.backends[0].get(), m.embed.data(), m.embed.size() * 4, true});
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const Layer& L = m.layers[l];
+    const bool stage = l >= static_cast<size_t>(c.num_hidden_layers);
+    const Backend* b = stage ? last : m.LayerBackend(static_cast<int>(l));
+    const Backend* experts = m.routed_experts >= 0 ? m.backends[m.routed_experts].get() : b;
+    for (const std::vector<float>* v :
+         {&L.attn_norm, &L.ffn_norm, &L.hc_attn_fn, &L.hc_attn_base, &L.hc_attn_scale, &L.hc_ffn_fn,
+          &L.hc_ffn_base, &L.hc_ffn_scale, &L.attn_sink, &L.q_norm, &L.kv_norm, &L.comp_norm,
+          &L.idx_k_norm, &L.gate_bias, &L.engram_qk, &L.freqs}) {
+      AddFloats(b, *v, &weights);
+    }
+    for (const Linear* lin : {&L.wq_a, &L.wq_b, &L.wkv, &L.wo_b, &L.comp_wkv, &L.comp_wgate,
+                              &L.idx_wq_b, &L.idx_weights_proj, &L.idx_wk, &L.engram_wkv,
+                              &L.shared.w1, &L.shared.w2, &L.shared.w3}) {
+      AddLinear(b, *lin, &weights);
+    }
+    // wo_a goes to the ops a group at a time, each group's rows their own matrix.
+    const size_t groups = static_cast<size_t>(c.o_groups);
+    const size_t group = groups > 0 ? L.wo_a.size() / groups : 0;
+    for (size_t g = 0; g < groups && group > 0; ++g) {
+      weights.push_back({b, L.wo_a.data() + g * group, group * 4, true});
+    }
+    if (!L.gate_w.empty()) weights.push_back({b, L.gate_w.data(), L.gate_w.size() * 4, true});
+    for (const Expert& e : L.experts) {
+      for (const Linear* lin : {&e.w1, &e.w2, &e.w3}) AddLinear(experts, *lin, &weights);
+    }
+  }
+  AddFloats(last, m.final_norm, &weights);
+  weights.push_back({last, m.head.data(), m.head.size() * 4, true});
+  if (m.dspark) {
+    const DSparkWeights& d = *m.dspark;
+    AddLinear(last, d.main_proj, &weights);
+    AddFloats(last, d.main_norm, &weights);
+    AddFloats(last, d.norm, &weights);
+    weights.push_back({last, d.markov_head.data(), d.markov_head.size() * 4, true});
+    weights.push_back({last, d.confidence.data(), d.confidence.size() * 4, true});
+  }
+  std::erase_if(weights, [](const WeightRef& w) {
+    return w.host == nullptr || w.bytes == 0 || !w.b->copies_weights();
+  });
+  uint64_t total = 0, done = 0;
+  for (const WeightRef& w : weights) total += w.bytes;
+  // The checkpoint's pages of the next weights, asked for ahead of their uploads (up to 256 MiB
+  // ahead); the decoded dense ones are in memory already.
+  const uint64_t ahead = uint64_t{256} << 20;
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  size_t next = 0;
+  uint64_t asked = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    for (; next < weights.size() && asked < done + ahead; ++next) {
+      const WeightRef& w = weights[next];
+      asked += w.bytes;
+      if (w.dense) continue;
+      const uintptr_t lo = reinterpret_cast<uintptr_t>(w.host) / page * page;
+      const uintptr_t hi = reinterpret_cast<uintptr_t>(w.host) + w.bytes;
+      ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_WILLNEED);  // Advice only.
+    }
+    const WeightRef& w = weights[i];
+    const kernels::OpStatus s =
+        w.dense ? w.b->UploadDense(static_cast<const float*>(w.host), w.bytes / 4)
+                : w.b->Upload(w.host, w.bytes);
+    FLASHD_RETURN_IF_ERROR(Check(s, "Upload"));
+    done += w.bytes;
+    if (progress) progress(done, total);
+  }
+  return Status::Ok();
+}
 bool CpuForward::dspark() const { return impl_->dspark != nullptr; }
 int CpuForward::dspark_block() const { return impl_->dspark ? impl_->dspark->block : 0; }
 

@@ -182,6 +182,15 @@ class CpuForward {
   // pick. Changes no state; each item's result depends on that item alone.
   Status Draft(std::span<DraftItem> items, const ForwardOptions& options = {}) const;
 
+  // Places every weight the ops will be given on the backend that runs them (Backend::Upload),
+  // before the first step needs it: on a GPU the uploads a first request would otherwise wait
+  // for. The pages of the next weights are asked for (madvise) while one uploads, so reading
+  // the checkpoint overlaps the copies. `progress` hears of the weight bytes done and in all.
+  // Call after EnableDSpark when the drafter is wanted; backends that read weights in place
+  // (the CPU) are skipped.
+  Status UploadWeights(
+      const std::function<void(uint64_t done, uint64_t total)>& progress = nullptr) const;
+
   // The compressed Engram vocabulary's class count (99,092 for the released tokenizer).
   int64_t engram_classes() const;
 

@@ -446,6 +446,7 @@ class DeviceMemory {
   }
 
   uint64_t bytes() const { return resident_ + workspace_ + kv.bytes() + kept.bytes(); }
+  uint64_t weight_bytes() const { return resident_; }
 
   Traffic traffic;
   KvArena kv;
@@ -703,6 +704,7 @@ class GpuBackend final : public Backend {
     r.memory_in_use = memory_.bytes();
     r.kv_device_bytes = memory_.kv.bytes();
     r.kv_blocks_copied = memory_.kv.copied();
+    r.weight_bytes = memory_.weight_bytes();
     r.bytes_to_device = memory_.traffic.to_device;
     r.bytes_to_host = memory_.traffic.to_host;
     r.waits = memory_.traffic.waits;
@@ -1060,6 +1062,23 @@ class GpuBackend final : public Backend {
       d.qk = c.Weight(p.qk, p.hc * p.dim);
       return Launch(c, [&] { return g::EngramGate(d); });
     });
+  }
+
+  bool copies_weights() const override { return true; }
+  OpStatus Upload(const void* host, size_t bytes) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
+    std::string e;
+    memory_.Weight(host, bytes, &e);
+    return Checked(e);
+  }
+  OpStatus UploadDense(const float* host, size_t count) const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
+    std::string e;
+    bool bf16 = false;
+    memory_.DenseWeight(host, count, &bf16, &e);
+    return Checked(e);
   }
 
   void Keep(float* host, size_t count, bool fresh) const override {

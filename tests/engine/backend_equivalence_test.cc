@@ -255,7 +255,14 @@ class Counting final : public Backend {
   FLASHD_COUNTED(EngramGather, EngramGatherParams)
   FLASHD_COUNTED(EngramGate, EngramGateParams)
 #undef FLASHD_COUNTED
-  // Kept activations: passed on uncounted.
+  // Weights and kept activations: passed on uncounted.
+  bool copies_weights() const override { return inner_->copies_weights(); }
+  kernels::OpStatus Upload(const void* host, size_t bytes) const override {
+    return inner_->Upload(host, bytes);
+  }
+  kernels::OpStatus UploadDense(const float* host, size_t count) const override {
+    return inner_->UploadDense(host, count);
+  }
   void Keep(float* host, size_t count, bool fresh) const override {
     if (keep_) inner_->Keep(host, count, fresh);
   }
@@ -273,6 +280,52 @@ class Counting final : public Backend {
   std::map<std::string, int>* counts_;
   bool keep_;
 };
+
+// UploadWeights places every weight the ops use before the first step: a prompt and decode
+// steps afterwards upload no weight, on the layer's backend nor on the experts' (the CPU, which
+// uploads nothing), and the progress reaches its total.
+BOOST_AUTO_TEST_CASE(weights_are_on_the_device_before_the_first_step) {
+  const Pair& p = Load();
+  for (bool cpu_experts : {false, true}) {
+    Placement placement;
+    placement.backends.push_back(testing::TestBackend());
+    if (cpu_experts) {
+      placement.backends.push_back(std::make_unique<CpuBackend>());
+      placement.routed_experts = 1;
+    }
+    auto f = CpuForward::Create(*p.model, "", 64, std::move(placement));
+    BOOST_REQUIRE_MESSAGE(f.ok(), f.status().ToString());
+    const Backend& gpu = (*f)->backend();
+    BOOST_TEST(gpu.Report().weight_bytes == 0u);
+    uint64_t last = 0, total = 0, calls = 0;
+    bool rising = true;
+    BOOST_REQUIRE((*f)->UploadWeights([&](uint64_t done, uint64_t all) {
+                        rising = rising && done > last;
+                        last = done;
+                        total = all;
+                        ++calls;
+                      })
+                      .ok());
+    BOOST_TEST(rising);
+    BOOST_TEST(calls > 10u);
+    BOOST_TEST(last == total);
+    const uint64_t placed = gpu.Report().weight_bytes;
+    BOOST_TEST_MESSAGE((cpu_experts ? "experts on the CPU: " : "")
+                       << placed << " weight bytes on the device for " << total
+                       << " bytes of weights as the host holds them");
+    BOOST_TEST(placed > 0u);
+    BOOST_TEST(placed <= total);  // BF16 matrices take half their fp32 bytes.
+    SequenceState st = (*f)->NewSequence();
+    std::vector<float> logits;
+    BOOST_REQUIRE((*f)->Forward(&st, Prompt(2), &logits).ok());
+    for (int step = 0; step < 3; ++step) {
+      const int32_t next =
+          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      BOOST_REQUIRE((*f)->Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+    }
+    BOOST_TEST(gpu.Report().weight_bytes == placed);
+  }
+}
 
 // Activations stay on the device between ops: a prompt and decode steps with them kept give the
 // logits of copying every op's operands for it, bit for bit, while the decode steps move a

@@ -64,6 +64,9 @@ BOOST_AUTO_TEST_CASE(drafts_match_the_reference) {
   BOOST_REQUIRE(fwd.ok());
   CpuForward& f = **fwd;
   BOOST_REQUIRE(f.EnableDSpark().ok());
+  // A GPU backend gets every weight now, the drafter's too: the runs below upload none.
+  BOOST_REQUIRE(f.UploadWeights().ok());
+  const uint64_t weight_bytes = f.backend().Report().weight_bytes;
   std::ifstream in(kDir + "/dspark.json");
   const json meta = json::parse(in);
   const std::vector<float> want_main = ReadFloats(kDir + "/logits.f32");
@@ -159,6 +162,7 @@ BOOST_AUTO_TEST_CASE(drafts_match_the_reference) {
   BOOST_TEST(worst_main < 1e-3);
   BOOST_TEST(worst_draft < 1e-3);
   BOOST_TEST(worst_conf < 1e-3);
+  BOOST_TEST(f.backend().Report().weight_bytes == weight_bytes);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
