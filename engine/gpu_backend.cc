@@ -928,9 +928,10 @@ class GpuBackend final : public Backend {
       d.scores = c.In(p.scores, p.tokens * p.stride);
       d.visible = c.In(p.visible, p.tokens);
       const int64_t blocks = p.block > 0 ? (p.stride + p.block - 1) / p.block : 0;
-      d.block_scores = c.InOut(p.block_scores, p.tokens * blocks);
-      d.block_top = c.InOut(p.block_top, p.tokens * p.top_blocks);
-      d.mask = c.InOut(p.mask, p.tokens * p.stride);
+      // The block maxima and picks are the op's workspace; the mask it writes whole.
+      d.block_scores = c.Work<float>(p.tokens * blocks);
+      d.block_top = c.Work<int64_t>(p.tokens * p.top_blocks);
+      d.mask = c.Out(p.mask, p.tokens * p.stride);
       return Launch(c, [&] { return g::CandidateFilter(d); });
     });
   }
