@@ -92,7 +92,8 @@ class Backend {
   // kept buffer is announced with HostWrote (the bytes go to the device copy). `fresh`: no op
   // reads the buffer before ops have written it, so its host bytes need not go to the device.
   // Settle brings every kept buffer's host bytes up to date and makes the host the only valid
-  // copy; the forward pass calls it on the backend it leaves and on the one that takes over.
+  // copy, and brings the KV rows ops wrote on the device to the host blocks; the forward pass
+  // calls it on the backend it leaves and on the one that takes over, and at the end of a step.
   // REQUIRES: kept buffers do not overlap; Release before the host memory goes.
   virtual void Keep(float* host, size_t count, bool fresh) const {
     (void)host, (void)count, (void)fresh;

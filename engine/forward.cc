@@ -444,6 +444,7 @@ class Step {
   };
   std::vector<EngramRows> engram_gathered_;
   std::vector<const float*> streams_kept_;  // KeepStreams' buffers, as kept.
+  std::vector<const float*> state_kept_;    // The compressors' partial groups, as kept.
   std::future<void> engram_reader_;         // Declared last: joined before anything it writes goes.
 };
 
@@ -473,7 +474,14 @@ class Step::Kept {
   std::vector<const float*> kept_;
 };
 
-Step::~Step() { ReleaseStreams(); }
+// A step that failed part-way still leaves the KV rows it wrote on the host.
+Step::~Step() {
+  ReleaseStreams();
+  (void)b_->Settle();
+  for (const float* p : state_kept_) {
+    for (const auto& b : m_.backends) b->Release(p);
+  }
+}
 
 // The step's streams and mixes; `fresh` when no op has written them yet (X_ and pre_mix_ hold
 // host values after a truncation).
@@ -570,6 +578,17 @@ Status Step::Run() {
   compressors_.resize(plan_.segments.size());
   ring_rows_.assign(plan_.segments.size(), std::vector<RingRows>(c_.num_hidden_layers));
   for (size_t i = 0; i < items_.size(); ++i) compressors_[i] = items_[i].state->sources;
+  // The compressors' partial groups stay on the device through the step (until the Settle at
+  // its end); the vectors keep their buffers when the commit moves them into the states.
+  for (std::vector<SequenceState::Compressor>& sources : compressors_) {
+    for (SequenceState::Compressor& comp : sources) {
+      for (std::vector<float>* v : {&comp.kv_partial, &comp.score_partial}) {
+        if (v->empty()) continue;
+        for (const auto& b : m_.backends) b->Keep(v->data(), v->size(), false);
+        state_kept_.push_back(v->data());
+      }
+    }
+  }
   if (options_.trace != nullptr) {
     for (size_t t = 0; t < rows; ++t) {
       options_.trace->engram_rows.emplace_back(
@@ -609,7 +628,11 @@ Status Step::Run() {
     FLASHD_RETURN_IF_ERROR(Force(c_.num_hidden_layers - 1));
   }
   FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), m_.final_norm));
-  return Logits();
+  FLASHD_RETURN_IF_ERROR(Logits());
+  // The host's KV blocks and staged state (compressor groups) up to date for the commit and
+  // the prefix cache; the streams are done with.
+  ReleaseStreams();
+  return Check(b_->Settle(), "Settle");
 }
 
 // One block (a backbone layer or a DSpark stage): attention, then the MoE, each between the

@@ -8,7 +8,8 @@
 // KV arena, KvArena below): a block is copied there when an op first reads it and again only
 // after its bytes changed on the host (the pool's block versions say when: a restore from the
 // prefix cache, a snapshot read, a copy on write, a CPU backend's write in a layer split); what
-// a kernel writes into a block is copied back to the host block at once. So the pool's host
+// a kernel writes into a block goes back to the host block when the backend settles (before
+// another backend's op and at the end of every step, Backend::Settle). So the pool's host
 // bytes stay the one authority the prefix cache, snapshots and forks read, and the indexer and
 // the attention read their keys and KV in place. The forward pass's activations stay on the
 // device between ops too (Backend::Keep, KeptBuffers below): ops read and write the device
@@ -138,17 +139,26 @@ class KvArena {
     return publish() ? table_ : nullptr;
   }
 
-  // After a kernel wrote rows of block `id`, all within [lo, hi) of the block: those bytes go
-  // back to the host block, whose version moves on, and the device copy stays current.
-  std::string WriteBack(int64_t id, size_t lo, size_t hi, const k::PagedRows& pool) {
+  // After a kernel wrote rows of block `id`, all within [lo, hi) of the block: the block's
+  // version moves on with the device copy current, and those bytes go back to the host block at
+  // the next Flush (the backend's Settle, which the forward pass calls before anything else
+  // reads the host blocks: another backend's op, the end of the step).
+  void Wrote(int64_t id, size_t lo, size_t hi, const k::PagedRows& pool) {
     const size_t i = static_cast<size_t>(id);
-    if (const std::string e = traffic->Down(pool.blocks[i] + lo, slots_[i] + lo, hi - lo);
-        !e.empty()) {
-      return e;
-    }
     pool.versions[i] += 1;
     held_[i] = pool.versions[i];
-    return "";
+    pending_.push_back({pool.blocks[i] + lo, slots_[i] + lo, hi - lo});
+  }
+
+  // The written bytes to their host blocks, after one wait for the ops that wrote them.
+  std::string Flush() {
+    if (pending_.empty()) return "";
+    std::string e = traffic->Wait();
+    for (const Pending& p : pending_) {
+      if (e.empty()) e = traffic->Down(p.host, p.device, p.bytes);
+    }
+    pending_.clear();
+    return e;
   }
 
   uint64_t bytes() const { return bytes_; }
@@ -205,6 +215,12 @@ class KvArena {
   uint8_t* chunk_next_ = nullptr;
   size_t chunk_left_ = 0, given_ = 0;
   uint64_t bytes_ = 0, copied_ = 0;
+  struct Pending {
+    uint8_t* host;
+    const uint8_t* device;
+    size_t bytes;
+  };
+  std::vector<Pending> pending_;  // Written on the device, not yet on the host.
 };
 
 // A step's activations kept on the device from op to op (Backend::Keep). Each kept buffer has a
@@ -320,9 +336,13 @@ class KeptBuffers {
 
   // Every buffer's newer device bytes to the host; from then on the host's are the only copy.
   std::string Settle() {
+    bool waited = false;
     for (auto& [host, b] : kept_) {
       if (b.where == Where::kDevice) {
-        ++traffic->waits;
+        if (!waited) {
+          if (std::string e = traffic->Wait(); !e.empty()) return e;
+          waited = true;
+        }
         if (std::string e = traffic->Down(b.host, b.device, b.bytes); !e.empty()) return e;
       }
       b.where = Where::kHost;
@@ -590,7 +610,10 @@ class Call {
     for (KeptBuffers::Buffer* k : kept_written_) k->where = KeptBuffers::Where::kDevice;
     // An op whose outputs all stay on the device is not waited for: the next op on the stream
     // runs after it, and a host read of its outputs (ToHost) waits for it.
-    if (back_.empty() && scatter_.empty() && written_.empty()) return OpStatus::kOk;
+    for (const Written& w : written_) {
+      for (int64_t id : w.ids) memory_->kv.Wrote(id, w.lo, w.hi, w.pool);
+    }
+    if (back_.empty() && scatter_.empty()) return OpStatus::kOk;
     if (!Check(memory_->traffic.Wait())) return OpStatus::kDeviceError;
     for (const Copy& c : back_) {
       if (!Check(memory_->traffic.Down(c.host, c.device, c.bytes))) return OpStatus::kDeviceError;
@@ -601,11 +624,6 @@ class Call {
       }
       for (size_t i = 0; i < s.host.size(); ++i) {
         std::memcpy(s.host[i], &s.staging[i * s.span], s.bytes);
-      }
-    }
-    for (const Written& w : written_) {
-      for (int64_t id : w.ids) {
-        if (!Check(memory_->kv.WriteBack(id, w.lo, w.hi, w.pool))) return OpStatus::kDeviceError;
       }
     }
     return OpStatus::kOk;
@@ -1103,6 +1121,7 @@ class GpuBackend final : public Backend {
   OpStatus Settle() const override {
     std::lock_guard<std::mutex> lock(mu_);
     if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
+    if (const OpStatus s = Checked(memory_.kv.Flush()); s != OpStatus::kOk) return s;
     return Checked(memory_.kept.Settle());
   }
 

@@ -562,9 +562,9 @@ BOOST_AUTO_TEST_CASE(kv_blocks_stay_on_the_device_until_their_version_moves) {
   BOOST_TEST(copied() == 8u);
 }
 
-// Rows a kernel writes into device copies reach the host blocks at once (what the prefix cache
-// and snapshots read), with the blocks' versions moved on; the copies stay current, so reading
-// the written blocks copies nothing.
+// Rows a kernel writes into device copies reach the host blocks when the backend settles (what
+// the prefix cache and snapshots read after a step), with the blocks' versions moved on; the
+// copies stay current, so reading the written blocks copies nothing.
 BOOST_AUTO_TEST_CASE(rows_written_on_the_device_reach_the_host_blocks) {
   Load();
   std::unique_ptr<Backend> gpu = testing::TestBackend();
@@ -612,6 +612,8 @@ BOOST_AUTO_TEST_CASE(rows_written_on_the_device_reach_the_host_blocks) {
   const std::vector<uint64_t> versions(on_gpu.pool.versions(), on_gpu.pool.versions() + 3);
   BOOST_REQUIRE(write(*gpu, &on_gpu) == kernels::OpStatus::kOk);
   BOOST_REQUIRE(write(cpu, &on_cpu) == kernels::OpStatus::kOk);
+  // The written rows reach the host blocks when the backend settles.
+  BOOST_REQUIRE(gpu->Settle() == kernels::OpStatus::kOk);
   for (int32_t b = 0; b < 3; ++b) {
     BOOST_TEST(std::memcmp(on_gpu.pool.data(b), on_cpu.pool.data(b), TestPool::kBytes) == 0,
                "block " << b);
