@@ -391,6 +391,10 @@ class Step {
   // another takes over, and every host read or write of a kept buffer says so (ToHost,
   // HostWrote).
   class Kept;
+  // Keeps `v` (when not empty) on every backend and notes its address in `kept`; Release gives
+  // back every buffer `kept` notes.
+  void Keep(std::vector<float>* v, bool fresh, std::vector<const float*>* kept);
+  void Release(std::vector<const float*>* kept);
   void KeepStreams(bool fresh);
   void ReleaseStreams();
   Status ToHost(const std::vector<float>& v);
@@ -455,17 +459,9 @@ class Step::Kept {
  public:
   Kept(Step* step, std::initializer_list<std::vector<float>*> vectors, bool fresh = true)
       : step_(step) {
-    for (std::vector<float>* v : vectors) {
-      if (v->empty()) continue;
-      for (const auto& b : step_->m_.backends) b->Keep(v->data(), v->size(), fresh);
-      kept_.push_back(v->data());
-    }
+    for (std::vector<float>* v : vectors) step_->Keep(v, fresh, &kept_);
   }
-  ~Kept() {
-    for (const float* p : kept_) {
-      for (const auto& b : step_->m_.backends) b->Release(p);
-    }
-  }
+  ~Kept() { step_->Release(&kept_); }
   Kept(const Kept&) = delete;
   Kept& operator=(const Kept&) = delete;
 
@@ -478,9 +474,20 @@ class Step::Kept {
 Step::~Step() {
   ReleaseStreams();
   (void)b_->Settle();
-  for (const float* p : state_kept_) {
+  Release(&state_kept_);
+}
+
+void Step::Keep(std::vector<float>* v, bool fresh, std::vector<const float*>* kept) {
+  if (v->empty()) return;
+  for (const auto& b : m_.backends) b->Keep(v->data(), v->size(), fresh);
+  kept->push_back(v->data());
+}
+
+void Step::Release(std::vector<const float*>* kept) {
+  for (const float* p : *kept) {
     for (const auto& b : m_.backends) b->Release(p);
   }
+  kept->clear();
 }
 
 // The step's streams and mixes; `fresh` when no op has written them yet (X_ and pre_mix_ hold
@@ -489,19 +496,12 @@ void Step::KeepStreams(bool fresh) {
   ReleaseStreams();
   for (std::vector<float>* v :
        {&X_, &next_, &x_, &sub_, &mixes_, &pre_a_, &pre_f_, &post_, &comb_, &pre_mix_}) {
-    if (v->empty()) continue;
     const bool host_values = v == &pre_mix_ || (!fresh && v == &X_);
-    for (const auto& b : m_.backends) b->Keep(v->data(), v->size(), !host_values);
-    streams_kept_.push_back(v->data());
+    Keep(v, !host_values, &streams_kept_);
   }
 }
 
-void Step::ReleaseStreams() {
-  for (const float* p : streams_kept_) {
-    for (const auto& b : m_.backends) b->Release(p);
-  }
-  streams_kept_.clear();
-}
+void Step::ReleaseStreams() { Release(&streams_kept_); }
 
 Status Step::ToHost(const std::vector<float>& v) {
   return Check(b_->ToHost(v.data(), v.size()), "ToHost");
@@ -582,11 +582,8 @@ Status Step::Run() {
   // its end); the vectors keep their buffers when the commit moves them into the states.
   for (std::vector<SequenceState::Compressor>& sources : compressors_) {
     for (SequenceState::Compressor& comp : sources) {
-      for (std::vector<float>* v : {&comp.kv_partial, &comp.score_partial}) {
-        if (v->empty()) continue;
-        for (const auto& b : m_.backends) b->Keep(v->data(), v->size(), false);
-        state_kept_.push_back(v->data());
-      }
+      Keep(&comp.kv_partial, false, &state_kept_);
+      Keep(&comp.score_partial, false, &state_kept_);
     }
   }
   if (options_.trace != nullptr) {
@@ -1768,7 +1765,7 @@ Status CpuForward::UploadWeights(
   uint64_t total = 0, done = 0;
   for (const WeightRef& w : weights) total += w.bytes;
   // The checkpoint's pages of the next weights, asked for ahead of their uploads (up to 256 MiB
-  // ahead); the decoded dense ones are in memory already.
+  // ahead); for the ones decoded into memory at start-up the advice does nothing.
   const uint64_t ahead = uint64_t{256} << 20;
   const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   size_t next = 0;
@@ -1777,7 +1774,6 @@ Status CpuForward::UploadWeights(
     for (; next < weights.size() && asked < done + ahead; ++next) {
       const WeightRef& w = weights[next];
       asked += w.bytes;
-      if (w.dense) continue;
       const uintptr_t lo = reinterpret_cast<uintptr_t>(w.host) / page * page;
       const uintptr_t hi = reinterpret_cast<uintptr_t>(w.host) + w.bytes;
       ::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_WILLNEED);  // Advice only.

@@ -254,7 +254,6 @@ class KeptBuffers {
     auto it = free_.lower_bound(bytes);
     if (it != free_.end() && it->first <= 2 * bytes) {
       device = static_cast<uint8_t*>(it->second);
-      bytes_free_ -= it->first;
       sizes_[device] = it->first;
       free_.erase(it);
     } else {
@@ -278,7 +277,6 @@ class KeptBuffers {
     if (it == kept_.end()) return;
     const size_t size = sizes_[it->second.device];
     free_.emplace(size, it->second.device);
-    bytes_free_ += size;
     kept_.erase(it);
   }
 
@@ -363,13 +361,12 @@ class KeptBuffers {
       bytes_ -= size;
     }
     free_.clear();
-    bytes_free_ = 0;
   }
 
   std::map<uintptr_t, Buffer> kept_;     // By host address.
   std::multimap<size_t, void*> free_;    // Released device memory by size.
   std::map<const void*, size_t> sizes_;  // Device allocation -> its size.
-  uint64_t bytes_ = 0, bytes_free_ = 0;
+  uint64_t bytes_ = 0;
 };
 
 // The device memory a backend holds: resident weights, the KV arena, and workspace reused by
@@ -1085,19 +1082,19 @@ class GpuBackend final : public Backend {
 
   bool copies_weights() const override { return true; }
   OpStatus Upload(const void* host, size_t bytes) const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
-    std::string e;
-    memory_.Weight(host, bytes, &e);
-    return Checked(e);
+    return OnDevice([&] {
+      std::string e;
+      memory_.Weight(host, bytes, &e);
+      return e;
+    });
   }
   OpStatus UploadDense(const float* host, size_t count) const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
-    std::string e;
-    bool bf16 = false;
-    memory_.DenseWeight(host, count, &bf16, &e);
-    return Checked(e);
+    return OnDevice([&] {
+      std::string e;
+      bool bf16 = false;
+      memory_.DenseWeight(host, count, &bf16, &e);
+      return e;
+    });
   }
 
   void Keep(float* host, size_t count, bool fresh) const override {
@@ -1109,20 +1106,16 @@ class GpuBackend final : public Backend {
     memory_.kept.Release(host);
   }
   OpStatus ToHost(const float* host, size_t count) const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
-    return Checked(memory_.kept.ToHost(host, count * 4));
+    return OnDevice([&] { return memory_.kept.ToHost(host, count * 4); });
   }
   OpStatus HostWrote(const float* host, size_t count) const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
-    return Checked(memory_.kept.HostWrote(host, count * 4));
+    return OnDevice([&] { return memory_.kept.HostWrote(host, count * 4); });
   }
   OpStatus Settle() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
-    if (const OpStatus s = Checked(memory_.kv.Flush()); s != OpStatus::kOk) return s;
-    return Checked(memory_.kept.Settle());
+    return OnDevice([&] {
+      const std::string e = memory_.kv.Flush();
+      return e.empty() ? memory_.kept.Settle() : e;
+    });
   }
 
   // The last device error, for the log.
@@ -1146,6 +1139,15 @@ class GpuBackend final : public Backend {
   }
 
   static uint8_t* Bytes(float* p) { return reinterpret_cast<uint8_t*>(p); }
+
+  // Runs `f` (device calls giving "" or the first error) on this backend's device, under the
+  // lock that serialises its ops.
+  template <class F>
+  OpStatus OnDevice(F f) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (const std::string e = g::SetDevice(device_); !e.empty()) return Checked(e);
+    return Checked(f());
+  }
 
   // A device call's error as an op's status, kept for the log. REQUIRES: mu_ held.
   OpStatus Checked(const std::string& e) const {
