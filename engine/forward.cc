@@ -371,7 +371,7 @@ class Step {
                        std::vector<float>* o);
   Status Output(int l, const std::vector<float>& o);
   Status Compress(int l, size_t seg, const float* kvp, const float* score);
-  Status Index(int l, size_t seg, const float* qr_all, const float* weights_all);
+  Status Index(int l, const float* qr, const float* weights);
   Status Moe(int l);
   Status Embed();
   Status Collapse(const float* weights, const std::vector<float>& norm);
@@ -1142,7 +1142,8 @@ Status Step::Attention(int l) {
   const size_t rows_hd = static_cast<size_t>(rows * hd);
   std::vector<float> qr(static_cast<size_t>(rows * c_.q_lora_rank));
   std::vector<float> q(static_cast<size_t>(rows * H * hd)), kv(rows_hd);
-  // The compressor's projections, then per sequence its entries, selections and attention.
+  // The compressor's projections, then per sequence its entries, the selections of all rows
+  // and per sequence its attention.
   std::vector<float> kvp(lp.is_kv_source ? rows_hd : 0);
   std::vector<float> score(lp.is_kv_source && lp.compress_ratio > 1 ? rows_hd : 0);
   std::vector<float> iw(lp.is_index_source ? static_cast<size_t>(rows * c_.index_n_heads) : 0);
@@ -1178,7 +1179,11 @@ Status Step::Attention(int l) {
                         score.begin() + (sg.offset + sg.count) * hd);
       }
     }
-    if (lp.is_index_source) FLASHD_RETURN_IF_ERROR(Index(l, i, qr.data(), iw.data()));
+  }
+  // The selections of every sequence at once (a sequence's compressed entries are written above,
+  // each into its own blocks), then each sequence's attention.
+  if (lp.is_index_source) FLASHD_RETURN_IF_ERROR(Index(l, qr.data(), iw.data()));
+  for (size_t i = 0; i < plan_.segments.size(); ++i) {
     FLASHD_RETURN_IF_ERROR(AttendSegment(l, i, q, kv, &o));
   }
   return Output(l, o);
@@ -1257,16 +1262,20 @@ Status Step::Compress(int l, size_t seg, const float* kvp, const float* score) {
   return Status::Ok();
 }
 
-// Which compressed entries each query of one sequence attends to.
-Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_all) {
+// Which compressed entries each row attends to, for every sequence of the step at once: the
+// queries of all rows in one projection, each sequence's scores over its own blocks into rows of
+// one score matrix (the widest sequence's width; a row scores -inf past what it sees), then one
+// candidate filter and one top-k over all of them, so the host waits for the picks once per
+// chunk, not once per sequence. Every row's choice is made from its own scores alone, so it does
+// not depend on which sequences share the step.
+Status Step::Index(int l, const float* qr, const float* weights) {
   const Layer& L = m_.layers[l];
   const LayerPlan& lp = m_.Plan(l);
-  const ForwardPlan::Segment& sg = plan_.segments[seg];
   const int64_t ih = c_.index_n_heads, idd = c_.index_head_dim, ratio = lp.compress_ratio;
-  const int64_t count = static_cast<int64_t>(sg.count), qlr = c_.q_lora_rank;
+  const int64_t count = static_cast<int64_t>(n());
   std::vector<float> iq(static_cast<size_t>(count * ih * idd));
   const Kept kept(this, {&iq});
-  FLASHD_RETURN_IF_ERROR(Apply(L.idx_wq_b, qr_all + sg.offset * qlr, count, iq.data()));
+  FLASHD_RETURN_IF_ERROR(Apply(L.idx_wq_b, qr, count, iq.data()));
   FLASHD_OP(RoundBf16, {.x = iq.data(), .n = static_cast<int64_t>(iq.size())});
   FLASHD_OP(Rope, {.x = iq.data(),
                    .rows = count,
@@ -1274,7 +1283,7 @@ Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_
                    .head_dim = idd,
                    .rope_dim = c_.qk_rope_head_dim,
                    .row_stride = ih * idd,
-                   .positions = &plan_.positions[sg.offset],
+                   .positions = plan_.positions.data(),
                    .freqs = L.freqs.data()});
   FLASHD_OP(FakeQuant, {.x = iq.data(),
                         .n = static_cast<int64_t>(iq.size()),
@@ -1282,15 +1291,23 @@ Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_
                         .format = kernels::FakeQuantFormat::kFp4E8M0});
   // Only the entries a query can see take part, so the choice for a token never depends on how
   // many tokens share its call (the reference's decode step does the same).
-  std::vector<int64_t> visible(sg.count);
-  for (size_t t = 0; t < sg.count; ++t) visible[t] = (plan_.positions[sg.offset + t] + 1) / ratio;
-  const int64_t stride = visible.empty() ? 0 : visible.back();
+  std::vector<int64_t> visible(static_cast<size_t>(count));
+  int64_t stride = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    visible[t] = (plan_.positions[t] + 1) / ratio;
+    stride = std::max(stride, visible[t]);
+  }
+  // Each row's sequence.
+  std::vector<size_t> seg_of(static_cast<size_t>(count));
+  for (size_t i = 0; i < plan_.segments.size(); ++i) {
+    const ForwardPlan::Segment& sg = plan_.segments[i];
+    std::fill(seg_of.begin() + sg.offset, seg_of.begin() + sg.offset + sg.count, i);
+  }
   const KvBlockLayout::Source& src = m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
   const kernels::PagedRows key_codes = m_.Rows(src, src.key_codes);
   const kernels::PagedRows key_scales = m_.Rows(src, src.key_scales);
-  const int32_t* block_table = items_[seg].state->blocks.data();
   const int64_t topk = c_.index_topk, bs = c_.candidate_block_size;
-  // Queries go in chunks whose score rows fit in about 64 MiB.
+  // Rows go in chunks whose score rows fit in about 64 MiB.
   const int64_t chunk = std::max<int64_t>(1, (int64_t{16} << 20) / std::max<int64_t>(1, stride));
   // A chunk's scores, kept on the device from the indexer to the selections.
   std::vector<float> scores(static_cast<size_t>(std::min(chunk, count) * stride));
@@ -1303,26 +1320,34 @@ Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_
     if (lp.uses_candidates && !lp.is_candidate_source) {
       mask.assign(static_cast<size_t>(rows * stride), 0);
       for (int64_t t = 0; t < rows; ++t) {
-        const std::vector<char>& keep = candidates_[sg.offset + t0 + t];
+        const std::vector<char>& keep = candidates_[t0 + t];
         for (int64_t j = 0; j < std::min<int64_t>(stride, keep.size()); ++j) {
           mask[t * stride + j] = keep[j] != 0;
         }
       }
       use_mask = mask.data();
     }
-    FLASHD_OP(IndexerScores, {.q = &iq[t0 * ih * idd],
-                              .weights = weights_all + (sg.offset + t0) * ih,
-                              .tokens = rows,
-                              .heads = ih,
-                              .dim = idd,
-                              .visible = &visible[t0],
-                              .block_table = block_table,
-                              .key_codes = key_codes,
-                              .key_scales = key_scales,
-                              .mask = use_mask,
-                              .stride = stride,
-                              .scores = scores.data(),
-                              .stream = &stream_});
+    // One call per sequence (its block table) over its rows in this chunk.
+    for (int64_t a = t0; a < t0 + rows;) {
+      const size_t seg = seg_of[a];
+      const ForwardPlan::Segment& sg = plan_.segments[seg];
+      const int64_t b = std::min<int64_t>(t0 + rows, static_cast<int64_t>(sg.offset + sg.count));
+      FLASHD_OP(IndexerScores,
+                {.q = &iq[a * ih * idd],
+                 .weights = weights + a * ih,
+                 .tokens = b - a,
+                 .heads = ih,
+                 .dim = idd,
+                 .visible = &visible[a],
+                 .block_table = items_[seg].state->blocks.data(),
+                 .key_codes = key_codes,
+                 .key_scales = key_scales,
+                 .mask = use_mask == nullptr ? nullptr : use_mask + (a - t0) * stride,
+                 .stride = stride,
+                 .scores = &scores[(a - t0) * stride],
+                 .stream = &stream_});
+      a = b;
+    }
     if (lp.is_candidate_source) {
       // Level one: the best blocks of candidate_block_size entries; the newest pinned.
       const int64_t blocks = (stride + bs - 1) / bs;
@@ -1340,8 +1365,8 @@ Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_
                                   .block_top = block_top.data(),
                                   .mask = mask.data()});
       for (int64_t t = 0; t < rows; ++t) {
-        candidates_[sg.offset + t0 + t].assign(mask.begin() + t * stride,
-                                               mask.begin() + t * stride + visible[t0 + t]);
+        candidates_[t0 + t].assign(mask.begin() + t * stride,
+                                   mask.begin() + t * stride + visible[t0 + t]);
       }
     }
     top.resize(static_cast<size_t>(rows * topk));
@@ -1353,14 +1378,14 @@ Status Step::Index(int l, size_t seg, const float* qr_all, const float* weights_
                      .order = options_.topk_order,
                      .out = top.data()});
     for (int64_t t = 0; t < rows; ++t) {
-      std::vector<int64_t>& sel = selection_[sg.offset + t0 + t];
+      std::vector<int64_t>& sel = selection_[t0 + t];
       sel.clear();
       for (int64_t i = 0; i < topk; ++i) {
         if (top[t * topk + i] >= 0) sel.push_back(top[t * topk + i]);
       }
       std::sort(sel.begin(), sel.end());
       if (options_.trace != nullptr) {
-        options_.trace->selections.push_back({l, plan_.positions[sg.offset + t0 + t], sel});
+        options_.trace->selections.push_back({l, plan_.positions[t0 + t], sel});
       }
     }
   }
@@ -1456,19 +1481,60 @@ Status Step::Moe(int l) {
 
 Status Step::Logits() {
   const int64_t dim = c_.hidden_size, V = c_.vocab_size;
+  // Sequences that want their last row's logits alone share one pass over the head (the head
+  // is read once for all of them, and the host waits once); the others get all their rows.
+  std::vector<int64_t> last;
+  std::vector<size_t> last_items;
   for (size_t i = 0; i < plan_.segments.size(); ++i) {
     const ForwardPlan::Segment& sg = plan_.segments[i];
     const bool all = options_.all_logits || items_[i].all_logits;
-    const size_t first = all ? sg.offset : sg.offset + sg.count - 1;
-    const int64_t rows = static_cast<int64_t>(sg.offset + sg.count - first);
+    if (!all) {
+      last.push_back(static_cast<int64_t>(sg.offset + sg.count - 1));
+      last_items.push_back(i);
+      continue;
+    }
+    const int64_t rows = static_cast<int64_t>(sg.count);
     items_[i].logits->assign(static_cast<size_t>(rows * V), 0.0f);
-    FLASHD_OP(Linear, {.x = &x_[first * dim],
+    FLASHD_OP(Linear, {.x = &x_[sg.offset * dim],
                        .rows = rows,
                        .in = dim,
                        .out = V,
                        .dense = m_.head.data(),
                        .y = items_[i].logits->data(),
                        .stream = &stream_});
+  }
+  if (last.size() == 1) {
+    std::vector<float>& y = *items_[last_items[0]].logits;
+    y.assign(static_cast<size_t>(V), 0.0f);
+    FLASHD_OP(Linear, {.x = &x_[last[0] * dim],
+                       .rows = 1,
+                       .in = dim,
+                       .out = V,
+                       .dense = m_.head.data(),
+                       .y = y.data(),
+                       .stream = &stream_});
+  } else if (!last.empty()) {
+    const int64_t rows = static_cast<int64_t>(last.size());
+    std::vector<float> xs(static_cast<size_t>(rows * dim)), ys(static_cast<size_t>(rows * V));
+    const Kept kept(this, {&xs, &ys});
+    FLASHD_OP(CopyRows, {.src = x_.data(),
+                         .src_stride = dim,
+                         .index = last.data(),
+                         .rows = rows,
+                         .cols = dim,
+                         .dst = xs.data(),
+                         .dst_stride = dim});
+    FLASHD_OP(Linear, {.x = xs.data(),
+                       .rows = rows,
+                       .in = dim,
+                       .out = V,
+                       .dense = m_.head.data(),
+                       .y = ys.data(),
+                       .stream = &stream_});
+    FLASHD_RETURN_IF_ERROR(ToHost(ys));
+    for (size_t j = 0; j < last_items.size(); ++j) {
+      items_[last_items[j]].logits->assign(ys.begin() + j * V, ys.begin() + (j + 1) * V);
+    }
   }
   return Status::Ok();
 }

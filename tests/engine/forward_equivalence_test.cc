@@ -187,8 +187,9 @@ BOOST_AUTO_TEST_CASE(corrupt_snapshots_are_refused) {
   BOOST_TEST(v.status().message().find("version 99") != std::string::npos, v.status().message());
 }
 
-BOOST_AUTO_TEST_CASE(batch_equals_each_sequence_alone) {
-  // Three sequences at different positions with different chunk lengths, in one call.
+// Three sequences at different positions with different chunk lengths, in one call, against
+// each alone: all rows' logits, or (one pass over the head for the three) the last row's.
+void BatchEqualsEachSequenceAlone(bool all_logits) {
   std::vector<std::vector<int32_t>> prefixes = {Tokens(5, 10), Tokens(30, 11), {}};
   std::vector<std::vector<int32_t>> chunks = {Tokens(12, 12), Tokens(1, 13), Tokens(20, 14)};
   std::vector<SequenceState> batched, alone;
@@ -203,9 +204,11 @@ BOOST_AUTO_TEST_CASE(batch_equals_each_sequence_alone) {
     }
   }
   ForwardOptions options;
-  options.all_logits = true;
+  options.all_logits = all_logits;
   for (size_t i = 0; i < 3; ++i) {
     BOOST_REQUIRE(Forward().Forward(&alone[i], chunks[i], &want[i], options).ok());
+    BOOST_REQUIRE_EQUAL(want[i].size(), (all_logits ? chunks[i].size() : 1) *
+                                            static_cast<size_t>(Forward().config().vocab_size));
   }
   std::vector<BatchItem> items;
   for (size_t i = 0; i < 3; ++i) items.push_back({&batched[i], chunks[i], &got[i]});
@@ -214,6 +217,12 @@ BOOST_AUTO_TEST_CASE(batch_equals_each_sequence_alone) {
     BOOST_TEST(BitEqual(got[i], want[i]), "sequence " << i);
     BOOST_TEST((batched[i].Serialize() == alone[i].Serialize()), "state of sequence " << i);
   }
+}
+
+BOOST_AUTO_TEST_CASE(batch_equals_each_sequence_alone) { BatchEqualsEachSequenceAlone(true); }
+
+BOOST_AUTO_TEST_CASE(batch_last_rows_equal_each_sequence_alone) {
+  BatchEqualsEachSequenceAlone(false);
 }
 
 BOOST_AUTO_TEST_CASE(bounded_replay_is_exact_when_the_prompt_fits_and_off_by_default) {
