@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -28,6 +29,13 @@ namespace {
 namespace k = flashd::kernels::cpu;
 using kernels::OpStatus;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// A window ring slot's version: unique in the process, so a version names one slot content
+// (SequenceState::Ring::versions).
+uint64_t NewRingVersion() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
 
 // An op that refuses its arguments is a bug in the engine's op layer, not bad input.
 Status Check(OpStatus s, const char* op) {
@@ -131,7 +139,7 @@ struct CpuForward::Impl {
   // A window ring holding nothing yet: zero codes, unit (UE8M0 127) scales.
   SequenceState::Ring EmptyRing() const {
     const size_t hd = static_cast<size_t>(c.head_dim), win = static_cast<size_t>(c.sliding_window);
-    return {std::vector<uint8_t>(win * hd, 0), std::vector<uint8_t>(win * hd / 32, 127)};
+    return {std::vector<uint8_t>(win * hd, 0), std::vector<uint8_t>(win * hd / 32, 127), {}};
   }
   const LayerPlan& Plan(int l) const {
     return l < c.num_hidden_layers ? c.layers[l] : kDraftLayerPlan;
@@ -1066,28 +1074,32 @@ Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
     kv_scales = m_.Rows(src, src.kv_scales);
   }
   const SequenceState::Ring& ring = st.rings[l];
-  FLASHD_OP(SparseAttention, {.q = &q[sg.offset * H * hd],
-                              .tokens = static_cast<int64_t>(sg.count),
-                              .heads = H,
-                              .head_dim = hd,
-                              .rope_dim = rd,
-                              .positions = &plan_.positions[sg.offset],
-                              .ring_codes = ring.codes.data(),
-                              .ring_scales = ring.scales.data(),
-                              .window = c_.sliding_window,
-                              .fresh = &kv[sg.offset * hd],
-                              .fresh_first = sg.start,
-                              .window_first = &plan_.window_first[sg.offset],
-                              .window_last = draft_ ? &window_last_[sg.offset] : nullptr,
-                              .selected = selected.data(),
-                              .selected_stride = width,
-                              .block_table = st.blocks.data(),
-                              .kv_codes = kv_codes,
-                              .kv_scales = kv_scales,
-                              .sink = L.attn_sink.data(),
-                              .freqs = L.freqs.data(),
-                              .out = &(*o)[sg.offset * H * hd],
-                              .stream = &stream_});
+  FLASHD_OP(SparseAttention,
+            {.q = &q[sg.offset * H * hd],
+             .tokens = static_cast<int64_t>(sg.count),
+             .heads = H,
+             .head_dim = hd,
+             .rope_dim = rd,
+             .positions = &plan_.positions[sg.offset],
+             .ring_codes = ring.codes.data(),
+             .ring_scales = ring.scales.data(),
+             .ring_versions = ring.versions.size() == static_cast<size_t>(c_.sliding_window)
+                                  ? ring.versions.data()
+                                  : nullptr,
+             .window = c_.sliding_window,
+             .fresh = &kv[sg.offset * hd],
+             .fresh_first = sg.start,
+             .window_first = &plan_.window_first[sg.offset],
+             .window_last = draft_ ? &window_last_[sg.offset] : nullptr,
+             .selected = selected.data(),
+             .selected_stride = width,
+             .block_table = st.blocks.data(),
+             .kv_codes = kv_codes,
+             .kv_scales = kv_scales,
+             .sink = L.attn_sink.data(),
+             .freqs = L.freqs.data(),
+             .out = &(*o)[sg.offset * H * hd],
+             .stream = &stream_});
   // The window ring keeps the last `window` rows; written when the step commits.
   if (draft_) return Status::Ok();
   const size_t keep = std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window));
@@ -1547,13 +1559,19 @@ Status Step::Logits() {
 void Step::Commit(const std::vector<int64_t>& keep) {
   const size_t hd = static_cast<size_t>(c_.head_dim);
   const int64_t win = c_.sliding_window;
+  // Every slot written gets a new version; a ring without versions gets them all first.
   auto write_rows = [&](const RingRows& rr, int64_t end, SequenceState::Ring* ring) {
+    if (ring->versions.size() != static_cast<size_t>(win)) {
+      ring->versions.resize(static_cast<size_t>(win));
+      for (uint64_t& v : ring->versions) v = NewRingVersion();
+    }
     for (size_t r = 0; r < rr.rows.size() / hd; ++r) {
       const int64_t pos = rr.first_position + static_cast<int64_t>(r);
       if (pos >= end) break;
       const size_t slot = static_cast<size_t>(pos % win);
       k::QuantizeFp8PerBlock(&rr.rows[r * hd], hd, 32, &ring->codes[slot * hd],
                              &ring->scales[slot * hd / 32]);
+      ring->versions[slot] = NewRingVersion();
     }
   };
   for (size_t i = 0; i < items_.size(); ++i) {

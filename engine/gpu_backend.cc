@@ -15,9 +15,11 @@
 // device between ops too (Backend::Keep, KeptBuffers below): ops read and write the device
 // copies of the buffers the step keeps, and the host copy catches up only where the forward
 // pass reads it (the window rows a step commits, the experts each token chose, the indexer's
-// picks, the logits). An op whose outputs all stay on the device is not waited for. Everything
-// else an op touches (the sequence's window ring and compressor groups, the indexer's scores,
-// buffers nobody kept) is copied to device workspace for the op and its outputs copied back.
+// picks, the logits). An op whose outputs all stay on the device is not waited for. The
+// sequences' window rings stay on the device from step to step (RingCache below): a decode step
+// copies the ring slots the step before wrote, named by their versions. Everything else an op
+// touches (buffers nobody kept, a ring without versions) is copied to device workspace for the
+// op and its outputs copied back.
 //
 // Two ops stay on the host: the Engram gather (its tables live in host memory by design; the
 // rows a step needs are known from its tokens) and, for the reference's own top-k order (the
@@ -29,6 +31,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <list>
 #include <map>
 #include <mutex>
 #include <string>
@@ -369,6 +372,100 @@ class KeptBuffers {
   uint64_t bytes_ = 0;
 };
 
+// Device copies of the sequences' window rings, kept from op to op and from step to step. A
+// ring is named by the address of its host codes; its slots' versions
+// (SequenceState::Ring::versions) say which slots changed since the copy was last made current,
+// and only those are copied, in runs of neighbouring slots: a decode step copies the one slot it
+// wrote, not the window. A version names one slot content, so an address another ring used
+// before holds versions the new ring does not have, and those slots are copied. The least
+// recently used copies go when the copies pass their budget.
+class RingCache {
+ public:
+  RingCache() = default;
+  RingCache(const RingCache&) = delete;
+  RingCache& operator=(const RingCache&) = delete;
+  ~RingCache() {
+    for (auto& [host, r] : rings_) g::DeviceFree(r.device);
+  }
+
+  // The device copy of a ring of `window` slots (codes [window, head_dim], then scales
+  // [window, head_dim / 32]), made current from the host. Null with *error set when a copy
+  // failed, or with *error empty when device memory ran out (the caller then copies the ring
+  // for its op alone).
+  uint8_t* Prepare(const uint8_t* codes, const uint8_t* scales, const uint64_t* versions,
+                   int64_t window, int64_t head_dim, std::string* error) {
+    const size_t slot_codes = Count(head_dim), slot_scales = Count(head_dim / 32);
+    const size_t slots = Count(window), bytes = slots * (slot_codes + slot_scales);
+    auto it = rings_.find(codes);
+    if (it != rings_.end() && it->second.bytes != bytes) {
+      Drop(it);
+      it = rings_.end();
+    }
+    if (it == rings_.end()) {
+      void* device = nullptr;
+      while (!lru_.empty() && bytes_ + bytes > budget_) Drop(rings_.find(lru_.back()));
+      if (!g::DeviceAlloc(&device, bytes).empty()) return nullptr;
+      lru_.push_front(codes);
+      it = rings_
+               .emplace(codes, Ring{static_cast<uint8_t*>(device), bytes,
+                                    std::vector<uint64_t>(slots, 0), lru_.begin()})
+               .first;
+      bytes_ += bytes;
+    } else {
+      lru_.splice(lru_.begin(), lru_, it->second.used);
+    }
+    Ring& r = it->second;
+    for (size_t a = 0; a < slots;) {
+      if (r.versions[a] == versions[a]) {
+        ++a;
+        continue;
+      }
+      size_t b = a + 1;
+      while (b < slots && r.versions[b] != versions[b]) ++b;
+      std::string e =
+          traffic->Up(r.device + a * slot_codes, codes + a * slot_codes, (b - a) * slot_codes);
+      if (e.empty()) {
+        e = traffic->Up(r.device + slots * slot_codes + a * slot_scales, scales + a * slot_scales,
+                        (b - a) * slot_scales);
+      }
+      if (!e.empty()) {
+        *error = e;
+        Drop(it);
+        return nullptr;
+      }
+      std::copy(versions + a, versions + b, r.versions.begin() + a);
+      slots_copied_ += b - a;
+      a = b;
+    }
+    return r.device;
+  }
+
+  uint64_t bytes() const { return bytes_; }
+  uint64_t slots_copied() const { return slots_copied_; }
+
+  Traffic* traffic = nullptr;
+
+ private:
+  struct Ring {
+    uint8_t* device;
+    size_t bytes;
+    std::vector<uint64_t> versions;  // Of the slots the device copy holds; 0: none.
+    std::list<const void*>::iterator used;
+  };
+
+  void Drop(std::map<const void*, Ring>::iterator it) {
+    g::DeviceFree(it->second.device);
+    bytes_ -= it->second.bytes;
+    lru_.erase(it->second.used);
+    rings_.erase(it);
+  }
+
+  std::map<const void*, Ring> rings_;  // By host codes address.
+  std::list<const void*> lru_;         // Most recently used first.
+  uint64_t bytes_ = 0, slots_copied_ = 0;
+  uint64_t budget_ = uint64_t{512} << 20;
+};
+
 // The device memory a backend holds: resident weights, the KV arena, and workspace reused by
 // every op.
 class DeviceMemory {
@@ -376,6 +473,7 @@ class DeviceMemory {
   DeviceMemory() {
     kv.traffic = &traffic;
     kept.traffic = &traffic;
+    rings.traffic = &traffic;
   }
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
@@ -462,12 +560,15 @@ class DeviceMemory {
     current_ = 0;
   }
 
-  uint64_t bytes() const { return resident_ + workspace_ + kv.bytes() + kept.bytes(); }
+  uint64_t bytes() const {
+    return resident_ + workspace_ + kv.bytes() + kept.bytes() + rings.bytes();
+  }
   uint64_t weight_bytes() const { return resident_; }
 
   Traffic traffic;
   KvArena kv;
   KeptBuffers kept;
+  RingCache rings;
 
  private:
   struct Resident {
@@ -600,6 +701,20 @@ class Call {
     return true;
   }
 
+  // The device copy of an op's window ring from the backend's ring cache (when the ring carries
+  // its slots' versions): false when it has none or device memory ran out (the caller copies
+  // the ring for this op alone) or a copy failed (with the error set).
+  bool Ring(const k::SparseAttentionParams& p, const uint8_t** codes, const uint8_t** scales) {
+    if (p.ring_versions == nullptr || p.ring_codes == nullptr || p.window <= 0) return false;
+    std::string e;
+    uint8_t* device = memory_->rings.Prepare(p.ring_codes, p.ring_scales, p.ring_versions, p.window,
+                                             p.head_dim, &e);
+    if (device == nullptr) return !Check(e);
+    *codes = device;
+    *scales = device + p.window * p.head_dim;
+    return true;
+  }
+
   // After the launch: waits for the kernels and copies the outputs back.
   OpStatus Finish(OpStatus launched) {
     if (!error_.empty()) return OpStatus::kDeviceError;
@@ -719,6 +834,8 @@ class GpuBackend final : public Backend {
     r.memory_in_use = memory_.bytes();
     r.kv_device_bytes = memory_.kv.bytes();
     r.kv_blocks_copied = memory_.kv.copied();
+    r.ring_device_bytes = memory_.rings.bytes();
+    r.ring_slots_copied = memory_.rings.slots_copied();
     r.weight_bytes = memory_.weight_bytes();
     r.bytes_to_device = memory_.traffic.to_device;
     r.bytes_to_host = memory_.traffic.to_host;
@@ -967,8 +1084,11 @@ class GpuBackend final : public Backend {
       d.stream = nullptr;
       d.q = c.In(p.q, p.tokens * p.heads * p.head_dim);
       d.positions = c.In(p.positions, p.tokens);
-      d.ring_codes = c.In(p.ring_codes, p.window * p.head_dim);
-      d.ring_scales = c.In(p.ring_scales, p.window * p.head_dim / 32);
+      d.ring_versions = nullptr;
+      if (!c.Ring(p, &d.ring_codes, &d.ring_scales)) {
+        d.ring_codes = c.In(p.ring_codes, p.window * p.head_dim);
+        d.ring_scales = c.In(p.ring_scales, p.window * p.head_dim / 32);
+      }
       d.fresh = c.In(p.fresh, (last - p.fresh_first + 1) * p.head_dim);
       d.window_first = c.In(p.window_first, p.tokens);
       if (p.window_last != nullptr) d.window_last = c.In(p.window_last, p.tokens);

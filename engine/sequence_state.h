@@ -30,6 +30,11 @@ struct SequenceState {
   struct Ring {
     std::vector<uint8_t> codes;   // [window, head_dim] FP8 E4M3
     std::vector<uint8_t> scales;  // [window, head_dim / 32] UE8M0
+    // [window] or empty: per slot a number no other slot content ever had (the forward pass
+    // gives a new one to every slot it writes; a copy keeps them with the rows they name), so a
+    // backend keeping a copy of the ring copies only the slots whose number moved. Empty (a
+    // ring not written since it was made or restored): every op takes the ring whole.
+    std::vector<uint64_t> versions;
   };
   std::vector<Ring> rings;  // One per layer.
   // A KV source's compressor: the partial group and how many entries it has written.

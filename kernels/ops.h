@@ -292,6 +292,9 @@ struct SparseAttentionParams {
   // Window.
   const uint8_t* ring_codes = nullptr;   // [window, head_dim]
   const uint8_t* ring_scales = nullptr;  // [window, head_dim / 32]
+  // Optional [window]: the ring slots' versions (SequenceState::Ring::versions). Kernels ignore
+  // them; a backend that keeps the ring on its device copies only the slots whose version moved.
+  const uint64_t* ring_versions = nullptr;
   int64_t window = 0;
   const float* fresh = nullptr;  // [tokens, head_dim] this call's window rows, FP8 round-tripped
   int64_t fresh_first = 0;       // Position of fresh[0].

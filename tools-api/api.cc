@@ -46,7 +46,9 @@ nlohmann::json BackendJson(const engine::BackendReport& r) {
           {"memory_in_use_bytes", r.memory_in_use},
           {"memory_total_bytes", r.memory_total},
           {"kv_device_bytes", r.kv_device_bytes},
-          {"kv_blocks_copied", r.kv_blocks_copied}};
+          {"kv_blocks_copied", r.kv_blocks_copied},
+          {"ring_device_bytes", r.ring_device_bytes},
+          {"ring_slots_copied", r.ring_slots_copied}};
 }
 
 }  // namespace

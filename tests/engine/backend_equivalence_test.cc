@@ -18,6 +18,7 @@
 
 #include "engine/forward.h"
 #include "engine/kv_pool.h"
+#include "kernels/codecs.h"
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
 #include "tests/support/test_backend.h"
@@ -646,6 +647,102 @@ BOOST_AUTO_TEST_CASE(decoding_copies_no_kv_block_again) {
   }
   BOOST_TEST(steps > 0);
   BOOST_TEST(p.gpu->backend().Report().kv_blocks_copied == after_prompt);
+}
+
+// The window rings stay on the device too: after the first step that reads a ring whole, a
+// decode step copies the one slot the step before wrote, in each layer's ring.
+BOOST_AUTO_TEST_CASE(decoding_copies_one_ring_slot_per_layer) {
+  const Pair& p = Load();
+  SequenceState st = p.gpu->NewSequence();
+  std::vector<float> logits;
+  BOOST_REQUIRE(p.gpu->Forward(&st, Prompt(0), &logits).ok());
+  auto decode = [&] {
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    BOOST_REQUIRE(p.gpu->Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+  };
+  const BackendReport before = p.gpu->backend().Report();
+  decode();  // Reads every ring whole (the prompt's step gave the slots their versions).
+  const BackendReport first = p.gpu->backend().Report();
+  const uint64_t layers = static_cast<uint64_t>(p.gpu->config().num_hidden_layers);
+  const uint64_t window = static_cast<uint64_t>(p.gpu->config().sliding_window);
+  BOOST_TEST(first.ring_slots_copied - before.ring_slots_copied == layers * window);
+  BOOST_TEST(first.ring_device_bytes >=
+             layers * window * static_cast<uint64_t>(p.gpu->config().head_dim));
+  for (int step = 1; step <= 3; ++step) {
+    decode();
+    BOOST_TEST(p.gpu->backend().Report().ring_slots_copied - first.ring_slots_copied ==
+               layers * static_cast<uint64_t>(step));
+  }
+}
+
+// An op reads a ring's device copy, made current slot by slot from the slots' versions: bytes
+// changed without a new version are not seen, and a slot's new version copies that slot alone.
+// The reference is the same kernel given the whole ring for the call (no versions).
+BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
+  Load();
+  std::unique_ptr<Backend> gpu = testing::TestBackend();
+  const int64_t heads = 2, hd = 64, window = 16, position = 40;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> d(0.0f, 1.0f);
+  std::vector<float> rows(window * hd), q(heads * hd), fresh(hd), sink(heads), freqs(8);
+  for (float& v : rows) v = d(rng);
+  for (float& v : q) v = kernels::codecs::Bf16ToFloat(kernels::codecs::FloatToBf16(0.3f * d(rng)));
+  for (float& v : fresh) v = d(rng);
+  kernels::cpu::RoundTripFp8(fresh.data(), fresh.size(), 32);
+  for (float& v : sink) v = d(rng);
+  kernels::cpu::RopeFrequencies(16, 0, 10000.0, 1, 0, 0, freqs.data());
+  std::vector<uint8_t> codes(window * hd), scales(window * hd / 32);
+  kernels::cpu::QuantizeFp8PerBlock(rows.data(), rows.size(), 32, codes.data(), scales.data());
+  std::vector<uint64_t> versions(window);
+  for (int64_t i = 0; i < window; ++i) versions[i] = 100 + i;
+  const int64_t pos = position, first = position - window + 1;
+  auto attend = [&](bool cached) {
+    std::vector<float> out(heads * hd);
+    BOOST_REQUIRE(gpu->SparseAttention({.q = q.data(),
+                                        .tokens = 1,
+                                        .heads = heads,
+                                        .head_dim = hd,
+                                        .rope_dim = 16,
+                                        .positions = &pos,
+                                        .ring_codes = codes.data(),
+                                        .ring_scales = scales.data(),
+                                        .ring_versions = cached ? versions.data() : nullptr,
+                                        .window = window,
+                                        .fresh = fresh.data(),
+                                        .fresh_first = position,
+                                        .window_first = &first,
+                                        .kv_codes = {},
+                                        .kv_scales = {},
+                                        .sink = sink.data(),
+                                        .freqs = freqs.data(),
+                                        .out = out.data()}) == kernels::OpStatus::kOk);
+    return out;
+  };
+  const std::vector<float> whole = attend(false);
+  BOOST_TEST(gpu->Report().ring_slots_copied == 0u);
+  BOOST_TEST(attend(true) == whole, boost::test_tools::per_element());
+  BOOST_TEST(gpu->Report().ring_slots_copied == static_cast<uint64_t>(window));
+  BOOST_TEST(gpu->Report().ring_device_bytes == static_cast<uint64_t>(window * (hd + hd / 32)));
+  const uint64_t up = gpu->Report().bytes_to_device;
+  BOOST_TEST(attend(true) == whole, boost::test_tools::per_element());
+  const uint64_t op_bytes = gpu->Report().bytes_to_device - up;  // The op's other operands.
+  BOOST_TEST(gpu->Report().ring_slots_copied == static_cast<uint64_t>(window));
+
+  // A slot rewritten on the host without a new version: the device copy is what the op reads.
+  const int64_t slot = (position - 3) % window;
+  for (int64_t i = 0; i < hd; ++i) rows[slot * hd + i] = 3.0f * d(rng);
+  kernels::cpu::QuantizeFp8PerBlock(&rows[slot * hd], hd, 32, &codes[slot * hd],
+                                    &scales[slot * hd / 32]);
+  const std::vector<float> changed = attend(false);
+  BOOST_TEST(changed != whole);
+  BOOST_TEST(attend(true) == whole, boost::test_tools::per_element());
+  // Its new version: that slot alone is copied, and the op sees it.
+  versions[slot] = 1000;
+  const uint64_t before = gpu->Report().bytes_to_device;
+  BOOST_TEST(attend(true) == changed, boost::test_tools::per_element());
+  BOOST_TEST(gpu->Report().ring_slots_copied == static_cast<uint64_t>(window + 1));
+  BOOST_TEST(gpu->Report().bytes_to_device - before == op_bytes + hd + hd / 32);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
