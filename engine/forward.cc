@@ -1493,6 +1493,16 @@ Status Step::Moe(int l) {
 
 Status Step::Logits() {
   const int64_t dim = c_.hidden_size, V = c_.vocab_size;
+  auto head = [&](const float* x, int64_t rows, float* y) {
+    FLASHD_OP(Linear, {.x = x,
+                       .rows = rows,
+                       .in = dim,
+                       .out = V,
+                       .dense = m_.head.data(),
+                       .y = y,
+                       .stream = &stream_});
+    return Status::Ok();
+  };
   // Sequences that want their last row's logits alone share one pass over the head (the head
   // is read once for all of them, and the host waits once); the others get all their rows.
   std::vector<int64_t> last;
@@ -1507,46 +1517,28 @@ Status Step::Logits() {
     }
     const int64_t rows = static_cast<int64_t>(sg.count);
     items_[i].logits->assign(static_cast<size_t>(rows * V), 0.0f);
-    FLASHD_OP(Linear, {.x = &x_[sg.offset * dim],
-                       .rows = rows,
-                       .in = dim,
-                       .out = V,
-                       .dense = m_.head.data(),
-                       .y = items_[i].logits->data(),
-                       .stream = &stream_});
+    FLASHD_RETURN_IF_ERROR(head(&x_[sg.offset * dim], rows, items_[i].logits->data()));
   }
   if (last.size() == 1) {
     std::vector<float>& y = *items_[last_items[0]].logits;
     y.assign(static_cast<size_t>(V), 0.0f);
-    FLASHD_OP(Linear, {.x = &x_[last[0] * dim],
-                       .rows = 1,
-                       .in = dim,
-                       .out = V,
-                       .dense = m_.head.data(),
-                       .y = y.data(),
-                       .stream = &stream_});
-  } else if (!last.empty()) {
-    const int64_t rows = static_cast<int64_t>(last.size());
-    std::vector<float> xs(static_cast<size_t>(rows * dim)), ys(static_cast<size_t>(rows * V));
-    const Kept kept(this, {&xs, &ys});
-    FLASHD_OP(CopyRows, {.src = x_.data(),
-                         .src_stride = dim,
-                         .index = last.data(),
-                         .rows = rows,
-                         .cols = dim,
-                         .dst = xs.data(),
-                         .dst_stride = dim});
-    FLASHD_OP(Linear, {.x = xs.data(),
+    return head(&x_[last[0] * dim], 1, y.data());
+  }
+  if (last.empty()) return Status::Ok();
+  const int64_t rows = static_cast<int64_t>(last.size());
+  std::vector<float> xs(static_cast<size_t>(rows * dim)), ys(static_cast<size_t>(rows * V));
+  const Kept kept(this, {&xs, &ys});
+  FLASHD_OP(CopyRows, {.src = x_.data(),
+                       .src_stride = dim,
+                       .index = last.data(),
                        .rows = rows,
-                       .in = dim,
-                       .out = V,
-                       .dense = m_.head.data(),
-                       .y = ys.data(),
-                       .stream = &stream_});
-    FLASHD_RETURN_IF_ERROR(ToHost(ys));
-    for (size_t j = 0; j < last_items.size(); ++j) {
-      items_[last_items[j]].logits->assign(ys.begin() + j * V, ys.begin() + (j + 1) * V);
-    }
+                       .cols = dim,
+                       .dst = xs.data(),
+                       .dst_stride = dim});
+  FLASHD_RETURN_IF_ERROR(head(xs.data(), rows, ys.data()));
+  FLASHD_RETURN_IF_ERROR(ToHost(ys));
+  for (size_t j = 0; j < last_items.size(); ++j) {
+    items_[last_items[j]].logits->assign(ys.begin() + j * V, ys.begin() + (j + 1) * V);
   }
   return Status::Ok();
 }
