@@ -153,10 +153,15 @@ class KvArena {
     pending_.push_back({pool.blocks[i] + lo, slots_[i] + lo, hi - lo});
   }
 
-  // The written bytes to their host blocks, after one wait for the ops that wrote them.
-  std::string Flush() {
+  // The written bytes to their host blocks, after one wait for the ops that wrote them (none
+  // when *waited says the caller has waited already; set when this waits).
+  std::string Flush(bool* waited) {
     if (pending_.empty()) return "";
-    std::string e = traffic->Wait();
+    std::string e;
+    if (!*waited) {
+      e = traffic->Wait();
+      *waited = true;
+    }
     for (const Pending& p : pending_) {
       if (e.empty()) e = traffic->Down(p.host, p.device, p.bytes);
     }
@@ -336,13 +341,13 @@ class KeptBuffers {
   }
 
   // Every buffer's newer device bytes to the host; from then on the host's are the only copy.
-  std::string Settle() {
-    bool waited = false;
+  // One wait for the ops that wrote them, unless *waited says the caller has waited already.
+  std::string Settle(bool* waited) {
     for (auto& [host, b] : kept_) {
       if (b.where == Where::kDevice) {
-        if (!waited) {
+        if (!*waited) {
           if (std::string e = traffic->Wait(); !e.empty()) return e;
-          waited = true;
+          *waited = true;
         }
         if (std::string e = traffic->Down(b.host, b.device, b.bytes); !e.empty()) return e;
       }
@@ -1233,8 +1238,9 @@ class GpuBackend final : public Backend {
   }
   OpStatus Settle() const override {
     return OnDevice([&] {
-      const std::string e = memory_.kv.Flush();
-      return e.empty() ? memory_.kept.Settle() : e;
+      bool waited = false;  // One wait covers the KV rows and the kept buffers.
+      const std::string e = memory_.kv.Flush(&waited);
+      return e.empty() ? memory_.kept.Settle(&waited) : e;
     });
   }
 
