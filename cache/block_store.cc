@@ -322,21 +322,39 @@ Status BlockStore::Load() {
 
 void BlockStore::Put(Kind kind, const BlockKey& key, const BlockKey& parent, uint32_t depth,
                      std::span<const int32_t> tokens, std::string payload) {
+  auto op = std::make_shared<Op>(Op{kind, key, parent, depth,
+                                    std::vector<int32_t>(tokens.begin(), tokens.end()),
+                                    std::make_shared<const std::string>(std::move(payload))});
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (index_.count(key)) return;
+    if (index_.count(key) || pending_.count(key)) return;
+    pending_.emplace(key, op);
   }
-  Op op{kind,
-        key,
-        parent,
-        depth,
-        std::vector<int32_t>(tokens.begin(), tokens.end()),
-        std::move(payload)};
   {
     std::lock_guard<std::mutex> lock(queue_mu_);
     queue_.push_back(std::move(op));
   }
   queue_cv_.notify_one();
+}
+
+const BlockStore::Op* BlockStore::PendingLocked(const BlockKey& key) const {
+  auto found = pending_.find(key);
+  return found == pending_.end() ? nullptr : found->second.get();
+}
+
+void BlockStore::UnqueueLocked(const BlockKey& key) {
+  auto found = pending_.find(key);
+  if (found == pending_.end()) return;
+  if (found->second->pins > 0) stats_.pinned -= 1;
+  pending_.erase(found);
+}
+
+void BlockStore::HoldWrites(bool hold) {
+  {
+    std::lock_guard<std::mutex> lock(queue_mu_);
+    held_ = hold;
+  }
+  queue_cv_.notify_all();
 }
 
 void BlockStore::Flush() {
@@ -346,12 +364,12 @@ void BlockStore::Flush() {
 
 void BlockStore::WriterLoop() {
   for (;;) {
-    std::vector<Op> ops;
+    std::vector<OpPtr> ops;
     {
       std::unique_lock<std::mutex> lock(queue_mu_);
       queue_cv_.wait_for(lock, std::chrono::seconds(1),
-                         [&] { return stopping_ || !queue_.empty(); });
-      while (!queue_.empty() && ops.size() < 256) {
+                         [&] { return stopping_ || (!queue_.empty() && !held_); });
+      while (!queue_.empty() && (!held_ || stopping_) && ops.size() < 256) {
         ops.push_back(std::move(queue_.front()));
         queue_.pop_front();
       }
@@ -367,15 +385,18 @@ void BlockStore::WriterLoop() {
   }
 }
 
-void BlockStore::Apply(std::vector<Op>& ops) {
+void BlockStore::Apply(std::vector<OpPtr>& ops) {
   const int64_t now = NowMs();
-  for (Op& op : ops) {
+  for (OpPtr& queued : ops) {
+    Op& op = *queued;
     BlockKey root = op.key;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (index_.count(op.key)) continue;
+      // Erased while it waited (or, never, stored meanwhile): nothing to write.
+      if (PendingLocked(op.key) != &op || index_.count(op.key)) continue;
       if (stats_.degraded) {
         stats_.writes_dropped += 1;
+        UnqueueLocked(op.key);
         continue;
       }
       if (auto p = index_.find(op.parent); p != index_.end()) {
@@ -383,15 +404,16 @@ void BlockStore::Apply(std::vector<Op>& ops) {
       }
     }
     std::string value;
-    value.reserve(kHeaderBytes + op.tokens.size() * 4 + op.payload.size());
+    const std::string& payload = *op.payload;
+    value.reserve(kHeaderBytes + op.tokens.size() * 4 + payload.size());
     value.append(kMagic, 4);
     PutRaw<uint32_t>(&value, kFormatVersion);
     PutRaw<uint32_t>(&value, static_cast<uint32_t>(op.tokens.size()));
     PutRaw<uint32_t>(&value, 0);  // CRC, filled in below.
     value += op.parent.ToBytes();
-    PutRaw<uint64_t>(&value, op.payload.size());
+    PutRaw<uint64_t>(&value, payload.size());
     value.append(reinterpret_cast<const char*>(op.tokens.data()), op.tokens.size() * 4);
-    value += op.payload;
+    value += payload;
     const std::string key_bytes = op.key.ToBytes();
     // The key is covered too: a value under the wrong key fails the check.
     const uint32_t crc = ValueCrc(key_bytes, value);
@@ -413,8 +435,18 @@ void BlockStore::Apply(std::vector<Op>& ops) {
     if (!s.ok()) {
       stats_.degraded = true;
       stats_.degraded_reason = s.ToString();
+      UnqueueLocked(op.key);
       continue;
     }
+    if (PendingLocked(op.key) != &op) {  // Erased while it was being written.
+      rocksdb::WriteBatch undo;
+      undo.Delete(Family(op.kind), DataKey(op.key, e));
+      undo.Delete(families_[3], key_bytes);
+      Commit(&undo);
+      continue;
+    }
+    e.pins = op.pins;  // Already counted in stats_.pinned.
+    pending_.erase(op.key);
     e.rank = RankOf(e);
     index_[op.key] = e;
     order_.insert(OrderOf(e, op.key));
@@ -427,7 +459,7 @@ void BlockStore::Apply(std::vector<Op>& ops) {
     if (e.kind == Kind::kSnapshot) stats_.snapshot_bytes += e.bytes;
     stats_.bytes_written += e.bytes;
     (op.kind == Kind::kBlock ? stats_.blocks : stats_.snapshots) += 1;
-    RamInsertLocked(op.key, std::make_shared<const std::string>(std::move(op.payload)));
+    RamInsertLocked(op.key, op.payload);
   }
   // Quota, TTL and last-use rows.
   rocksdb::WriteBatch batch;
@@ -579,13 +611,13 @@ void BlockStore::ExpireLocked(int64_t expire_before_ms, rocksdb::WriteBatch* bat
 size_t BlockStore::PresentPrefix(std::span<const BlockKey> chain) const {
   std::lock_guard<std::mutex> lock(mu_);
   size_t n = 0;
-  while (n < chain.size() && index_.count(chain[n])) ++n;
+  while (n < chain.size() && (index_.count(chain[n]) || pending_.count(chain[n]))) ++n;
   return n;
 }
 
 bool BlockStore::Contains(const BlockKey& key) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return index_.count(key) > 0;
+  return index_.count(key) > 0 || pending_.count(key) > 0;
 }
 
 uint32_t BlockStore::ValueChecksum(std::string_view key_bytes, std::string_view value) {
@@ -669,7 +701,17 @@ std::vector<bool> BlockStore::ReadBlocksInto(std::span<const BlockKey> keys,
       auto r = ram_index_.find(keys[i]);
       if (r == ram_index_.end()) {
         auto e = index_.find(keys[i]);
-        if (e == index_.end()) continue;  // Not stored: a miss without a read.
+        if (e == index_.end()) {
+          // Queued for the writer: its payload as the engine gave it. Otherwise not stored, a
+          // miss without a read.
+          const Op* op = PendingLocked(keys[i]);
+          if (op != nullptr && op->kind == Kind::kBlock &&
+              std::ranges::equal(op->tokens, tokens[i])) {
+            from_ram.emplace_back(i, op->payload);
+            stats_.bytes_read_ram += op->payload->size();
+          }
+          continue;
+        }
         misses.push_back(i);
         data_keys.push_back(DataKey(keys[i], e->second));
         miss_bytes += e->second.bytes;
@@ -758,17 +800,29 @@ std::vector<bool> BlockStore::ReadBlocksInto(std::span<const BlockKey> keys,
 std::vector<BlockStore::SnapshotRef> BlockStore::SnapshotsUnder(const BlockKey& parent) const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<SnapshotRef> out;
-  auto found = snapshots_.find(parent);
-  if (found == snapshots_.end()) return out;
-  for (const BlockKey& k : found->second) {
-    auto e = index_.find(k);
-    if (e != index_.end()) out.push_back({k, e->second.tail});
+  if (auto found = snapshots_.find(parent); found != snapshots_.end()) {
+    for (const BlockKey& k : found->second) {
+      auto e = index_.find(k);
+      if (e != index_.end()) out.push_back({k, e->second.tail});
+    }
+  }
+  for (const auto& [k, op] : pending_) {  // Few: what the writer has not reached yet.
+    if (op->kind == Kind::kSnapshot && op->parent == parent) out.push_back({k, op->tokens});
   }
   return out;
 }
 
 std::optional<std::string> BlockStore::ReadSnapshot(const BlockKey& key,
                                                     std::span<const int32_t> tail) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const Op* op = PendingLocked(key);
+    if (op != nullptr) {
+      if (op->kind != Kind::kSnapshot || !std::ranges::equal(op->tokens, tail)) return std::nullopt;
+      stats_.bytes_read_ram += op->payload->size();
+      return *op->payload;
+    }
+  }
   std::string v;
   if (!db_->Get(rocksdb::ReadOptions(), families_[2], key.ToBytes(), &v).ok()) return std::nullopt;
   std::optional<std::string> payload = CheckValue(v, key, tail);
@@ -785,23 +839,35 @@ std::optional<std::string> BlockStore::ReadSnapshot(const BlockKey& key,
 void BlockStore::Pin(std::span<const BlockKey> keys) {
   std::lock_guard<std::mutex> lock(mu_);
   for (const BlockKey& k : keys) {
-    auto found = index_.find(k);
-    if (found == index_.end()) continue;
-    if (found->second.pins++ == 0) stats_.pinned += 1;
+    int* pins = nullptr;
+    if (auto found = index_.find(k); found != index_.end()) {
+      pins = &found->second.pins;
+    } else if (auto queued = pending_.find(k); queued != pending_.end()) {
+      pins = &queued->second->pins;  // Its entry takes them when it is stored.
+    }
+    if (pins != nullptr && (*pins)++ == 0) stats_.pinned += 1;
   }
 }
 
 void BlockStore::Unpin(std::span<const BlockKey> keys) {
   std::lock_guard<std::mutex> lock(mu_);
   for (const BlockKey& k : keys) {
-    auto found = index_.find(k);
-    if (found == index_.end() || found->second.pins == 0) continue;
-    if (--found->second.pins == 0) stats_.pinned -= 1;
+    int* pins = nullptr;
+    if (auto found = index_.find(k); found != index_.end()) {
+      pins = &found->second.pins;
+    } else if (auto queued = pending_.find(k); queued != pending_.end()) {
+      pins = &queued->second->pins;
+    }
+    if (pins != nullptr && *pins > 0 && --*pins == 0) stats_.pinned -= 1;
   }
 }
 
 void BlockStore::Erase(const BlockKey& key) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (pending_.count(key)) {  // Not written yet: the writer skips it.
+    UnqueueLocked(key);
+    return;
+  }
   rocksdb::WriteBatch batch;
   RemoveLocked(key, &batch);
   Commit(&batch);
@@ -859,6 +925,7 @@ BlockStore::Stats BlockStore::stats() const {
     std::lock_guard<std::mutex> lock(mu_);
     s = stats_;
     s.entries = index_.size();
+    s.queued = pending_.size();
   }
   if (writes_stopped_) {
     std::lock_guard<std::mutex> lock(failure_mu_);

@@ -16,11 +16,13 @@
 // A bad value is a miss: it is deleted, counted, and never returned.
 //
 // Writes are asynchronous: Put*() queue the entry for one writer thread and return at once, so
-// the engine never waits for the disk. Entries already stored are not written again, which is
-// what stores a shared prefix once. After each write the disk quota is enforced: least recently
-// used first, a parent only after all its descendants (no orphaned tails), pinned entries never.
-// Entries idle longer than the TTL (when set) go the same way. A failed write (disk full) stops
-// all further writes: the store is then "degraded", reads keep working.
+// the engine never waits for the disk. A queued entry is already there for every lookup, read and
+// pin (from memory, until the writer has stored it), so a request right behind the one that
+// stored a prefix finds it however far behind the disk is. Entries already stored or queued are
+// not written again, which is what stores a shared prefix once. After each write the disk quota is
+// enforced: least recently used first, a parent only after all its descendants (no orphaned tails),
+// pinned entries never. Entries idle longer than the TTL (when set) go the same way. A failed write
+// (disk full) stops all further writes: the store is then "degraded", reads keep working.
 //
 // Thread-safety: every method may be called from any thread.
 #pragma once
@@ -151,6 +153,7 @@ class BlockStore {
     uint64_t corruptions = 0;
     uint64_t write_failures = 0;
     uint64_t writes_dropped = 0;
+    uint64_t queued = 0;  // Entries waiting for the writer (found by lookups already).
     bool degraded = false;
     std::string degraded_reason;
   };
@@ -177,9 +180,11 @@ class BlockStore {
   static uint32_t ValueChecksum(std::string_view key_bytes, std::string_view value);
   static constexpr size_t kChecksumOffset = 12;
 
-  // Test hooks: the raw value as stored, and overwriting it (to simulate corruption).
+  // Test hooks: the raw value as stored, and overwriting it (to simulate corruption); holding the
+  // writer (queued entries stay queued until it is let go).
   std::optional<std::string> RawValue(Kind kind, const BlockKey& key) const;
   Status OverwriteRawValue(Kind kind, const BlockKey& key, std::string_view value);
+  void HoldWrites(bool hold);
 
  private:
   struct Entry {
@@ -195,13 +200,18 @@ class BlockStore {
     BlockKey root;              // A block's chain's first block (the data key's prefix).
     std::vector<int32_t> tail;  // A snapshot's tokens after its parent block.
   };
+  // The RAM tier's payloads are shared: a reader copies one out after releasing mu_.
+  using RamPayload = std::shared_ptr<const std::string>;
+  // An entry queued for the writer; until it is stored, lookups find it in pending_.
   struct Op {
     Kind kind;
     BlockKey key, parent;
     uint32_t depth;
     std::vector<int32_t> tokens;
-    std::string payload;
+    RamPayload payload;
+    int pins = 0;  // Guarded by mu_: pins taken while it waited, handed to its entry.
   };
+  using OpPtr = std::shared_ptr<Op>;
   // Eviction order: lowest rank first, at equal rank the least recently used, then the deepest.
   using Order = std::tuple<int64_t, int64_t, int64_t, BlockKey>;
   static Order OrderOf(const Entry& e, const BlockKey& key);
@@ -212,7 +222,11 @@ class BlockStore {
   explicit BlockStore(StoreOptions options);
   Status Load();
   void WriterLoop();
-  void Apply(std::vector<Op>& ops);
+  void Apply(std::vector<OpPtr>& ops);
+  // The queued entry under `key`, or null. Requires mu_.
+  const Op* PendingLocked(const BlockKey& key) const;
+  // Forgets a queued entry (written, dropped or erased). Requires mu_.
+  void UnqueueLocked(const BlockKey& key);
   // A read of `key` at now_ms; `reused_here`: a restore ends at it (the last block of a chain
   // read, a snapshot), which counts as a hit. Blocks a restore passes through count none: every
   // request of a long session would otherwise pile hits on its early blocks. Requires mu_.
@@ -223,8 +237,6 @@ class BlockStore {
   void ExpireLocked(int64_t expire_before_ms, rocksdb::WriteBatch* batch);
   void EvictLocked(uint64_t target_bytes, int64_t expire_before_ms);
   void RemoveLocked(const BlockKey& key, rocksdb::WriteBatch* batch);
-  // The RAM tier's payloads are shared: a reader copies one out after releasing mu_.
-  using RamPayload = std::shared_ptr<const std::string>;
   void RamInsertLocked(const BlockKey& key, RamPayload payload);
   void RamEraseLocked(const BlockKey& key);
   rocksdb::ColumnFamilyHandle* Family(Kind kind) const;
@@ -247,6 +259,7 @@ class BlockStore {
   std::list<std::pair<BlockKey, RamPayload>> ram_;                               // MRU first.
   std::unordered_map<BlockKey, std::list<std::pair<BlockKey, RamPayload>>::iterator, BlockKeyHash>
       ram_index_;
+  std::unordered_map<BlockKey, OpPtr, BlockKeyHash> pending_;  // Guarded: queued, not stored.
   std::vector<BlockKey> touched_;  // Last-use changes not yet written to meta.
   Stats stats_;                    // Guarded.
   int64_t clock_ = 0;              // Guarded: kCost's rank of the last entry evicted.
@@ -259,9 +272,10 @@ class BlockStore {
 
   std::mutex queue_mu_;
   std::condition_variable queue_cv_, idle_cv_;
-  std::deque<Op> queue_;  // Guarded by queue_mu_.
-  bool busy_ = false;     // Guarded by queue_mu_: the writer holds ops not yet applied.
+  std::deque<OpPtr> queue_;  // Guarded by queue_mu_.
+  bool busy_ = false;        // Guarded by queue_mu_: the writer holds ops not yet applied.
   bool stopping_ = false;
+  bool held_ = false;  // Guarded by queue_mu_: HoldWrites.
   std::thread writer_;
   std::optional<Dropped> dropped_;
   Status CheckPayloadFormat();

@@ -138,6 +138,8 @@ Api::Api(const Config& config, ServedModel model)
         gauge("flashd_prefix_cache_disk_bytes", "Bytes of stored entries.", "gauge", c.disk_bytes);
         gauge("flashd_prefix_cache_ram_bytes", "Bytes in the RAM tier.", "gauge", c.ram_bytes);
         gauge("flashd_prefix_cache_pinned_entries", "Entries kept by pins.", "gauge", c.pinned);
+        gauge("flashd_prefix_cache_queued_entries",
+              "Entries waiting to be written (lookups find them already).", "gauge", c.queued);
         gauge("flashd_prefix_cache_written_bytes_total", "Bytes written.", "counter",
               c.bytes_written);
         gauge("flashd_prefix_cache_read_disk_bytes_total", "Bytes read from disk.", "counter",

@@ -454,6 +454,76 @@ BOOST_AUTO_TEST_CASE(snapshots_hang_from_their_block) {
   BOOST_TEST(store->SnapshotsUnder(c.keys[0]).empty());
 }
 
+// An entry the writer has not stored yet is found by every lookup, read and pin from memory, so
+// a request right behind the one that stored a prefix restores it; once written it is the same
+// entry on disk, an erased one is never written, and the pins taken meanwhile hold.
+BOOST_AUTO_TEST_CASE(queued_entries_are_found_before_the_writer_stores_them) {
+  TempDir dir;
+  Chain c(3, 0);
+  std::vector<int32_t> tail = {12, 13};
+  const BlockKey snap = ChainBlockKey(c.keys[2], tail, kContext);
+  Chain gone(1, 500);
+  {
+    auto store = OpenStore(dir.path(), 1 << 30, 0, /*ram=*/0);
+    store->HoldWrites(true);
+    for (size_t i = 0; i < c.keys.size(); ++i) {
+      store->Put(Kind::kBlock, c.keys[i], i == 0 ? BlockKey{} : c.keys[i - 1],
+                 static_cast<uint32_t>(i) + 1, c.tokens[i], PayloadFor(c.keys[i], 300));
+    }
+    store->Put(Kind::kSnapshot, snap, c.keys[2], 3, tail, "state bytes");
+    store->Put(Kind::kBlock, gone.keys[0], {}, 1, gone.tokens[0], "never written");
+    BOOST_TEST(store->stats().blocks == 0u);
+    BOOST_TEST(store->stats().queued == 5u);
+    BOOST_TEST(store->PresentPrefix(c.keys) == 3u);
+    BOOST_TEST(store->Contains(snap));
+    auto got = store->ReadBlocks(c.keys, c.spans());
+    for (size_t i = 0; i < c.keys.size(); ++i) {
+      BOOST_TEST((got[i] && *got[i] == PayloadFor(c.keys[i], 300)));
+    }
+    // The tokens are checked as for a stored entry.
+    std::vector<std::span<const int32_t>> wrong = c.spans();
+    std::vector<int32_t> other = {9, 9, 9, 9};
+    wrong[1] = other;
+    BOOST_TEST(!store->ReadBlocks(c.keys, wrong)[1].has_value());
+    auto refs = store->SnapshotsUnder(c.keys[2]);
+    BOOST_REQUIRE(refs.size() == 1u);
+    BOOST_TEST(refs[0].key.ToHex() == snap.ToHex());
+    BOOST_TEST(refs[0].tail == tail);
+    BOOST_TEST(*store->ReadSnapshot(snap, tail) == "state bytes");
+    std::vector<int32_t> wrong_tail = {12, 14};
+    BOOST_TEST(!store->ReadSnapshot(snap, wrong_tail).has_value());
+    // Queued twice: stored once.
+    store->Put(Kind::kBlock, c.keys[0], {}, 1, c.tokens[0], PayloadFor(c.keys[0], 300));
+    BOOST_TEST(store->stats().queued == 5u);
+    const BlockKey pin[] = {snap};
+    store->Pin(pin);
+    BOOST_TEST(store->stats().pinned == 1u);
+    store->Erase(gone.keys[0]);
+    BOOST_TEST(!store->Contains(gone.keys[0]));
+    store->HoldWrites(false);
+    store->Flush();
+    const BlockStore::Stats s = store->stats();
+    BOOST_TEST(s.queued == 0u);
+    BOOST_TEST(s.blocks == 3u);
+    BOOST_TEST(s.snapshots == 1u);
+    BOOST_TEST(s.pinned == 1u);
+    BOOST_TEST(!store->RawValue(Kind::kBlock, gone.keys[0]).has_value());
+    // The pin taken while queued keeps the snapshot, and so its chain, from being dropped.
+    store->EvictUnpinned();
+    BOOST_TEST(store->PresentPrefix(c.keys) == 3u);
+    BOOST_TEST(store->Contains(snap));
+  }
+  // On disk: read back after reopening (no RAM tier, so from RocksDB).
+  auto store = OpenStore(dir.path(), 1 << 30, 0, /*ram=*/0);
+  BOOST_TEST(store->stats().queued == 0u);
+  auto got = store->ReadBlocks(c.keys, c.spans());
+  for (size_t i = 0; i < c.keys.size(); ++i) {
+    BOOST_TEST((got[i] && *got[i] == PayloadFor(c.keys[i], 300)));
+  }
+  BOOST_TEST(*store->ReadSnapshot(snap, tail) == "state bytes");
+  BOOST_TEST(!store->Contains(gone.keys[0]));
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 BOOST_AUTO_TEST_SUITE(catalog)
