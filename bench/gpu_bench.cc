@@ -194,10 +194,27 @@ class Layer {
     gate_ = Floats(n * d.inter, 1.0f), up_ = Floats(n * d.inter, 1.0f),
     h_ = Floats(n * d.inter, 1.0f);
     y_ = Floats(n * d.hidden), expert_out_ = Floats(n * d.topk * d.hidden, 0.1f);
-    std::vector<int64_t> host_rows(n * d.topk);
-    for (size_t i = 0; i < host_rows.size(); ++i) host_rows[i] = int64_t(i) / d.topk;
-    combine_rows_ = Alloc<int64_t>(host_rows.size());
-    Check(g::CopyToDevice(combine_rows_, host_rows.data(), host_rows.size() * 8), "copy");
+    // The routed experts as the engine runs them: grouped by expert (MoeGroup), each linear layer
+    // one ExpertLinear over the grouped rows, its experts' weights through device tables.
+    for (int which = 0; which < 3; ++which) {
+      std::vector<const uint8_t*> codes, scales;
+      for (const auto& e : experts_) {
+        codes.push_back(e[which].w);
+        scales.push_back(e[which].scales);
+      }
+      tables_[which][0] = Alloc<const uint8_t*>(codes.size());
+      tables_[which][1] = Alloc<const uint8_t*>(scales.size());
+      Check(g::CopyToDevice(tables_[which][0], codes.data(), codes.size() * 8), "copy");
+      Check(g::CopyToDevice(tables_[which][1], scales.data(), scales.size() * 8), "copy");
+    }
+    const int64_t grouped = n * d.topk;
+    slot_expert_ = Alloc<int64_t>(d.experts + 1), slot_offset_ = Alloc<int64_t>(d.experts + 1);
+    slot_tiles_ = Alloc<int64_t>(d.experts + 1), token_of_ = Alloc<int64_t>(grouped);
+    row_weights_ = Floats(grouped), xg_ = Floats(grouped * d.hidden, 1.0f);
+    gg_ = Floats(grouped * d.inter), ug_ = Floats(grouped * d.inter);
+    hg_ = Floats(grouped * d.inter), og_routed_ = Floats(grouped * d.hidden);
+    xq_grouped_ = Alloc<uint8_t>(grouped * std::max(d.hidden, d.inter));
+    xs_grouped_ = Alloc<uint8_t>(grouped * std::max(d.hidden, d.inter) / 32);
     // One sequence's attention state at position 65,536: a full window ring and `selected`
     // compressed entries spread over its blocks.
     position_ = 65536;
@@ -342,9 +359,11 @@ class Layer {
                            .weights = weights_}),
               "MoeRoute");
     });
-    // Routed experts: each token picks topk distinct experts at random; each expert touched
-    // runs once on its tokens.
+    // Routed experts: each token picks topk distinct experts at random (its choices uploaded
+    // as the router's); the tokens grouped by expert and every touched expert's rows run as the
+    // engine runs them (Step::GroupedExperts).
     std::map<int64_t, int64_t> tokens_of;
+    std::vector<int64_t> picks;
     for (int64_t t = 0; t < batch; ++t) {
       std::vector<int64_t> picked;
       while (static_cast<int64_t>(picked.size()) < d.topk) {
@@ -352,24 +371,25 @@ class Layer {
         if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
       }
       for (int64_t e : picked) ++tokens_of[e];
+      picks.insert(picks.end(), picked.begin(), picked.end());
     }
+    Check(g::CopyToDevice(chosen_, picks.data(), picks.size() * 8), "copy");
     uint64_t expert_bytes = 0;
     for (const auto& [e, m] : tokens_of) {
       for (const Weight& w : experts_[e]) expert_bytes += w.bytes();
     }
     add("routed experts (FP4, " + std::to_string(tokens_of.size()) + " touched)", expert_bytes,
-        [&] {
-          for (const auto& [e, m] : tokens_of) Expert(experts_[e], m);
-        });
+        [&] { RoutedExperts(batch); });
     uint64_t shared_bytes = 0;
     for (const Weight& w : shared_) shared_bytes += w.bytes();
     add("shared expert (FP8)", shared_bytes, [&] { Expert(shared_, batch); });
     add("combine + add", act * d.hidden * (d.topk + 3), [&] {
-      CheckOp(g::MoeCombine({.expert_out = expert_out_,
-                             .rows = combine_rows_,
+      CheckOp(g::MoeCombine({.expert_out = og_routed_,
+                             .rows = token_of_,
                              .count = batch * d.topk,
                              .dim = d.hidden,
-                             .y = y_}),
+                             .y = y_,
+                             .y_rows = batch}),
               "MoeCombine");
       CheckOp(g::AddRound({.a = y_, .b = sub_, .n = batch * d.hidden, .out = sub_}), "AddRound");
     });
@@ -467,7 +487,68 @@ class Layer {
     Apply(e[2], h_, rows, expert_out_);
   }
 
+  // MoeGroup over the router's choices for `rows` tokens, then the experts over the grouped rows.
+  void RoutedExperts(int64_t rows) {
+    const int64_t total = rows * d_.topk, slots = std::min(d_.experts, total);
+    CheckOp(g::MoeGroup({.chosen = chosen_,
+                         .weights = weights_,
+                         .tokens = rows,
+                         .experts = d_.experts,
+                         .k = d_.topk,
+                         .slots = slots,
+                         .slot_expert = slot_expert_,
+                         .slot_offset = slot_offset_,
+                         .slot_tiles = slot_tiles_,
+                         .rows = token_of_,
+                         .row_weights = row_weights_}),
+            "MoeGroup");
+    CheckOp(g::CopyRows({.src = x_,
+                         .src_stride = d_.hidden,
+                         .index = token_of_,
+                         .rows = total,
+                         .cols = d_.hidden,
+                         .dst = xg_,
+                         .dst_stride = d_.hidden,
+                         .src_rows = rows}),
+            "CopyRows");
+    auto linear = [&](int which, const float* x, float* y) {
+      const Weight& w = experts_[0][which];
+      CheckOp(g::ExpertLinear({.x = x,
+                               .rows = total,
+                               .in = w.in,
+                               .out = w.out,
+                               .slot_expert = slot_expert_,
+                               .slot_offset = slot_offset_,
+                               .slot_tiles = slot_tiles_,
+                               .slots = slots,
+                               .experts = d_.experts,
+                               .format = w.format,
+                               .w = tables_[which][0],
+                               .w_scales = tables_[which][1],
+                               .x_codes = xq_grouped_,
+                               .x_scales = xs_grouped_,
+                               .y = y}),
+              "ExpertLinear");
+    };
+    linear(0, xg_, gg_);
+    linear(1, xg_, ug_);
+    CheckOp(g::Swiglu({.gate = gg_,
+                       .up = ug_,
+                       .rows = total,
+                       .inter = d_.inter,
+                       .row_weights = row_weights_,
+                       .limit = 10.0f,
+                       .h = hg_}),
+            "Swiglu");
+    linear(2, hg_, og_routed_);
+    CheckOp(g::RoundBf16({.x = og_routed_, .n = total * d_.hidden}), "RoundBf16");
+  }
+
   Dims d_;
+  const uint8_t** tables_[3][2] = {};  // w1, w3, w2: codes, scales
+  int64_t *slot_expert_, *slot_offset_, *slot_tiles_, *token_of_;
+  float *row_weights_, *xg_, *gg_, *ug_, *hg_, *og_routed_;
+  uint8_t *xq_grouped_, *xs_grouped_;
   float *hc_fn_, *hc_scale_, *hc_base_, *norm_, *router_bias_, *freqs_, *sink_;
   Weight wq_a_, wq_b_, wkv_, wo_b_, router_;
   std::vector<Weight> wo_a_, shared_;
@@ -475,7 +556,7 @@ class Layer {
   float *X_, *out_X_, *mixes_, *pre_, *post_, *comb_, *x_, *sub_, *qa_, *q_, *o_, *og_, *kv_;
   float *logits_, *scores_, *biased_, *weights_, *gate_, *up_, *h_, *y_, *expert_out_;
   uint8_t *xq_, *xs_, *ring_codes_, *ring_scales_, *arena_;
-  int64_t *chosen_, *combine_rows_, *selected_, *positions_, *window_first_;
+  int64_t *chosen_, *selected_, *positions_, *window_first_;
   int64_t *chunk_positions_, *chunk_window_first_, *chunk_selected_;
   int64_t max_rows_ = 0;
   uint8_t** blocks_;

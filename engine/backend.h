@@ -42,6 +42,15 @@ struct BackendReport {
   // Bytes copied to the device and back since start, and how many times the host waited for
   // the device (a synchronisation, or a read of activations it kept).
   uint64_t bytes_to_device = 0, bytes_to_host = 0, waits = 0;
+  // Kept buffers that start as zeros, cleared on the device instead of copied (KeepAs::kZeros).
+  uint64_t bytes_zeroed = 0;
+};
+
+// What a kept buffer's device copy starts as (Backend::Keep).
+enum class KeepAs : uint8_t {
+  kUnwritten,  // Nothing: no op reads it before ops have written it.
+  kHostBytes,  // The host's bytes, copied to the device before an op reads them.
+  kZeros,      // Zeros, as the host's bytes are: cleared on the device, nothing copied.
 };
 
 class Backend {
@@ -69,6 +78,8 @@ class Backend {
   virtual kernels::OpStatus MoeRoute(const kernels::MoeRouteParams& p) const = 0;
   virtual kernels::OpStatus Swiglu(const kernels::SwigluParams& p) const = 0;
   virtual kernels::OpStatus MoeCombine(const kernels::MoeCombineParams& p) const = 0;
+  virtual kernels::OpStatus MoeGroup(const kernels::MoeGroupParams& p) const = 0;
+  virtual kernels::OpStatus ExpertLinear(const kernels::ExpertLinearParams& p) const = 0;
   virtual kernels::OpStatus AddRound(const kernels::AddRoundParams& p) const = 0;
   virtual kernels::OpStatus CopyRows(const kernels::CopyRowsParams& p) const = 0;
   virtual kernels::OpStatus EngramGather(const kernels::EngramGatherParams& p) const = 0;
@@ -93,14 +104,14 @@ class Backend {
   // From Keep to Release, `count` floats at `host` have a device copy that ops read and write in
   // place (also through pointers into the middle of it): an op's outputs there stay on the
   // device, and the host bytes catch up only when ToHost asks for a range. A host write into a
-  // kept buffer is announced with HostWrote (the bytes go to the device copy). `fresh`: no op
-  // reads the buffer before ops have written it, so its host bytes need not go to the device.
+  // kept buffer is announced with HostWrote (the bytes go to the device copy). `as`: what the
+  // device copy starts as (the host's bytes, zeros, or nothing when ops write it first).
   // Settle brings every kept buffer's host bytes up to date and makes the host the only valid
   // copy, and brings the KV rows ops wrote on the device to the host blocks; the forward pass
   // calls it on the backend it leaves and on the one that takes over, and at the end of a step.
   // REQUIRES: kept buffers do not overlap; Release before the host memory goes.
-  virtual void Keep(float* host, size_t count, bool fresh) const {
-    (void)host, (void)count, (void)fresh;
+  virtual void Keep(float* host, size_t count, KeepAs as) const {
+    (void)host, (void)count, (void)as;
   }
   virtual void Release(const float* host) const { (void)host; }
   virtual kernels::OpStatus ToHost(const float* host, size_t count) const {
@@ -173,6 +184,12 @@ class CpuBackend : public Backend {
   }
   kernels::OpStatus MoeCombine(const kernels::MoeCombineParams& p) const override {
     return kernels::cpu::MoeCombine(p);
+  }
+  kernels::OpStatus MoeGroup(const kernels::MoeGroupParams& p) const override {
+    return kernels::cpu::MoeGroup(p);
+  }
+  kernels::OpStatus ExpertLinear(const kernels::ExpertLinearParams& p) const override {
+    return kernels::cpu::ExpertLinear(p);
   }
   kernels::OpStatus AddRound(const kernels::AddRoundParams& p) const override {
     return kernels::cpu::AddRound(p);

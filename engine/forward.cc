@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -12,6 +13,7 @@
 #include <functional>
 #include <future>
 #include <limits>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 
@@ -76,6 +78,35 @@ struct Expert {
   Linear w1, w2, w3;
 };
 
+// The routed experts' weights as ExpertLinear takes them: each expert's w1, w2 or w3 (codes and
+// scales), when every expert's are quantized alike (as released: FP4, or FP8); empty otherwise.
+struct ExpertTables {
+  kernels::WeightFormat format = kernels::WeightFormat::kFp4;
+  int64_t in = 0, out = 0;
+  std::vector<const uint8_t*> w, s;
+};
+
+std::optional<ExpertTables> TablesOf(const std::vector<Expert>& experts, Linear Expert::*which) {
+  if (experts.empty()) return std::nullopt;
+  ExpertTables t;
+  const Linear& first = experts.front().*which;
+  t.format = first.format;
+  t.in = first.in;
+  t.out = first.out;
+  if (t.format != kernels::WeightFormat::kFp8 && t.format != kernels::WeightFormat::kFp4) {
+    return std::nullopt;
+  }
+  for (const Expert& e : experts) {
+    const Linear& lin = e.*which;
+    if (lin.format != t.format || lin.in != t.in || lin.out != t.out || !lin.w || !lin.s) {
+      return std::nullopt;
+    }
+    t.w.push_back(lin.w);
+    t.s.push_back(lin.s);
+  }
+  return t;
+}
+
 struct Layer {
   std::vector<float> attn_norm, ffn_norm;
   std::vector<float> hc_attn_fn, hc_attn_base, hc_attn_scale;
@@ -94,6 +125,8 @@ struct Layer {
   std::vector<float> gate_w, gate_bias;
   int64_t top_k = 0;  // Routed experts per token.
   std::vector<Expert> experts;
+  // The experts' w1, w3 and w2 for ExpertLinear (all three, or the per-expert loop runs).
+  std::optional<ExpertTables> grouped_w1, grouped_w3, grouped_w2;
   Expert shared;
   // Engram.
   const uint8_t* engram_rows = nullptr;
@@ -244,6 +277,14 @@ Status CpuForward::Impl::LoadBlock(const std::string& p, const LayerPlan& plan, 
     const std::string x = p + "ffn.experts." + std::to_string(e) + ".";
     L.experts.push_back({Lin(x + "w1"), Lin(x + "w2"), Lin(x + "w3")});
   }
+  L.grouped_w1 = TablesOf(L.experts, &Expert::w1);
+  L.grouped_w3 = TablesOf(L.experts, &Expert::w3);
+  L.grouped_w2 = TablesOf(L.experts, &Expert::w2);
+  if (!L.grouped_w1 || !L.grouped_w3 || !L.grouped_w2) {
+    L.grouped_w1.reset();
+    L.grouped_w3.reset();
+    L.grouped_w2.reset();
+  }
   L.shared = {Lin(p + "ffn.shared_experts.w1"), Lin(p + "ffn.shared_experts.w2"),
               Lin(p + "ffn.shared_experts.w3")};
   if (plan.engram_index >= 0) {
@@ -381,6 +422,8 @@ class Step {
   Status Compress(int l, size_t seg, const float* kvp, const float* score);
   Status Index(int l, const float* qr, const float* weights);
   Status Moe(int l);
+  Status GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
+                        const std::vector<float>& weights, std::vector<float>& y);
   Status Embed();
   Status Collapse(const float* weights, const std::vector<float>& norm);
   Status Expand();
@@ -401,11 +444,14 @@ class Step {
   class Kept;
   // Keeps `v` (when not empty) on every backend and notes its address in `kept`; Release gives
   // back every buffer `kept` notes.
-  void Keep(std::vector<float>* v, bool fresh, std::vector<const float*>* kept);
+  // (Vectors of other 4- or 8-byte values too: expert ids and rows.)
+  template <class T>
+  void Keep(std::vector<T>* v, KeepAs as, std::vector<const float*>* kept);
   void Release(std::vector<const float*>* kept);
   void KeepStreams(bool fresh);
   void ReleaseStreams();
-  Status ToHost(const std::vector<float>& v);
+  template <class T>
+  Status ToHost(const std::vector<T>& v);
   Status HostWrote(const std::vector<float>& v);
   Status Use(const Backend* b);
 
@@ -455,6 +501,12 @@ class Step {
     std::future<Status> ready;
   };
   std::vector<EngramRows> engram_gathered_;
+  // GroupedExperts' slots and grouped rows (their ints, then their floats).
+  struct GroupedRows {
+    std::array<std::vector<int64_t>, 4> ints;
+    std::array<std::vector<float>, 6> floats;
+  };
+  GroupedRows grouped_;
   std::vector<const float*> streams_kept_;  // KeepStreams' buffers, as kept.
   std::vector<const float*> state_kept_;    // The compressors' partial groups, as kept.
   std::future<void> engram_reader_;         // Declared last: joined before anything it writes goes.
@@ -465,9 +517,10 @@ class Step {
 // at, so a vector that moved anyway leaves no stale entry.
 class Step::Kept {
  public:
-  Kept(Step* step, std::initializer_list<std::vector<float>*> vectors, bool fresh = true)
+  template <class T>
+  Kept(Step* step, std::initializer_list<std::vector<T>*> vectors, KeepAs as = KeepAs::kUnwritten)
       : step_(step) {
-    for (std::vector<float>* v : vectors) step_->Keep(v, fresh, &kept_);
+    for (std::vector<T>* v : vectors) step_->Keep(v, as, &kept_);
   }
   ~Kept() { step_->Release(&kept_); }
   Kept(const Kept&) = delete;
@@ -485,10 +538,13 @@ Step::~Step() {
   Release(&state_kept_);
 }
 
-void Step::Keep(std::vector<float>* v, bool fresh, std::vector<const float*>* kept) {
+template <class T>
+void Step::Keep(std::vector<T>* v, KeepAs as, std::vector<const float*>* kept) {
+  static_assert(sizeof(T) % sizeof(float) == 0);
   if (v->empty()) return;
-  for (const auto& b : m_.backends) b->Keep(v->data(), v->size(), fresh);
-  kept->push_back(v->data());
+  float* host = reinterpret_cast<float*>(v->data());
+  for (const auto& b : m_.backends) b->Keep(host, v->size() * (sizeof(T) / sizeof(float)), as);
+  kept->push_back(host);
 }
 
 void Step::Release(std::vector<const float*>* kept) {
@@ -505,14 +561,17 @@ void Step::KeepStreams(bool fresh) {
   for (std::vector<float>* v :
        {&X_, &next_, &x_, &sub_, &mixes_, &pre_a_, &pre_f_, &post_, &comb_, &pre_mix_}) {
     const bool host_values = v == &pre_mix_ || (!fresh && v == &X_);
-    Keep(v, !host_values, &streams_kept_);
+    Keep(v, host_values ? KeepAs::kHostBytes : KeepAs::kUnwritten, &streams_kept_);
   }
 }
 
 void Step::ReleaseStreams() { Release(&streams_kept_); }
 
-Status Step::ToHost(const std::vector<float>& v) {
-  return Check(b_->ToHost(v.data(), v.size()), "ToHost");
+template <class T>
+Status Step::ToHost(const std::vector<T>& v) {
+  return Check(
+      b_->ToHost(reinterpret_cast<const float*>(v.data()), v.size() * (sizeof(T) / sizeof(float))),
+      "ToHost");
 }
 
 Status Step::HostWrote(const std::vector<float>& v) {
@@ -590,8 +649,8 @@ Status Step::Run() {
   // its end); the vectors keep their buffers when the commit moves them into the states.
   for (std::vector<SequenceState::Compressor>& sources : compressors_) {
     for (SequenceState::Compressor& comp : sources) {
-      Keep(&comp.kv_partial, false, &state_kept_);
-      Keep(&comp.score_partial, false, &state_kept_);
+      Keep(&comp.kv_partial, KeepAs::kHostBytes, &state_kept_);
+      Keep(&comp.score_partial, KeepAs::kHostBytes, &state_kept_);
     }
   }
   if (options_.trace != nullptr) {
@@ -1417,8 +1476,11 @@ Status Step::Moe(int l) {
                      .dense = L.gate_w.data(),
                      .y = logits.data(),
                      .stream = &stream_});
+  // The choices stay where they are made: grouped there by expert, the host never waits for
+  // them (unless the experts' weights are not alike, and the per-expert loop below groups them).
   std::vector<int64_t> chosen(static_cast<size_t>(rows * K));
   std::vector<float> weights(chosen.size());
+  const Kept kept_chosen(this, {&chosen}), kept_weights(this, {&weights});
   FLASHD_OP(MoeRoute, {.logits = logits.data(),
                        .bias = L.gate_bias.data(),
                        .tokens = rows,
@@ -1432,15 +1494,6 @@ Status Step::Moe(int l) {
                        .biased = b.data(),
                        .chosen = chosen.data(),
                        .weights = weights.data()});
-  // Tokens by expert, in token order.
-  std::vector<std::vector<int64_t>> token_rows(static_cast<size_t>(E));
-  std::vector<std::vector<float>> token_weights(static_cast<size_t>(E));
-  for (int64_t t = 0; t < rows; ++t) {
-    for (int64_t i = 0; i < K; ++i) {
-      token_rows[chosen[t * K + i]].push_back(t);
-      token_weights[chosen[t * K + i]].push_back(weights[t * K + i]);
-    }
-  }
   auto expert = [&](const Expert& e, const float* x, int64_t m, const float* w, float* out) {
     const int64_t inter = e.w1.out;
     std::vector<float> g(static_cast<size_t>(m * inter)), u(g.size()), h(g.size());
@@ -1458,36 +1511,139 @@ Status Step::Moe(int l) {
     FLASHD_OP(RoundBf16, {.x = out, .n = m * dim});
     return Status::Ok();
   };
-  // y starts as zeros (on the host, kept): rows no routed expert took stay zero.
+  // y starts as zeros (on the host, and cleared where it is kept): rows no routed expert took
+  // stay zero.
   std::vector<float> y(static_cast<size_t>(rows * dim), 0.0f), shared(y.size());
-  const Kept kept_y(this, {&y}, false), kept_shared(this, {&shared});
+  const Kept kept_y(this, {&y}, KeepAs::kZeros), kept_shared(this, {&shared});
   // The routed experts may run elsewhere than the layer (Placement::routed_experts).
   const Backend* layer_backend = b_;
   if (m_.routed_experts >= 0) FLASHD_RETURN_IF_ERROR(Use(m_.backends[m_.routed_experts].get()));
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t m = static_cast<int64_t>(token_rows[e].size());
-    if (m == 0) continue;
-    std::vector<float> xe(static_cast<size_t>(m * dim)), oe(xe.size());
-    const Kept kept_expert(this, {&xe, &oe});
-    FLASHD_OP(CopyRows, {.src = x_.data(),
-                         .src_stride = dim,
-                         .index = token_rows[e].data(),
-                         .rows = m,
-                         .cols = dim,
-                         .dst = xe.data(),
-                         .dst_stride = dim});
-    FLASHD_RETURN_IF_ERROR(expert(L.experts[e], xe.data(), m, token_weights[e].data(), oe.data()));
-    FLASHD_OP(MoeCombine, {.expert_out = oe.data(),
-                           .rows = token_rows[e].data(),
-                           .count = m,
-                           .dim = dim,
-                           .y = y.data()});
+  if (L.grouped_w1) {
+    FLASHD_RETURN_IF_ERROR(GroupedExperts(L, chosen, weights, y));
+  } else {
+    // Tokens by expert, in token order, on the host.
+    FLASHD_RETURN_IF_ERROR(ToHost(chosen));
+    FLASHD_RETURN_IF_ERROR(ToHost(weights));
+    std::vector<std::vector<int64_t>> token_rows(static_cast<size_t>(E));
+    std::vector<std::vector<float>> token_weights(static_cast<size_t>(E));
+    for (int64_t t = 0; t < rows; ++t) {
+      for (int64_t i = 0; i < K; ++i) {
+        token_rows[chosen[t * K + i]].push_back(t);
+        token_weights[chosen[t * K + i]].push_back(weights[t * K + i]);
+      }
+    }
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t m = static_cast<int64_t>(token_rows[e].size());
+      if (m == 0) continue;
+      std::vector<float> xe(static_cast<size_t>(m * dim)), oe(xe.size());
+      const Kept kept_expert(this, {&xe, &oe});
+      FLASHD_OP(CopyRows, {.src = x_.data(),
+                           .src_stride = dim,
+                           .index = token_rows[e].data(),
+                           .rows = m,
+                           .cols = dim,
+                           .dst = xe.data(),
+                           .dst_stride = dim});
+      FLASHD_RETURN_IF_ERROR(
+          expert(L.experts[e], xe.data(), m, token_weights[e].data(), oe.data()));
+      FLASHD_OP(MoeCombine, {.expert_out = oe.data(),
+                             .rows = token_rows[e].data(),
+                             .count = m,
+                             .dim = dim,
+                             .y = y.data()});
+    }
   }
   FLASHD_RETURN_IF_ERROR(Use(layer_backend));
   FLASHD_RETURN_IF_ERROR(expert(L.shared, x_.data(), rows, nullptr, shared.data()));
   FLASHD_OP(
       AddRound,
       {.a = y.data(), .b = shared.data(), .n = static_cast<int64_t>(y.size()), .out = sub_.data()});
+  return Status::Ok();
+}
+
+// The routed experts over the tokens grouped by expert (MoeGroup) where they were routed: each
+// op runs once for every expert's rows, and the combine adds each token's experts in ascending
+// id, as the per-expert loop does, so the sums are the same bit for bit.
+Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
+                            const std::vector<float>& weights, std::vector<float>& y) {
+  const int64_t rows = static_cast<int64_t>(n()), dim = c_.hidden_size, K = L.top_k;
+  const int64_t E = static_cast<int64_t>(L.experts.size()), total = rows * K;
+  const int64_t slots = std::min(E, total), inter = L.grouped_w1->out;
+  // The step's buffers for this, kept from layer to layer: the same sizes every layer, so after
+  // the first no memory is allocated (or faulted in) again.
+  GroupedRows& r = grouped_;
+  auto& [slot_expert, slot_offset, slot_tiles, token_of] = r.ints;
+  auto& [row_weights, xg, g, u, h, og] = r.floats;
+  slot_expert.resize(static_cast<size_t>(slots));
+  slot_offset.resize(slot_expert.size() + 1);
+  slot_tiles.resize(slot_offset.size());
+  token_of.resize(static_cast<size_t>(total));
+  row_weights.resize(static_cast<size_t>(total));
+  xg.resize(static_cast<size_t>(total * dim));
+  og.resize(xg.size());
+  for (std::vector<float>* v : {&g, &u, &h}) v->resize(static_cast<size_t>(total * inter));
+  const Kept kept_slots(this, {&slot_expert, &slot_offset, &slot_tiles, &token_of});
+  const Kept kept_rows(this, {&row_weights, &xg, &g, &u, &h, &og});
+  FLASHD_OP(MoeGroup, {.chosen = chosen.data(),
+                       .weights = weights.data(),
+                       .tokens = rows,
+                       .experts = E,
+                       .k = K,
+                       .slots = slots,
+                       .slot_expert = slot_expert.data(),
+                       .slot_offset = slot_offset.data(),
+                       .slot_tiles = slot_tiles.data(),
+                       .rows = token_of.data(),
+                       .row_weights = row_weights.data()});
+  FLASHD_OP(CopyRows, {.src = x_.data(),
+                       .src_stride = dim,
+                       .index = token_of.data(),
+                       .rows = total,
+                       .cols = dim,
+                       .dst = xg.data(),
+                       .dst_stride = dim,
+                       .src_rows = rows});
+  auto linear = [&](const ExpertTables& t, const float* x, float* out) {
+    const size_t need = static_cast<size_t>(total * t.in);
+    if (xq_.size() < need) {
+      xq_.resize(need);
+      xs_.resize(need / 32);
+    }
+    FLASHD_OP(ExpertLinear, {.x = x,
+                             .rows = total,
+                             .in = t.in,
+                             .out = t.out,
+                             .slot_expert = slot_expert.data(),
+                             .slot_offset = slot_offset.data(),
+                             .slot_tiles = slot_tiles.data(),
+                             .slots = slots,
+                             .experts = E,
+                             .format = t.format,
+                             .w = t.w.data(),
+                             .w_scales = t.s.data(),
+                             .x_codes = xq_.data(),
+                             .x_scales = xs_.data(),
+                             .y = out,
+                             .stream = &stream_});
+    return Status::Ok();
+  };
+  FLASHD_RETURN_IF_ERROR(linear(*L.grouped_w1, xg.data(), g.data()));
+  FLASHD_RETURN_IF_ERROR(linear(*L.grouped_w3, xg.data(), u.data()));
+  FLASHD_OP(Swiglu, {.gate = g.data(),
+                     .up = u.data(),
+                     .rows = total,
+                     .inter = inter,
+                     .row_weights = row_weights.data(),
+                     .limit = static_cast<float>(c_.swiglu_limit),
+                     .h = h.data()});
+  FLASHD_RETURN_IF_ERROR(linear(*L.grouped_w2, h.data(), og.data()));
+  FLASHD_OP(RoundBf16, {.x = og.data(), .n = total * dim});
+  FLASHD_OP(MoeCombine, {.expert_out = og.data(),
+                         .rows = token_of.data(),
+                         .count = total,
+                         .dim = dim,
+                         .y = y.data(),
+                         .y_rows = rows});
   return Status::Ok();
 }
 

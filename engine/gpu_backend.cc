@@ -61,7 +61,11 @@ size_t Count(int64_t n) { return n > 0 ? static_cast<size_t>(n) : 0; }
 // What crossed between host and device, and how often the host waited for the device (a
 // synchronisation, or a read of kept activations, which waits for the ops before it).
 struct Traffic {
-  uint64_t to_device = 0, to_host = 0, waits = 0;
+  uint64_t to_device = 0, to_host = 0, waits = 0, zeroed = 0;
+  std::string Zero(void* dst, size_t bytes) {
+    zeroed += bytes;
+    return g::ZeroOnDevice(dst, bytes);
+  }
   std::string Up(void* dst, const void* src, size_t bytes) {
     to_device += bytes;
     return g::CopyToDevice(dst, src, bytes);
@@ -233,11 +237,12 @@ class KvArena {
 
 // A step's activations kept on the device from op to op (Backend::Keep). Each kept buffer has a
 // device copy and knows which side holds its bytes: the host only, the device only, both, or
-// neither yet (fresh: nothing has written it, so an op writing it first uploads nothing). The
-// device memory of released buffers is reused by later ones of a similar size.
+// neither yet (fresh: nothing has written it, so an op writing it first uploads nothing), or
+// zeros on the host that the device copy gets by a clear on the device. The device memory of
+// released buffers is reused by later ones of a similar size.
 class KeptBuffers {
  public:
-  enum class Where { kFresh, kHost, kDevice, kBoth };
+  enum class Where { kFresh, kHost, kZeros, kDevice, kBoth };
   struct Buffer {
     uint8_t* host;
     size_t bytes;
@@ -255,7 +260,7 @@ class KeptBuffers {
 
   // False when the device has no memory for it (the buffer then stays the host's alone, and
   // ops copy it as they would any other).
-  bool Keep(uint8_t* host, size_t bytes, bool fresh) {
+  bool Keep(uint8_t* host, size_t bytes, KeepAs as) {
     if (host == nullptr || bytes == 0) return false;
     Release(host);
     uint8_t* device = nullptr;
@@ -275,8 +280,10 @@ class KeptBuffers {
       sizes_[device] = size;
       bytes_ += size;
     }
-    kept_[reinterpret_cast<uintptr_t>(host)] = {host, bytes, device,
-                                                fresh ? Where::kFresh : Where::kHost};
+    const Where where = as == KeepAs::kUnwritten ? Where::kFresh
+                        : as == KeepAs::kZeros   ? Where::kZeros
+                                                 : Where::kHost;
+    kept_[reinterpret_cast<uintptr_t>(host)] = {host, bytes, device, where};
     return true;
   }
 
@@ -307,9 +314,11 @@ class KeptBuffers {
     return &b;
   }
 
-  // Makes the device copy hold the host's bytes (all of them).
+  // Makes the device copy hold the host's bytes (all of them): copied, or cleared when they
+  // are zeros.
   std::string Upload(Buffer* b) {
-    std::string e = traffic->Up(b->device, b->host, b->bytes);
+    std::string e = b->where == Where::kZeros ? traffic->Zero(b->device, b->bytes)
+                                              : traffic->Up(b->device, b->host, b->bytes);
     if (e.empty()) b->where = Where::kBoth;
     return e;
   }
@@ -332,7 +341,7 @@ class KeptBuffers {
     Buffer* b = Find(p, bytes, &straddles);
     if (straddles) return "a host write runs past a kept buffer";
     if (b == nullptr) return "";
-    if (b->where == Where::kFresh || b->where == Where::kHost) {
+    if (b->where == Where::kFresh || b->where == Where::kHost || b->where == Where::kZeros) {
       b->where = Where::kHost;
       return "";
     }
@@ -351,7 +360,7 @@ class KeptBuffers {
         }
         if (std::string e = traffic->Down(b.host, b.device, b.bytes); !e.empty()) return e;
       }
-      b.where = Where::kHost;
+      b.where = Where::kHost;  // Zeros too: another backend may write the host's bytes next.
     }
     return "";
   }
@@ -511,10 +520,23 @@ class DeviceMemory {
     return Upload(host, count, host, count * 4, false, error);
   }
 
+  // A device table of `count` weights' device copies, named by the host table of their host
+  // addresses (which, like a weight, never changes): `copies()` makes the copies and gives
+  // their addresses when the table is not on the device yet.
+  template <class MakeCopies>
+  const void* Table(const void* host, size_t count, MakeCopies copies, std::string* error) {
+    auto it = weights_.find(host);
+    if (it != weights_.end() && it->second.count >= count) return it->second.device;
+    const std::vector<const void*> device = copies();
+    if (!error->empty()) return nullptr;
+    return Upload(host, count, device.data(), count * sizeof(void*), false, error, true);
+  }
+
  private:
   // Keys the copy of `bytes` at `data` by `host` (and its element count).
+  // `table`: a table of weights' addresses (memory in use, not weight bytes).
   void* Upload(const void* host, size_t count, const void* data, size_t bytes, bool bf16,
-               std::string* error) {
+               std::string* error, bool table = false) {
     auto it = weights_.find(host);
     if (it != weights_.end() && it->second.count >= count && it->second.bf16 == bf16) {
       return it->second.device;
@@ -528,11 +550,11 @@ class DeviceMemory {
       return nullptr;
     }
     if (it != weights_.end()) {
-      resident_ -= it->second.bytes;
+      (it->second.table ? tables_ : resident_) -= it->second.bytes;
       g::DeviceFree(it->second.device);
     }
-    weights_[host] = {device, bytes, count, bf16};
-    resident_ += bytes;
+    weights_[host] = {device, bytes, count, bf16, table};
+    (table ? tables_ : resident_) += bytes;
     return device;
   }
 
@@ -566,7 +588,7 @@ class DeviceMemory {
   }
 
   uint64_t bytes() const {
-    return resident_ + workspace_ + kv.bytes() + kept.bytes() + rings.bytes();
+    return resident_ + tables_ + workspace_ + kv.bytes() + kept.bytes() + rings.bytes();
   }
   uint64_t weight_bytes() const { return resident_; }
 
@@ -580,6 +602,7 @@ class DeviceMemory {
     void* device;
     size_t bytes, count;  // count: bytes, or elements of a dense weight.
     bool bf16;
+    bool table;  // Weights' device addresses (DeviceMemory::Table).
   };
   struct Chunk {
     void* device;
@@ -588,7 +611,7 @@ class DeviceMemory {
   std::map<const void*, Resident> weights_;
   std::vector<Chunk> chunks_;
   size_t current_ = 0;
-  uint64_t resident_ = 0, workspace_ = 0;
+  uint64_t resident_ = 0, tables_ = 0, workspace_ = 0;
 };
 
 // One op's transfers: host buffers mapped to device workspace (the same host buffer twice maps to
@@ -607,6 +630,21 @@ class Call {
   const void* DenseWeight(const float* host, int64_t count, bool* bf16) {
     if (host == nullptr || !error_.empty()) return nullptr;
     return memory_->DenseWeight(host, Count(count), bf16, &error_);
+  }
+  // The device table of the device copies of host[0..count), each `bytes` long.
+  const uint8_t* const* WeightTable(const uint8_t* const* host, int64_t count, int64_t bytes) {
+    if (host == nullptr || !error_.empty()) return nullptr;
+    const void* table = memory_->Table(
+        host, Count(count),
+        [&] {
+          std::vector<const void*> device;
+          for (int64_t i = 0; i < count && error_.empty(); ++i) {
+            device.push_back(Weight(host[i], bytes));
+          }
+          return device;
+        },
+        &error_);
+    return static_cast<const uint8_t* const*>(table);
   }
   template <class T>
   const T* In(const T* host, int64_t count) {
@@ -769,7 +807,8 @@ class Call {
       // A kept buffer is read and written in place: its device copy gets the host's bytes
       // first when those are the newer ones (a fresh buffer's are not: no op reads what ops
       // have not written).
-      if (k->where == KeptBuffers::Where::kHost && !Check(memory_->kept.Upload(k))) {
+      if ((k->where == KeptBuffers::Where::kHost || k->where == KeptBuffers::Where::kZeros) &&
+          !Check(memory_->kept.Upload(k))) {
         return nullptr;
       }
       if (write) kept_written_.push_back(k);
@@ -843,6 +882,7 @@ class GpuBackend final : public Backend {
     r.ring_slots_copied = memory_.rings.slots_copied();
     r.weight_bytes = memory_.weight_bytes();
     r.bytes_to_device = memory_.traffic.to_device;
+    r.bytes_zeroed = memory_.traffic.zeroed;
     r.bytes_to_host = memory_.traffic.to_host;
     r.waits = memory_.traffic.waits;
     return r;
@@ -1040,7 +1080,8 @@ class GpuBackend final : public Backend {
 
   OpStatus TopK(const k::TopKParams& p) const override {
     if (p.order == k::TopKOrder::kReference) {
-      return OnHost({{p.values, p.rows * p.stride}}, {}, [&] { return k::cpu::TopK(p); });
+      return OnHost({{p.values, p.rows * p.stride}, {p.n, p.rows}}, {{p.out, p.rows * p.k}},
+                    [&] { return k::cpu::TopK(p); });
     }
     return Run([&](Call& c) {
       k::TopKParams d = p;
@@ -1111,8 +1152,10 @@ class GpuBackend final : public Backend {
   OpStatus MoeRoute(const k::MoeRouteParams& p) const override {
     if (p.order == k::TopKOrder::kReference) {
       const int64_t n = p.tokens * p.experts;
-      return OnHost({{p.logits, n}}, {{p.scores, n}, {p.biased, n}, {p.weights, p.tokens * p.k}},
-                    [&] { return k::cpu::MoeRoute(p); });
+      return OnHost(
+          {{p.logits, n}},
+          {{p.scores, n}, {p.biased, n}, {p.chosen, p.tokens * p.k}, {p.weights, p.tokens * p.k}},
+          [&] { return k::cpu::MoeRoute(p); });
     }
     return Run([&](Call& c) {
       k::MoeRouteParams d = p;
@@ -1140,8 +1183,8 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus MoeCombine(const k::MoeCombineParams& p) const override {
-    int64_t rows = 0;
-    for (int64_t i = 0; i < p.count; ++i) {
+    int64_t rows = p.y_rows;
+    for (int64_t i = 0; i < p.count && p.y_rows == 0; ++i) {
       if (p.rows[i] < 0) return OpStatus::kBadArgument;
       rows = std::max(rows, p.rows[i] + 1);
     }
@@ -1152,6 +1195,42 @@ class GpuBackend final : public Backend {
       d.rows = c.In(p.rows, p.count);
       d.y = c.InOut(p.y, rows * p.dim);
       return Launch(c, [&] { return g::MoeCombine(d); });
+    });
+  }
+
+  OpStatus MoeGroup(const k::MoeGroupParams& p) const override {
+    const int64_t n = p.tokens * p.k;
+    return Run([&](Call& c) {
+      k::MoeGroupParams d = p;
+      d.stream = nullptr;
+      d.chosen = c.In(p.chosen, n);
+      d.weights = c.In(p.weights, n);
+      d.slot_expert = c.Out(p.slot_expert, p.slots);
+      d.slot_offset = c.Out(p.slot_offset, p.slots + 1);
+      d.slot_tiles = c.Out(p.slot_tiles, p.slots + 1);
+      d.rows = c.Out(p.rows, n);
+      d.row_weights = c.Out(p.row_weights, n);
+      return Launch(c, [&] { return g::MoeGroup(d); });
+    });
+  }
+
+  OpStatus ExpertLinear(const k::ExpertLinearParams& p) const override {
+    const bool fp8 = p.format == k::WeightFormat::kFp8;
+    const int64_t w_bytes = fp8 ? p.out * p.in : p.out * p.in / 2;
+    const int64_t s_bytes = (fp8 ? (p.out + 31) / 32 : p.out) * (p.in / 32);
+    return Run([&](Call& c) {
+      k::ExpertLinearParams d = p;
+      d.stream = nullptr;
+      d.x = c.In(p.x, p.rows * p.in);
+      d.slot_expert = c.In(p.slot_expert, p.slots);
+      d.slot_offset = c.In(p.slot_offset, p.slots + 1);
+      d.slot_tiles = c.In(p.slot_tiles, p.slots + 1);
+      d.w = c.WeightTable(p.w, p.experts, w_bytes);
+      d.w_scales = c.WeightTable(p.w_scales, p.experts, s_bytes);
+      d.x_codes = c.Work<uint8_t>(p.rows * p.in);
+      d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
+      d.y = c.Out(p.y, p.rows * p.out);
+      return Launch(c, [&] { return g::ExpertLinear(d); });
     });
   }
 
@@ -1168,7 +1247,9 @@ class GpuBackend final : public Backend {
 
   OpStatus CopyRows(const k::CopyRowsParams& p) const override {
     int64_t src_rows = p.rows;
-    if (p.index != nullptr) {
+    if (p.src_rows > 0) {
+      src_rows = p.src_rows;
+    } else if (p.index != nullptr) {
       src_rows = 0;
       for (int64_t i = 0; i < p.rows; ++i) {
         if (p.index[i] < 0) return OpStatus::kBadArgument;
@@ -1222,9 +1303,9 @@ class GpuBackend final : public Backend {
     });
   }
 
-  void Keep(float* host, size_t count, bool fresh) const override {
+  void Keep(float* host, size_t count, KeepAs as) const override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (g::SetDevice(device_).empty()) memory_.kept.Keep(Bytes(host), count * 4, fresh);
+    if (g::SetDevice(device_).empty()) memory_.kept.Keep(Bytes(host), count * 4, as);
   }
   void Release(const float* host) const override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1282,14 +1363,21 @@ class GpuBackend final : public Backend {
     return OpStatus::kDeviceError;
   }
 
-  // A float operand of an op the CPU runs for this backend: `count` floats from `host`.
+  // An operand of an op the CPU runs for this backend: `n` values of 4 or 8 bytes at `p`, held
+  // as the floats they span.
   struct HostRange {
+    template <class T>
+    HostRange(const T* p, int64_t n)
+        : host(reinterpret_cast<const float*>(p)),
+          count(n * static_cast<int64_t>(sizeof(T) / sizeof(float))) {
+      static_assert(sizeof(T) % sizeof(float) == 0);
+    }
     const float* host;
     int64_t count;
   };
   // An op that runs on the host (the Engram gather; the reference's top-k order): kept buffers
   // among its inputs are brought to the host first, and those among its outputs get the bytes
-  // it wrote. Only float operands can be kept, so only they are named.
+  // it wrote.
   template <class F>
   OpStatus OnHost(std::initializer_list<HostRange> in, std::initializer_list<HostRange> out,
                   F op) const {

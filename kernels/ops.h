@@ -379,12 +379,54 @@ struct SwigluParams {
 };
 
 // Scatter-adds expert outputs into the routed sum: y[rows[i]] += expert_out[i], i in order (the
-// engine runs experts in ascending id, so each token's sum has a fixed order).
+// engine's experts come in ascending id, so each token's sum has a fixed order).
 struct MoeCombineParams {
   const float* expert_out = nullptr;  // [count, dim]
   const int64_t* rows = nullptr;      // [count] token rows
   int64_t count = 0, dim = 0;
   float* y = nullptr;
+  void* stream = nullptr;
+  // Rows of y, more than any of `rows`; 0: found from `rows` (which a GPU backend then reads on
+  // the host, so `rows` made on the device must come with it).
+  int64_t y_rows = 0;
+};
+
+// The tokens grouped by the experts that chose them, on the device that routed them (the host
+// never reads the choices): entries in ascending expert order, each expert's tokens in token
+// order, so one range of the grouped rows per expert, and a token's entries in ascending expert
+// order (MoeCombine over the grouped rows adds each token's experts as the per-expert loop did).
+// `slots` = min(experts, tokens * k): the experts chosen at all, ascending, fill the first slots;
+// the rest have expert -1 and no rows. slot_tiles counts each slot's rows in tiles of
+// kExpertTileRows (a GPU kernel's tile, from the slot's range), cumulatively.
+constexpr int64_t kExpertTileRows = 8;
+struct MoeGroupParams {
+  const int64_t* chosen = nullptr;  // [tokens, k] expert ids (MoeRoute)
+  const float* weights = nullptr;   // [tokens, k]
+  int64_t tokens = 0, experts = 0, k = 0, slots = 0;
+  int64_t* slot_expert = nullptr;  // [slots]
+  int64_t* slot_offset = nullptr;  // [slots + 1]: slot s's rows are [offset[s], offset[s + 1])
+  int64_t* slot_tiles = nullptr;   // [slots + 1]
+  int64_t* rows = nullptr;         // [tokens * k] each grouped entry's token row
+  float* row_weights = nullptr;    // [tokens * k] its routing weight
+  void* stream = nullptr;
+};
+
+// The routed experts' linear layers over grouped rows (MoeGroup): rows [offset[s], offset[s +
+// 1]) of x times expert slot_expert[s]'s weights, for every slot. Every expert's weights have the
+// format (FP8 or FP4) and shape given; each row's sums are Linear's, bit for bit.
+struct ExpertLinearParams {
+  const float* x = nullptr;  // [rows, in] grouped rows
+  int64_t rows = 0, in = 0, out = 0;
+  const int64_t* slot_expert = nullptr;  // [slots]
+  const int64_t* slot_offset = nullptr;  // [slots + 1]
+  const int64_t* slot_tiles = nullptr;   // [slots + 1]
+  int64_t slots = 0, experts = 0;
+  WeightFormat format = WeightFormat::kFp4;
+  const uint8_t* const* w = nullptr;         // [experts]: each expert's weights, as for Linear
+  const uint8_t* const* w_scales = nullptr;  // [experts]
+  uint8_t* x_codes = nullptr;                // Workspace [rows, in]
+  uint8_t* x_scales = nullptr;               // Workspace [rows, in / 32]
+  float* y = nullptr;                        // [rows, out]
   void* stream = nullptr;
 };
 
@@ -409,6 +451,9 @@ struct CopyRowsParams {
   float* dst = nullptr;
   int64_t dst_stride = 0;
   void* stream = nullptr;
+  // Rows of src, more than any index; 0: found from the index (which a GPU backend then reads
+  // on the host, so an index made on the device must come with it).
+  int64_t src_rows = 0;
 };
 
 // --- Engram -------------------------------------------------------------------------------------

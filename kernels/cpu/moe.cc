@@ -81,6 +81,72 @@ OpStatus MoeCombine(const MoeCombineParams& p) {
   return OpStatus::kOk;
 }
 
+OpStatus MoeGroup(const MoeGroupParams& p) {
+  const int64_t n = p.tokens * p.k;
+  if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.slots != std::min(p.experts, n)) {
+    return OpStatus::kBadShape;
+  }
+  if (n == 0) return OpStatus::kOk;
+  std::vector<int64_t> count(static_cast<size_t>(p.experts), 0);
+  for (int64_t i = 0; i < n; ++i) {
+    if (p.chosen[i] < 0 || p.chosen[i] >= p.experts) return OpStatus::kBadArgument;
+    count[static_cast<size_t>(p.chosen[i])] += 1;
+  }
+  std::vector<int64_t> at(count.size());
+  int64_t s = 0, offset = 0, tiles = 0;
+  for (int64_t e = 0; e < p.experts; ++e) {
+    at[e] = offset;
+    if (count[e] == 0) continue;
+    p.slot_expert[s] = e;
+    p.slot_offset[s] = offset;
+    p.slot_tiles[s] = tiles;
+    offset += count[e];
+    tiles += (count[e] + kExpertTileRows - 1) / kExpertTileRows;
+    ++s;
+  }
+  for (; s < p.slots; ++s) {
+    p.slot_expert[s] = -1;
+    p.slot_offset[s] = offset;
+    p.slot_tiles[s] = tiles;
+  }
+  p.slot_offset[p.slots] = offset;
+  p.slot_tiles[p.slots] = tiles;
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    for (int64_t i = 0; i < p.k; ++i) {
+      const int64_t j = at[p.chosen[t * p.k + i]]++;
+      p.rows[j] = t;
+      p.row_weights[j] = p.weights[t * p.k + i];
+    }
+  }
+  return OpStatus::kOk;
+}
+
+OpStatus ExpertLinear(const ExpertLinearParams& p) {
+  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.slots < 0 || p.experts <= 0) {
+    return OpStatus::kBadShape;
+  }
+  if (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4) {
+    return OpStatus::kBadArgument;
+  }
+  for (int64_t s = 0; s < p.slots; ++s) {
+    const int64_t e = p.slot_expert[s], from = p.slot_offset[s], to = p.slot_offset[s + 1];
+    if (e < 0 || to == from) continue;
+    if (e >= p.experts || from < 0 || to < from || to > p.rows) return OpStatus::kBadArgument;
+    FLASHD_OP_RETURN_IF_ERROR(Linear({.x = p.x + from * p.in,
+                                      .rows = to - from,
+                                      .in = p.in,
+                                      .out = p.out,
+                                      .format = p.format,
+                                      .w = p.w[e],
+                                      .w_scales = p.w_scales[e],
+                                      .x_codes = p.x_codes,
+                                      .x_scales = p.x_scales,
+                                      .y = p.y + from * p.out,
+                                      .stream = p.stream}));
+  }
+  return OpStatus::kOk;
+}
+
 OpStatus AddRound(const AddRoundParams& p) {
   if (p.n < 0) return OpStatus::kBadShape;
   for (int64_t i = 0; i < p.n; ++i) p.out[i] = Bf(p.a[i] + p.b[i]);
@@ -93,7 +159,7 @@ OpStatus CopyRows(const CopyRowsParams& p) {
   }
   for (int64_t i = 0; i < p.rows; ++i) {
     const int64_t r = p.index != nullptr ? p.index[i] : i;
-    if (r < 0) return OpStatus::kBadArgument;
+    if (r < 0 || (p.src_rows > 0 && r >= p.src_rows)) return OpStatus::kBadArgument;
     std::memcpy(p.dst + i * p.dst_stride, p.src + r * p.src_stride,
                 static_cast<size_t>(p.cols) * sizeof(float));
   }

@@ -44,6 +44,8 @@ OpStatus SparseAttention(const SparseAttentionParams& p);
 OpStatus MoeRoute(const MoeRouteParams& p);
 OpStatus Swiglu(const SwigluParams& p);
 OpStatus MoeCombine(const MoeCombineParams& p);
+OpStatus MoeGroup(const MoeGroupParams& p);
+OpStatus ExpertLinear(const ExpertLinearParams& p);
 OpStatus AddRound(const AddRoundParams& p);
 OpStatus CopyRows(const CopyRowsParams& p);
 

@@ -30,6 +30,7 @@ std::string DeviceFree(void* ptr);
 std::string CopyToDevice(void* dst, const void* src, size_t bytes);
 std::string CopyToHost(void* dst, const void* src, size_t bytes);
 std::string CopyOnDevice(void* dst, const void* src, size_t bytes);
+std::string ZeroOnDevice(void* dst, size_t bytes);  // Ordered after the kernels launched before.
 std::string Synchronize();
 // Fill device memory without a host copy (benchmarks): bytes uniform in [lo, hi], or floats
 // uniform in [-scale, scale] rounded to BF16; the same seed gives the same contents.

@@ -54,12 +54,13 @@ __device__ inline float WeightBlock(const uint8_t* w, const uint8_t* ws, int64_t
 constexpr unsigned kGemmThreads = 64;
 constexpr int64_t kGemmRows = 8;
 
-__global__ void QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
-                                    const uint8_t* w, const uint8_t* ws, int64_t N, int format,
-                                    float* y) {
+static_assert(kGemmRows == kExpertTileRows, "an expert slot's tiles are the GEMM's row groups");
+
+// Output column n of rows [m0, m0 + rows) (rows <= kGemmRows), by the whole thread block.
+__device__ void GemmTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int64_t rows, int64_t K,
+                         const uint8_t* w, const uint8_t* ws, int64_t N, int64_t n, int format,
+                         float* y) {
   __shared__ float partial[kGemmRows][kGemmThreads];
-  const int64_t n = blockIdx.x % N, m0 = (blockIdx.x / N) * kGemmRows;
-  const int64_t rows = M - m0 < kGemmRows ? M - m0 : kGemmRows;
   const int64_t blocks = K / kBlock;
   const unsigned t = threadIdx.x;
   float acc[kGemmRows];
@@ -91,6 +92,38 @@ __global__ void QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_
   if (t == 0) {
     for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = acc[r];
   }
+}
+
+__global__ void QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
+                                    const uint8_t* w, const uint8_t* ws, int64_t N, int format,
+                                    float* y) {
+  const int64_t n = blockIdx.x % N, m0 = (blockIdx.x / N) * kGemmRows;
+  const int64_t rows = M - m0 < kGemmRows ? M - m0 : kGemmRows;
+  GemmTile(xq, xs, m0, rows, K, w, ws, N, n, format, y);
+}
+
+// The experts' GEMMs over grouped rows: thread block (tile g, column n), g the slots' row groups
+// counted through (slot_tiles); the tiles past the last slot's have nothing to do. A tile's slot
+// is found by a binary search of slot_tiles.
+__global__ void ExpertGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t K,
+                                 const int64_t* slot_expert, const int64_t* slot_offset,
+                                 const int64_t* slot_tiles, int64_t slots, const uint8_t* const* w,
+                                 const uint8_t* const* ws, int64_t N, int format, float* y) {
+  const int64_t n = blockIdx.x % N, g = blockIdx.x / N;
+  if (g >= slot_tiles[slots]) return;
+  int64_t lo = 0, hi = slots;  // slot_tiles[lo] <= g < slot_tiles[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (slot_tiles[mid] <= g) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  const int64_t m0 = slot_offset[lo] + (g - slot_tiles[lo]) * kGemmRows;
+  const int64_t left = slot_offset[lo + 1] - m0;
+  const int64_t e = slot_expert[lo];
+  GemmTile(xq, xs, m0, left < kGemmRows ? left : kGemmRows, K, w[e], ws[e], N, n, format, y);
 }
 
 // The free-order schedule (LinearFreeOrder), for measuring what the fixed order costs: thread t
@@ -200,6 +233,28 @@ OpStatus QuantizedLinear(const LinearParams& p, int split) {
 }
 
 }  // namespace
+
+OpStatus ExpertLinear(const ExpertLinearParams& p) {
+  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.slots < 0 || p.experts <= 0) {
+    return OpStatus::kBadShape;
+  }
+  if (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4) {
+    return OpStatus::kBadArgument;
+  }
+  if (p.in % kBlock != 0) return OpStatus::kBadShape;
+  if (p.rows == 0 || p.slots == 0) return OpStatus::kOk;
+  // Every slot's rows in whole tiles: at most rows / kGemmRows plus one partial tile per slot.
+  const int64_t grid = ((p.rows + kGemmRows - 1) / kGemmRows + p.slots) * p.out;
+  if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
+  const int64_t blocks = p.rows * p.in / kBlock;
+  FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
+                p.x_scales);
+  FLASHD_LAUNCH(ExpertGemmKernel, static_cast<unsigned>(grid), kGemmThreads, 0, stream, p.x_codes,
+                p.x_scales, p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w,
+                p.w_scales, p.out, p.format == WeightFormat::kFp8 ? 0 : 1, p.y);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
 
 OpStatus Linear(const LinearParams& p) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {

@@ -61,7 +61,70 @@ __global__ void RouteKernel(const float* logits, const float* bias, int64_t toke
   }
 }
 
+// MoeGroup in one thread block: a thread per expert counts its choices, thread 0 lays out the
+// slots in ascending expert order, then each expert's thread writes its entries in token order.
+constexpr unsigned kGroupThreads = 256;
+constexpr int64_t kGroupMaxExperts = 1024;
+
+__global__ void GroupKernel(const int64_t* chosen, const float* weights, int64_t tokens, int64_t E,
+                            int64_t k, int64_t slots, int64_t* slot_expert, int64_t* slot_offset,
+                            int64_t* slot_tiles, int64_t* rows, float* row_weights) {
+  __shared__ int64_t count[kGroupMaxExperts];
+  __shared__ int64_t start[kGroupMaxExperts];
+  const int64_t n = tokens * k;
+  for (int64_t e = threadIdx.x; e < E; e += kGroupThreads) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; ++i) c += chosen[i] == e ? 1 : 0;
+    count[e] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t s = 0, offset = 0, tiles = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      start[e] = offset;
+      if (count[e] == 0) continue;
+      slot_expert[s] = e;
+      slot_offset[s] = offset;
+      slot_tiles[s] = tiles;
+      offset += count[e];
+      tiles += (count[e] + kExpertTileRows - 1) / kExpertTileRows;
+      ++s;
+    }
+    for (; s < slots; ++s) {
+      slot_expert[s] = -1;
+      slot_offset[s] = offset;
+      slot_tiles[s] = tiles;
+    }
+    slot_offset[slots] = offset;
+    slot_tiles[slots] = tiles;
+  }
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < E; e += kGroupThreads) {
+    if (count[e] == 0) continue;
+    int64_t j = start[e];
+    for (int64_t i = 0; i < n; ++i) {
+      if (chosen[i] != e) continue;
+      rows[j] = i / k;
+      row_weights[j] = weights[i];
+      ++j;
+    }
+  }
+}
+
 }  // namespace
+
+OpStatus MoeGroup(const MoeGroupParams& p) {
+  const int64_t n = p.tokens * p.k;
+  if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.slots != (p.experts < n ? p.experts : n) ||
+      p.experts > kGroupMaxExperts) {
+    return OpStatus::kBadShape;
+  }
+  if (n == 0) return OpStatus::kOk;
+  FLASHD_LAUNCH(GroupKernel, 1, kGroupThreads, 0, static_cast<gpuStream_t>(p.stream), p.chosen,
+                p.weights, p.tokens, p.experts, p.k, p.slots, p.slot_expert, p.slot_offset,
+                p.slot_tiles, p.rows, p.row_weights);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
 
 OpStatus TopK(const TopKParams& p) {
   if (p.rows < 0 || p.k < 0 || p.n == nullptr || p.out == nullptr) return OpStatus::kBadShape;

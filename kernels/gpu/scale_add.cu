@@ -172,6 +172,12 @@ std::string CopyOnDevice(void* dst, const void* src, size_t bytes) {
   return err == gpuSuccess ? "" : Describe("copy on device", err);
 }
 
+std::string ZeroOnDevice(void* dst, size_t bytes) {
+  if (bytes == 0) return "";
+  const gpuError_t err = gpuMemset(dst, 0, bytes);
+  return err == gpuSuccess ? "" : Describe("clear on device", err);
+}
+
 std::string FillBytes(void* dst, size_t bytes, uint64_t seed, uint8_t lo, uint8_t hi) {
   if (bytes == 0) return "";
   const unsigned threads = 256;

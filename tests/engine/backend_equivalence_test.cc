@@ -251,6 +251,8 @@ class Counting final : public Backend {
   FLASHD_COUNTED(MoeRoute, MoeRouteParams)
   FLASHD_COUNTED(Swiglu, SwigluParams)
   FLASHD_COUNTED(MoeCombine, MoeCombineParams)
+  FLASHD_COUNTED(MoeGroup, MoeGroupParams)
+  FLASHD_COUNTED(ExpertLinear, ExpertLinearParams)
   FLASHD_COUNTED(AddRound, AddRoundParams)
   FLASHD_COUNTED(CopyRows, CopyRowsParams)
   FLASHD_COUNTED(EngramGather, EngramGatherParams)
@@ -264,8 +266,8 @@ class Counting final : public Backend {
   kernels::OpStatus UploadDense(const float* host, size_t count) const override {
     return inner_->UploadDense(host, count);
   }
-  void Keep(float* host, size_t count, bool fresh) const override {
-    if (keep_) inner_->Keep(host, count, fresh);
+  void Keep(float* host, size_t count, KeepAs as) const override {
+    if (keep_) inner_->Keep(host, count, as);
   }
   void Release(const float* host) const override { inner_->Release(host); }
   kernels::OpStatus ToHost(const float* host, size_t count) const override {
@@ -446,7 +448,8 @@ BOOST_AUTO_TEST_CASE(a_layer_split_and_cpu_experts_give_the_cpu_tokens) {
       BOOST_TEST(cpu_ops["MoeCombine"] > 0);
       for (const auto& [op, n] : cpu_ops) {
         const bool expert_op = op == "Linear" || op == "Swiglu" || op == "RoundBf16" ||
-                               op == "MoeCombine" || op == "CopyRows";
+                               op == "MoeCombine" || op == "CopyRows" || op == "MoeGroup" ||
+                               op == "ExpertLinear";
         BOOST_TEST(expert_op, op << " ran on the CPU " << n << " times");
       }
       BOOST_TEST(gpu_ops["MoeCombine"] == 0);
@@ -673,6 +676,28 @@ BOOST_AUTO_TEST_CASE(decoding_copies_one_ring_slot_per_layer) {
     decode();
     BOOST_TEST(p.gpu->backend().Report().ring_slots_copied - first.ring_slots_copied ==
                layers * static_cast<uint64_t>(step));
+  }
+}
+
+// The experts' output starts as zeros: its device copy is cleared on the device, not copied
+// from the host (a layer's rows times the hidden size, every layer, every step), and the first
+// expert's combine reads those zeros (every greedy and equivalence test depends on them).
+BOOST_AUTO_TEST_CASE(the_experts_output_is_cleared_on_the_device) {
+  const Pair& p = Load();
+  SequenceState st = p.gpu->NewSequence(), cpu = p.cpu->NewSequence();
+  std::vector<float> logits, want;
+  BOOST_REQUIRE(p.gpu->Forward(&st, Prompt(0), &logits).ok());
+  BOOST_REQUIRE(p.cpu->Forward(&cpu, Prompt(0), &want).ok());
+  const uint64_t layers = static_cast<uint64_t>(p.gpu->config().num_hidden_layers);
+  const uint64_t dim = static_cast<uint64_t>(p.gpu->config().hidden_size);
+  for (int step = 0; step < 2; ++step) {
+    const BackendReport before = p.gpu->backend().Report();
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(want.begin(), want.end()) - want.begin());
+    BOOST_REQUIRE(p.gpu->Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+    BOOST_TEST(p.gpu->backend().Report().bytes_zeroed - before.bytes_zeroed == layers * dim * 4);
+    BOOST_REQUIRE(p.cpu->Forward(&cpu, std::span<const int32_t>(&next, 1), &want).ok());
+    BOOST_TEST(std::memcmp(want.data(), logits.data(), want.size() * 4) == 0);
   }
 }
 

@@ -3,6 +3,7 @@
 // or RMSNorm's reduction tree may differ in the last bit. Built once per GPU backend; the HIP CPU
 // runtime build runs in every `make test`, the CUDA and HIP builds exit 77 (skipped) without a
 // device.
+#include <algorithm>
 #include <bit>
 #include <boost/test/unit_test.hpp>
 #include <cmath>
@@ -193,6 +194,157 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
         BOOST_TEST((dxq.Host() == xq));  // The activation codes too.
       }
     }
+  }
+}
+
+// Choices of `k` distinct experts of `experts` per token, some experts chosen by many tokens
+// (more than one GEMM tile's rows), some by none; weights random.
+void RandomChoices(std::mt19937& rng, int64_t tokens, int64_t experts, int64_t k,
+                   std::vector<int64_t>* chosen, std::vector<float>* weights) {
+  chosen->clear();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int64_t> pick;
+    while (static_cast<int64_t>(pick.size()) < k) {
+      // Half the picks from the first few experts, so those take many tokens.
+      const int64_t e = rng() % 2 == 0 ? static_cast<int64_t>(rng() % std::min<int64_t>(experts, 3))
+                                       : static_cast<int64_t>(rng() % experts);
+      if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+    }
+    chosen->insert(chosen->end(), pick.begin(), pick.end());
+  }
+  *weights = Normal(rng, chosen->size());
+}
+
+struct Grouped {
+  int64_t slots = 0;
+  std::vector<int64_t> expert, offset, tiles, rows;
+  std::vector<float> weights;
+  explicit Grouped(int64_t slots_, int64_t total)
+      : slots(slots_),
+        expert(slots_),
+        offset(slots_ + 1),
+        tiles(slots_ + 1),
+        rows(total),
+        weights(total) {}
+};
+
+// Tokens grouped by expert: the GPU's grouping is the CPU's, entry for entry (released shape:
+// 384 experts, 6 per token; a small one where every expert is chosen and slots run out).
+BOOST_AUTO_TEST_CASE(moe_group_is_the_cpu_grouping) {
+  std::mt19937 rng(21);
+  struct Case {
+    int64_t tokens, experts, k;
+  };
+  for (const Case& c : {Case{1, 384, 6}, Case{37, 384, 6}, Case{37, 8, 3}, Case{2, 8, 3}}) {
+    std::vector<int64_t> chosen;
+    std::vector<float> weights;
+    RandomChoices(rng, c.tokens, c.experts, c.k, &chosen, &weights);
+    const int64_t total = c.tokens * c.k, slots = std::min(c.experts, total);
+    Grouped want(slots, total);
+    BOOST_REQUIRE(cpu::MoeGroup({.chosen = chosen.data(),
+                                 .weights = weights.data(),
+                                 .tokens = c.tokens,
+                                 .experts = c.experts,
+                                 .k = c.k,
+                                 .slots = slots,
+                                 .slot_expert = want.expert.data(),
+                                 .slot_offset = want.offset.data(),
+                                 .slot_tiles = want.tiles.data(),
+                                 .rows = want.rows.data(),
+                                 .row_weights = want.weights.data()}) == OpStatus::kOk);
+    Dev<int64_t> dchosen(chosen), dexpert(want.expert), doffset(want.offset), dtiles(want.tiles),
+        drows(want.rows);
+    Dev<float> dweights(weights), drow_weights(want.weights);
+    BOOST_REQUIRE(gpu::MoeGroup({.chosen = dchosen.get(),
+                                 .weights = dweights.get(),
+                                 .tokens = c.tokens,
+                                 .experts = c.experts,
+                                 .k = c.k,
+                                 .slots = slots,
+                                 .slot_expert = dexpert.get(),
+                                 .slot_offset = doffset.get(),
+                                 .slot_tiles = dtiles.get(),
+                                 .rows = drows.get(),
+                                 .row_weights = drow_weights.get()}) == OpStatus::kOk);
+    BOOST_TEST(dexpert.Host() == want.expert, boost::test_tools::per_element());
+    BOOST_TEST(doffset.Host() == want.offset, boost::test_tools::per_element());
+    BOOST_TEST(dtiles.Host() == want.tiles, boost::test_tools::per_element());
+    BOOST_TEST(drows.Host() == want.rows, boost::test_tools::per_element());
+    BOOST_TEST(BitEqual(drow_weights.Host(), want.weights));
+  }
+}
+
+// The experts' GEMMs over grouped rows equal the CPU's bit for bit: FP8 and FP4, slots of one
+// row and of several tiles, slots left empty at the end.
+BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
+  std::mt19937 rng(22);
+  const int64_t tokens = 29, experts = 6, k = 3, in = 96, out = 40;
+  std::vector<int64_t> chosen;
+  std::vector<float> weights;
+  RandomChoices(rng, tokens, experts, k, &chosen, &weights);
+  const int64_t total = tokens * k, slots = std::min(experts, total);
+  Grouped g(slots, total);
+  BOOST_REQUIRE(cpu::MoeGroup({.chosen = chosen.data(),
+                               .weights = weights.data(),
+                               .tokens = tokens,
+                               .experts = experts,
+                               .k = k,
+                               .slots = slots,
+                               .slot_expert = g.expert.data(),
+                               .slot_offset = g.offset.data(),
+                               .slot_tiles = g.tiles.data(),
+                               .rows = g.rows.data(),
+                               .row_weights = g.weights.data()}) == OpStatus::kOk);
+  BOOST_TEST(g.offset[1] - g.offset[0] > 8);  // A slot of more than one tile.
+  for (WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    std::vector<flashd::testing::QuantizedWeights> qw;
+    std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
+    std::vector<const uint8_t*> w, ws, dw, dws;
+    for (int64_t e = 0; e < experts; ++e) {
+      qw.push_back(flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in));
+    }
+    for (const auto& q : qw) {
+      w.push_back(q.codes.data());
+      ws.push_back(q.scales.data());
+      dev.push_back(std::make_unique<Dev<uint8_t>>(q.codes));
+      dw.push_back(dev.back()->get());
+      dev.push_back(std::make_unique<Dev<uint8_t>>(q.scales));
+      dws.push_back(dev.back()->get());
+    }
+    const std::vector<float> x = Normal(rng, total * in);
+    std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
+    std::vector<float> want(total * out, -1.0f);
+    ExpertLinearParams p{.x = x.data(),
+                         .rows = total,
+                         .in = in,
+                         .out = out,
+                         .slot_expert = g.expert.data(),
+                         .slot_offset = g.offset.data(),
+                         .slot_tiles = g.tiles.data(),
+                         .slots = slots,
+                         .experts = experts,
+                         .format = format,
+                         .w = w.data(),
+                         .w_scales = ws.data(),
+                         .x_codes = xq.data(),
+                         .x_scales = xs.data(),
+                         .y = want.data()};
+    BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
+    Dev<float> dx(x), dy(std::vector<float>(want.size(), -1.0f));
+    Dev<int64_t> dexpert(g.expert), doffset(g.offset), dtiles(g.tiles);
+    Dev<const uint8_t*> dtable(dw), dstable(dws);
+    Dev<uint8_t> dxq(xq), dxs(xs);
+    p.x = dx.get();
+    p.slot_expert = dexpert.get();
+    p.slot_offset = doffset.get();
+    p.slot_tiles = dtiles.get();
+    p.w = dtable.get();
+    p.w_scales = dstable.get();
+    p.x_codes = dxq.get();
+    p.x_scales = dxs.get();
+    p.y = dy.get();
+    BOOST_REQUIRE(gpu::ExpertLinear(p) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dy.Host(), want), "format " << static_cast<int>(format));
   }
 }
 

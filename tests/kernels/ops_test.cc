@@ -1097,6 +1097,159 @@ BOOST_AUTO_TEST_CASE(moe_route_swiglu_combine_against_double) {
   CheckBf16Close(sum, wsum, 1, "add_round");
 }
 
+// The experts over grouped rows against the per-expert loop built here from the choices: each
+// expert's tokens gathered in token order, its Linear (FP8 and FP4), the outputs scattered into
+// y expert by expert. Grouping, ExpertLinear and one MoeCombine over all grouped rows give the
+// same y bit for bit; the slots list the chosen experts ascending, then -1; bad input refused.
+BOOST_AUTO_TEST_CASE(grouped_experts_equal_the_per_expert_loop) {
+  Rng rng(23);
+  const int64_t tokens = 13, experts = 7, k = 3, in = 64, out = 24;
+  std::vector<int64_t> chosen;
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<int64_t> pick;
+    while (static_cast<int64_t>(pick.size()) < k) {
+      const int64_t e = rng.Int(0, experts - 2);  // The last expert is never chosen.
+      if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
+    }
+    chosen.insert(chosen.end(), pick.begin(), pick.end());
+  }
+  const std::vector<float> weights = rng.Normal(chosen.size());
+  const int64_t total = tokens * k, slots = std::min(experts, total);
+  std::vector<int64_t> slot_expert(slots), slot_offset(slots + 1), slot_tiles(slots + 1),
+      rows(total);
+  std::vector<float> row_weights(total);
+  MoeGroupParams group{.chosen = chosen.data(),
+                       .weights = weights.data(),
+                       .tokens = tokens,
+                       .experts = experts,
+                       .k = k,
+                       .slots = slots,
+                       .slot_expert = slot_expert.data(),
+                       .slot_offset = slot_offset.data(),
+                       .slot_tiles = slot_tiles.data(),
+                       .rows = rows.data(),
+                       .row_weights = row_weights.data()};
+  BOOST_REQUIRE(MoeGroup(group) == OpStatus::kOk);
+  // Per expert, in id order: its tokens in token order and their weights.
+  std::vector<std::vector<int64_t>> of(experts);
+  std::vector<std::vector<float>> w_of(experts);
+  for (int64_t i = 0; i < total; ++i) {
+    of[chosen[i]].push_back(i / k);
+    w_of[chosen[i]].push_back(weights[i]);
+  }
+  int64_t s = 0, at = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (of[e].empty()) continue;
+    BOOST_TEST(slot_expert[s] == e);
+    BOOST_TEST(slot_offset[s] == at);
+    BOOST_TEST(slot_tiles[s + 1] - slot_tiles[s] ==
+               (static_cast<int64_t>(of[e].size()) + kExpertTileRows - 1) / kExpertTileRows);
+    for (size_t j = 0; j < of[e].size(); ++j) {
+      BOOST_TEST(rows[at + j] == of[e][j]);
+      BOOST_TEST(row_weights[at + j] == w_of[e][j]);
+    }
+    at += static_cast<int64_t>(of[e].size());
+    ++s;
+  }
+  BOOST_TEST(s < slots);  // An expert no token chose leaves a slot empty.
+  for (; s < slots; ++s) {
+    BOOST_TEST(slot_expert[s] == -1);
+    BOOST_TEST(slot_offset[s + 1] == total);
+  }
+  const std::vector<float> x = rng.Bf16Normal(tokens * in);
+  for (WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    std::vector<testing::QuantizedWeights> q;
+    std::vector<const uint8_t*> w, ws;
+    for (int64_t e = 0; e < experts; ++e) {
+      q.push_back(testing::QuantizeWeights(format, rng.Normal(out * in, 0.2f), out, in));
+    }
+    for (const auto& qe : q) {
+      w.push_back(qe.codes.data());
+      ws.push_back(qe.scales.data());
+    }
+    std::vector<uint8_t> xq(total * in), xs(total * in / 32);
+    // The loop.
+    std::vector<float> want(tokens * out, 0.0f);
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t m = static_cast<int64_t>(of[e].size());
+      if (m == 0) continue;
+      std::vector<float> xe(m * in), ye(m * out);
+      for (int64_t r = 0; r < m; ++r) {
+        std::copy_n(&x[of[e][r] * in], in, &xe[r * in]);
+      }
+      BOOST_REQUIRE(Linear({.x = xe.data(),
+                            .rows = m,
+                            .in = in,
+                            .out = out,
+                            .format = format,
+                            .w = w[e],
+                            .w_scales = ws[e],
+                            .x_codes = xq.data(),
+                            .x_scales = xs.data(),
+                            .y = ye.data()}) == OpStatus::kOk);
+      BOOST_REQUIRE(MoeCombine({.expert_out = ye.data(),
+                                .rows = of[e].data(),
+                                .count = m,
+                                .dim = out,
+                                .y = want.data()}) == OpStatus::kOk);
+    }
+    // Grouped.
+    std::vector<float> xg(total * in), yg(total * out), got(tokens * out, 0.0f);
+    BOOST_REQUIRE(CopyRows({.src = x.data(),
+                            .src_stride = in,
+                            .index = rows.data(),
+                            .rows = total,
+                            .cols = in,
+                            .dst = xg.data(),
+                            .dst_stride = in,
+                            .src_rows = tokens}) == OpStatus::kOk);
+    ExpertLinearParams lin{.x = xg.data(),
+                           .rows = total,
+                           .in = in,
+                           .out = out,
+                           .slot_expert = slot_expert.data(),
+                           .slot_offset = slot_offset.data(),
+                           .slot_tiles = slot_tiles.data(),
+                           .slots = slots,
+                           .experts = experts,
+                           .format = format,
+                           .w = w.data(),
+                           .w_scales = ws.data(),
+                           .x_codes = xq.data(),
+                           .x_scales = xs.data(),
+                           .y = yg.data()};
+    BOOST_REQUIRE(ExpertLinear(lin) == OpStatus::kOk);
+    BOOST_REQUIRE(MoeCombine({.expert_out = yg.data(),
+                              .rows = rows.data(),
+                              .count = total,
+                              .dim = out,
+                              .y = got.data(),
+                              .y_rows = tokens}) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(got, want), "format " << static_cast<int>(format));
+    lin.format = WeightFormat::kDense;
+    BOOST_TEST((ExpertLinear(lin) == OpStatus::kBadArgument));
+  }
+  // An expert id out of range, or slots that are not min(experts, tokens * k).
+  std::vector<int64_t> bad = chosen;
+  bad[4] = experts;
+  group.chosen = bad.data();
+  BOOST_TEST((MoeGroup(group) == OpStatus::kBadArgument));
+  group.chosen = chosen.data();
+  group.slots = slots - 1;
+  BOOST_TEST((MoeGroup(group) == OpStatus::kBadShape));
+  // A gather index past src_rows.
+  std::vector<float> dst(4);
+  const int64_t index[] = {5};
+  BOOST_TEST((CopyRows({.src = x.data(),
+                        .src_stride = 4,
+                        .index = index,
+                        .rows = 1,
+                        .cols = 4,
+                        .dst = dst.data(),
+                        .dst_stride = 4,
+                        .src_rows = 5}) == OpStatus::kBadArgument));
+}
+
 // --- Data movement ------------------------------------------------------------------------------
 // A strided block and a gather of rows (repeated and out of order), each value where the
 // definition puts it and the rest of dst untouched; bad shapes and a negative index refused.
