@@ -476,15 +476,19 @@ class Layer {
   void Expert(const std::vector<Weight>& e, int64_t rows) {
     Apply(e[0], x_, rows, gate_);
     Apply(e[1], x_, rows, up_);
-    CheckOp(g::Swiglu({.gate = gate_,
-                       .up = up_,
+    Activate(gate_, up_, rows, nullptr, h_);
+    Apply(e[2], h_, rows, expert_out_);
+  }
+
+  void Activate(const float* gate, const float* up, int64_t rows, const float* w, float* h) {
+    CheckOp(g::Swiglu({.gate = gate,
+                       .up = up,
                        .rows = rows,
                        .inter = d_.inter,
-                       .row_weights = nullptr,
+                       .row_weights = w,
                        .limit = 10.0f,
-                       .h = h_}),
+                       .h = h}),
             "Swiglu");
-    Apply(e[2], h_, rows, expert_out_);
   }
 
   // MoeGroup over the router's choices for `rows` tokens, then the experts over the grouped rows.
@@ -532,14 +536,7 @@ class Layer {
     };
     linear(0, xg_, gg_);
     linear(1, xg_, ug_);
-    CheckOp(g::Swiglu({.gate = gg_,
-                       .up = ug_,
-                       .rows = total,
-                       .inter = d_.inter,
-                       .row_weights = row_weights_,
-                       .limit = 10.0f,
-                       .h = hg_}),
-            "Swiglu");
+    Activate(gg_, ug_, total, row_weights_, hg_);
     linear(2, hg_, og_routed_);
     CheckOp(g::RoundBf16({.x = og_routed_, .n = total * d_.hidden}), "RoundBf16");
   }

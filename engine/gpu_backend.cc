@@ -1200,6 +1200,15 @@ class GpuBackend final : public Backend {
 
   OpStatus MoeGroup(const k::MoeGroupParams& p) const override {
     const int64_t n = p.tokens * p.k;
+    if (p.experts > k::kMoeGroupMaxExperts) {  // More than the kernel's one thread block holds.
+      return OnHost({{p.chosen, n}, {p.weights, n}},
+                    {{p.slot_expert, p.slots},
+                     {p.slot_offset, p.slots + 1},
+                     {p.slot_tiles, p.slots + 1},
+                     {p.rows, n},
+                     {p.row_weights, n}},
+                    [&] { return k::cpu::MoeGroup(p); });
+    }
     return Run([&](Call& c) {
       k::MoeGroupParams d = p;
       d.stream = nullptr;

@@ -399,6 +399,7 @@ struct MoeCombineParams {
 // the rest have expert -1 and no rows. slot_tiles counts each slot's rows in tiles of
 // kExpertTileRows (a GPU kernel's tile, from the slot's range), cumulatively.
 constexpr int64_t kExpertTileRows = 8;
+constexpr int64_t kMoeGroupMaxExperts = 1024;  // A GPU's MoeGroup (larger: on the host).
 struct MoeGroupParams {
   const int64_t* chosen = nullptr;  // [tokens, k] expert ids (MoeRoute)
   const float* weights = nullptr;   // [tokens, k]

@@ -64,7 +64,7 @@ __global__ void RouteKernel(const float* logits, const float* bias, int64_t toke
 // MoeGroup in one thread block: a thread per expert counts its choices, thread 0 lays out the
 // slots in ascending expert order, then each expert's thread writes its entries in token order.
 constexpr unsigned kGroupThreads = 256;
-constexpr int64_t kGroupMaxExperts = 1024;
+constexpr int64_t kGroupMaxExperts = kMoeGroupMaxExperts;
 
 __global__ void GroupKernel(const int64_t* chosen, const float* weights, int64_t tokens, int64_t E,
                             int64_t k, int64_t slots, int64_t* slot_expert, int64_t* slot_offset,

@@ -28,9 +28,9 @@ OpStatus Swiglu(const SwigluParams& p);
 OpStatus FakeQuant(const FakeQuantParams& p);
 OpStatus Embed(const EmbedParams& p);
 OpStatus MoeCombine(const MoeCombineParams& p);
-// One thread block (experts <= 1024): each expert's thread finds its tokens by reading every
-// choice, so the cost grows with tokens * k per expert (a prefill's few thousand tokens: a few
-// hundred thousand reads per thread, next to the experts' GEMMs).
+// One thread block (experts <= kMoeGroupMaxExperts): each expert's thread finds its tokens by
+// reading every choice, so the cost grows with tokens * k per expert (a prefill's few thousand
+// tokens: a few hundred thousand reads per thread, next to the experts' GEMMs).
 OpStatus MoeGroup(const MoeGroupParams& p);
 OpStatus ExpertLinear(const ExpertLinearParams& p);
 OpStatus RmsNorm(const RmsNormParams& p);

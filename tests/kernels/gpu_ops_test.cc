@@ -272,6 +272,10 @@ BOOST_AUTO_TEST_CASE(moe_group_is_the_cpu_grouping) {
     BOOST_TEST(drows.Host() == want.rows, boost::test_tools::per_element());
     BOOST_TEST(BitEqual(drow_weights.Host(), want.weights));
   }
+  // More experts than the one thread block holds: refused (the backend runs those on the host).
+  const int64_t many = kMoeGroupMaxExperts + 1;
+  BOOST_TEST(
+      (gpu::MoeGroup({.tokens = 1, .experts = many, .k = 6, .slots = 6}) == OpStatus::kBadShape));
 }
 
 // The experts' GEMMs over grouped rows equal the CPU's bit for bit: FP8 and FP4, slots of one
