@@ -473,6 +473,12 @@ class Step {
     std::vector<float> rows;  // FP8 round-tripped, [count, head_dim]
   };
   std::vector<std::vector<RingRows>> ring_rows_;  // [segment][layer]
+  // Those rows as the layers make them, kept where they are made until the step's end (one
+  // wait for all layers): [layer][segment's rows from ring_stage_at_[segment]][head_dim], each
+  // segment's ring_keep_[segment] rows.
+  std::vector<float> ring_stage_;
+  std::vector<size_t> ring_keep_, ring_stage_at_;
+  size_t ring_stage_rows_ = 0;
   // DSpark: the target layers' attention inputs (hc mean) of each segment's last rows, and the
   // stage window rows made from them.
   struct Hidden {
@@ -644,6 +650,18 @@ Status Step::Run() {
   FLASHD_RETURN_IF_ERROR(Embed());
   compressors_.resize(plan_.segments.size());
   ring_rows_.assign(plan_.segments.size(), std::vector<RingRows>(c_.num_hidden_layers));
+  ring_keep_.assign(plan_.segments.size(), 0);
+  ring_stage_at_.assign(plan_.segments.size(), 0);
+  ring_stage_rows_ = 0;
+  for (size_t i = 0; i < plan_.segments.size(); ++i) {
+    ring_keep_[i] =
+        std::min<size_t>(plan_.segments[i].count, static_cast<size_t>(c_.sliding_window));
+    ring_stage_at_[i] = ring_stage_rows_;
+    ring_stage_rows_ += ring_keep_[i];
+  }
+  ring_stage_.resize(static_cast<size_t>(c_.num_hidden_layers) * ring_stage_rows_ *
+                     static_cast<size_t>(c_.head_dim));
+  Keep(&ring_stage_, KeepAs::kUnwritten, &state_kept_);
   for (size_t i = 0; i < items_.size(); ++i) compressors_[i] = items_[i].state->sources;
   // The compressors' partial groups stay on the device through the step (until the Settle at
   // its end); the vectors keep their buffers when the commit moves them into the states.
@@ -693,10 +711,18 @@ Status Step::Run() {
   }
   FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), m_.final_norm));
   FLASHD_RETURN_IF_ERROR(Logits());
-  // The host's KV blocks and staged state (compressor groups) up to date for the commit and
-  // the prefix cache; the streams are done with.
+  // The host's KV blocks and staged state (compressor groups, window rows) up to date for the
+  // commit and the prefix cache; the streams are done with.
   ReleaseStreams();
-  return Check(b_->Settle(), "Settle");
+  FLASHD_RETURN_IF_ERROR(Check(b_->Settle(), "Settle"));
+  const size_t hd = static_cast<size_t>(c_.head_dim);
+  for (size_t i = 0; i < ring_rows_.size(); ++i) {
+    for (size_t l = 0; l < ring_rows_[i].size(); ++l) {
+      const float* at = &ring_stage_[(l * ring_stage_rows_ + ring_stage_at_[i]) * hd];
+      ring_rows_[i][l].rows.assign(at, at + ring_keep_[i] * hd);
+    }
+  }
+  return Status::Ok();
 }
 
 // One block (a backbone layer or a DSpark stage): attention, then the MoE, each between the
@@ -1159,14 +1185,24 @@ Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
              .freqs = L.freqs.data(),
              .out = &(*o)[sg.offset * H * hd],
              .stream = &stream_});
-  // The window ring keeps the last `window` rows; written when the step commits.
+  // The window ring keeps the last `window` rows; written when the step commits. They are
+  // staged where the layer runs and reach the host with the step's last Settle (Run).
   if (draft_) return Status::Ok();
-  const size_t keep = std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window));
-  FLASHD_RETURN_IF_ERROR(ToHost(kv));
+  const size_t keep = ring_keep_[i];
+  // A truncation (a replay) keeps at least a window of every sequence's rows.
+  if (keep != std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window))) {
+    return Internal("window rows: a sequence's rows changed under the step");
+  }
   RingRows& rr = ring_rows_[i][l];
   rr.first_position = sg.start + static_cast<int64_t>(sg.count - keep);
-  rr.rows.assign(kv.begin() + (sg.offset + sg.count - keep) * hd,
-                 kv.begin() + (sg.offset + sg.count) * hd);
+  FLASHD_OP(CopyRows,
+            {.src = &kv[(sg.offset + sg.count - keep) * hd],
+             .src_stride = hd,
+             .rows = static_cast<int64_t>(keep),
+             .cols = hd,
+             .dst = &ring_stage_[(static_cast<size_t>(l) * ring_stage_rows_ + ring_stage_at_[i]) *
+                                 static_cast<size_t>(hd)],
+             .dst_stride = hd});
   return Status::Ok();
 }
 
