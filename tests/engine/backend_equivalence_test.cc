@@ -701,6 +701,28 @@ BOOST_AUTO_TEST_CASE(the_experts_output_is_cleared_on_the_device) {
   }
 }
 
+// Nothing a layer makes is waited for in every layer: the experts' choices are grouped on the
+// device and the window rows come back with the step's last Settle, so a decode step waits for
+// the indexer's picks (a layer that selects) and that Settle only.
+BOOST_AUTO_TEST_CASE(a_decode_step_waits_less_than_once_a_layer) {
+  const Pair& p = Load();
+  SequenceState st = p.gpu->NewSequence();
+  std::vector<float> logits;
+  BOOST_REQUIRE(p.gpu->Forward(&st, Prompt(0), &logits).ok());
+  int64_t selecting = 0;
+  for (const auto& layer : p.gpu->config().layers) selecting += layer.is_index_source ? 1 : 0;
+  const uint64_t layers = static_cast<uint64_t>(p.gpu->config().num_hidden_layers);
+  for (int step = 0; step < 3; ++step) {
+    const BackendReport before = p.gpu->backend().Report();
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    BOOST_REQUIRE(p.gpu->Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+    const uint64_t waits = p.gpu->backend().Report().waits - before.waits;
+    BOOST_TEST(waits < layers);
+    BOOST_TEST(waits <= 2 * static_cast<uint64_t>(selecting) + 1);
+  }
+}
+
 // Grouping for more experts than the GPU kernel's one thread block holds runs on the host for
 // the backend, with the CPU's result; within the limit the kernel does, with the same result.
 BOOST_AUTO_TEST_CASE(moe_group_beyond_the_kernels_experts_runs_on_the_host) {
