@@ -397,7 +397,8 @@ struct MoeCombineParams {
 // order (MoeCombine over the grouped rows adds each token's experts as the per-expert loop did).
 // `slots` = min(experts, tokens * k): the experts chosen at all, ascending, fill the first slots;
 // the rest have expert -1 and no rows. slot_tiles counts each slot's rows in tiles of
-// kExpertTileRows (a GPU kernel's tile, from the slot's range), cumulatively.
+// kExpertTileRows (a GPU kernel's tile, from the slot's range), cumulatively. Ids outside
+// [0, experts) (MoeRoute makes none): the CPU refuses them, a GPU leaves their entries unwritten.
 constexpr int64_t kExpertTileRows = 8;
 constexpr int64_t kMoeGroupMaxExperts = 1024;  // A GPU's MoeGroup (larger: on the host).
 struct MoeGroupParams {
