@@ -54,6 +54,13 @@ BOOST_AUTO_TEST_CASE(a_restarted_daemon_resumes_exactly) {
   const Answer resumed = Ask(*c, second);
   BOOST_TEST(resumed.cached == 700);  // The first prompt's end state, nothing recomputed.
   BOOST_TEST(Same(resumed, Fresh(second)), resumed.raw);
+  if (std::getenv("FLASHD_BACKEND") != nullptr) {
+    // The steps ran on that backend: /health counts its traffic and waits.
+    const json backend = json::parse(c->Get("/health")->body)["backend"];
+    BOOST_TEST(backend["bytes_to_device"].get<uint64_t>() > 0u, backend.dump());
+    BOOST_TEST(backend["bytes_to_host"].get<uint64_t>() > 0u, backend.dump());
+    BOOST_TEST(backend["host_waits"].get<uint64_t>() > 0u, backend.dump());
+  }
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_hit_tokens_total") == 700);
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_snapshot_hits_total") == 1);
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_corruptions_total") == 0);
