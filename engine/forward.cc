@@ -466,6 +466,15 @@ class Step {
   std::vector<float> X_, next_, x_, sub_, mixes_, pre_mix_, pre_a_, pre_f_, post_, comb_;
   std::vector<std::vector<int64_t>> selection_;  // Per row: compressed entries, ascending.
   std::vector<std::vector<char>> candidates_;    // Per row: the candidate filter's choice.
+  // The candidate filter's mask where it was made ([rows, candidates_stride_] bytes in floats'
+  // storage, kept), while the host's candidates_ are not filled in (candidates_on_device_): the
+  // layers that use it read it there when their rows are the filter's (one chunk, the same
+  // compression), and the host gets it (CandidatesToHost) only for anything else.
+  std::vector<float> candidates_mask_;
+  std::vector<const float*> candidates_kept_;  // It, as kept (released before the last Settle).
+  bool candidates_on_device_ = false;
+  int64_t candidates_stride_ = 0, candidates_ratio_ = 0;
+  Status CandidatesToHost();
   // Staged per segment: compressor state by layer, entries by layer, the window rows written.
   std::vector<std::vector<SequenceState::Compressor>> compressors_;
   struct RingRows {
@@ -540,6 +549,7 @@ class Step::Kept {
 // A step that failed part-way still leaves the KV rows it wrote on the host.
 Step::~Step() {
   ReleaseStreams();
+  Release(&candidates_kept_);
   (void)b_->Settle();
   Release(&state_kept_);
 }
@@ -626,6 +636,7 @@ Status Step::Embed() {
   for (size_t t = 0; t < rows; ++t) pre_mix_[t * hc] = 1.0f;
   selection_.assign(rows, {});
   candidates_.assign(rows, {});
+  candidates_on_device_ = false;
   x_.resize(rows * dim);
   sub_.resize(rows * dim);
   mixes_.resize(rows * (2 + hc) * hc);
@@ -712,8 +723,10 @@ Status Step::Run() {
   FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), m_.final_norm));
   FLASHD_RETURN_IF_ERROR(Logits());
   // The host's KV blocks and staged state (compressor groups, window rows) up to date for the
-  // commit and the prefix cache; the streams are done with.
+  // commit and the prefix cache; the streams and the candidate mask are done with.
   ReleaseStreams();
+  candidates_on_device_ = false;
+  Release(&candidates_kept_);
   FLASHD_RETURN_IF_ERROR(Check(b_->Settle(), "Settle"));
   const size_t hd = static_cast<size_t>(c_.head_dim);
   for (size_t i = 0; i < ring_rows_.size(); ++i) {
@@ -884,6 +897,7 @@ Status Step::Force(int layer) {
 // The bounded replay: only the last `keep` rows of each sequence go on. Between layers: no
 // function's own vectors are kept then.
 Status Step::Truncate(size_t keep) {
+  FLASHD_RETURN_IF_ERROR(CandidatesToHost());  // Gathered below, by the plan's positions now.
   FLASHD_RETURN_IF_ERROR(ToHost(X_));
   FLASHD_RETURN_IF_ERROR(ToHost(pre_mix_));
   ReleaseStreams();
@@ -1424,7 +1438,13 @@ Status Step::Index(int l, const float* qr, const float* weights) {
   for (int64_t t0 = 0; t0 < count; t0 += chunk) {
     const int64_t rows = std::min(chunk, count - t0);
     const uint8_t* use_mask = nullptr;
-    if (lp.uses_candidates && !lp.is_candidate_source) {
+    // The filter's mask where it was made, when these are its rows and columns.
+    const bool mask_in_place = candidates_on_device_ && rows == count &&
+                               stride == candidates_stride_ && ratio == candidates_ratio_;
+    if (lp.uses_candidates && !lp.is_candidate_source && mask_in_place) {
+      use_mask = reinterpret_cast<const uint8_t*>(candidates_mask_.data());
+    } else if (lp.uses_candidates && !lp.is_candidate_source) {
+      FLASHD_RETURN_IF_ERROR(CandidatesToHost());
       mask.assign(static_cast<size_t>(rows * stride), 0);
       for (int64_t t = 0; t < rows; ++t) {
         const std::vector<char>& keep = candidates_[t0 + t];
@@ -1460,7 +1480,18 @@ Status Step::Index(int l, const float* qr, const float* weights) {
       const int64_t blocks = (stride + bs - 1) / bs;
       std::vector<float> block_scores(static_cast<size_t>(rows * blocks));
       std::vector<int64_t> block_top(static_cast<size_t>(rows * c_.candidate_topk_blocks));
-      mask.resize(static_cast<size_t>(rows * stride));
+      // All rows in one chunk: the mask stays where it is made, for the layers that use it.
+      const bool in_place = rows == count;
+      uint8_t* out = nullptr;
+      if (in_place) {
+        Release(&candidates_kept_);
+        candidates_mask_.resize(static_cast<size_t>((rows * stride + 3) / 4));
+        Keep(&candidates_mask_, KeepAs::kUnwritten, &candidates_kept_);
+        out = reinterpret_cast<uint8_t*>(candidates_mask_.data());
+      } else {
+        mask.resize(static_cast<size_t>(rows * stride));
+        out = mask.data();
+      }
       FLASHD_OP(CandidateFilter, {.scores = scores.data(),
                                   .tokens = rows,
                                   .stride = stride,
@@ -1470,8 +1501,11 @@ Status Step::Index(int l, const float* qr, const float* weights) {
                                   .order = options_.topk_order,
                                   .block_scores = block_scores.data(),
                                   .block_top = block_top.data(),
-                                  .mask = mask.data()});
-      for (int64_t t = 0; t < rows; ++t) {
+                                  .mask = out});
+      candidates_on_device_ = in_place;
+      candidates_stride_ = stride;
+      candidates_ratio_ = ratio;
+      for (int64_t t = 0; t < rows && !in_place; ++t) {
         candidates_[t0 + t].assign(mask.begin() + t * stride,
                                    mask.begin() + t * stride + visible[t0 + t]);
       }
@@ -1495,6 +1529,21 @@ Status Step::Index(int l, const float* qr, const float* weights) {
         options_.trace->selections.push_back({l, plan_.positions[t0 + t], sel});
       }
     }
+  }
+  return Status::Ok();
+}
+
+// The candidate filter's mask, kept where it was made, into the host's candidates_ (each row's
+// visible entries at the filter's compression).
+Status Step::CandidatesToHost() {
+  if (!candidates_on_device_) return Status::Ok();
+  candidates_on_device_ = false;
+  FLASHD_RETURN_IF_ERROR(ToHost(candidates_mask_));
+  const char* mask = reinterpret_cast<const char*>(candidates_mask_.data());
+  for (size_t t = 0; t < candidates_.size(); ++t) {
+    const int64_t visible = (plan_.positions[t] + 1) / candidates_ratio_;
+    const char* row = mask + static_cast<int64_t>(t) * candidates_stride_;
+    candidates_[t].assign(row, row + std::min(visible, candidates_stride_));
   }
   return Status::Ok();
 }

@@ -1097,7 +1097,7 @@ class GpuBackend final : public Backend {
     if (p.order == k::TopKOrder::kReference) {
       const int64_t blocks = p.block > 0 ? (p.stride + p.block - 1) / p.block : 0;
       return OnHost({{p.scores, p.tokens * p.stride}, {p.block_scores, p.tokens * blocks}},
-                    {{p.block_scores, p.tokens * blocks}},
+                    {{p.block_scores, p.tokens * blocks}, {p.mask, p.tokens * p.stride}},
                     [&] { return k::cpu::CandidateFilter(p); });
     }
     return Run([&](Call& c) {
@@ -1372,17 +1372,12 @@ class GpuBackend final : public Backend {
     return OpStatus::kDeviceError;
   }
 
-  // An operand of an op the CPU runs for this backend: `n` values of 4 or 8 bytes at `p`, held
-  // as the floats they span.
+  // An operand of an op the CPU runs for this backend: `n` values at `p`.
   struct HostRange {
     template <class T>
-    HostRange(const T* p, int64_t n)
-        : host(reinterpret_cast<const float*>(p)),
-          count(n * static_cast<int64_t>(sizeof(T) / sizeof(float))) {
-      static_assert(sizeof(T) % sizeof(float) == 0);
-    }
-    const float* host;
-    int64_t count;
+    HostRange(const T* p, int64_t n) : host(p), bytes(Count(n) * sizeof(T)) {}
+    const void* host;
+    size_t bytes;
   };
   // An op that runs on the host (the Engram gather; the reference's top-k order): kept buffers
   // among its inputs are brought to the host first, and those among its outputs get the bytes
@@ -1393,18 +1388,16 @@ class GpuBackend final : public Backend {
     std::lock_guard<std::mutex> lock(mu_);
     if (const OpStatus s = Checked(g::SetDevice(device_)); s != OpStatus::kOk) return s;
     for (const HostRange& r : in) {
-      if (r.host == nullptr || r.count <= 0) continue;
-      if (const OpStatus s = Checked(memory_.kept.ToHost(r.host, Count(r.count) * 4));
-          s != OpStatus::kOk) {
+      if (r.host == nullptr || r.bytes == 0) continue;
+      if (const OpStatus s = Checked(memory_.kept.ToHost(r.host, r.bytes)); s != OpStatus::kOk) {
         return s;
       }
     }
     const OpStatus s = op();
     if (s != OpStatus::kOk) return s;
     for (const HostRange& r : out) {
-      if (r.host == nullptr || r.count <= 0) continue;
-      if (const OpStatus w = Checked(memory_.kept.HostWrote(r.host, Count(r.count) * 4));
-          w != OpStatus::kOk) {
+      if (r.host == nullptr || r.bytes == 0) continue;
+      if (const OpStatus w = Checked(memory_.kept.HostWrote(r.host, r.bytes)); w != OpStatus::kOk) {
         return w;
       }
     }
