@@ -90,24 +90,18 @@ struct Weight {
   const float* dense = nullptr;
   int64_t in = 0, out = 0;
   uint64_t bytes() const {
-    switch (format) {
-      case k::WeightFormat::kFp8:
-        return uint64_t(out * in) + uint64_t((out + 31) / 32 * (in / 32));
-      case k::WeightFormat::kFp4:
-        return uint64_t(out * in / 2) + uint64_t(out * (in / 32));
-      default:
-        return uint64_t(out * in) * 4;
-    }
+    if (format == k::WeightFormat::kDense) return uint64_t(out * in) * 4;
+    const k::StoredBytes stored = k::QuantizedWeightBytes(format, out, in);
+    return uint64_t(stored.codes + stored.scales);
   }
 };
 
-Weight Fp8(int64_t out, int64_t in) {
-  return {
-      k::WeightFormat::kFp8, Codes(out * in), Codes((out + 31) / 32 * (in / 32)), nullptr, in, out};
+Weight Quantized(k::WeightFormat format, int64_t out, int64_t in) {
+  const k::StoredBytes stored = k::QuantizedWeightBytes(format, out, in);
+  return {format, Codes(stored.codes), Codes(stored.scales), nullptr, in, out};
 }
-Weight Fp4(int64_t out, int64_t in) {
-  return {k::WeightFormat::kFp4, Codes(out * in / 2), Codes(out * (in / 32)), nullptr, in, out};
-}
+Weight Fp8(int64_t out, int64_t in) { return Quantized(k::WeightFormat::kFp8, out, in); }
+Weight Fp4(int64_t out, int64_t in) { return Quantized(k::WeightFormat::kFp4, out, in); }
 Weight Dense(int64_t out, int64_t in) {
   return {k::WeightFormat::kDense, nullptr, nullptr, Floats(out * in, 0.05f), in, out};
 }

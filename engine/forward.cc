@@ -107,6 +107,19 @@ std::optional<ExpertTables> TablesOf(const std::vector<Expert>& experts, Linear 
   return t;
 }
 
+// All three of the routed experts' linear layers as tables.
+struct GroupedWeights {
+  ExpertTables w1, w3, w2;
+};
+
+std::optional<GroupedWeights> GroupedOf(const std::vector<Expert>& experts) {
+  std::optional<ExpertTables> w1 = TablesOf(experts, &Expert::w1);
+  std::optional<ExpertTables> w3 = TablesOf(experts, &Expert::w3);
+  std::optional<ExpertTables> w2 = TablesOf(experts, &Expert::w2);
+  if (!w1 || !w3 || !w2) return std::nullopt;
+  return GroupedWeights{std::move(*w1), std::move(*w3), std::move(*w2)};
+}
+
 struct Layer {
   std::vector<float> attn_norm, ffn_norm;
   std::vector<float> hc_attn_fn, hc_attn_base, hc_attn_scale;
@@ -125,8 +138,8 @@ struct Layer {
   std::vector<float> gate_w, gate_bias;
   int64_t top_k = 0;  // Routed experts per token.
   std::vector<Expert> experts;
-  // The experts' w1, w3 and w2 for ExpertLinear (all three, or the per-expert loop runs).
-  std::optional<ExpertTables> grouped_w1, grouped_w3, grouped_w2;
+  // The experts' w1, w3 and w2 for ExpertLinear (empty: the per-expert loop runs).
+  std::optional<GroupedWeights> grouped;
   Expert shared;
   // Engram.
   const uint8_t* engram_rows = nullptr;
@@ -277,14 +290,7 @@ Status CpuForward::Impl::LoadBlock(const std::string& p, const LayerPlan& plan, 
     const std::string x = p + "ffn.experts." + std::to_string(e) + ".";
     L.experts.push_back({Lin(x + "w1"), Lin(x + "w2"), Lin(x + "w3")});
   }
-  L.grouped_w1 = TablesOf(L.experts, &Expert::w1);
-  L.grouped_w3 = TablesOf(L.experts, &Expert::w3);
-  L.grouped_w2 = TablesOf(L.experts, &Expert::w2);
-  if (!L.grouped_w1 || !L.grouped_w3 || !L.grouped_w2) {
-    L.grouped_w1.reset();
-    L.grouped_w3.reset();
-    L.grouped_w2.reset();
-  }
+  L.grouped = GroupedOf(L.experts);
   L.shared = {Lin(p + "ffn.shared_experts.w1"), Lin(p + "ffn.shared_experts.w2"),
               Lin(p + "ffn.shared_experts.w3")};
   if (plan.engram_index >= 0) {
@@ -462,7 +468,8 @@ class Step {
   const ForwardOptions& options_;
   ForwardPlan plan_;
   kernels::CpuStream stream_;
-  std::vector<uint8_t> xq_, xs_;  // The linear layers' quantized inputs.
+  std::vector<uint8_t> xq_, xs_;      // The linear layers' quantized inputs.
+  void QuantScratch(int64_t values);  // xq_ and xs_ for at least `values` inputs.
   std::vector<float> X_, next_, x_, sub_, mixes_, pre_mix_, pre_a_, pre_f_, post_, comb_;
   std::vector<std::vector<int64_t>> selection_;  // Per row: compressed entries, ascending.
   std::vector<std::vector<char>> candidates_;    // Per row: the candidate filter's choice.
@@ -604,12 +611,15 @@ Status Step::Use(const Backend* b) {
   return Status::Ok();
 }
 
+void Step::QuantScratch(int64_t values) {
+  const size_t need = static_cast<size_t>(values);
+  if (xq_.size() >= need) return;
+  xq_.resize(need);
+  xs_.resize(need / 32);
+}
+
 Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y) {
-  const size_t need = static_cast<size_t>(rows * lin.in);
-  if (lin.format != kernels::WeightFormat::kDense && xq_.size() < need) {
-    xq_.resize(need);
-    xs_.resize(need / 32);
-  }
+  if (lin.format != kernels::WeightFormat::kDense) QuantScratch(rows * lin.in);
   FLASHD_OP(Linear, {.x = x,
                      .rows = rows,
                      .in = lin.in,
@@ -1438,21 +1448,22 @@ Status Step::Index(int l, const float* qr, const float* weights) {
   for (int64_t t0 = 0; t0 < count; t0 += chunk) {
     const int64_t rows = std::min(chunk, count - t0);
     const uint8_t* use_mask = nullptr;
-    // The filter's mask where it was made, when these are its rows and columns.
-    const bool mask_in_place = candidates_on_device_ && rows == count &&
-                               stride == candidates_stride_ && ratio == candidates_ratio_;
-    if (lp.uses_candidates && !lp.is_candidate_source && mask_in_place) {
-      use_mask = reinterpret_cast<const uint8_t*>(candidates_mask_.data());
-    } else if (lp.uses_candidates && !lp.is_candidate_source) {
-      FLASHD_RETURN_IF_ERROR(CandidatesToHost());
-      mask.assign(static_cast<size_t>(rows * stride), 0);
-      for (int64_t t = 0; t < rows; ++t) {
-        const std::vector<char>& keep = candidates_[t0 + t];
-        for (int64_t j = 0; j < std::min<int64_t>(stride, keep.size()); ++j) {
-          mask[t * stride + j] = keep[j] != 0;
+    if (lp.uses_candidates && !lp.is_candidate_source) {
+      // The filter's mask where it was made, when these are its rows and columns.
+      if (candidates_on_device_ && rows == count && stride == candidates_stride_ &&
+          ratio == candidates_ratio_) {
+        use_mask = reinterpret_cast<const uint8_t*>(candidates_mask_.data());
+      } else {
+        FLASHD_RETURN_IF_ERROR(CandidatesToHost());
+        mask.assign(static_cast<size_t>(rows * stride), 0);
+        for (int64_t t = 0; t < rows; ++t) {
+          const std::vector<char>& keep = candidates_[t0 + t];
+          for (int64_t j = 0; j < std::min<int64_t>(stride, keep.size()); ++j) {
+            mask[t * stride + j] = keep[j] != 0;
+          }
         }
+        use_mask = mask.data();
       }
-      use_mask = mask.data();
     }
     // One call per sequence (its block table) over its rows in this chunk.
     for (int64_t a = t0; a < t0 + rows;) {
@@ -1603,7 +1614,7 @@ Status Step::Moe(int l) {
   // The routed experts may run elsewhere than the layer (Placement::routed_experts).
   const Backend* layer_backend = b_;
   if (m_.routed_experts >= 0) FLASHD_RETURN_IF_ERROR(Use(m_.backends[m_.routed_experts].get()));
-  if (L.grouped_w1) {
+  if (L.grouped) {
     FLASHD_RETURN_IF_ERROR(GroupedExperts(L, chosen, weights, y));
   } else {
     // Tokens by expert, in token order, on the host.
@@ -1653,7 +1664,8 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                             const std::vector<float>& weights, std::vector<float>& y) {
   const int64_t rows = static_cast<int64_t>(n()), dim = c_.hidden_size, K = L.top_k;
   const int64_t E = static_cast<int64_t>(L.experts.size()), total = rows * K;
-  const int64_t slots = std::min(E, total), inter = L.grouped_w1->out;
+  const GroupedWeights& gw = *L.grouped;
+  const int64_t slots = std::min(E, total), inter = gw.w1.out;
   // The step's buffers for this, kept from layer to layer: the same sizes every layer, so after
   // the first no memory is allocated (or faulted in) again.
   GroupedRows& r = grouped_;
@@ -1689,11 +1701,7 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                        .dst_stride = dim,
                        .src_rows = rows});
   auto linear = [&](const ExpertTables& t, const float* x, float* out) {
-    const size_t need = static_cast<size_t>(total * t.in);
-    if (xq_.size() < need) {
-      xq_.resize(need);
-      xs_.resize(need / 32);
-    }
+    QuantScratch(total * t.in);
     FLASHD_OP(ExpertLinear, {.x = x,
                              .rows = total,
                              .in = t.in,
@@ -1712,8 +1720,8 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                              .stream = &stream_});
     return Status::Ok();
   };
-  FLASHD_RETURN_IF_ERROR(linear(*L.grouped_w1, xg.data(), g.data()));
-  FLASHD_RETURN_IF_ERROR(linear(*L.grouped_w3, xg.data(), u.data()));
+  FLASHD_RETURN_IF_ERROR(linear(gw.w1, xg.data(), g.data()));
+  FLASHD_RETURN_IF_ERROR(linear(gw.w3, xg.data(), u.data()));
   FLASHD_OP(Swiglu, {.gate = g.data(),
                      .up = u.data(),
                      .rows = total,
@@ -1721,7 +1729,7 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                      .row_weights = row_weights.data(),
                      .limit = static_cast<float>(c_.swiglu_limit),
                      .h = h.data()});
-  FLASHD_RETURN_IF_ERROR(linear(*L.grouped_w2, h.data(), og.data()));
+  FLASHD_RETURN_IF_ERROR(linear(gw.w2, h.data(), og.data()));
   FLASHD_OP(RoundBf16, {.x = og.data(), .n = total * dim});
   FLASHD_OP(MoeCombine, {.expert_out = og.data(),
                          .rows = token_of.data(),
@@ -2011,18 +2019,12 @@ struct WeightRef {
 };
 
 void AddLinear(const Backend* b, const Linear& lin, std::vector<WeightRef>* out) {
-  const size_t out_rows = static_cast<size_t>(lin.out), in = static_cast<size_t>(lin.in);
-  switch (lin.format) {
-    case kernels::WeightFormat::kFp8:
-      out->push_back({b, lin.w, out_rows * in, false});
-      out->push_back({b, lin.s, (out_rows + 31) / 32 * (in / 32), false});
-      break;
-    case kernels::WeightFormat::kFp4:
-      out->push_back({b, lin.w, out_rows * in / 2, false});
-      out->push_back({b, lin.s, out_rows * (in / 32), false});
-      break;
-    default:
-      if (!lin.dense.empty()) out->push_back({b, lin.dense.data(), lin.dense.size() * 4, true});
+  if (lin.format == kernels::WeightFormat::kFp8 || lin.format == kernels::WeightFormat::kFp4) {
+    const kernels::StoredBytes stored = kernels::QuantizedWeightBytes(lin.format, lin.out, lin.in);
+    out->push_back({b, lin.w, static_cast<size_t>(stored.codes), false});
+    out->push_back({b, lin.s, static_cast<size_t>(stored.scales), false});
+  } else if (!lin.dense.empty()) {
+    out->push_back({b, lin.dense.data(), lin.dense.size() * 4, true});
   }
 }
 

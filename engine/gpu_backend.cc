@@ -14,8 +14,9 @@
 // the attention read their keys and KV in place. The forward pass's activations stay on the
 // device between ops too (Backend::Keep, KeptBuffers below): ops read and write the device
 // copies of the buffers the step keeps, and the host copy catches up only where the forward
-// pass reads it (the window rows a step commits, the experts each token chose, the indexer's
-// picks, the logits). An op whose outputs all stay on the device is not waited for. The
+// pass reads it (the indexer's picks, the logits, and at the step's end the rows it commits);
+// buffers that start as zeros are cleared there rather than copied. An op whose outputs all
+// stay on the device is not waited for. The
 // sequences' window rings stay on the device from step to step (RingCache below): a decode step
 // copies the ring slots the step before wrote, named by their versions. Everything else an op
 // touches (buffers nobody kept, a ring without versions) is copied to device workspace for the
@@ -314,9 +315,11 @@ class KeptBuffers {
     return &b;
   }
 
-  // Makes the device copy hold the host's bytes (all of them): copied, or cleared when they
-  // are zeros.
-  std::string Upload(Buffer* b) {
+  // Makes the device copy current before an op uses it: the host's bytes (all of them) when
+  // those are the newer ones, copied, or cleared when they are zeros; nothing otherwise (a
+  // fresh buffer's bytes are not: no op reads what ops have not written).
+  std::string MakeCurrent(Buffer* b) {
+    if (b->where != Where::kHost && b->where != Where::kZeros) return "";
     std::string e = b->where == Where::kZeros ? traffic->Zero(b->device, b->bytes)
                                               : traffic->Up(b->device, b->host, b->bytes);
     if (e.empty()) b->where = Where::kBoth;
@@ -804,13 +807,8 @@ class Call {
     const size_t bytes = Count(count) * sizeof(T);
     bool straddles = false;
     if (KeptBuffers::Buffer* k = memory_->kept.Find(host, bytes, &straddles)) {
-      // A kept buffer is read and written in place: its device copy gets the host's bytes
-      // first when those are the newer ones (a fresh buffer's are not: no op reads what ops
-      // have not written).
-      if ((k->where == KeptBuffers::Where::kHost || k->where == KeptBuffers::Where::kZeros) &&
-          !Check(memory_->kept.Upload(k))) {
-        return nullptr;
-      }
+      // A kept buffer is read and written in place, its device copy made current first.
+      if (!Check(memory_->kept.MakeCurrent(k))) return nullptr;
       if (write) kept_written_.push_back(k);
       const size_t at = reinterpret_cast<const uint8_t*>(host) - k->host;
       return reinterpret_cast<T*>(k->device + at);
@@ -895,12 +893,10 @@ class GpuBackend final : public Backend {
       d.x = c.In(p.x, p.rows * p.in);
       d.w = d.w_scales = nullptr;
       d.dense = nullptr;
-      if (p.format == k::WeightFormat::kFp8) {
-        d.w = c.Weight(p.w, p.out * p.in);
-        d.w_scales = c.Weight(p.w_scales, (p.out + 31) / 32 * (p.in / 32));
-      } else if (p.format == k::WeightFormat::kFp4) {
-        d.w = c.Weight(p.w, p.out * p.in / 2);
-        d.w_scales = c.Weight(p.w_scales, p.out * (p.in / 32));
+      if (p.format == k::WeightFormat::kFp8 || p.format == k::WeightFormat::kFp4) {
+        const k::StoredBytes stored = k::QuantizedWeightBytes(p.format, p.out, p.in);
+        d.w = c.Weight(p.w, stored.codes);
+        d.w_scales = c.Weight(p.w_scales, stored.scales);
       } else if (p.format == k::WeightFormat::kDense) {
         bool bf16 = false;
         const void* w = c.DenseWeight(p.dense, p.out * p.in, &bf16);
@@ -1224,9 +1220,7 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus ExpertLinear(const k::ExpertLinearParams& p) const override {
-    const bool fp8 = p.format == k::WeightFormat::kFp8;
-    const int64_t w_bytes = fp8 ? p.out * p.in : p.out * p.in / 2;
-    const int64_t s_bytes = (fp8 ? (p.out + 31) / 32 : p.out) * (p.in / 32);
+    const k::StoredBytes stored = k::QuantizedWeightBytes(p.format, p.out, p.in);
     return Run([&](Call& c) {
       k::ExpertLinearParams d = p;
       d.stream = nullptr;
@@ -1234,8 +1228,8 @@ class GpuBackend final : public Backend {
       d.slot_expert = c.In(p.slot_expert, p.slots);
       d.slot_offset = c.In(p.slot_offset, p.slots + 1);
       d.slot_tiles = c.In(p.slot_tiles, p.slots + 1);
-      d.w = c.WeightTable(p.w, p.experts, w_bytes);
-      d.w_scales = c.WeightTable(p.w_scales, p.experts, s_bytes);
+      d.w = c.WeightTable(p.w, p.experts, stored.codes);
+      d.w_scales = c.WeightTable(p.w_scales, p.experts, stored.scales);
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
       d.y = c.Out(p.y, p.rows * p.out);

@@ -70,6 +70,17 @@ struct PagedRows {
 // never widened): both give the same results, bit for bit.
 enum class WeightFormat { kFp8, kFp4, kDense, kBf16 };
 
+// The stored bytes of an FP8 or FP4 weight [out, in]: its codes and its UE8M0 scales (FP8: one
+// per 32x32 tile; FP4: one per 32 inputs). Zero for the other formats.
+struct StoredBytes {
+  int64_t codes = 0, scales = 0;
+};
+inline StoredBytes QuantizedWeightBytes(WeightFormat format, int64_t out, int64_t in) {
+  if (format == WeightFormat::kFp8) return {out * in, (out + 31) / 32 * (in / 32)};
+  if (format == WeightFormat::kFp4) return {out * in / 2, out * (in / 32)};
+  return {};
+}
+
 // y[rows, out] = x[rows, in] . W^T in fp32 (not rounded). For FP8 and FP4 weights the input is
 // first quantized to FP8 with a UE8M0 scale per 32 (as the model's linear() does), into
 // x_codes/x_scales ([rows, in] and [rows, in / 32], caller-owned workspace).
