@@ -525,7 +525,8 @@ class Layer {
                                .w_scales = tables_[which][1],
                                .x_codes = xq_grouped_,
                                .x_scales = xs_grouped_,
-                               .y = y}),
+                               .y = y,
+                               .slot_rows = rows}),
               "ExpertLinear");
     };
     linear(0, xg_, gg_);
@@ -558,11 +559,12 @@ class Layer {
 };
 
 // The free-order GEMM's best time over splits 1, 2, 4, ... max_split (each thread block keeping
-// at least one K-block per thread): seconds, and the split that gave it in `*split`.
+// at least one chunk of the tile's K-blocks, 16): seconds, and the split that gave it in
+// `*split`.
 double FreeOrderBest(Layer& layer, const Weight& w, int64_t rows, int reps, int* split,
                      int max_split = 32) {
   double best = 1e30;
-  for (int s = 1; s <= max_split && (s == 1 || w.in / 32 / s >= 64); s *= 2) {
+  for (int s = 1; s <= max_split && (s == 1 || w.in / 32 / s >= 16); s *= 2) {
     const double t = layer.TimeLinear(w, rows, reps, s);
     if (t < best) best = t, *split = s;
   }
@@ -639,8 +641,8 @@ int main(int argc, char** argv) {
   // What the fixed order costs: the shipped GEMMs (the CPU's order, the same whatever the batch)
   // against the free-order schedule at its best split for each shape, which no backend uses.
   std::printf(
-      "\nfixed order vs free order (tree sums, K split over thread blocks by atomic adds, the best "
-      "of splits 1-32)\n");
+      "\nfixed order vs free order (the same tiles, K split over thread blocks whose sums land by "
+      "atomic adds, the best of splits 1-32)\n");
   std::printf("%-22s %5s %6s %6s %12s %12s %6s %10s\n", "GEMM", "M", "N", "K", "fixed us",
               "free us", "split", "fixed/free");
   struct Decode {

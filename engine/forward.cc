@@ -1717,7 +1717,8 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                              .x_codes = xq_.data(),
                              .x_scales = xs_.data(),
                              .y = out,
-                             .stream = &stream_});
+                             .stream = &stream_,
+                             .slot_rows = rows});  // A token chooses an expert once.
     return Status::Ok();
   };
   FLASHD_RETURN_IF_ERROR(linear(gw.w1, xg.data(), g.data()));

@@ -441,6 +441,9 @@ struct ExpertLinearParams {
   uint8_t* x_scales = nullptr;               // Workspace [rows, in / 32]
   float* y = nullptr;                        // [rows, out]
   void* stream = nullptr;
+  // Optional: no slot has more rows than this (0: unknown). One token's step has one row a slot;
+  // a GPU backend then takes tiles of one row.
+  int64_t slot_rows = 0;
 };
 
 // out = BF16(a + b), element-wise (out may alias a or b).

@@ -29,87 +29,251 @@ __global__ void QuantizeKernel(const float* x, int64_t blocks, uint8_t* q, uint8
   }
 }
 
-// format 0: FP8 weights [N, K] with scales [ceil(N/32), K/32]; 1: FP4 [N, K/2], scales [N, K/32].
-// K-block b of weight row n decoded into wv[0..kBlock); returns the block's scale.
-__device__ inline float WeightBlock(const uint8_t* w, const uint8_t* ws, int64_t n, int64_t K,
-                                    int64_t b, int format, float* wv) {
-  for (int64_t k = 0; k < kBlock; ++k) {
-    const int64_t col = b * kBlock + k;
-    if (format == 0) {
-      wv[k] = c::E4M3ToFloat(w[n * K + col]);
-    } else {
-      const uint8_t byte = w[n * (K / 2) + col / 2];
-      wv[k] = c::E2M1ToFloat((col % 2 == 0) ? (byte & 0xF) : (byte >> 4));
-    }
-  }
-  const int64_t blocks = K / kBlock;
-  return c::E8M0ToFloat(format == 0 ? ws[(n / kBlock) * blocks + b] : ws[n * blocks + b]);
-}
-
-// One thread block per output column n and group of up to kGemmRows rows: thread t takes the
-// K-blocks t, t + kGemmThreads, ... (neighbouring threads read neighbouring bytes of the weight
-// row, which the group's rows share), computes each block's ((p0 + p1) + (p2 + p3)) times the
-// weight scale for every row, and thread 0 adds those in block order. The sums are the CPU's;
-// no warp size is assumed.
-constexpr unsigned kGemmThreads = 64;
+// The quantized GEMM's tile: kTileCols output columns of up to kGemmRows rows, by a thread block
+// of kTileThreads, over the K-blocks [b_lo, b_hi) in chunks of kChunkBlocks. Per chunk:
+//  1. the rows' activations of the chunk decoded once into shared memory (code times scale);
+//  2. each (column, K-block) pair of the chunk taken by a thread, which reads the block's weights
+//     with 16-byte loads (a warp's threads on neighbouring blocks of a weight row), decodes them
+//     once for all rows and writes, for every row, the block's ((p0 + p1) + (p2 + p3)) times the
+//     weight scale (lane p[k % 4] summing the products of values k);
+//  3. a thread per (row, column) adds the chunk's block sums to its running sum in block order.
+// So the sums are the CPU's, whatever the batch, and the weights are read once per tile, every
+// load in flight before the first use. The products of the codes' values (at most 4 x 4
+// significant bits) and of the powers of two are exact, so a fused multiply-add rounds as the
+// CPU's multiply and add do. No warp size is assumed.
 constexpr int64_t kGemmRows = 8;
+constexpr int64_t kTileCols = 32;
+constexpr unsigned kTileThreads = 128;
+constexpr int64_t kChunkBlocks = 16;
+constexpr int kPairsPerThread = static_cast<int>(kTileCols * kChunkBlocks / kTileThreads);
+// A block's decoded activations padded by a 16-byte vector: the 16-byte reads of a quarter warp
+// (eight neighbouring K-blocks) fall in different banks.
+constexpr int64_t kXStride = kBlock + 4;
+constexpr int64_t kPartStride = kChunkBlocks + 1;  // Odd: a warp's chains read different banks.
 
 static_assert(kGemmRows == kExpertTileRows, "an expert slot's tiles are the GEMM's row groups");
+static_assert(kPairsPerThread * kTileThreads == kTileCols * kChunkBlocks, "whole pairs a thread");
 
-// Output column n of rows [m0, m0 + rows) (rows <= kGemmRows), by the whole thread block.
+// The weights' values are used scaled by a power of two, which saves the multiply that moves a
+// code's exponent bias: an FP8 code's sign and magnitude moved to a float's sign and the low end
+// of its exponent field read as the value times 2^-120 (an FP4 code's, times 2^-126), and the
+// activations are staged times 2^kXShift to make up for part of that. Every product and partial
+// sum is then the CPU's times 2^(kXShift - 120) (FP8) or 2^(kXShift - 126) (FP4), exactly:
+// scaling by a power of two rounds the same while values stay normal, and the smallest product
+// (a subnormal FP8 weight 2^-9 times an activation of at least 2^-9 x 2^-21, the quantizer's
+// smallest scale) scaled is 2^-119, with every sum a multiple of it. The block's sum is brought
+// back by 2^kUnscale before the weight scale, so the results equal the CPU's while activations
+// stay below 2^87.
+constexpr float kXShift = 0x1p40f;
+
+template <int kFormat>
+constexpr float kUnscale = kFormat == 0 ? 0x1p80f : 0x1p86f;
+
+// Four FP8 codes (code i in byte i of `word`) as their values times 2^-120: the code shifted to
+// the top, an arithmetic shift puts magnitude and sign where a float has them. With kExact (a
+// block holding a NaN code, magnitude 0x7F), the codes are decoded one by one, NaN as the CPU's.
+template <bool kExact>
+__device__ inline void E4M3x4Scaled(uint32_t word, float* v) {
+  FLASHD_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    if (kExact) {
+      v[i] = c::E4M3ToFloat(static_cast<uint8_t>(word >> (8 * i))) * 0x1p-120f;
+    } else {
+      const int32_t top = static_cast<int32_t>(word << (24 - 8 * i));
+      v[i] = c::FromBits(static_cast<uint32_t>(top >> 4) & 0x87F00000u);
+    }
+  }
+}
+
+// Eight FP4 codes (code i in bits 4i..4i+3 of `word`) as their values times 2^-126.
+__device__ inline void E2M1x8Scaled(uint32_t word, float* v) {
+  FLASHD_UNROLL
+  for (int i = 0; i < 8; ++i) {
+    const int32_t top = static_cast<int32_t>(word << (28 - 4 * i));
+    v[i] = c::FromBits(static_cast<uint32_t>(top >> 6) & 0x81C00000u);
+  }
+}
+
+// Whether a block of FP8 codes holds a NaN code: a magnitude 0x7F plus one sets its byte's top.
+__device__ inline bool HasNanCode(const uint4* raw) {
+  const uint32_t m = 0x7F7F7F7Fu, one = 0x01010101u;
+  const uint32_t any = ((raw[0].x & m) + one) | ((raw[0].y & m) + one) | ((raw[0].z & m) + one) |
+                       ((raw[0].w & m) + one) | ((raw[1].x & m) + one) | ((raw[1].y & m) + one) |
+                       ((raw[1].z & m) + one) | ((raw[1].w & m) + one);
+  return (any & 0x80808080u) != 0;
+}
+
+// format 0: FP8 weights [N, K] with scales [ceil(N/32), K/32]; 1: FP4 [N, K/2], scales [N, K/32].
+// The raw words of K-block b of weight row n (eight for FP8, four for FP4).
+template <int kFormat>
+__device__ inline void LoadWeightBlock(const uint8_t* w, int64_t n, int64_t K, int64_t b,
+                                       uint4* raw) {
+  if (kFormat == 0) {
+    const uint4* at = reinterpret_cast<const uint4*>(w + n * K + b * kBlock);
+    raw[0] = at[0];
+    raw[1] = at[1];
+  } else {
+    raw[0] = *reinterpret_cast<const uint4*>(w + n * (K / 2) + b * (kBlock / 2));
+  }
+}
+
+template <int kFormat>
+__device__ inline float WeightScale(const uint8_t* ws, int64_t n, int64_t K, int64_t b) {
+  const int64_t blocks = K / kBlock;
+  return c::E8M0ToFloat(kFormat == 0 ? ws[(n / kBlock) * blocks + b] : ws[n * blocks + b]);
+}
+
+// p[r][k % 4] += x[r][blk][k] * w[k] for the block's values k in order (both scaled as above),
+// each weight decoded once for all rows (a word of codes at a time: four FP8 values or eight FP4).
+template <int kFormat, int kRows, bool kExact = false>
+__device__ inline void BlockProducts(const uint4* raw,
+                                     const float4 (*x)[kChunkBlocks][kXStride / 4], int64_t blk,
+                                     int64_t rows, float (*p)[4]) {
+  const uint32_t words[8] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w,
+                             raw[1].x, raw[1].y, raw[1].z, raw[1].w};
+  constexpr int kWords = kFormat == 0 ? 8 : 4, kPerWord = kBlock / kWords;
+  FLASHD_UNROLL
+  for (int j = 0; j < kWords; ++j) {
+    float v[kPerWord];
+    if (kFormat == 0) {
+      E4M3x4Scaled<kExact>(words[j], v);
+    } else {
+      E2M1x8Scaled(words[j], v);
+    }
+    FLASHD_UNROLL
+    for (int r = 0; r < kRows; ++r) {
+      if (r >= rows) break;
+      FLASHD_UNROLL
+      for (int h = 0; h < kPerWord / 4; ++h) {
+        const float4 x4 = x[r][blk][j * (kPerWord / 4) + h];
+        p[r][0] = FLASHD_EXACT_FMA(x4.x, v[4 * h], p[r][0]);
+        p[r][1] = FLASHD_EXACT_FMA(x4.y, v[4 * h + 1], p[r][1]);
+        p[r][2] = FLASHD_EXACT_FMA(x4.z, v[4 * h + 2], p[r][2]);
+        p[r][3] = FLASHD_EXACT_FMA(x4.w, v[4 * h + 3], p[r][3]);
+      }
+    }
+  }
+}
+
+// Columns [n0, n0 + kTileCols) of rows [m0, m0 + rows) over K-blocks [b_lo, b_hi), by the whole
+// thread block; `atomic`: the sums added into y (the free-order split), else stored.
+template <int kFormat, int kRows>
 __device__ void GemmTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int64_t rows, int64_t K,
-                         const uint8_t* w, const uint8_t* ws, int64_t N, int64_t n, int format,
-                         float* y) {
-  __shared__ float partial[kGemmRows][kGemmThreads];
+                         const uint8_t* w, const uint8_t* ws, int64_t N, int64_t n0, int64_t b_lo,
+                         int64_t b_hi, bool atomic, float* y) {
+  constexpr int kChains =
+      kRows * kTileCols / kTileThreads > 0 ? kRows * kTileCols / kTileThreads : 1;
+  __shared__ float4 xf[kRows][kChunkBlocks][kXStride / 4];
+  __shared__ float part[kRows][kTileCols][kPartStride];
   const int64_t blocks = K / kBlock;
   const unsigned t = threadIdx.x;
-  float acc[kGemmRows];
-  for (int64_t r = 0; r < kGemmRows; ++r) acc[r] = 0.0f;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kGemmThreads) {
-    const int64_t b = b0 + t;
-    if (b < blocks) {
-      float wv[kBlock];
-      const float w_scale = WeightBlock(w, ws, n, K, b, format, wv);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t m = m0 + r;
-        const float x_scale = c::E8M0ToFloat(xs[m * blocks + b]);
-        float p[4] = {0, 0, 0, 0};
-        for (int64_t k = 0; k < kBlock; ++k) {
-          p[k % 4] += (c::E4M3ToFloat(xq[m * K + b * kBlock + k]) * x_scale) * wv[k];
-        }
-        partial[r][t] = ((p[0] + p[1]) + (p[2] + p[3])) * w_scale;
+  float acc[kChains];
+  FLASHD_UNROLL
+  for (int q = 0; q < kChains; ++q) acc[q] = 0.0f;
+  for (int64_t c0 = b_lo; c0 < b_hi; c0 += kChunkBlocks) {
+    const int64_t nb = b_hi - c0 < kChunkBlocks ? b_hi - c0 : kChunkBlocks;
+    // 1. The activations: a word of four codes a thread at a time.
+    const int64_t words = rows * kChunkBlocks * (kBlock / 4);
+    for (int64_t i = t; i < words; i += kTileThreads) {
+      const int64_t r = i / (kChunkBlocks * (kBlock / 4));
+      const int64_t blk = (i / (kBlock / 4)) % kChunkBlocks, k = (i % (kBlock / 4)) * 4;
+      if (blk >= nb) continue;
+      const int64_t m = m0 + r;
+      const uint32_t code =
+          *reinterpret_cast<const uint32_t*>(xq + m * K + (c0 + blk) * kBlock + k);
+      const float scale = c::E8M0ToFloat(xs[m * blocks + c0 + blk]);
+      float v[4];
+      FLASHD_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        v[i] = (c::E4M3ToFloat(static_cast<uint8_t>(code >> (8 * i))) * scale) * kXShift;
+      }
+      xf[r][blk][k / 4] = float4{v[0], v[1], v[2], v[3]};
+    }
+    // The weights of this thread's pairs, all loads issued before the barrier's wait.
+    uint4 raw[kPairsPerThread][2];
+    float w_scale[kPairsPerThread];
+    FLASHD_UNROLL
+    for (int j = 0; j < kPairsPerThread; ++j) {
+      const int64_t pair = t + static_cast<int64_t>(j) * kTileThreads;
+      const int64_t col = pair / kChunkBlocks, blk = pair % kChunkBlocks;
+      if (blk < nb && n0 + col < N) {
+        LoadWeightBlock<kFormat>(w, n0 + col, K, c0 + blk, raw[j]);
+        w_scale[j] = WeightScale<kFormat>(ws, n0 + col, K, c0 + blk);
       }
     }
     __syncthreads();
-    if (t == 0) {
-      const int64_t here = blocks - b0 < kGemmThreads ? blocks - b0 : kGemmThreads;
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t j = 0; j < here; ++j) acc[r] += partial[r][j];
+    // 2. Each pair's block sums, every row.
+    FLASHD_UNROLL
+    for (int j = 0; j < kPairsPerThread; ++j) {
+      const int64_t pair = t + static_cast<int64_t>(j) * kTileThreads;
+      const int64_t col = pair / kChunkBlocks, blk = pair % kChunkBlocks;
+      if (blk >= nb || n0 + col >= N) continue;
+      float p[kRows][4] = {};
+      if (kFormat == 0 && HasNanCode(raw[j])) {
+        BlockProducts<kFormat, kRows, true>(raw[j], xf, blk, rows, p);
+      } else {
+        BlockProducts<kFormat, kRows>(raw[j], xf, blk, rows, p);
+      }
+      FLASHD_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= rows) break;
+        const float sum = ((p[r][0] + p[r][1]) + (p[r][2] + p[r][3])) * kUnscale<kFormat>;
+        part[r][col][blk] = sum * w_scale[j];
       }
     }
     __syncthreads();
+    // 3. The chains: (row, column) adds its blocks in order. The next chunk's step 1 writes only
+    // xf, which step 2 finished reading before the barrier above; its step 2 writes `part` after
+    // the next barrier, when these reads are done.
+    FLASHD_UNROLL
+    for (int q = 0; q < kChains; ++q) {
+      const int64_t chain = t + static_cast<int64_t>(q) * kTileThreads;
+      const int64_t r = chain / kTileCols, col = chain % kTileCols;
+      if (r >= rows) continue;
+      for (int64_t b = 0; b < nb; ++b) acc[q] += part[r][col][b];
+    }
   }
-  if (t == 0) {
-    for (int64_t r = 0; r < rows; ++r) y[(m0 + r) * N + n] = acc[r];
+  FLASHD_UNROLL
+  for (int q = 0; q < kChains; ++q) {
+    const int64_t chain = t + static_cast<int64_t>(q) * kTileThreads;
+    const int64_t r = chain / kTileCols, col = chain % kTileCols;
+    if (r >= rows || n0 + col >= N) continue;
+    if (atomic) {
+      atomicAdd(&y[(m0 + r) * N + n0 + col], acc[q]);
+    } else {
+      y[(m0 + r) * N + n0 + col] = acc[q];
+    }
   }
 }
 
-__global__ void QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
-                                    const uint8_t* w, const uint8_t* ws, int64_t N, int format,
-                                    float* y) {
-  const int64_t n = blockIdx.x % N, m0 = (blockIdx.x / N) * kGemmRows;
-  const int64_t rows = M - m0 < kGemmRows ? M - m0 : kGemmRows;
-  GemmTile(xq, xs, m0, rows, K, w, ws, N, n, format, y);
+FLASHD_OPS_HD inline int64_t ColumnGroups(int64_t N) { return (N + kTileCols - 1) / kTileCols; }
+
+// Thread blocks a multiprocessor is asked to hold: with one row a tile, enough to keep the
+// weight reads in flight; with more, the registers the rows' sums take.
+template <int kRows>
+constexpr int kMinTiles = kRows == 1 ? 8 : 4;
+
+// Row groups of kRows (1 for one sequence's decode step, else kGemmRows) by kTileCols columns.
+template <int kFormat, int kRows>
+__global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
+    QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
+                        const uint8_t* w, const uint8_t* ws, int64_t N, float* y) {
+  const int64_t n0 = (blockIdx.x % ColumnGroups(N)) * kTileCols;
+  const int64_t m0 = (blockIdx.x / ColumnGroups(N)) * kRows;
+  const int64_t rows = M - m0 < kRows ? M - m0 : kRows;
+  GemmTile<kFormat, kRows>(xq, xs, m0, rows, K, w, ws, N, n0, 0, K / kBlock, false, y);
 }
 
-// The experts' GEMMs over grouped rows: thread block (tile g, column n), g the slots' row groups
-// counted through (slot_tiles); the tiles past the last slot's have nothing to do. A tile's slot
-// is found by a binary search of slot_tiles.
-__global__ void ExpertGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t K,
-                                 const int64_t* slot_expert, const int64_t* slot_offset,
-                                 const int64_t* slot_tiles, int64_t slots, const uint8_t* const* w,
-                                 const uint8_t* const* ws, int64_t N, int format, float* y) {
-  const int64_t n = blockIdx.x % N, g = blockIdx.x / N;
+// The experts' GEMMs over grouped rows: thread block (tile g, column group), g the slots' row
+// groups of kGemmRows counted through (slot_tiles), each in tiles of kRows rows (1 when no slot
+// has more: each token chooses an expert once, so one token's step); the tiles past the last
+// slot's have nothing to do. A tile's slot is found by a binary search of slot_tiles.
+template <int kFormat, int kRows>
+__global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
+    ExpertGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
+                     const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
+                     const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
+  const int64_t n0 = (blockIdx.x % ColumnGroups(N)) * kTileCols, g = blockIdx.x / ColumnGroups(N);
   if (g >= slot_tiles[slots]) return;
   int64_t lo = 0, hi = slots;  // slot_tiles[lo] <= g < slot_tiles[hi]
   while (hi - lo > 1) {
@@ -122,56 +286,48 @@ __global__ void ExpertGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t K
   }
   const int64_t m0 = slot_offset[lo] + (g - slot_tiles[lo]) * kGemmRows;
   const int64_t left = slot_offset[lo + 1] - m0;
+  const int64_t rows = left < kGemmRows ? left : kGemmRows;
   const int64_t e = slot_expert[lo];
-  GemmTile(xq, xs, m0, left < kGemmRows ? left : kGemmRows, K, w[e], ws[e], N, n, format, y);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    GemmTile<kFormat, kRows>(xq, xs, m0 + r0, rows - r0 < kRows ? rows - r0 : kRows, K, w[e], ws[e],
+                             N, n0, 0, K / kBlock, false, y);
+  }
 }
 
-// The free-order schedule (LinearFreeOrder), for measuring what the fixed order costs: thread t
-// keeps one running sum per row over its K-blocks, the block's threads meet in a tree, and with
-// `split` > 1 the K-blocks are shared by `split` thread blocks per output tile, whose sums land
-// by atomic adds into a zeroed output. Sums in no order the CPU has, and with atomics in the
-// order the blocks finish.
-__global__ void FreeOrderGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
-                                    const uint8_t* w, const uint8_t* ws, int64_t N, int format,
-                                    int split, float* y) {
-  __shared__ float partial[kGemmRows][kGemmThreads];
+// The free-order schedule (LinearFreeOrder), for measuring what the fixed order costs: the same
+// tiles, their K-blocks shared by `split` thread blocks per tile, whose sums land by atomic adds
+// into a zeroed output in the order the blocks finish (split 1: stored, the fixed order's sums).
+template <int kFormat, int kRows>
+__global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
+    FreeOrderGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
+                        const uint8_t* w, const uint8_t* ws, int64_t N, int split, float* y) {
   const int64_t tile = blockIdx.x / split, part = blockIdx.x % split;
-  const int64_t n = tile % N, m0 = (tile / N) * kGemmRows;
-  const int64_t rows = M - m0 < kGemmRows ? M - m0 : kGemmRows;
+  const int64_t n0 = (tile % ColumnGroups(N)) * kTileCols;
+  const int64_t m0 = (tile / ColumnGroups(N)) * kRows;
+  const int64_t rows = M - m0 < kRows ? M - m0 : kRows;
   const int64_t blocks = K / kBlock;
   const int64_t lo = blocks * part / split, hi = blocks * (part + 1) / split;
-  const unsigned t = threadIdx.x;
-  float acc[kGemmRows];
-  for (int64_t r = 0; r < kGemmRows; ++r) acc[r] = 0.0f;
-  for (int64_t b = lo + t; b < hi; b += kGemmThreads) {
-    float wv[kBlock];
-    const float w_scale = WeightBlock(w, ws, n, K, b, format, wv);
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t m = m0 + r;
-      float dot = 0.0f;
-      const uint8_t* xb = xq + m * K + b * kBlock;
-      for (int64_t k = 0; k < kBlock; ++k) dot += c::E4M3ToFloat(xb[k]) * wv[k];
-      acc[r] += dot * (c::E8M0ToFloat(xs[m * blocks + b]) * w_scale);
-    }
-  }
-  for (int64_t r = 0; r < rows; ++r) partial[r][t] = acc[r];
-  __syncthreads();
-  for (unsigned half = kGemmThreads / 2; half > 0; half /= 2) {
-    if (t < half) {
-      for (int64_t r = 0; r < rows; ++r) partial[r][t] += partial[r][t + half];
-    }
-    __syncthreads();
-  }
-  if (t == 0) {
-    for (int64_t r = 0; r < rows; ++r) {
-      if (split == 1) {
-        y[(m0 + r) * N + n] = partial[r][0];
-      } else {
-        atomicAdd(&y[(m0 + r) * N + n], partial[r][0]);
-      }
-    }
-  }
+  GemmTile<kFormat, kRows>(xq, xs, m0, rows, K, w, ws, N, n0, lo, hi, split > 1, y);
 }
+
+// The instance for a format (0 FP8, 1 FP4) and a bound of one row a tile or more.
+template <template <int, int> class Kernel>
+auto Pick(int format, bool one_row) {
+  if (format == 0) return one_row ? Kernel<0, 1>::kFn : Kernel<0, kGemmRows>::kFn;
+  return one_row ? Kernel<1, 1>::kFn : Kernel<1, kGemmRows>::kFn;
+}
+template <int kFormat, int kRows>
+struct DenseGemm {
+  static constexpr auto kFn = &QuantizedGemmKernel<kFormat, kRows>;
+};
+template <int kFormat, int kRows>
+struct ExpertGemm {
+  static constexpr auto kFn = &ExpertGemmKernel<kFormat, kRows>;
+};
+template <int kFormat, int kRows>
+struct FreeOrderGemm {
+  static constexpr auto kFn = &FreeOrderGemmKernel<kFormat, kRows>;
+};
 
 __global__ void ZeroKernel(float* y, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -202,6 +358,9 @@ __global__ void DenseGemmKernel(const float* x, int64_t M, int64_t K, const W* w
   y[m * N + n] = (p0 + p1) + (p2 + p3);
 }
 
+// The tile reads weights 16 bytes and activation codes 4 bytes at a time.
+bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
 // FP8 or FP4 weights: the activations quantized, then the fixed-order GEMM (split 0) or the
@@ -211,23 +370,28 @@ OpStatus QuantizedLinear(const LinearParams& p, int split) {
   if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
     return OpStatus::kBadArgument;
   }
+  if (!Aligned(p.w, 16) || !Aligned(p.x_codes, 4)) return OpStatus::kBadArgument;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
-  const int64_t groups = (p.rows + kGemmRows - 1) / kGemmRows;
-  const int64_t grid = groups * p.out * (split > 1 ? split : 1);
+  const bool one_row = p.rows == 1;
+  const int64_t tile_rows = one_row ? 1 : kGemmRows;
+  const int64_t row_groups = (p.rows + tile_rows - 1) / tile_rows;
+  const int64_t grid = row_groups * ColumnGroups(p.out) * (split > 1 ? split : 1);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
   const int64_t blocks = p.rows * p.in / kBlock;
   const int format = p.format == WeightFormat::kFp8 ? 0 : 1;
   FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
                 p.x_scales);
   if (split == 0) {
-    FLASHD_LAUNCH(QuantizedGemmKernel, static_cast<unsigned>(grid), kGemmThreads, 0, stream,
-                  p.x_codes, p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, format, p.y);
+    const auto kernel = Pick<DenseGemm>(format, one_row);
+    FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
+                  p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, p.y);
   } else {
     if (split > 1) {
       FLASHD_LAUNCH(ZeroKernel, Blocks(p.rows * p.out), kThreads, 0, stream, p.y, p.rows * p.out);
     }
-    FLASHD_LAUNCH(FreeOrderGemmKernel, static_cast<unsigned>(grid), kGemmThreads, 0, stream,
-                  p.x_codes, p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, format, split, p.y);
+    const auto kernel = Pick<FreeOrderGemm>(format, one_row);
+    FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
+                  p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, split, p.y);
   }
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
@@ -242,17 +406,19 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
     return OpStatus::kBadArgument;
   }
   if (p.in % kBlock != 0) return OpStatus::kBadShape;
+  if (!Aligned(p.x_codes, 4)) return OpStatus::kBadArgument;  // Weights: aligned as allocated.
   if (p.rows == 0 || p.slots == 0) return OpStatus::kOk;
   // Every slot's rows in whole tiles: at most rows / kGemmRows plus one partial tile per slot.
-  const int64_t grid = ((p.rows + kGemmRows - 1) / kGemmRows + p.slots) * p.out;
+  const int64_t grid = ((p.rows + kGemmRows - 1) / kGemmRows + p.slots) * ColumnGroups(p.out);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   const int64_t blocks = p.rows * p.in / kBlock;
   FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
                 p.x_scales);
-  FLASHD_LAUNCH(ExpertGemmKernel, static_cast<unsigned>(grid), kGemmThreads, 0, stream, p.x_codes,
-                p.x_scales, p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w,
-                p.w_scales, p.out, p.format == WeightFormat::kFp8 ? 0 : 1, p.y);
+  const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
+  FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes, p.x_scales,
+                p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w, p.w_scales, p.out,
+                p.y);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

@@ -83,3 +83,20 @@ using gpuDeviceProp_t = cudaDeviceProp;
 #define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
   kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
 #endif
+
+// a * b + c where the product a * b is exact (it needs no rounding): one fused instruction on a
+// GPU (the builds turn off contraction elsewhere), which then rounds as the CPU's separate
+// multiply and add do; the CPU runtime writes them apart.
+#if defined(FLASHD_HIP_CPU)
+#define FLASHD_EXACT_FMA(a, b, c) ((a) * (b) + (c))
+#else
+#define FLASHD_EXACT_FMA(a, b, c) fmaf((a), (b), (c))
+#endif
+
+// Before a loop of a known trip count: unrolled, so that register arrays it indexes stay in
+// registers (a run-time index puts them in local memory).
+#if defined(FLASHD_HIP_CPU) && defined(__GNUC__) && !defined(__clang__)
+#define FLASHD_UNROLL _Pragma("GCC unroll 32")
+#else
+#define FLASHD_UNROLL _Pragma("unroll")
+#endif

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernels/codecs.h"
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/gpu/device.h"
@@ -197,6 +198,64 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
   }
 }
 
+// Every weight code, NaN codes included, block scales from 2^-27 to 2^20, and activations at
+// both ends of the quantizer's range (below its smallest scale, and near 1e20): the GEMMs decode
+// codes through scaled bit patterns and stage activations scaled, so these check that every
+// value comes out as the CPU's, bit for bit (a NaN where the CPU has one).
+BOOST_AUTO_TEST_CASE(linear_every_code_and_extreme_activations_bit_equal) {
+  std::mt19937 rng(31);
+  const int64_t in = 2048, out = 40;
+  for (WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    for (bool nan_codes : {false, true}) {
+      if (format == WeightFormat::kFp4 && nan_codes) continue;  // E2M1 has no NaN.
+      const int64_t code_bytes = format == WeightFormat::kFp8 ? out * in : out * in / 2;
+      std::vector<uint8_t> wq(code_bytes);
+      for (int64_t i = 0; i < code_bytes; ++i) {
+        uint8_t code = static_cast<uint8_t>(rng());
+        if (format == WeightFormat::kFp8 && (code & 0x7F) == 0x7F) code ^= 1;  // Not NaN.
+        wq[i] = code;
+      }
+      if (nan_codes) {
+        wq[3 * in + 100] = 0x7F;   // Column 3: a NaN.
+        wq[5 * in + 2047] = 0xFF;  // Column 5: -NaN, in its last block.
+      }
+      const int64_t scale_rows = format == WeightFormat::kFp8 ? (out + 31) / 32 : out;
+      std::vector<uint8_t> ws(scale_rows * (in / 32));
+      for (uint8_t& s : ws) s = static_cast<uint8_t>(100 + rng() % 48);  // 2^-27 .. 2^20
+      std::vector<float> x = Normal(rng, 3 * in);
+      for (int64_t k = 0; k < in; ++k) {
+        x[in + k] *= 1e-7f;  // Below the quantizer's smallest scale: subnormal codes.
+        x[2 * in + k] *= 1e20f;
+      }
+      for (int64_t rows : {int64_t{1}, int64_t{3}}) {
+        std::vector<uint8_t> xq(rows * in), xs(rows * in / 32);
+        std::vector<float> want(rows * out);
+        const LinearShape shape{format, rows, in, out};
+        BOOST_REQUIRE(cpu::Linear(shape.Params(x.data(), wq.data(), ws.data(), nullptr, xq.data(),
+                                               xs.data(), want.data())) == OpStatus::kOk);
+        Dev<float> dx(std::vector<float>(x.begin(), x.begin() + rows * in));
+        Dev<float> dy(std::vector<float>(want.size()));
+        Dev<uint8_t> dwq(wq), dws(ws), dxq(xq), dxs(xs);
+        BOOST_REQUIRE(gpu::Linear(shape.Params(dx.get(), dwq.get(), dws.get(), nullptr, dxq.get(),
+                                               dxs.get(), dy.get())) == OpStatus::kOk);
+        const std::vector<float> got = dy.Host();
+        int nans = 0;
+        for (size_t i = 0; i < want.size(); ++i) {
+          if (std::isnan(want[i])) {
+            ++nans;
+            BOOST_TEST(std::isnan(got[i]), "value " << i << ": " << got[i] << ", want NaN");
+          } else {
+            BOOST_TEST(codecs::Bits(got[i]) == codecs::Bits(want[i]),
+                       "format " << static_cast<int>(format) << " rows " << rows << " value " << i
+                                 << ": " << got[i] << " want " << want[i]);
+          }
+        }
+        BOOST_TEST(nans == (nan_codes ? 2 * rows : 0));
+      }
+    }
+  }
+}
+
 // Choices of `k` distinct experts of `experts` per token, some experts chosen by many tokens
 // (more than one GEMM tile's rows), some by none; weights random.
 void RandomChoices(std::mt19937& rng, int64_t tokens, int64_t experts, int64_t k,
@@ -349,6 +408,14 @@ BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
     p.y = dy.get();
     BOOST_REQUIRE(gpu::ExpertLinear(p) == OpStatus::kOk);
     BOOST_TEST(BitEqual(dy.Host(), want), "format " << static_cast<int>(format));
+    // Tiles of one row (what one token's step asks for), here over slots of many rows: each
+    // tile takes its rows one at a time, the same sums.
+    Dev<float> dy1(std::vector<float>(want.size(), -1.0f));
+    p.y = dy1.get();
+    p.slot_rows = 1;
+    BOOST_REQUIRE(gpu::ExpertLinear(p) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dy1.Host(), want),
+               "format " << static_cast<int>(format) << ", one-row tiles");
   }
 }
 
