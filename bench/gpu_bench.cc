@@ -108,7 +108,7 @@ Weight Dense(int64_t out, int64_t in) {
 
 // The shipped GEMM (split 0), or the free-order one split `split` ways over K.
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
-              int split = 0) {
+              void* stream, int split = 0) {
   const k::LinearParams p = {.x = x,
                              .rows = rows,
                              .in = w.in,
@@ -119,7 +119,8 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .dense = w.dense,
                              .x_codes = xq,
                              .x_scales = xs,
-                             .y = y};
+                             .y = y,
+                             .stream = stream};
   CheckOp(split == 0 ? g::Linear(p) : g::LinearFreeOrder(p, split), "Linear");
 }
 
@@ -146,6 +147,7 @@ struct Row {
 class Layer {
  public:
   Layer(const Dims& d, int64_t max_rows) : d_(d) {
+    Check(g::StreamCreate(&stream_), "stream");
     const int64_t mix = (2 + d.hc) * d.hc;
     hc_fn_ = Floats(mix * d.hc * d.hidden, 0.01f);
     hc_scale_ = Floats(3, 1.0f);
@@ -259,11 +261,54 @@ class Layer {
   // One decode step of this layer for `batch` sequences, op by op; with `prefill`, a chunk of
   // max_rows tokens of one sequence instead (batch must be max_rows).
   std::vector<Row> Decode(int64_t batch, int reps, std::mt19937_64& rng, bool prefill = false) {
+    PickExperts(batch, rng);
+    return Ops(batch, prefill, [&](const std::function<void()>& op) { return Time(op, reps); });
+  }
+
+  // The same step's ops recorded as one graph and replayed: seconds per step, best of three
+  // rounds of `reps`, without the host's launch of each kernel between them; "" or why not.
+  std::string DecodeAsGraph(int64_t batch, int reps, std::mt19937_64& rng, bool prefill,
+                            double* seconds) {
+    PickExperts(batch, rng);
+    std::string error = g::CaptureBegin(stream_);
+    if (!error.empty()) return error;
+    Ops(batch, prefill, [](const std::function<void()>& op) {
+      op();
+      return 0.0;
+    });
+    void* graph = nullptr;
+    error = g::CaptureEnd(stream_, &graph);
+    if (!error.empty()) return error;
+    *seconds = Time([&] { Check(g::GraphLaunch(graph, stream_), "graph launch"); }, reps);
+    return g::GraphDestroy(graph);
+  }
+
+ private:
+  // Each token picks topk distinct experts at random, uploaded as the router's choices (what the
+  // routed experts read).
+  void PickExperts(int64_t batch, std::mt19937_64& rng) {
+    tokens_of_.clear();
+    std::vector<int64_t> picks;
+    for (int64_t t = 0; t < batch; ++t) {
+      std::vector<int64_t> picked;
+      while (static_cast<int64_t>(picked.size()) < d_.topk) {
+        const int64_t e = static_cast<int64_t>(rng() % uint64_t(d_.experts));
+        if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
+      }
+      for (int64_t e : picked) ++tokens_of_[e];
+      picks.insert(picks.end(), picked.begin(), picked.end());
+    }
+    Check(g::CopyToDevice(chosen_, picks.data(), picks.size() * 8), "copy");
+  }
+
+  // The step's ops in order, each passed to `time` (which runs it and says how long it took).
+  std::vector<Row> Ops(int64_t batch, bool prefill,
+                       const std::function<double(const std::function<void()>&)>& time) {
     std::vector<Row> rows;
     const Dims& d = d_;
     const int64_t mix = (2 + d.hc) * d.hc;
     auto add = [&](const std::string& name, uint64_t bytes, const std::function<void()>& op) {
-      rows.push_back({name, Time(op, reps), bytes});
+      rows.push_back({name, time(op), bytes});
     };
     const uint64_t act = uint64_t(batch) * 4;
     add("hc mix (x2)", 2 * (uint64_t(mix * d.hc * d.hidden) * 4 + act * d.hc * d.hidden), [&] {
@@ -278,7 +323,8 @@ class Layer {
                                .dim = d.hidden,
                                .norm_weight = norm_,
                                .eps = 1e-6f,
-                               .x = x_}),
+                               .x = x_,
+                               .stream = stream_}),
                 "HcCollapse");
       }
     });
@@ -289,7 +335,8 @@ class Layer {
                           .dim = d.q_lora,
                           .stride = d.q_lora,
                           .weight = norm_,
-                          .eps = 1e-6f}),
+                          .eps = 1e-6f,
+                          .stream = stream_}),
               "RmsNorm");
     });
     add("wq_b (FP8)", wq_b_.bytes(), [&] { Apply(wq_b_, qa_, batch, q_); });
@@ -301,7 +348,8 @@ class Layer {
                        .rope_dim = d.rope,
                        .row_stride = d.heads * d.head_dim,
                        .positions = positions_,
-                       .freqs = freqs_}),
+                       .freqs = freqs_,
+                       .stream = stream_}),
               "Rope");
     });
     add("wkv (FP8)", wkv_.bytes(), [&] { Apply(wkv_, x_, batch, kv_); });
@@ -333,7 +381,8 @@ class Layer {
                              .rows = batch,
                              .hc = d.hc,
                              .dim = d.hidden,
-                             .out = out_X_}),
+                             .out = out_X_,
+                             .stream = stream_}),
                 "HcExpand");
       }
     });
@@ -350,29 +399,17 @@ class Layer {
                            .scores = scores_,
                            .biased = biased_,
                            .chosen = chosen_,
-                           .weights = weights_}),
+                           .weights = weights_,
+                           .stream = stream_}),
               "MoeRoute");
     });
-    // Routed experts: each token picks topk distinct experts at random (its choices uploaded
-    // as the router's); the tokens grouped by expert and every touched expert's rows run as the
-    // engine runs them (Step::GroupedExperts).
-    std::map<int64_t, int64_t> tokens_of;
-    std::vector<int64_t> picks;
-    for (int64_t t = 0; t < batch; ++t) {
-      std::vector<int64_t> picked;
-      while (static_cast<int64_t>(picked.size()) < d.topk) {
-        const int64_t e = static_cast<int64_t>(rng() % uint64_t(d.experts));
-        if (std::find(picked.begin(), picked.end(), e) == picked.end()) picked.push_back(e);
-      }
-      for (int64_t e : picked) ++tokens_of[e];
-      picks.insert(picks.end(), picked.begin(), picked.end());
-    }
-    Check(g::CopyToDevice(chosen_, picks.data(), picks.size() * 8), "copy");
+    // Routed experts: the picked experts' rows grouped and run as the engine runs them
+    // (Step::GroupedExperts).
     uint64_t expert_bytes = 0;
-    for (const auto& [e, m] : tokens_of) {
+    for (const auto& [e, m] : tokens_of_) {
       for (const Weight& w : experts_[e]) expert_bytes += w.bytes();
     }
-    add("routed experts (FP4, " + std::to_string(tokens_of.size()) + " touched)", expert_bytes,
+    add("routed experts (FP4, " + std::to_string(tokens_of_.size()) + " touched)", expert_bytes,
         [&] { RoutedExperts(batch); });
     uint64_t shared_bytes = 0;
     for (const Weight& w : shared_) shared_bytes += w.bytes();
@@ -383,20 +420,24 @@ class Layer {
                              .count = batch * d.topk,
                              .dim = d.hidden,
                              .y = y_,
+                             .stream = stream_,
                              .y_rows = batch}),
               "MoeCombine");
-      CheckOp(g::AddRound({.a = y_, .b = sub_, .n = batch * d.hidden, .out = sub_}), "AddRound");
+      CheckOp(
+          g::AddRound({.a = y_, .b = sub_, .n = batch * d.hidden, .out = sub_, .stream = stream_}),
+          "AddRound");
     });
     return rows;
   }
 
+ public:
   // A linear layer at `rows` tokens: seconds per call (split as LinearOn's).
   double TimeLinear(const Weight& w, int64_t rows, int reps, int split = 0) {
     float* x = Floats(rows * w.in, 1.0f);
     float* y = Alloc<float>(rows * w.out);
     uint8_t* xq = Alloc<uint8_t>(rows * w.in);
     uint8_t* xs = Alloc<uint8_t>(rows * w.in / 32);
-    const double s = Time([&] { LinearOn(w, x, rows, xq, xs, y, split); }, reps);
+    const double s = Time([&] { LinearOn(w, x, rows, xq, xs, y, stream_, split); }, reps);
     for (void* p : {static_cast<void*>(x), static_cast<void*>(y), static_cast<void*>(xq),
                     static_cast<void*>(xs)}) {
       g::DeviceFree(p);
@@ -426,7 +467,8 @@ class Layer {
             .mixes = mixes_,
             .pre = pre_,
             .post = post_,
-            .comb = comb_};
+            .comb = comb_,
+            .stream = stream_};
   }
 
   k::SparseAttentionParams Attention(int64_t s) const {
@@ -449,7 +491,8 @@ class Layer {
             .kv_scales = kv_scales_,
             .sink = sink_,
             .freqs = freqs_,
-            .out = o_ + s * d_.heads * d_.head_dim};
+            .out = o_ + s * d_.heads * d_.head_dim,
+            .stream = stream_};
   }
 
   // Prefill: all max_rows tokens of one sequence in one call.
@@ -464,7 +507,7 @@ class Layer {
   }
 
   void Apply(const Weight& w, const float* x, int64_t rows, float* y) {
-    LinearOn(w, x, rows, xq_, xs_, y);
+    LinearOn(w, x, rows, xq_, xs_, y, stream_);
   }
 
   void Expert(const std::vector<Weight>& e, int64_t rows) {
@@ -481,7 +524,8 @@ class Layer {
                        .inter = d_.inter,
                        .row_weights = w,
                        .limit = 10.0f,
-                       .h = h}),
+                       .h = h,
+                       .stream = stream_}),
             "Swiglu");
   }
 
@@ -498,7 +542,8 @@ class Layer {
                          .slot_offset = slot_offset_,
                          .slot_tiles = slot_tiles_,
                          .rows = token_of_,
-                         .row_weights = row_weights_}),
+                         .row_weights = row_weights_,
+                         .stream = stream_}),
             "MoeGroup");
     CheckOp(g::CopyRows({.src = x_,
                          .src_stride = d_.hidden,
@@ -507,6 +552,7 @@ class Layer {
                          .cols = d_.hidden,
                          .dst = xg_,
                          .dst_stride = d_.hidden,
+                         .stream = stream_,
                          .src_rows = rows}),
             "CopyRows");
     auto linear = [&](int which, const float* x, float* y) {
@@ -526,6 +572,7 @@ class Layer {
                                .x_codes = xq_grouped_,
                                .x_scales = xs_grouped_,
                                .y = y,
+                               .stream = stream_,
                                .slot_rows = rows}),
               "ExpertLinear");
     };
@@ -533,11 +580,14 @@ class Layer {
     linear(1, xg_, ug_);
     Activate(gg_, ug_, total, row_weights_, hg_);
     linear(2, hg_, og_routed_);
-    CheckOp(g::RoundBf16({.x = og_routed_, .n = total * d_.hidden}), "RoundBf16");
+    CheckOp(g::RoundBf16({.x = og_routed_, .n = total * d_.hidden, .stream = stream_}),
+            "RoundBf16");
   }
 
   Dims d_;
-  const uint8_t** tables_[3][2] = {};  // w1, w3, w2: codes, scales
+  void* stream_ = nullptr;  // The ops' stream (one of the bench's own, so graphs can record it).
+  std::map<int64_t, int64_t> tokens_of_;  // The picked experts and their tokens.
+  const uint8_t** tables_[3][2] = {};     // w1, w3, w2: codes, scales
   int64_t *slot_expert_, *slot_offset_, *slot_tiles_, *token_of_;
   float *row_weights_, *xg_, *gg_, *ug_, *hg_, *og_routed_;
   uint8_t *xq_grouped_, *xs_grouped_;
@@ -626,16 +676,31 @@ int main(int argc, char** argv) {
   std::printf("%-40s %10.1f %12llu %10.1f %7.1f%%\n", "layer", total_s * 1e6,
               static_cast<unsigned long long>(total_bytes), total_bytes / total_s / 1e9,
               100.0 * total_bytes / total_s / bandwidth);
-  std::printf("layer time / time to read its bytes at copy bandwidth: %.2fx (goal <= 1.6x)\n\n",
+  std::printf("layer time / time to read its bytes at copy bandwidth: %.2fx (goal <= 1.6x)\n",
               total_s / (total_bytes / bandwidth));
+  // The sum above times each op alone, so a short op's time is mostly the host launching it; a
+  // graph of the whole layer launches its kernels back to back from the device.
+  double graph_s = 0;
+  const std::string graph_error = layer.DecodeAsGraph(1, reps, rng, false, &graph_s);
+  if (graph_error.empty()) {
+    std::printf("the layer as one graph: %.1f us, %.2fx the time to read its bytes\n\n",
+                graph_s * 1e6, graph_s / (total_bytes / bandwidth));
+  } else {
+    std::printf("the layer as one graph: not measured (%s)\n\n", graph_error.c_str());
+  }
 
-  std::printf("%5s %14s %18s %26s\n", "batch", "layer us", "tokens/s per layer",
-              "tokens/s, 40 layers (est.)");
+  std::printf("%5s %14s %14s %18s %26s\n", "batch", "layer us", "as a graph us",
+              "tokens/s per layer", "tokens/s, 40 layers (est.)");
   for (int64_t batch : {1, 8, 64}) {
-    double s = 0;
+    double s = 0, graph = 0;
     for (const Row& r : layer.Decode(batch, reps, rng)) s += r.seconds;
-    std::printf("%5lld %14.1f %18.0f %26.1f\n", static_cast<long long>(batch), s * 1e6, batch / s,
-                batch / (s * d.layers));
+    // The faster of the two when the graph was measured: what a step replayed as a graph gets.
+    const bool as_graph = layer.DecodeAsGraph(batch, reps, rng, false, &graph).empty();
+    const double best = as_graph ? std::min(s, graph) : s;
+    char graph_us[32] = "-";
+    if (as_graph) std::snprintf(graph_us, sizeof graph_us, "%.1f", graph * 1e6);
+    std::printf("%5lld %14.1f %14s %18.0f %26.1f\n", static_cast<long long>(batch), s * 1e6,
+                graph_us, batch / best, batch / (best * d.layers));
   }
 
   // What the fixed order costs: the shipped GEMMs (the CPU's order, the same whatever the batch)

@@ -36,6 +36,15 @@ std::string Synchronize();
 // uniform in [-scale, scale] rounded to BF16; the same seed gives the same contents.
 std::string FillBytes(void* dst, size_t bytes, uint64_t seed, uint8_t lo, uint8_t hi);
 std::string FillFloats(float* dst, size_t n, uint64_t seed, float scale);
+// Streams and graphs (benchmarks): a stream of the caller's own, and the kernels launched on it
+// between CaptureBegin and CaptureEnd recorded, not run, as one graph that GraphLaunch replays
+// on it. The CPU runtime has no graphs: CaptureBegin says so.
+std::string StreamCreate(void** stream);
+std::string StreamDestroy(void* stream);
+std::string CaptureBegin(void* stream);
+std::string CaptureEnd(void* stream, void** graph);  // `*graph`: ready to launch
+std::string GraphLaunch(void* graph, void* stream);
+std::string GraphDestroy(void* graph);
 // Makes `device` the calling thread's current device.
 std::string SetDevice(int device);
 // The current device's name and its memory (free and total bytes), or the runtime's error.

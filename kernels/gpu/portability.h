@@ -41,7 +41,20 @@ using gpuStream_t = hipStream_t;
 #define gpuSetDevice hipSetDevice
 #define gpuGetDeviceProperties hipGetDeviceProperties
 #define gpuMemGetInfo hipMemGetInfo
+#define gpuStreamCreate hipStreamCreate
+#define gpuStreamDestroy hipStreamDestroy
 using gpuDeviceProp_t = hipDeviceProp_t;
+#if !defined(FLASHD_HIP_CPU)
+using gpuGraph_t = hipGraph_t;
+using gpuGraphExec_t = hipGraphExec_t;
+#define gpuStreamBeginCapture hipStreamBeginCapture
+#define gpuStreamCaptureModeThreadLocal hipStreamCaptureModeThreadLocal
+#define gpuStreamEndCapture hipStreamEndCapture
+#define gpuGraphInstantiate hipGraphInstantiateWithFlags
+#define gpuGraphLaunch hipGraphLaunch
+#define gpuGraphDestroy hipGraphDestroy
+#define gpuGraphExecDestroy hipGraphExecDestroy
+#endif
 #if defined(FLASHD_HIP_CPU)
 // The CPU runtime does not keep one stream's kernels in order: its processor thread drains the
 // null stream from two executors in one pass (the null stream is also in its list of streams),
@@ -79,7 +92,18 @@ using gpuStream_t = cudaStream_t;
 #define gpuSetDevice cudaSetDevice
 #define gpuGetDeviceProperties cudaGetDeviceProperties
 #define gpuMemGetInfo cudaMemGetInfo
+#define gpuStreamCreate cudaStreamCreate
+#define gpuStreamDestroy cudaStreamDestroy
 using gpuDeviceProp_t = cudaDeviceProp;
+using gpuGraph_t = cudaGraph_t;
+using gpuGraphExec_t = cudaGraphExec_t;
+#define gpuStreamBeginCapture cudaStreamBeginCapture
+#define gpuStreamCaptureModeThreadLocal cudaStreamCaptureModeThreadLocal
+#define gpuStreamEndCapture cudaStreamEndCapture
+#define gpuGraphInstantiate cudaGraphInstantiate
+#define gpuGraphLaunch cudaGraphLaunch
+#define gpuGraphDestroy cudaGraphDestroy
+#define gpuGraphExecDestroy cudaGraphExecDestroy
 #define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
   kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
 #endif

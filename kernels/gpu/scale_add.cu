@@ -204,6 +204,53 @@ std::string Synchronize() {
   return err == gpuSuccess ? "" : Describe("synchronize", err);
 }
 
+std::string StreamCreate(void** stream) {
+  gpuStream_t s = nullptr;
+  const gpuError_t err = gpuStreamCreate(&s);
+  *stream = s;
+  return err == gpuSuccess ? "" : Describe("stream create", err);
+}
+
+std::string StreamDestroy(void* stream) {
+  const gpuError_t err = gpuStreamDestroy(static_cast<gpuStream_t>(stream));
+  return err == gpuSuccess ? "" : Describe("stream destroy", err);
+}
+
+#if defined(FLASHD_HIP_CPU)
+std::string CaptureBegin(void*) { return "graphs: the HIP CPU runtime has none"; }
+std::string CaptureEnd(void*, void**) { return "graphs: the HIP CPU runtime has none"; }
+std::string GraphLaunch(void*, void*) { return "graphs: the HIP CPU runtime has none"; }
+std::string GraphDestroy(void*) { return ""; }
+#else
+std::string CaptureBegin(void* stream) {
+  const gpuError_t err =
+      gpuStreamBeginCapture(static_cast<gpuStream_t>(stream), gpuStreamCaptureModeThreadLocal);
+  return err == gpuSuccess ? "" : Describe("begin capture", err);
+}
+
+std::string CaptureEnd(void* stream, void** graph) {
+  gpuGraph_t g = nullptr;
+  gpuError_t err = gpuStreamEndCapture(static_cast<gpuStream_t>(stream), &g);
+  if (err != gpuSuccess) return Describe("end capture", err);
+  gpuGraphExec_t exec = nullptr;
+  err = gpuGraphInstantiate(&exec, g, 0);
+  (void)gpuGraphDestroy(g);
+  *graph = exec;
+  return err == gpuSuccess ? "" : Describe("graph instantiate", err);
+}
+
+std::string GraphLaunch(void* graph, void* stream) {
+  const gpuError_t err =
+      gpuGraphLaunch(static_cast<gpuGraphExec_t>(graph), static_cast<gpuStream_t>(stream));
+  return err == gpuSuccess ? "" : Describe("graph launch", err);
+}
+
+std::string GraphDestroy(void* graph) {
+  const gpuError_t err = gpuGraphExecDestroy(static_cast<gpuGraphExec_t>(graph));
+  return err == gpuSuccess ? "" : Describe("graph destroy", err);
+}
+#endif
+
 std::string SetDevice(int device) {
   const gpuError_t err = gpuSetDevice(device);
   return err == gpuSuccess ? "" : Describe("set device", err);

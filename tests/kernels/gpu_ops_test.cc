@@ -419,6 +419,51 @@ BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
   }
 }
 
+// Ops on a stream of the caller's own give the results they give on the default one; recorded
+// as a graph (gpu_bench's layer timing), they do not run until the graph is launched, then give
+// the same results again. The CPU runtime has no graphs: that part needs a device.
+BOOST_AUTO_TEST_CASE(ops_on_a_stream_and_replayed_as_a_graph) {
+  std::mt19937 rng(41);
+  const int64_t rows = 3, in = 256, out = 70;
+  const std::vector<float> x = Normal(rng, rows * in);
+  const flashd::testing::QuantizedWeights qw =
+      flashd::testing::QuantizeWeights(WeightFormat::kFp8, Normal(rng, out * in, 0.2f), out, in);
+  Dev<float> dx(x), want(std::vector<float>(rows * out)), got(std::vector<float>(rows * out, 5.0f));
+  Dev<uint8_t> dwq(qw.codes), dws(qw.scales), dxq(std::vector<uint8_t>(x.size())),
+      dxs(std::vector<uint8_t>(x.size() / 32));
+  const LinearShape shape{WeightFormat::kFp8, rows, in, out};
+  BOOST_REQUIRE(gpu::Linear(shape.Params(dx.get(), dwq.get(), dws.get(), nullptr, dxq.get(),
+                                         dxs.get(), want.get())) == OpStatus::kOk);
+  void* stream = nullptr;
+  BOOST_REQUIRE_EQUAL(gpu::StreamCreate(&stream), "");
+  LinearParams p =
+      shape.Params(dx.get(), dwq.get(), dws.get(), nullptr, dxq.get(), dxs.get(), got.get());
+  p.stream = stream;
+  BOOST_REQUIRE(gpu::Linear(p) == OpStatus::kOk);
+  BOOST_REQUIRE_EQUAL(gpu::Synchronize(), "");
+  BOOST_TEST(BitEqual(got.Host(), want.Host()));
+  Dev<float> later(std::vector<float>(rows * out, 5.0f));  // Before the capture: it copies.
+  const std::string capture = gpu::CaptureBegin(stream);
+  if (!capture.empty()) {
+    BOOST_TEST_MESSAGE("graphs not checked: " << capture);
+    BOOST_REQUIRE_EQUAL(gpu::StreamDestroy(stream), "");
+    return;
+  }
+  p.y = later.get();
+  BOOST_REQUIRE(gpu::Linear(p) == OpStatus::kOk);
+  void* graph = nullptr;
+  BOOST_REQUIRE_EQUAL(gpu::CaptureEnd(stream, &graph), "");
+  BOOST_REQUIRE_EQUAL(gpu::Synchronize(), "");
+  BOOST_TEST((later.Host() == std::vector<float>(rows * out, 5.0f)));  // Recorded, not run.
+  for (int round = 0; round < 2; ++round) {
+    BOOST_REQUIRE_EQUAL(gpu::GraphLaunch(graph, stream), "");
+    BOOST_REQUIRE_EQUAL(gpu::Synchronize(), "");
+    BOOST_TEST(BitEqual(later.Host(), want.Host()), "replay " << round);
+  }
+  BOOST_REQUIRE_EQUAL(gpu::GraphDestroy(graph), "");
+  BOOST_REQUIRE_EQUAL(gpu::StreamDestroy(stream), "");
+}
+
 // The free-order GEMM (gpu_bench's comparison for the fixed order's cost) gives the CPU's results
 // within rounding, split over K or not: each value within 1e-5 of its row's largest magnitude
 // (a K-block dropped or counted twice, or a scale misplaced, moves values by far more). Dense
