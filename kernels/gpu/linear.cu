@@ -337,25 +337,86 @@ __global__ void ZeroKernel(float* y, int64_t n) {
 __device__ inline float Weight(const float* w, int64_t i) { return w[i]; }
 __device__ inline float Weight(const uint16_t* w, int64_t i) { return c::Bf16ToFloat(w[i]); }
 
-// Dense weights as fp32 values or BF16 codes (the same sums either way).
-template <class W>
-__global__ void DenseGemmKernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N,
-                                float* y) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= M * N) return;
-  const int64_t m = i / N, n = i % N;
-  const float* xm = x + m * K;
-  const W* wn = w + n * K;
-  float p0 = 0, p1 = 0, p2 = 0, p3 = 0;
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    p0 += xm[k] * Weight(wn, k);
-    p1 += xm[k + 1] * Weight(wn, k + 1);
-    p2 += xm[k + 2] * Weight(wn, k + 2);
-    p3 += xm[k + 3] * Weight(wn, k + 3);
+// Dense weights as fp32 values or BF16 codes (the same sums either way), in tiles of kTileCols
+// output columns and up to kRows rows by kTileThreads threads: thread t keeps lane j = (t / 32)
+// % 4 of column t % 32 for every row, the products of values k = j, j + 4, ... in order (the
+// K % 4 last values in lane 0 after them), and the lanes meet as (p0 + p1) + (p2 + p3): the CPU's
+// sums. K is taken in chunks of kDenseChunk, each chunk's weights and activations staged in
+// shared memory by loads that neighbouring threads make on neighbouring addresses (a weight row
+// is contiguous; one thread per output read rows K values apart). Products are not exact here
+// (fp32 activations), so they are multiplied and added apart, as on the CPU.
+constexpr int64_t kDenseChunk = 256;
+constexpr int64_t kDenseStride = kDenseChunk + 1;  // Odd: a warp's 32 columns in 32 banks.
+
+static_assert(kTileThreads == 4 * kTileCols, "a thread per lane and column");
+
+template <class W, int kRows>
+__global__ void __launch_bounds__(kTileThreads)
+    DenseGemmKernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y) {
+  __shared__ float ws[kTileCols][kDenseStride];
+  __shared__ float xs[kRows][kDenseChunk];
+  __shared__ float lanes[kRows][4][kTileCols];
+  const int64_t n0 = (blockIdx.x % ColumnGroups(N)) * kTileCols;
+  const int64_t m0 = (blockIdx.x / ColumnGroups(N)) * kRows;
+  const int64_t rows = M - m0 < kRows ? M - m0 : kRows;
+  const unsigned t = threadIdx.x;
+  const int64_t col = t % kTileCols, lane = t / kTileCols;
+  const int64_t k4 = K - K % 4;  // Values from k4 on go to lane 0 after the rest.
+  float p[kRows];
+  FLASHD_UNROLL
+  for (int r = 0; r < kRows; ++r) p[r] = 0.0f;
+  for (int64_t c0 = 0; c0 < K; c0 += kDenseChunk) {
+    const int64_t nk = K - c0 < kDenseChunk ? K - c0 : kDenseChunk;
+    __syncthreads();  // The previous chunk's reads are done.
+    for (int64_t i = t; i < kTileCols * kDenseChunk; i += kTileThreads) {
+      const int64_t wc = i / kDenseChunk, k = i % kDenseChunk;
+      if (k < nk && n0 + wc < N) ws[wc][k] = Weight(w, (n0 + wc) * K + c0 + k);
+    }
+    for (int64_t i = t; i < rows * kDenseChunk; i += kTileThreads) {
+      const int64_t r = i / kDenseChunk, k = i % kDenseChunk;
+      if (k < nk) xs[r][k] = x[(m0 + r) * K + c0 + k];
+    }
+    __syncthreads();
+    if (n0 + col >= N) continue;
+    const int64_t main_end = k4 - c0 < nk ? (k4 - c0 > 0 ? k4 - c0 : 0) : nk;
+    for (int64_t k = lane; k < main_end; k += 4) {
+      const float wk = ws[col][k];
+      FLASHD_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (r < rows) p[r] += xs[r][k] * wk;
+      }
+    }
+    if (lane == 0) {
+      for (int64_t k = main_end; k < nk; ++k) {
+        const float wk = ws[col][k];
+        FLASHD_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          if (r < rows) p[r] += xs[r][k] * wk;
+        }
+      }
+    }
   }
-  for (; k < K; ++k) p0 += xm[k] * Weight(wn, k);
-  y[m * N + n] = (p0 + p1) + (p2 + p3);
+  FLASHD_UNROLL
+  for (int r = 0; r < kRows; ++r) lanes[r][lane][col] = p[r];
+  __syncthreads();
+  for (int64_t i = t; i < rows * kTileCols; i += kTileThreads) {
+    const int64_t r = i / kTileCols, cc = i % kTileCols;
+    if (n0 + cc >= N) continue;
+    y[(m0 + r) * N + n0 + cc] =
+        (lanes[r][0][cc] + lanes[r][1][cc]) + (lanes[r][2][cc] + lanes[r][3][cc]);
+  }
+}
+
+template <class W>
+OpStatus DenseLinear(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y,
+                     gpuStream_t stream) {
+  const bool one_row = M == 1;
+  const int64_t tile_rows = one_row ? 1 : kGemmRows;
+  const int64_t grid = (M + tile_rows - 1) / tile_rows * ColumnGroups(N);
+  if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  const auto kernel = one_row ? &DenseGemmKernel<W, 1> : &DenseGemmKernel<W, kGemmRows>;
+  FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, x, M, K, w, N, y);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
 // The tile reads weights 16 bytes and activation codes 4 bytes at a time.
@@ -430,15 +491,12 @@ OpStatus Linear(const LinearParams& p) {
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   if (p.format == WeightFormat::kDense) {
     if (p.dense == nullptr) return OpStatus::kBadArgument;
-    FLASHD_LAUNCH(DenseGemmKernel<float>, Blocks(p.rows * p.out), kThreads, 0, stream, p.x, p.rows,
-                  p.in, p.dense, p.out, p.y);
-    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+    return DenseLinear(p.x, p.rows, p.in, p.dense, p.out, p.y, stream);
   }
   if (p.format == WeightFormat::kBf16) {
     if (p.w == nullptr) return OpStatus::kBadArgument;
-    FLASHD_LAUNCH(DenseGemmKernel<uint16_t>, Blocks(p.rows * p.out), kThreads, 0, stream, p.x,
-                  p.rows, p.in, reinterpret_cast<const uint16_t*>(p.w), p.out, p.y);
-    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+    return DenseLinear(p.x, p.rows, p.in, reinterpret_cast<const uint16_t*>(p.w), p.out, p.y,
+                       stream);
   }
   return QuantizedLinear(p, 0);
 }

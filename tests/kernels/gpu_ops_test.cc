@@ -531,34 +531,54 @@ BOOST_AUTO_TEST_CASE(bf16_weights_equal_their_fp32_values) {
     codes[i] = flashd::kernels::codecs::FloatToBf16(w[i]);
     w[i] = flashd::kernels::codecs::Bf16ToFloat(codes[i]);
   }
-  const auto* code_bytes = reinterpret_cast<const uint8_t*>(codes.data());
-  for (int64_t rows : kRows) {
-    std::vector<float> x = Normal(rng, rows * in), want(rows * out), cpu_bf16(rows * out);
-    BOOST_REQUIRE(cpu::Linear({.x = x.data(),
-                               .rows = rows,
-                               .in = in,
-                               .out = out,
-                               .format = WeightFormat::kDense,
-                               .dense = w.data(),
-                               .y = want.data()}) == OpStatus::kOk);
-    BOOST_REQUIRE(cpu::Linear({.x = x.data(),
-                               .rows = rows,
-                               .in = in,
-                               .out = out,
-                               .format = WeightFormat::kBf16,
-                               .w = code_bytes,
-                               .y = cpu_bf16.data()}) == OpStatus::kOk);
-    BOOST_TEST(BitEqual(cpu_bf16, want), "rows " << rows);
-    Dev<float> dx(x), dy(std::vector<float>(want.size()));
-    Dev<uint16_t> dw(codes);
-    BOOST_REQUIRE(gpu::Linear({.x = dx.get(),
-                               .rows = rows,
-                               .in = in,
-                               .out = out,
-                               .format = WeightFormat::kBf16,
-                               .w = reinterpret_cast<const uint8_t*>(dw.get()),
-                               .y = dy.get()}) == OpStatus::kOk);
-    BOOST_TEST(BitEqual(dy.Host(), want), "rows " << rows);
+  // The GEMMs at the embedding's shape, and at one of several K chunks (1,030 values: four
+  // whole, a part and a K % 4 tail) and three column tiles.
+  for (const auto& [in_, out_] : {std::pair<int64_t, int64_t>{in, out}, {1030, 70}}) {
+    const int64_t gin = in_, gout = out_;
+    std::vector<float> gw = Normal(rng, gout * gin, 0.2f);
+    std::vector<uint16_t> gcodes(gw.size());
+    for (size_t i = 0; i < gw.size(); ++i) {
+      gcodes[i] = flashd::kernels::codecs::FloatToBf16(gw[i]);
+      gw[i] = flashd::kernels::codecs::Bf16ToFloat(gcodes[i]);
+    }
+    const auto* code_bytes = reinterpret_cast<const uint8_t*>(gcodes.data());
+    for (int64_t rows : kRows) {
+      std::vector<float> x = Normal(rng, rows * gin), want(rows * gout), cpu_bf16(rows * gout);
+      BOOST_REQUIRE(cpu::Linear({.x = x.data(),
+                                 .rows = rows,
+                                 .in = gin,
+                                 .out = gout,
+                                 .format = WeightFormat::kDense,
+                                 .dense = gw.data(),
+                                 .y = want.data()}) == OpStatus::kOk);
+      BOOST_REQUIRE(cpu::Linear({.x = x.data(),
+                                 .rows = rows,
+                                 .in = gin,
+                                 .out = gout,
+                                 .format = WeightFormat::kBf16,
+                                 .w = code_bytes,
+                                 .y = cpu_bf16.data()}) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(cpu_bf16, want), "rows " << rows);
+      Dev<float> dx(x), dy(std::vector<float>(want.size())), dyf(std::vector<float>(want.size()));
+      Dev<uint16_t> dw(gcodes);
+      Dev<float> dwf(gw);
+      BOOST_REQUIRE(gpu::Linear({.x = dx.get(),
+                                 .rows = rows,
+                                 .in = gin,
+                                 .out = gout,
+                                 .format = WeightFormat::kBf16,
+                                 .w = reinterpret_cast<const uint8_t*>(dw.get()),
+                                 .y = dy.get()}) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dy.Host(), want), "in " << gin << " rows " << rows);
+      BOOST_REQUIRE(gpu::Linear({.x = dx.get(),
+                                 .rows = rows,
+                                 .in = gin,
+                                 .out = gout,
+                                 .format = WeightFormat::kDense,
+                                 .dense = dwf.get(),
+                                 .y = dyf.get()}) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dyf.Host(), want), "fp32, in " << gin << " rows " << rows);
+    }
   }
   // The embedding: rows of the table as fp32 values or as BF16 codes.
   const int64_t vocab = 31, dim = 45, hc = 2;
