@@ -157,7 +157,8 @@ class Layer {
     wq_b_ = Fp8(d.heads * d.head_dim, d.q_lora);
     wkv_ = Fp8(d.head_dim, d.hidden);
     for (int64_t gi = 0; gi < d.o_groups; ++gi) {
-      wo_a_.push_back(Dense(d.o_lora, d.heads * d.head_dim / d.o_groups));
+      wo_a_.push_back(
+          Quantized(k::WeightFormat::kFp8Dense, d.o_lora, d.heads * d.head_dim / d.o_groups));
     }
     wo_b_ = Fp8(d.hidden, d.o_groups * d.o_lora);
     router_ = Dense(d.experts, d.hidden);
@@ -365,7 +366,7 @@ class Layer {
     });
     uint64_t wo_a_bytes = 0;
     for (const Weight& w : wo_a_) wo_a_bytes += w.bytes();
-    add("wo_a (dense, per group)", wo_a_bytes, [&] {
+    add("wo_a (FP8 as values, per group)", wo_a_bytes, [&] {
       for (int64_t gi = 0; gi < d.o_groups; ++gi) {
         // Each group's slice of the heads, as the forward pass's grouped LoRA.
         Apply(wo_a_[gi], o_ + gi * (d.heads * d.head_dim / d.o_groups), batch, og_ + gi * d.o_lora);

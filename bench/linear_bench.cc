@@ -3,6 +3,7 @@
 // where the reference would take minutes.
 //
 //   build/bench/linear_bench [threads]
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/linear.h"
+#include "kernels/cpu/ops.h"
 
 namespace k = flashd::kernels::cpu;
 
@@ -84,6 +86,41 @@ int main(int argc, char** argv) {
         10);
     std::printf("%-38s %6s %12.2f %12.2f %7.1fx\n", s.what, "fp4", flops / ref4 / 1e9,
                 flops / fast4 / 1e9, ref4 / fast4);
+  }
+
+  // wo_a, which the model runs dequantized: a group's GEMM over its fp32 values (what the forward
+  // pass held) against the same sums over its FP8 codes and scales as stored (kFp8Dense), the
+  // same results; the two alternated, best of five rounds each.
+  std::printf("\n%-38s %12s %12s %8s\n", "wo_a group", "fp32 us", "fp8 us", "fp8/fp32");
+  for (size_t M : {size_t{1}, size_t{8}}) {
+    const size_t K = 4096, N = 1024;
+    std::vector<float> x(M * K), w(N * K), y(M * N);
+    for (float& v : x) v = dist(rng);
+    for (float& v : w) v = dist(rng) * 0.02f;
+    std::vector<uint8_t> w8(w.size()), w8s(((N + 31) / 32) * (K / 32));
+    k::QuantizeFp8Weight(w.data(), N, K, w8.data(), w8s.data());
+    std::vector<float> values(w.size());
+    k::DequantizeFp8Weight(w8.data(), w8s.data(), N, K, values.data());
+    namespace ops = flashd::kernels;
+    ops::LinearParams dense{.x = x.data(),
+                            .rows = static_cast<int64_t>(M),
+                            .in = static_cast<int64_t>(K),
+                            .out = static_cast<int64_t>(N),
+                            .dense = values.data(),
+                            .y = y.data()};
+    ops::LinearParams fp8 = dense;
+    fp8.format = ops::WeightFormat::kFp8Dense;
+    fp8.dense = nullptr;
+    fp8.w = w8.data();
+    fp8.w_scales = w8s.data();
+    double t32 = 1e30, t8 = 1e30;
+    for (int round = 0; round < 5; ++round) {
+      t32 = std::min(t32, Seconds([&] { (void)k::Linear(dense); }, 10));
+      t8 = std::min(t8, Seconds([&] { (void)k::Linear(fp8); }, 10));
+    }
+    char what[64];
+    std::snprintf(what, sizeof what, "%zu x 4096 -> 1024", M);
+    std::printf("%-38s %12.1f %12.1f %7.2fx\n", what, t32 * 1e6, t8 * 1e6, t8 / t32);
   }
   return 0;
 }

@@ -127,7 +127,7 @@ struct Layer {
   std::vector<float> attn_sink;
   Linear wq_a, wq_b, wkv, wo_b;
   std::vector<float> q_norm, kv_norm;
-  std::vector<float> wo_a;  // [groups * o_lora, heads * head_dim / groups], BF16 values
+  Linear wo_a;  // FP8 [groups * o_lora, heads * head_dim / groups], run as its exact values
   // Compressor (KV sources).
   Linear comp_wkv, comp_wgate;
   std::vector<float> comp_norm;
@@ -262,14 +262,9 @@ Status CpuForward::Impl::LoadBlock(const std::string& p, const LayerPlan& plan, 
   L.wo_b = Lin(p + "attn.wo_b");
   L.q_norm = DecodeFloats(T(p + "attn.q_norm.weight"));
   L.kv_norm = DecodeFloats(T(p + "attn.kv_norm.weight"));
-  {
-    // The release stores wo_a as FP8; the reference runs it dequantized in BF16 (exact).
-    const TensorView& w = T(p + "attn.wo_a.weight");
-    const size_t rows = static_cast<size_t>(w.shape[0]), cols = static_cast<size_t>(w.shape[1]);
-    L.wo_a.resize(rows * cols);
-    kernels::cpu::DequantizeFp8Weight(w.data, T(p + "attn.wo_a.scale").data, rows, cols,
-                                      L.wo_a.data());
-  }
+  // The release stores wo_a as FP8 and the reference runs it dequantized in BF16 (exact): the
+  // ops take its codes and scales as they are (kFp8Dense), never a widened copy.
+  L.wo_a = Lin(p + "attn.wo_a");
   if (plan.is_kv_source) {
     L.comp_wkv = Lin(p + "attn.compressor.wkv");
     if (plan.compress_ratio > 1) L.comp_wgate = Lin(p + "attn.compressor.wgate");
@@ -1249,9 +1244,12 @@ Status Step::Output(int l, const std::vector<float>& o) {
                        .rows = rows,
                        .in = gin,
                        .out = olr,
-                       .dense = &L.wo_a[g * olr * gin],
+                       .format = kernels::WeightFormat::kFp8Dense,
+                       .w = L.wo_a.w + g * olr * gin,
+                       .w_scales = L.wo_a.s,
                        .y = gy.data(),
-                       .stream = &stream_});
+                       .stream = &stream_,
+                       .w_row0 = g * olr});
     FLASHD_OP(CopyRows, {.src = gy.data(),
                          .src_stride = olr,
                          .rows = rows,
@@ -2058,11 +2056,16 @@ Status CpuForward::UploadWeights(
                               &L.shared.w1, &L.shared.w2, &L.shared.w3}) {
       AddLinear(b, *lin, &weights);
     }
-    // wo_a goes to the ops a group at a time, each group's rows their own matrix.
+    // wo_a goes to the ops a group at a time, each group's rows their own codes, the scales
+    // whole.
     const size_t groups = static_cast<size_t>(c.o_groups);
-    const size_t group = groups > 0 ? L.wo_a.size() / groups : 0;
-    for (size_t g = 0; g < groups && group > 0; ++g) {
-      weights.push_back({b, L.wo_a.data() + g * group, group * 4, true});
+    if (L.wo_a.w != nullptr && groups > 0) {
+      const size_t group = static_cast<size_t>(L.wo_a.out * L.wo_a.in) / groups;
+      for (size_t g = 0; g < groups; ++g)
+        weights.push_back({b, L.wo_a.w + g * group, group, false});
+      weights.push_back({b, L.wo_a.s,
+                         static_cast<size_t>((L.wo_a.out + 31) / 32 * ((L.wo_a.in + 31) / 32)),
+                         false});
     }
     if (!L.gate_w.empty()) weights.push_back({b, L.gate_w.data(), L.gate_w.size() * 4, true});
     for (const Expert& e : L.experts) {

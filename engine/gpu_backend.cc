@@ -906,6 +906,11 @@ class GpuBackend final : public Backend {
         } else {
           d.dense = static_cast<const float*>(w);
         }
+      } else if (p.format == k::WeightFormat::kFp8Dense) {
+        // The codes of these rows; the scales of the tiles they reach (of a larger matrix when
+        // the rows are a slice of it, uploaded whole beforehand).
+        d.w = c.Weight(p.w, p.out * p.in);
+        d.w_scales = c.Weight(p.w_scales, (p.w_row0 + p.out + 31) / 32 * ((p.in + 31) / 32));
       } else {
         d.w = c.Weight(p.w, p.out * p.in * 2);
       }

@@ -20,16 +20,9 @@ uint64_t Elements(const TensorSpec& t) {
 }
 
 // Bytes a tensor takes as this build holds it: quantized tensors as stored (one byte per stored
-// element: FP8, packed FP4 pairs, E8M0 scales); BF16 matrices (and wo_a, dequantized) as BF16
-// on a GPU and as the fp32 values the forward pass decodes them to on the host.
+// element: FP8, packed FP4 pairs, E8M0 scales; wo_a too, which runs as its FP8 values); BF16
+// matrices as BF16 on a GPU and as the fp32 values the forward pass decodes them to on the host.
 uint64_t HeldBytes(const TensorSpec& t, bool on_gpu) {
-  // wo_a is stored as FP8 and run dequantized (exact in BF16), like a BF16 matrix.
-  const auto ends_with = [&](std::string_view tail) {
-    return t.name.size() >= tail.size() &&
-           t.name.compare(t.name.size() - tail.size(), tail.size(), tail) == 0;
-  };
-  if (ends_with("attn.wo_a.weight")) return Elements(t) * (on_gpu ? 2 : 4);
-  if (ends_with("attn.wo_a.scale")) return 0;
   switch (t.kind) {
     case TensorKind::kBf16:
       return Elements(t) * (on_gpu ? 2 : 4);
@@ -112,10 +105,7 @@ Parts CountParts(const ModelConfig& c, bool gpu, PlacementPlan* plan) {
     if (t.part == ModelPart::kDSpark || t.part == ModelPart::kVision) continue;
     const uint64_t b = HeldBytes(t, gpu);
     // The forward pass keeps its own fp32 copy of every BF16 matrix in host memory.
-    if (gpu &&
-        (t.kind == TensorKind::kBf16 || t.name.find("attn.wo_a.weight") != std::string::npos)) {
-      plan->host_copies += HeldBytes(t, false);
-    }
+    if (gpu && t.kind == TensorKind::kBf16) plan->host_copies += HeldBytes(t, false);
     if (t.kind == TensorKind::kFp8Table || t.kind == TensorKind::kFp8RowScale) {
       plan->engram_bytes += b;
     } else if (t.layer < 0) {

@@ -67,16 +67,21 @@ struct PagedRows {
 
 // --- Linear layers ----------------------------------------------------------------------------
 // kDense: fp32 values; kBf16: the same values as BF16 codes (how a GPU keeps BF16 matrices,
-// never widened): both give the same results, bit for bit.
-enum class WeightFormat { kFp8, kFp4, kDense, kBf16 };
+// never widened): both give the same results, bit for bit. kFp8Dense: FP8 codes with their
+// scales as for kFp8, used as their exact values (code times scale) in kDense's sums, the input
+// not quantized (in a multiple of 32): an FP8 matrix the model runs dequantized (wo_a), kept as
+// stored.
+enum class WeightFormat { kFp8, kFp4, kDense, kBf16, kFp8Dense };
 
-// The stored bytes of an FP8 or FP4 weight [out, in]: its codes and its UE8M0 scales (FP8: one
-// per 32x32 tile; FP4: one per 32 inputs). Zero for the other formats.
+// The stored bytes of an FP8 or FP4 weight [out, in]: its codes and its UE8M0 scales (FP8, and
+// FP8 run as values: one per 32x32 tile; FP4: one per 32 inputs). Zero for the other formats.
 struct StoredBytes {
   int64_t codes = 0, scales = 0;
 };
 inline StoredBytes QuantizedWeightBytes(WeightFormat format, int64_t out, int64_t in) {
-  if (format == WeightFormat::kFp8) return {out * in, (out + 31) / 32 * (in / 32)};
+  if (format == WeightFormat::kFp8 || format == WeightFormat::kFp8Dense) {
+    return {out * in, (out + 31) / 32 * (in / 32)};
+  }
   if (format == WeightFormat::kFp4) return {out * in / 2, out * (in / 32)};
   return {};
 }
@@ -96,6 +101,9 @@ struct LinearParams {
   uint8_t* x_scales = nullptr;
   float* y = nullptr;
   void* stream = nullptr;
+  // kFp8Dense: `w` may be rows of a larger matrix whose scales `w_scales` are, its first row
+  // being that matrix's row w_row0 (scale row (w_row0 + n) / 32 for row n).
+  int64_t w_row0 = 0;
 };
 
 // --- Element-wise and row ops -----------------------------------------------------------------

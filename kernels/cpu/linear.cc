@@ -142,6 +142,32 @@ float PairedDot1Avx2(const float* x, const float* w, const float* scales, size_t
   return out;
 }
 
+// An FP8 weight row's exact values (code times its 32-block's scale, as DequantizeFp8Weight
+// gives them), eight values per step; K a multiple of 32.
+__attribute__((target("avx2"))) void DecodeFp8RowScaledAvx2(const uint8_t* w, const uint8_t* s,
+                                                            size_t K, float* out) {
+  const __m256i mag_mask = _mm256_set1_epi32(0x7F), sign_mask = _mm256_set1_epi32(0x80);
+  const __m256 two120 = _mm256_set1_ps(0x1p120f);
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+  for (size_t b = 0; b < K / kQuantBlock; ++b) {
+    const __m256 scale = _mm256_set1_ps(E8M0ToFloat(s[b]));
+    for (size_t step = 0; step < kQuantBlock / 8; ++step) {
+      const size_t k = b * kQuantBlock + step * 8;
+      uint64_t codes;
+      std::memcpy(&codes, w + k, 8);
+      const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(codes)));
+      const __m256i mag = _mm256_and_si256(c, mag_mask);
+      // As E4M3ToFloat: the magnitude's bits moved into a float's, times 2^120; the sign; NaN.
+      const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), two120);
+      const __m256 sign =
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_mask), 24));
+      const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask));
+      _mm256_storeu_ps(out + k,
+                       _mm256_mul_ps(_mm256_blendv_ps(_mm256_or_ps(v, sign), nan, is_nan), scale));
+    }
+  }
+}
+
 // Weight rows decoded straight into the paired layout, eight values per step.
 __attribute__((target("avx2"))) void DecodeFp8RowPairedAvx2(const uint8_t* w, size_t K,
                                                             float* out) {
@@ -471,6 +497,37 @@ void DenseLinearBf16(const float* x, size_t M, size_t K, const uint16_t* w, size
       min_rows);
 }
 
+// DenseLinear over FP8 codes and their 32x32 tiles' scales (rows from row0 of the scales'
+// matrix): each weight row decoded to its exact values, then summed as DenseLinear does.
+void DenseLinearFp8(const float* x, size_t M, size_t K, const uint8_t* w, const uint8_t* scales,
+                    size_t row0, size_t N, float* y, int threads) {
+  const size_t min_rows = std::max<size_t>(1, (size_t{1} << 16) / (M * K));
+  const size_t scale_cols = K / 32;  // The op requires whole 32-blocks.
+  [[maybe_unused]] const bool avx2 = internal::CpuHasAvx2();
+  ParallelRanges(
+      N, threads,
+      [&](size_t begin, size_t end) {
+        std::vector<float> row(K);
+        for (size_t n = begin; n < end; ++n) {
+          const uint8_t* s = scales + (row0 + n) / 32 * scale_cols;
+#if FLASHD_X86_VECTORS
+          if (avx2) {
+            internal::DecodeFp8RowScaledAvx2(w + n * K, s, K, row.data());
+            DenseColumn(x, M, K, row.data(), N, n, y);
+            continue;
+          }
+#endif
+          DecodeFp8Row(w + n * K, K, row.data());  // The codes' values, then the scales.
+          for (size_t b = 0; b < scale_cols; ++b) {
+            const float scale = E8M0ToFloat(s[b]);
+            for (size_t k = 0; k < 32; ++k) row[b * 32 + k] *= scale;
+          }
+          DenseColumn(x, M, K, row.data(), N, n, y);
+        }
+      },
+      min_rows);
+}
+
 }  // namespace flashd::kernels::cpu
 
 namespace flashd::kernels::cpu {
@@ -491,6 +548,13 @@ OpStatus Linear(const LinearParams& p) {
   if (p.format == WeightFormat::kBf16) {
     if (p.w == nullptr) return OpStatus::kBadArgument;
     DenseLinearBf16(p.x, rows, in, reinterpret_cast<const uint16_t*>(p.w), out, p.y, threads);
+    return OpStatus::kOk;
+  }
+  if (p.format == WeightFormat::kFp8Dense) {
+    if (p.w == nullptr || p.w_scales == nullptr) return OpStatus::kBadArgument;
+    if (p.w_row0 < 0 || p.in % kQuantBlock != 0) return OpStatus::kBadShape;
+    DenseLinearFp8(p.x, rows, in, p.w, p.w_scales, static_cast<size_t>(p.w_row0), out, p.y,
+                   threads);
     return OpStatus::kOk;
   }
   if (p.in % kQuantBlock != 0) return OpStatus::kBadShape;

@@ -334,12 +334,31 @@ __global__ void ZeroKernel(float* y, int64_t n) {
   if (i < n) y[i] = 0.0f;
 }
 
-__device__ inline float Weight(const float* w, int64_t i) { return w[i]; }
-__device__ inline float Weight(const uint16_t* w, int64_t i) { return c::Bf16ToFloat(w[i]); }
+// A dense weight's value (n, k) of [N, K]: fp32 values, BF16 codes, or FP8 codes times their
+// 32x32 tile's scale (rows from row0 of the scales' matrix).
+struct F32Values {
+  const float* w;
+  __device__ float operator()(int64_t n, int64_t k, int64_t K) const { return w[n * K + k]; }
+};
+struct Bf16Values {
+  const uint16_t* w;
+  __device__ float operator()(int64_t n, int64_t k, int64_t K) const {
+    return c::Bf16ToFloat(w[n * K + k]);
+  }
+};
+struct Fp8Values {
+  const uint8_t* w;
+  const uint8_t* scales;
+  int64_t row0;
+  __device__ float operator()(int64_t n, int64_t k, int64_t K) const {
+    const int64_t scale = (row0 + n) / kBlock * ((K + kBlock - 1) / kBlock) + k / kBlock;
+    return c::E4M3ToFloat(w[n * K + k]) * c::E8M0ToFloat(scales[scale]);
+  }
+};
 
-// Dense weights as fp32 values or BF16 codes (the same sums either way), in tiles of kTileCols
-// output columns and up to kRows rows by kTileThreads threads: thread t keeps lane j = (t / 32)
-// % 4 of column t % 32 for every row, the products of values k = j, j + 4, ... in order (the
+// Dense weights (fp32 values, BF16 codes or FP8 codes as values: the same sums), in tiles of
+// kTileCols output columns and up to kRows rows by kTileThreads threads: thread t keeps lane j = (t
+// / 32) % 4 of column t % 32 for every row, the products of values k = j, j + 4, ... in order (the
 // K % 4 last values in lane 0 after them), and the lanes meet as (p0 + p1) + (p2 + p3): the CPU's
 // sums. K is taken in chunks of kDenseChunk, each chunk's weights and activations staged in
 // shared memory by loads that neighbouring threads make on neighbouring addresses (a weight row
@@ -352,7 +371,7 @@ static_assert(kTileThreads == 4 * kTileCols, "a thread per lane and column");
 
 template <class W, int kRows>
 __global__ void __launch_bounds__(kTileThreads)
-    DenseGemmKernel(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y) {
+    DenseGemmKernel(const float* x, int64_t M, int64_t K, W w, int64_t N, float* y) {
   __shared__ float ws[kTileCols][kDenseStride];
   __shared__ float xs[kRows][kDenseChunk];
   __shared__ float lanes[kRows][4][kTileCols];
@@ -370,7 +389,7 @@ __global__ void __launch_bounds__(kTileThreads)
     __syncthreads();  // The previous chunk's reads are done.
     for (int64_t i = t; i < kTileCols * kDenseChunk; i += kTileThreads) {
       const int64_t wc = i / kDenseChunk, k = i % kDenseChunk;
-      if (k < nk && n0 + wc < N) ws[wc][k] = Weight(w, (n0 + wc) * K + c0 + k);
+      if (k < nk && n0 + wc < N) ws[wc][k] = w(n0 + wc, c0 + k, K);
     }
     for (int64_t i = t; i < rows * kDenseChunk; i += kTileThreads) {
       const int64_t r = i / kDenseChunk, k = i % kDenseChunk;
@@ -408,7 +427,7 @@ __global__ void __launch_bounds__(kTileThreads)
 }
 
 template <class W>
-OpStatus DenseLinear(const float* x, int64_t M, int64_t K, const W* w, int64_t N, float* y,
+OpStatus DenseLinear(const float* x, int64_t M, int64_t K, W w, int64_t N, float* y,
                      gpuStream_t stream) {
   const bool one_row = M == 1;
   const int64_t tile_rows = one_row ? 1 : kGemmRows;
@@ -491,12 +510,17 @@ OpStatus Linear(const LinearParams& p) {
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   if (p.format == WeightFormat::kDense) {
     if (p.dense == nullptr) return OpStatus::kBadArgument;
-    return DenseLinear(p.x, p.rows, p.in, p.dense, p.out, p.y, stream);
+    return DenseLinear(p.x, p.rows, p.in, F32Values{p.dense}, p.out, p.y, stream);
   }
   if (p.format == WeightFormat::kBf16) {
     if (p.w == nullptr) return OpStatus::kBadArgument;
-    return DenseLinear(p.x, p.rows, p.in, reinterpret_cast<const uint16_t*>(p.w), p.out, p.y,
-                       stream);
+    return DenseLinear(p.x, p.rows, p.in, Bf16Values{reinterpret_cast<const uint16_t*>(p.w)}, p.out,
+                       p.y, stream);
+  }
+  if (p.format == WeightFormat::kFp8Dense) {
+    if (p.w == nullptr || p.w_scales == nullptr) return OpStatus::kBadArgument;
+    if (p.w_row0 < 0 || p.in % kBlock != 0) return OpStatus::kBadShape;
+    return DenseLinear(p.x, p.rows, p.in, Fp8Values{p.w, p.w_scales, p.w_row0}, p.out, p.y, stream);
   }
   return QuantizedLinear(p, 0);
 }
@@ -505,7 +529,7 @@ OpStatus LinearFreeOrder(const LinearParams& p, int split) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
-  if (split < 1 || p.format == WeightFormat::kDense || p.format == WeightFormat::kBf16) {
+  if (split < 1 || (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4)) {
     return OpStatus::kBadArgument;
   }
   if (p.rows == 0) return OpStatus::kOk;

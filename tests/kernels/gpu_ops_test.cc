@@ -520,6 +520,70 @@ BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
                                    1) == OpStatus::kBadArgument));
 }
 
+// An FP8 matrix run as its exact values (kFp8Dense, how wo_a is held) gives kDense's results over
+// its dequantized values, on the CPU and on the device, also for rows of a larger matrix whose
+// first row is inside a 32-row scale tile (the scales then those of the whole matrix).
+BOOST_AUTO_TEST_CASE(fp8_values_equal_their_dequantized_matrix) {
+  std::mt19937 rng(51);
+  const int64_t all_rows = 100, in = 1056;  // Four K chunks and a part.
+  // Each 32x32 tile a different power of two, so a misplaced scale changes values.
+  std::vector<float> w = Normal(rng, all_rows * in, 0.2f);
+  for (int64_t r = 0; r < all_rows; ++r) {
+    for (int64_t k = 0; k < in; ++k) w[r * in + k] *= std::ldexp(1.0f, int(r / 32 + (k / 32) % 3));
+  }
+  const flashd::testing::QuantizedWeights qw =
+      flashd::testing::QuantizeWeights(WeightFormat::kFp8, w, all_rows, in);
+  std::vector<float> values(all_rows * in);
+  flashd::kernels::cpu::DequantizeFp8Weight(qw.codes.data(), qw.scales.data(), all_rows, in,
+                                            values.data());
+  Dev<uint8_t> dcodes(qw.codes), dscales(qw.scales);
+  struct Slice {
+    int64_t row0, out;
+  };
+  for (const Slice& sl : {Slice{0, all_rows}, Slice{40, 45}, Slice{96, 4}}) {
+    for (int64_t rows : kRows) {
+      const std::vector<float> x = Normal(rng, rows * in);
+      std::vector<float> want(rows * sl.out), cpu_fp8(want.size());
+      BOOST_REQUIRE(cpu::Linear({.x = x.data(),
+                                 .rows = rows,
+                                 .in = in,
+                                 .out = sl.out,
+                                 .format = WeightFormat::kDense,
+                                 .dense = values.data() + sl.row0 * in,
+                                 .y = want.data()}) == OpStatus::kOk);
+      LinearParams p{.x = x.data(),
+                     .rows = rows,
+                     .in = in,
+                     .out = sl.out,
+                     .format = WeightFormat::kFp8Dense,
+                     .w = qw.codes.data() + sl.row0 * in,
+                     .w_scales = qw.scales.data(),
+                     .y = cpu_fp8.data(),
+                     .w_row0 = sl.row0};
+      BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(cpu_fp8, want), "cpu, row0 " << sl.row0 << " rows " << rows);
+      Dev<float> dx(x), dy(std::vector<float>(want.size()));
+      p.x = dx.get();
+      p.w = dcodes.get() + sl.row0 * in;
+      p.w_scales = dscales.get();
+      p.y = dy.get();
+      BOOST_REQUIRE(gpu::Linear(p) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dy.Host(), want), "device, row0 " << sl.row0 << " rows " << rows);
+    }
+  }
+  // As for kFp8, the inputs come in whole 32-blocks (the scales' columns).
+  const std::vector<float> x(40, 1.0f);
+  std::vector<float> y(1);
+  BOOST_TEST((cpu::Linear({.x = x.data(),
+                           .rows = 1,
+                           .in = 40,
+                           .out = 1,
+                           .format = WeightFormat::kFp8Dense,
+                           .w = qw.codes.data(),
+                           .w_scales = qw.scales.data(),
+                           .y = y.data()}) == OpStatus::kBadShape));
+}
+
 // BF16 matrices kept as BF16 codes (how the GPU backend holds them) give the fp32 path's results,
 // for the dense GEMM and the embedding, on both sides.
 BOOST_AUTO_TEST_CASE(bf16_weights_equal_their_fp32_values) {
