@@ -21,6 +21,7 @@
 #include "kernels/codecs.h"
 #include "kernels/cpu/formats.h"
 #include "kernels/cpu/ops.h"
+#include "tests/support/moe_choices.h"
 #include "tests/support/test_backend.h"
 
 namespace flashd::engine {
@@ -732,39 +733,17 @@ BOOST_AUTO_TEST_CASE(moe_group_beyond_the_kernels_experts_runs_on_the_host) {
   std::mt19937 rng(31);
   for (int64_t experts : {int64_t{384}, kernels::kMoeGroupMaxExperts + 476}) {
     const int64_t tokens = 40, k = 6, total = tokens * k, slots = std::min(experts, total);
-    std::vector<int64_t> chosen;
-    for (int64_t t = 0; t < tokens; ++t) {
-      std::vector<int64_t> pick;
-      while (static_cast<int64_t>(pick.size()) < k) {
-        const int64_t e = static_cast<int64_t>(rng() % static_cast<uint64_t>(experts));
-        if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
-      }
-      chosen.insert(chosen.end(), pick.begin(), pick.end());
-    }
+    const std::vector<int64_t> chosen = testing::DistinctChoices(
+        tokens, k, [&] { return static_cast<int64_t>(rng() % static_cast<uint64_t>(experts)); });
     std::vector<float> weights(chosen.size());
     for (float& w : weights) w = static_cast<float>(rng() % 1000) / 1000.0f;
-    struct Out {
-      std::vector<int64_t> expert, offset, tiles, rows;
-      std::vector<float> weights;
-    };
     auto run = [&](const Backend& b) {
-      Out o{std::vector<int64_t>(slots), std::vector<int64_t>(slots + 1),
-            std::vector<int64_t>(slots + 1), std::vector<int64_t>(total),
-            std::vector<float>(total)};
-      BOOST_REQUIRE(b.MoeGroup({.chosen = chosen.data(),
-                                .weights = weights.data(),
-                                .tokens = tokens,
-                                .experts = experts,
-                                .k = k,
-                                .slots = slots,
-                                .slot_expert = o.expert.data(),
-                                .slot_offset = o.offset.data(),
-                                .slot_tiles = o.tiles.data(),
-                                .rows = o.rows.data(),
-                                .row_weights = o.weights.data()}) == kernels::OpStatus::kOk);
+      testing::GroupedRows o(slots, total);
+      BOOST_REQUIRE(b.MoeGroup(o.Params(chosen.data(), weights.data(), tokens, experts, k)) ==
+                    kernels::OpStatus::kOk);
       return o;
     };
-    const Out want = run(CpuBackend()), got = run(*gpu);
+    const testing::GroupedRows want = run(CpuBackend()), got = run(*gpu);
     BOOST_TEST(got.expert == want.expert, boost::test_tools::per_element());
     BOOST_TEST(got.offset == want.offset, boost::test_tools::per_element());
     BOOST_TEST(got.tiles == want.tiles, boost::test_tools::per_element());

@@ -21,6 +21,7 @@
 #include "kernels/cpu/ops.h"
 #include "kernels/gpu/device.h"
 #include "kernels/gpu/ops.h"
+#include "tests/support/moe_choices.h"
 #include "tests/support/quantized_weights.h"
 #include "tests/support/require_device.h"
 
@@ -260,32 +261,15 @@ BOOST_AUTO_TEST_CASE(linear_every_code_and_extreme_activations_bit_equal) {
 // (more than one GEMM tile's rows), some by none; weights random.
 void RandomChoices(std::mt19937& rng, int64_t tokens, int64_t experts, int64_t k,
                    std::vector<int64_t>* chosen, std::vector<float>* weights) {
-  chosen->clear();
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::vector<int64_t> pick;
-    while (static_cast<int64_t>(pick.size()) < k) {
-      // Half the picks from the first few experts, so those take many tokens.
-      const int64_t e = rng() % 2 == 0 ? static_cast<int64_t>(rng() % std::min<int64_t>(experts, 3))
-                                       : static_cast<int64_t>(rng() % experts);
-      if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
-    }
-    chosen->insert(chosen->end(), pick.begin(), pick.end());
-  }
+  // Half the picks from the first few experts, so those take many tokens.
+  *chosen = flashd::testing::DistinctChoices(tokens, k, [&] {
+    return rng() % 2 == 0 ? static_cast<int64_t>(rng() % std::min<int64_t>(experts, 3))
+                          : static_cast<int64_t>(rng() % experts);
+  });
   *weights = Normal(rng, chosen->size());
 }
 
-struct Grouped {
-  int64_t slots = 0;
-  std::vector<int64_t> expert, offset, tiles, rows;
-  std::vector<float> weights;
-  explicit Grouped(int64_t slots_, int64_t total)
-      : slots(slots_),
-        expert(slots_),
-        offset(slots_ + 1),
-        tiles(slots_ + 1),
-        rows(total),
-        weights(total) {}
-};
+using Grouped = flashd::testing::GroupedRows;
 
 // Tokens grouped by expert: the GPU's grouping is the CPU's, entry for entry (released shape:
 // 384 experts, 6 per token; a small one where every expert is chosen and slots run out).
@@ -300,17 +284,8 @@ BOOST_AUTO_TEST_CASE(moe_group_is_the_cpu_grouping) {
     RandomChoices(rng, c.tokens, c.experts, c.k, &chosen, &weights);
     const int64_t total = c.tokens * c.k, slots = std::min(c.experts, total);
     Grouped want(slots, total);
-    BOOST_REQUIRE(cpu::MoeGroup({.chosen = chosen.data(),
-                                 .weights = weights.data(),
-                                 .tokens = c.tokens,
-                                 .experts = c.experts,
-                                 .k = c.k,
-                                 .slots = slots,
-                                 .slot_expert = want.expert.data(),
-                                 .slot_offset = want.offset.data(),
-                                 .slot_tiles = want.tiles.data(),
-                                 .rows = want.rows.data(),
-                                 .row_weights = want.weights.data()}) == OpStatus::kOk);
+    BOOST_REQUIRE(cpu::MoeGroup(want.Params(chosen.data(), weights.data(), c.tokens, c.experts,
+                                            c.k)) == OpStatus::kOk);
     Dev<int64_t> dchosen(chosen), dexpert(want.expert), doffset(want.offset), dtiles(want.tiles),
         drows(want.rows);
     Dev<float> dweights(weights), drow_weights(want.weights);
@@ -347,17 +322,8 @@ BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
   RandomChoices(rng, tokens, experts, k, &chosen, &weights);
   const int64_t total = tokens * k, slots = std::min(experts, total);
   Grouped g(slots, total);
-  BOOST_REQUIRE(cpu::MoeGroup({.chosen = chosen.data(),
-                               .weights = weights.data(),
-                               .tokens = tokens,
-                               .experts = experts,
-                               .k = k,
-                               .slots = slots,
-                               .slot_expert = g.expert.data(),
-                               .slot_offset = g.offset.data(),
-                               .slot_tiles = g.tiles.data(),
-                               .rows = g.rows.data(),
-                               .row_weights = g.weights.data()}) == OpStatus::kOk);
+  BOOST_REQUIRE(cpu::MoeGroup(g.Params(chosen.data(), weights.data(), tokens, experts, k)) ==
+                OpStatus::kOk);
   BOOST_TEST(g.offset[1] - g.offset[0] > 8);  // A slot of more than one tile.
   for (WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
     std::vector<flashd::testing::QuantizedWeights> qw;

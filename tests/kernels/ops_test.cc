@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kernels/cpu/formats.h"
+#include "tests/support/moe_choices.h"
 #include "tests/support/quantized_weights.h"
 
 namespace flashd::kernels::cpu {
@@ -1104,31 +1105,18 @@ BOOST_AUTO_TEST_CASE(moe_route_swiglu_combine_against_double) {
 BOOST_AUTO_TEST_CASE(grouped_experts_equal_the_per_expert_loop) {
   Rng rng(23);
   const int64_t tokens = 13, experts = 7, k = 3, in = 64, out = 24;
-  std::vector<int64_t> chosen;
-  for (int64_t t = 0; t < tokens; ++t) {
-    std::vector<int64_t> pick;
-    while (static_cast<int64_t>(pick.size()) < k) {
-      const int64_t e = rng.Int(0, experts - 2);  // The last expert is never chosen.
-      if (std::find(pick.begin(), pick.end(), e) == pick.end()) pick.push_back(e);
-    }
-    chosen.insert(chosen.end(), pick.begin(), pick.end());
-  }
+  // The last expert is never chosen.
+  const std::vector<int64_t> chosen = flashd::testing::DistinctChoices(
+      tokens, k, [&] { return static_cast<int64_t>(rng.Int(0, experts - 2)); });
   const std::vector<float> weights = rng.Normal(chosen.size());
   const int64_t total = tokens * k, slots = std::min(experts, total);
-  std::vector<int64_t> slot_expert(slots), slot_offset(slots + 1), slot_tiles(slots + 1),
-      rows(total);
-  std::vector<float> row_weights(total);
-  MoeGroupParams group{.chosen = chosen.data(),
-                       .weights = weights.data(),
-                       .tokens = tokens,
-                       .experts = experts,
-                       .k = k,
-                       .slots = slots,
-                       .slot_expert = slot_expert.data(),
-                       .slot_offset = slot_offset.data(),
-                       .slot_tiles = slot_tiles.data(),
-                       .rows = rows.data(),
-                       .row_weights = row_weights.data()};
+  flashd::testing::GroupedRows grouped(slots, total);
+  const std::vector<int64_t>& slot_expert = grouped.expert;
+  const std::vector<int64_t>& slot_offset = grouped.offset;
+  const std::vector<int64_t>& slot_tiles = grouped.tiles;
+  const std::vector<int64_t>& rows = grouped.rows;
+  const std::vector<float>& row_weights = grouped.weights;
+  MoeGroupParams group = grouped.Params(chosen.data(), weights.data(), tokens, experts, k);
   BOOST_REQUIRE(MoeGroup(group) == OpStatus::kOk);
   // Per expert, in id order: its tokens in token order and their weights.
   std::vector<std::vector<int64_t>> of(experts);
