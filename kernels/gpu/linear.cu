@@ -1,10 +1,10 @@
 // The linear layers on the device, as the portable correctness path: activations quantized to
 // FP8 per 32 (one thread per block), then sums exactly as the CPU fast path's (per 32-block four
 // lanes k % 4, the lanes' sum times the weight scale added in block order; dense weights: four
-// lanes over K, the tail in lane 0, one thread per output value). Quantized weights are read in
-// tiles of 32 output columns (GemmTile below), 16 bytes a load, each decoded once for up to
-// eight rows. Results equal the CPU's bit for bit. Matrix-core GEMMs come beside it, checked
-// against it.
+// lanes over K, the tail in lane 0). Both GEMMs work in tiles of 32 output columns: quantized
+// weights (GemmTile below) read 16 bytes a load and decoded once for up to eight rows, dense ones
+// (DenseGemmKernel) staged in shared memory a chunk of K at a time. Results equal the CPU's bit
+// for bit. Matrix-core GEMMs come beside them, checked against them.
 #include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
