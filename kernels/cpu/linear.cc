@@ -168,6 +168,38 @@ __attribute__((target("avx2"))) void DecodeFp8RowScaledAvx2(const uint8_t* w, co
   }
 }
 
+// DenseDot1Sse's sums over an FP8 row's exact values decoded on the way (no row buffer): the
+// same multiplies and adds in the same order, so the same result; the decoding overlaps the
+// chain of adds that bounds that loop. K a multiple of 32.
+__attribute__((target("avx2"))) float DenseDot1Fp8Avx2(const float* x, const uint8_t* w,
+                                                       const uint8_t* s, size_t K) {
+  const __m256i mag_mask = _mm256_set1_epi32(0x7F), sign_mask = _mm256_set1_epi32(0x80);
+  const __m256 two120 = _mm256_set1_ps(0x1p120f);
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+  __m128 p = _mm_setzero_ps();
+  for (size_t b = 0; b < K / kQuantBlock; ++b) {
+    const __m256 scale = _mm256_set1_ps(E8M0ToFloat(s[b]));
+    for (size_t step = 0; step < kQuantBlock / 8; ++step) {
+      const size_t k = b * kQuantBlock + step * 8;
+      uint64_t codes;
+      std::memcpy(&codes, w + k, 8);
+      const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(codes)));
+      const __m256i mag = _mm256_and_si256(c, mag_mask);
+      const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), two120);
+      const __m256 sign =
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_mask), 24));
+      const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask));
+      const __m256 value =
+          _mm256_mul_ps(_mm256_blendv_ps(_mm256_or_ps(v, sign), nan, is_nan), scale);
+      p = _mm_add_ps(p, _mm_mul_ps(_mm_loadu_ps(x + k), _mm256_castps256_ps128(value)));
+      p = _mm_add_ps(p, _mm_mul_ps(_mm_loadu_ps(x + k + 4), _mm256_extractf128_ps(value, 1)));
+    }
+  }
+  float lane[4];
+  _mm_storeu_ps(lane, p);
+  return (lane[0] + lane[1]) + (lane[2] + lane[3]);
+}
+
 // Weight rows decoded straight into the paired layout, eight values per step.
 __attribute__((target("avx2"))) void DecodeFp8RowPairedAvx2(const uint8_t* w, size_t K,
                                                             float* out) {
@@ -511,6 +543,10 @@ void DenseLinearFp8(const float* x, size_t M, size_t K, const uint8_t* w, const 
         for (size_t n = begin; n < end; ++n) {
           const uint8_t* s = scales + (row0 + n) / 32 * scale_cols;
 #if FLASHD_X86_VECTORS
+          if (avx2 && M == 1) {  // One row: decoded straight into its sums.
+            y[n] = internal::DenseDot1Fp8Avx2(x, w + n * K, s, K);
+            continue;
+          }
           if (avx2) {
             internal::DecodeFp8RowScaledAvx2(w + n * K, s, K, row.data());
             DenseColumn(x, M, K, row.data(), N, n, y);
