@@ -142,28 +142,31 @@ float PairedDot1Avx2(const float* x, const float* w, const float* scales, size_t
   return out;
 }
 
-// An FP8 weight row's exact values (code times its 32-block's scale, as DequantizeFp8Weight
-// gives them), eight values per step; K a multiple of 32.
+// Eight FP8 codes' exact values times `scale` (as DequantizeFp8Weight gives them when `scale` is
+// their block's): as E4M3ToFloat, the magnitude's bits moved into a float's, times 2^120; the
+// sign; NaN.
+__attribute__((target("avx2"))) inline __m256 Fp8x8ScaledAvx2(const uint8_t* w, __m256 scale) {
+  const __m256i mag_mask = _mm256_set1_epi32(0x7F), sign_mask = _mm256_set1_epi32(0x80);
+  uint64_t codes;
+  std::memcpy(&codes, w, 8);
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(codes)));
+  const __m256i mag = _mm256_and_si256(c, mag_mask);
+  const __m256 v =
+      _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
+  const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_mask), 24));
+  const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask));
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+  return _mm256_mul_ps(_mm256_blendv_ps(_mm256_or_ps(v, sign), nan, is_nan), scale);
+}
+
+// An FP8 weight row's exact values (code times its 32-block's scale), eight values per step; K a
+// multiple of 32.
 __attribute__((target("avx2"))) void DecodeFp8RowScaledAvx2(const uint8_t* w, const uint8_t* s,
                                                             size_t K, float* out) {
-  const __m256i mag_mask = _mm256_set1_epi32(0x7F), sign_mask = _mm256_set1_epi32(0x80);
-  const __m256 two120 = _mm256_set1_ps(0x1p120f);
-  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
   for (size_t b = 0; b < K / kQuantBlock; ++b) {
     const __m256 scale = _mm256_set1_ps(E8M0ToFloat(s[b]));
-    for (size_t step = 0; step < kQuantBlock / 8; ++step) {
-      const size_t k = b * kQuantBlock + step * 8;
-      uint64_t codes;
-      std::memcpy(&codes, w + k, 8);
-      const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(codes)));
-      const __m256i mag = _mm256_and_si256(c, mag_mask);
-      // As E4M3ToFloat: the magnitude's bits moved into a float's, times 2^120; the sign; NaN.
-      const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), two120);
-      const __m256 sign =
-          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_mask), 24));
-      const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask));
-      _mm256_storeu_ps(out + k,
-                       _mm256_mul_ps(_mm256_blendv_ps(_mm256_or_ps(v, sign), nan, is_nan), scale));
+    for (size_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; k += 8) {
+      _mm256_storeu_ps(out + k, Fp8x8ScaledAvx2(w + k, scale));
     }
   }
 }
@@ -173,24 +176,11 @@ __attribute__((target("avx2"))) void DecodeFp8RowScaledAvx2(const uint8_t* w, co
 // chain of adds that bounds that loop. K a multiple of 32.
 __attribute__((target("avx2"))) float DenseDot1Fp8Avx2(const float* x, const uint8_t* w,
                                                        const uint8_t* s, size_t K) {
-  const __m256i mag_mask = _mm256_set1_epi32(0x7F), sign_mask = _mm256_set1_epi32(0x80);
-  const __m256 two120 = _mm256_set1_ps(0x1p120f);
-  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
   __m128 p = _mm_setzero_ps();
   for (size_t b = 0; b < K / kQuantBlock; ++b) {
     const __m256 scale = _mm256_set1_ps(E8M0ToFloat(s[b]));
-    for (size_t step = 0; step < kQuantBlock / 8; ++step) {
-      const size_t k = b * kQuantBlock + step * 8;
-      uint64_t codes;
-      std::memcpy(&codes, w + k, 8);
-      const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(codes)));
-      const __m256i mag = _mm256_and_si256(c, mag_mask);
-      const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), two120);
-      const __m256 sign =
-          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_mask), 24));
-      const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask));
-      const __m256 value =
-          _mm256_mul_ps(_mm256_blendv_ps(_mm256_or_ps(v, sign), nan, is_nan), scale);
+    for (size_t k = b * kQuantBlock; k < (b + 1) * kQuantBlock; k += 8) {
+      const __m256 value = Fp8x8ScaledAvx2(w + k, scale);
       p = _mm_add_ps(p, _mm_mul_ps(_mm_loadu_ps(x + k), _mm256_castps256_ps128(value)));
       p = _mm_add_ps(p, _mm_mul_ps(_mm_loadu_ps(x + k + 4), _mm256_extractf128_ps(value, 1)));
     }
