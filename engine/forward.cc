@@ -2061,11 +2061,12 @@ Status CpuForward::UploadWeights(
     const size_t groups = static_cast<size_t>(c.o_groups);
     if (L.wo_a.w != nullptr && groups > 0) {
       const size_t group = static_cast<size_t>(L.wo_a.out * L.wo_a.in) / groups;
-      for (size_t g = 0; g < groups; ++g)
+      for (size_t g = 0; g < groups; ++g) {
         weights.push_back({b, L.wo_a.w + g * group, group, false});
-      weights.push_back({b, L.wo_a.s,
-                         static_cast<size_t>((L.wo_a.out + 31) / 32 * ((L.wo_a.in + 31) / 32)),
-                         false});
+      }
+      const kernels::StoredBytes stored =
+          kernels::QuantizedWeightBytes(kernels::WeightFormat::kFp8Dense, L.wo_a.out, L.wo_a.in);
+      weights.push_back({b, L.wo_a.s, static_cast<size_t>(stored.scales), false});
     }
     if (!L.gate_w.empty()) weights.push_back({b, L.gate_w.data(), L.gate_w.size() * 4, true});
     for (const Expert& e : L.experts) {

@@ -910,7 +910,8 @@ class GpuBackend final : public Backend {
         // The codes of these rows; the scales of the tiles they reach (of a larger matrix when
         // the rows are a slice of it, uploaded whole beforehand).
         d.w = c.Weight(p.w, p.out * p.in);
-        d.w_scales = c.Weight(p.w_scales, (p.w_row0 + p.out + 31) / 32 * ((p.in + 31) / 32));
+        d.w_scales =
+            c.Weight(p.w_scales, k::QuantizedWeightBytes(p.format, p.w_row0 + p.out, p.in).scales);
       } else {
         d.w = c.Weight(p.w, p.out * p.in * 2);
       }

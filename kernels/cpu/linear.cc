@@ -142,13 +142,10 @@ float PairedDot1Avx2(const float* x, const float* w, const float* scales, size_t
   return out;
 }
 
-// Eight FP8 codes' exact values times `scale` (as DequantizeFp8Weight gives them when `scale` is
-// their block's): as E4M3ToFloat, the magnitude's bits moved into a float's, times 2^120; the
-// sign; NaN.
-__attribute__((target("avx2"))) inline __m256 Fp8x8ScaledAvx2(const uint8_t* w, __m256 scale) {
+// Eight FP8 codes (code i in byte i of `codes`) as floats, each equal to E4M3ToFloat's: the
+// magnitude's bits moved into a float's, times 2^120; the sign; NaN.
+__attribute__((target("avx2"))) inline __m256 Fp8x8Avx2(uint64_t codes) {
   const __m256i mag_mask = _mm256_set1_epi32(0x7F), sign_mask = _mm256_set1_epi32(0x80);
-  uint64_t codes;
-  std::memcpy(&codes, w, 8);
   const __m256i c = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(codes)));
   const __m256i mag = _mm256_and_si256(c, mag_mask);
   const __m256 v =
@@ -156,7 +153,15 @@ __attribute__((target("avx2"))) inline __m256 Fp8x8ScaledAvx2(const uint8_t* w, 
   const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_mask), 24));
   const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask));
   const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
-  return _mm256_mul_ps(_mm256_blendv_ps(_mm256_or_ps(v, sign), nan, is_nan), scale);
+  return _mm256_blendv_ps(_mm256_or_ps(v, sign), nan, is_nan);
+}
+
+// The eight FP8 codes at `w` times `scale`: their exact values when `scale` is their block's (as
+// DequantizeFp8Weight gives them).
+__attribute__((target("avx2"))) inline __m256 Fp8x8ScaledAvx2(const uint8_t* w, __m256 scale) {
+  uint64_t codes;
+  std::memcpy(&codes, w, 8);
+  return _mm256_mul_ps(Fp8x8Avx2(codes), scale);
 }
 
 // An FP8 weight row's exact values (code times its 32-block's scale), eight values per step; K a
@@ -194,9 +199,6 @@ __attribute__((target("avx2"))) float DenseDot1Fp8Avx2(const float* x, const uin
 __attribute__((target("avx2"))) void DecodeFp8RowPairedAvx2(const uint8_t* w, size_t K,
                                                             float* out) {
   const size_t blocks = K / kQuantBlock, pairs = blocks / 2;
-  const __m256i mag_mask = _mm256_set1_epi32(0x7F), sign_mask = _mm256_set1_epi32(0x80);
-  const __m256 two120 = _mm256_set1_ps(0x1p120f);
-  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
   for (size_t p = 0; p < pairs; ++p) {
     const uint8_t* b0 = w + 2 * p * kQuantBlock;
     const uint8_t* b1 = b0 + kQuantBlock;
@@ -204,16 +206,7 @@ __attribute__((target("avx2"))) void DecodeFp8RowPairedAvx2(const uint8_t* w, si
       uint32_t lo, hi;
       std::memcpy(&lo, b0 + 4 * step, 4);
       std::memcpy(&hi, b1 + 4 * step, 4);
-      const __m256i c =
-          _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(lo | uint64_t{hi} << 32)));
-      const __m256i mag = _mm256_and_si256(c, mag_mask);
-      // As E4M3ToFloat: the magnitude's bits moved into a float's, times 2^120; the sign; NaN.
-      const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), two120);
-      const __m256 sign =
-          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(c, sign_mask), 24));
-      const __m256 is_nan = _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, mag_mask));
-      _mm256_storeu_ps(out + p * 2 * kQuantBlock + step * 8,
-                       _mm256_blendv_ps(_mm256_or_ps(v, sign), nan, is_nan));
+      _mm256_storeu_ps(out + p * 2 * kQuantBlock + step * 8, Fp8x8Avx2(lo | uint64_t{hi} << 32));
     }
   }
   for (size_t k = pairs * 2 * kQuantBlock; k < K; ++k) out[k] = E4M3ToFloatArith(w[k]);
@@ -543,11 +536,7 @@ void DenseLinearFp8(const float* x, size_t M, size_t K, const uint8_t* w, const 
             continue;
           }
 #endif
-          DecodeFp8Row(w + n * K, K, row.data());  // The codes' values, then the scales.
-          for (size_t b = 0; b < scale_cols; ++b) {
-            const float scale = E8M0ToFloat(s[b]);
-            for (size_t k = 0; k < 32; ++k) row[b * 32 + k] *= scale;
-          }
+          DequantizeFp8Weight(w + n * K, s, 1, K, row.data());
           DenseColumn(x, M, K, row.data(), N, n, y);
         }
       },

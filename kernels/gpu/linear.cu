@@ -317,7 +317,7 @@ auto Pick(int format, bool one_row) {
   return one_row ? Kernel<1, 1>::kFn : Kernel<1, kGemmRows>::kFn;
 }
 template <int kFormat, int kRows>
-struct DenseGemm {
+struct QuantizedGemm {
   static constexpr auto kFn = &QuantizedGemmKernel<kFormat, kRows>;
 };
 template <int kFormat, int kRows>
@@ -351,8 +351,7 @@ struct Fp8Values {
   const uint8_t* scales;
   int64_t row0;
   __device__ float operator()(int64_t n, int64_t k, int64_t K) const {
-    const int64_t scale = (row0 + n) / kBlock * ((K + kBlock - 1) / kBlock) + k / kBlock;
-    return c::E4M3ToFloat(w[n * K + k]) * c::E8M0ToFloat(scales[scale]);
+    return c::E4M3ToFloat(w[n * K + k]) * WeightScale<0>(scales, row0 + n, K, k / kBlock);
   }
 };
 
@@ -426,12 +425,18 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
+// Thread blocks for M rows by N columns in tiles of one row (M == 1, one sequence's step) or of
+// kGemmRows, each `split` times.
+int64_t TileGrid(int64_t M, int64_t N, int64_t split = 1) {
+  const int64_t tile_rows = M == 1 ? 1 : kGemmRows;
+  return (M + tile_rows - 1) / tile_rows * ColumnGroups(N) * split;
+}
+
 template <class W>
 OpStatus DenseLinear(const float* x, int64_t M, int64_t K, W w, int64_t N, float* y,
                      gpuStream_t stream) {
   const bool one_row = M == 1;
-  const int64_t tile_rows = one_row ? 1 : kGemmRows;
-  const int64_t grid = (M + tile_rows - 1) / tile_rows * ColumnGroups(N);
+  const int64_t grid = TileGrid(M, N);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const auto kernel = one_row ? &DenseGemmKernel<W, 1> : &DenseGemmKernel<W, kGemmRows>;
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, x, M, K, w, N, y);
@@ -453,16 +458,14 @@ OpStatus QuantizedLinear(const LinearParams& p, int split) {
   if (!Aligned(p.w, 16) || !Aligned(p.x_codes, 4)) return OpStatus::kBadArgument;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   const bool one_row = p.rows == 1;
-  const int64_t tile_rows = one_row ? 1 : kGemmRows;
-  const int64_t row_groups = (p.rows + tile_rows - 1) / tile_rows;
-  const int64_t grid = row_groups * ColumnGroups(p.out) * (split > 1 ? split : 1);
+  const int64_t grid = TileGrid(p.rows, p.out, split > 1 ? split : 1);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
   const int64_t blocks = p.rows * p.in / kBlock;
   const int format = p.format == WeightFormat::kFp8 ? 0 : 1;
   FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
                 p.x_scales);
   if (split == 0) {
-    const auto kernel = Pick<DenseGemm>(format, one_row);
+    const auto kernel = Pick<QuantizedGemm>(format, one_row);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
                   p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, p.y);
   } else {
