@@ -89,9 +89,10 @@ struct Weight {
   const uint8_t* scales = nullptr;
   const float* dense = nullptr;
   int64_t in = 0, out = 0;
+  int64_t groups = 1;  // kFp8Dense: projections side by side (LinearParams::groups), each [out, in]
   uint64_t bytes() const {
     if (format == k::WeightFormat::kDense) return uint64_t(out * in) * 4;
-    const k::StoredBytes stored = k::QuantizedWeightBytes(format, out, in);
+    const k::StoredBytes stored = k::QuantizedWeightBytes(format, groups * out, in);
     return uint64_t(stored.codes + stored.scales);
   }
 };
@@ -101,6 +102,13 @@ Weight Quantized(k::WeightFormat format, int64_t out, int64_t in) {
   return {format, Codes(stored.codes), Codes(stored.scales), nullptr, in, out};
 }
 Weight Fp8(int64_t out, int64_t in) { return Quantized(k::WeightFormat::kFp8, out, in); }
+// wo_a: `groups` FP8 matrices [out, in] run as their values, in one op.
+Weight Fp8ValueGroups(int64_t groups, int64_t out, int64_t in) {
+  Weight w = Quantized(k::WeightFormat::kFp8Dense, groups * out, in);
+  w.out = out;
+  w.groups = groups;
+  return w;
+}
 Weight Fp4(int64_t out, int64_t in) { return Quantized(k::WeightFormat::kFp4, out, in); }
 Weight Dense(int64_t out, int64_t in) {
   return {k::WeightFormat::kDense, nullptr, nullptr, Floats(out * in, 0.05f), in, out};
@@ -120,7 +128,8 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .x_codes = xq,
                              .x_scales = xs,
                              .y = y,
-                             .stream = stream};
+                             .stream = stream,
+                             .groups = w.groups};
   CheckOp(split == 0 ? g::Linear(p) : g::LinearFreeOrder(p, split), "Linear");
 }
 
@@ -156,10 +165,7 @@ class Layer {
     wq_a_ = Fp8(d.q_lora, d.hidden);
     wq_b_ = Fp8(d.heads * d.head_dim, d.q_lora);
     wkv_ = Fp8(d.head_dim, d.hidden);
-    for (int64_t gi = 0; gi < d.o_groups; ++gi) {
-      wo_a_.push_back(
-          Quantized(k::WeightFormat::kFp8Dense, d.o_lora, d.heads * d.head_dim / d.o_groups));
-    }
+    wo_a_ = Fp8ValueGroups(d.o_groups, d.o_lora, d.heads * d.head_dim / d.o_groups);
     wo_b_ = Fp8(d.hidden, d.o_groups * d.o_lora);
     router_ = Dense(d.experts, d.hidden);
     router_bias_ = Floats(d.experts, 0.01f);
@@ -364,14 +370,8 @@ class Layer {
       }
       for (int64_t s = 0; s < batch; ++s) CheckOp(g::SparseAttention(Attention(s)), "Attention");
     });
-    uint64_t wo_a_bytes = 0;
-    for (const Weight& w : wo_a_) wo_a_bytes += w.bytes();
-    add("wo_a (FP8 as values, per group)", wo_a_bytes, [&] {
-      for (int64_t gi = 0; gi < d.o_groups; ++gi) {
-        // Each group's slice of the heads, as the forward pass's grouped LoRA.
-        Apply(wo_a_[gi], o_ + gi * (d.heads * d.head_dim / d.o_groups), batch, og_ + gi * d.o_lora);
-      }
-    });
+    add("wo_a (FP8 as values, its groups in one op)", wo_a_.bytes(),
+        [&] { Apply(wo_a_, o_, batch, og_); });
     add("wo_b (FP8)", wo_b_.bytes(), [&] { Apply(wo_b_, og_, batch, sub_); });
     add("hc expand (x2)", 2 * act * (2 * d.hc * d.hidden + d.hidden), [&] {
       for (int i = 0; i < 2; ++i) {
@@ -593,8 +593,8 @@ class Layer {
   float *row_weights_, *xg_, *gg_, *ug_, *hg_, *og_routed_;
   uint8_t *xq_grouped_, *xs_grouped_;
   float *hc_fn_, *hc_scale_, *hc_base_, *norm_, *router_bias_, *freqs_, *sink_;
-  Weight wq_a_, wq_b_, wkv_, wo_b_, router_;
-  std::vector<Weight> wo_a_, shared_;
+  Weight wq_a_, wq_b_, wkv_, wo_a_, wo_b_, router_;
+  std::vector<Weight> shared_;
   std::vector<std::vector<Weight>> experts_;
   float *X_, *out_X_, *mixes_, *pre_, *post_, *comb_, *x_, *sub_, *qa_, *q_, *o_, *og_, *kv_;
   float *logits_, *scores_, *biased_, *weights_, *gate_, *up_, *h_, *y_, *expert_out_;

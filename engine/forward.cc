@@ -1230,33 +1230,19 @@ Status Step::Output(int l, const std::vector<float>& o) {
   const Layer& L = m_.layers[l];
   const int64_t rows = static_cast<int64_t>(n()), H = c_.num_attention_heads, hd = c_.head_dim;
   const int64_t G = c_.o_groups, olr = c_.o_lora_rank, gin = H * hd / G;
-  std::vector<float> og(static_cast<size_t>(rows * G * olr)), gx(static_cast<size_t>(rows * gin));
-  std::vector<float> gy(static_cast<size_t>(rows * olr));
-  const Kept kept(this, {&og, &gx, &gy});
-  for (int64_t g = 0; g < G; ++g) {
-    FLASHD_OP(CopyRows, {.src = &o[g * gin],
-                         .src_stride = H * hd,
-                         .rows = rows,
-                         .cols = gin,
-                         .dst = gx.data(),
-                         .dst_stride = gin});
-    FLASHD_OP(Linear, {.x = gx.data(),
-                       .rows = rows,
-                       .in = gin,
-                       .out = olr,
-                       .format = kernels::WeightFormat::kFp8Dense,
-                       .w = L.wo_a.w + g * olr * gin,
-                       .w_scales = L.wo_a.s,
-                       .y = gy.data(),
-                       .stream = &stream_,
-                       .w_row0 = g * olr});
-    FLASHD_OP(CopyRows, {.src = gy.data(),
-                         .src_stride = olr,
-                         .rows = rows,
-                         .cols = olr,
-                         .dst = &og[g * olr],
-                         .dst_stride = G * olr});
-  }
+  std::vector<float> og(static_cast<size_t>(rows * G * olr));
+  const Kept kept(this, {&og});
+  // The groups in one op: group g's slice of the heads to its o_lora outputs.
+  FLASHD_OP(Linear, {.x = o.data(),
+                     .rows = rows,
+                     .in = gin,
+                     .out = olr,
+                     .format = kernels::WeightFormat::kFp8Dense,
+                     .w = L.wo_a.w,
+                     .w_scales = L.wo_a.s,
+                     .y = og.data(),
+                     .stream = &stream_,
+                     .groups = G});
   FLASHD_OP(RoundBf16, {.x = og.data(), .n = static_cast<int64_t>(og.size())});
   FLASHD_RETURN_IF_ERROR(Apply(L.wo_b, og.data(), rows, sub_.data()));
   FLASHD_OP(RoundBf16, {.x = sub_.data(), .n = static_cast<int64_t>(sub_.size())});
@@ -2056,16 +2042,11 @@ Status CpuForward::UploadWeights(
                               &L.shared.w1, &L.shared.w2, &L.shared.w3}) {
       AddLinear(b, *lin, &weights);
     }
-    // wo_a goes to the ops a group at a time, each group's rows their own codes, the scales
-    // whole.
-    const size_t groups = static_cast<size_t>(c.o_groups);
-    if (L.wo_a.w != nullptr && groups > 0) {
-      const size_t group = static_cast<size_t>(L.wo_a.out * L.wo_a.in) / groups;
-      for (size_t g = 0; g < groups; ++g) {
-        weights.push_back({b, L.wo_a.w + g * group, group, false});
-      }
+    // wo_a goes to the ops whole, its groups in one op.
+    if (L.wo_a.w != nullptr) {
       const kernels::StoredBytes stored =
           kernels::QuantizedWeightBytes(kernels::WeightFormat::kFp8Dense, L.wo_a.out, L.wo_a.in);
+      weights.push_back({b, L.wo_a.w, static_cast<size_t>(stored.codes), false});
       weights.push_back({b, L.wo_a.s, static_cast<size_t>(stored.scales), false});
     }
     if (!L.gate_w.empty()) weights.push_back({b, L.gate_w.data(), L.gate_w.size() * 4, true});

@@ -890,7 +890,8 @@ class GpuBackend final : public Backend {
     return Run([&](Call& c) {
       k::LinearParams d = p;
       d.stream = nullptr;
-      d.x = c.In(p.x, p.rows * p.in);
+      const int64_t groups = p.groups > 0 ? p.groups : 1;  // The op refuses the rest.
+      d.x = c.In(p.x, p.rows * groups * p.in);
       d.w = d.w_scales = nullptr;
       d.dense = nullptr;
       if (p.format == k::WeightFormat::kFp8 || p.format == k::WeightFormat::kFp4) {
@@ -909,15 +910,15 @@ class GpuBackend final : public Backend {
       } else if (p.format == k::WeightFormat::kFp8Dense) {
         // The codes of these rows; the scales of the tiles they reach (of a larger matrix when
         // the rows are a slice of it, uploaded whole beforehand).
-        d.w = c.Weight(p.w, p.out * p.in);
-        d.w_scales =
-            c.Weight(p.w_scales, k::QuantizedWeightBytes(p.format, p.w_row0 + p.out, p.in).scales);
+        d.w = c.Weight(p.w, groups * p.out * p.in);
+        d.w_scales = c.Weight(
+            p.w_scales, k::QuantizedWeightBytes(p.format, p.w_row0 + groups * p.out, p.in).scales);
       } else {
         d.w = c.Weight(p.w, p.out * p.in * 2);
       }
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
-      d.y = c.Out(p.y, p.rows * p.out);
+      d.y = c.Out(p.y, p.rows * groups * p.out);
       return Launch(c, [&] { return g::Linear(d); });
     });
   }

@@ -104,6 +104,12 @@ struct LinearParams {
   // kFp8Dense: `w` may be rows of a larger matrix whose scales `w_scales` are, its first row
   // being that matrix's row w_row0 (scale row (w_row0 + n) / 32 for row n).
   int64_t w_row0 = 0;
+  // kFp8Dense: `groups` independent projections in one op (wo_a's grouped LoRA): x [rows,
+  // groups * in], y [rows, groups * out], group g taking x's columns [g * in, (g + 1) * in) to
+  // y's [g * out, (g + 1) * out) through weight rows [g * out, (g + 1) * out) (scale rows from
+  // w_row0 + g * out). Each group's sums are those of a separate op on its slices. Other formats
+  // take one group.
+  int64_t groups = 1;
 };
 
 // --- Element-wise and row ops -----------------------------------------------------------------

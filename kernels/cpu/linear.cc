@@ -462,22 +462,21 @@ void DenseLinearRef(const float* x, size_t M, size_t K, const float* w, size_t N
 
 namespace {
 
-// Output column n (y[m, n] for every row m) from weight row wn.
-void DenseColumn(const float* x, size_t M, size_t K, const float* wn, size_t N, size_t n,
-                 float* y) {
+// Output column n (y[m * y_stride + n] for every row m) from weight row wn, row m of the input
+// at x + m * x_stride.
+void DenseColumn(const float* x, size_t x_stride, size_t M, size_t K, const float* wn, size_t n,
+                 float* y, size_t y_stride) {
   size_t m = 0;
 #if FLASHD_X86_VECTORS
   // Four rows at once, each in its own register of the same four lanes.
   for (; m + 4 <= M; m += 4) {
     float out[4];
-    internal::DenseDot4Sse(x + m * K, K, wn, K, out);
-    for (size_t r = 0; r < 4; ++r) y[(m + r) * N + n] = out[r];
+    internal::DenseDot4Sse(x + m * x_stride, x_stride, wn, K, out);
+    for (size_t r = 0; r < 4; ++r) y[(m + r) * y_stride + n] = out[r];
   }
-#endif
-#if FLASHD_X86_VECTORS
-  for (; m < M; ++m) y[m * N + n] = internal::DenseDot1Sse(x + m * K, wn, K);
+  for (; m < M; ++m) y[m * y_stride + n] = internal::DenseDot1Sse(x + m * x_stride, wn, K);
 #else
-  for (; m < M; ++m) y[m * N + n] = internal::DenseDotPlain(x + m * K, wn, K);
+  for (; m < M; ++m) y[m * y_stride + n] = internal::DenseDotPlain(x + m * x_stride, wn, K);
 #endif
 }
 
@@ -490,7 +489,7 @@ void DenseLinear(const float* x, size_t M, size_t K, const float* w, size_t N, f
   ParallelRanges(
       N, threads,
       [&](size_t begin, size_t end) {
-        for (size_t n = begin; n < end; ++n) DenseColumn(x, M, K, w + n * K, N, n, y);
+        for (size_t n = begin; n < end; ++n) DenseColumn(x, K, M, K, w + n * K, n, y, N);
       },
       min_rows);
 }
@@ -506,38 +505,45 @@ void DenseLinearBf16(const float* x, size_t M, size_t K, const uint16_t* w, size
         std::vector<float> row(K);
         for (size_t n = begin; n < end; ++n) {
           for (size_t k = 0; k < K; ++k) row[k] = Bf16ToFloat(w[n * K + k]);
-          DenseColumn(x, M, K, row.data(), N, n, y);
+          DenseColumn(x, K, M, K, row.data(), n, y, N);
         }
       },
       min_rows);
 }
 
 // DenseLinear over FP8 codes and their 32x32 tiles' scales (rows from row0 of the scales'
-// matrix): each weight row decoded to its exact values, then summed as DenseLinear does.
+// matrix): each weight row decoded to its exact values, then summed as DenseLinear does; for
+// `groups` projections side by side (LinearParams::groups), their G * N columns split among the
+// threads.
 void DenseLinearFp8(const float* x, size_t M, size_t K, const uint8_t* w, const uint8_t* scales,
-                    size_t row0, size_t N, float* y, int threads) {
+                    size_t row0, size_t N, size_t groups, float* y, int threads) {
   const size_t min_rows = std::max<size_t>(1, (size_t{1} << 16) / (M * K));
   const size_t scale_cols = K / 32;  // The op requires whole 32-blocks.
+  const size_t x_stride = groups * K, y_stride = groups * N;
   [[maybe_unused]] const bool avx2 = internal::CpuHasAvx2();
   ParallelRanges(
-      N, threads,
+      groups * N, threads,
       [&](size_t begin, size_t end) {
         std::vector<float> row(K);
-        for (size_t n = begin; n < end; ++n) {
-          const uint8_t* s = scales + (row0 + n) / 32 * scale_cols;
+        for (size_t i = begin; i < end; ++i) {
+          const size_t g = i / N, n = i % N;
+          const float* xg = x + g * K;
+          float* yg = y + g * N;
+          const uint8_t* wn = w + i * K;  // Row g * N + n.
+          const uint8_t* s = scales + (row0 + i) / 32 * scale_cols;
 #if FLASHD_X86_VECTORS
           if (avx2 && M == 1) {  // One row: decoded straight into its sums.
-            y[n] = internal::DenseDot1Fp8Avx2(x, w + n * K, s, K);
+            yg[n] = internal::DenseDot1Fp8Avx2(xg, wn, s, K);
             continue;
           }
           if (avx2) {
-            internal::DecodeFp8RowScaledAvx2(w + n * K, s, K, row.data());
-            DenseColumn(x, M, K, row.data(), N, n, y);
+            internal::DecodeFp8RowScaledAvx2(wn, s, K, row.data());
+            DenseColumn(xg, x_stride, M, K, row.data(), n, yg, y_stride);
             continue;
           }
 #endif
-          DequantizeFp8Weight(w + n * K, s, 1, K, row.data());
-          DenseColumn(x, M, K, row.data(), N, n, y);
+          DequantizeFp8Weight(wn, s, 1, K, row.data());
+          DenseColumn(xg, x_stride, M, K, row.data(), n, yg, y_stride);
         }
       },
       min_rows);
@@ -551,6 +557,8 @@ OpStatus Linear(const LinearParams& p) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
+  if (p.groups < 1) return OpStatus::kBadShape;
+  if (p.groups > 1 && p.format != WeightFormat::kFp8Dense) return OpStatus::kBadArgument;
   if (p.rows == 0) return OpStatus::kOk;
   const size_t rows = static_cast<size_t>(p.rows), in = static_cast<size_t>(p.in);
   const size_t out = static_cast<size_t>(p.out);
@@ -568,8 +576,8 @@ OpStatus Linear(const LinearParams& p) {
   if (p.format == WeightFormat::kFp8Dense) {
     if (p.w == nullptr || p.w_scales == nullptr) return OpStatus::kBadArgument;
     if (p.w_row0 < 0 || p.in % kQuantBlock != 0) return OpStatus::kBadShape;
-    DenseLinearFp8(p.x, rows, in, p.w, p.w_scales, static_cast<size_t>(p.w_row0), out, p.y,
-                   threads);
+    DenseLinearFp8(p.x, rows, in, p.w, p.w_scales, static_cast<size_t>(p.w_row0), out,
+                   static_cast<size_t>(p.groups), p.y, threads);
     return OpStatus::kOk;
   }
   if (p.in % kQuantBlock != 0) return OpStatus::kBadShape;

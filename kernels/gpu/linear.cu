@@ -334,8 +334,7 @@ __global__ void ZeroKernel(float* y, int64_t n) {
   if (i < n) y[i] = 0.0f;
 }
 
-// A dense weight's value (n, k) of [N, K]: fp32 values, BF16 codes, or FP8 codes times their
-// 32x32 tile's scale (rows from row0 of the scales' matrix).
+// A dense weight's value (n, k) of [N, K]: fp32 values or BF16 codes.
 struct F32Values {
   const float* w;
   __device__ float operator()(int64_t n, int64_t k, int64_t K) const { return w[n * K + k]; }
@@ -346,16 +345,8 @@ struct Bf16Values {
     return c::Bf16ToFloat(w[n * K + k]);
   }
 };
-struct Fp8Values {
-  const uint8_t* w;
-  const uint8_t* scales;
-  int64_t row0;
-  __device__ float operator()(int64_t n, int64_t k, int64_t K) const {
-    return c::E4M3ToFloat(w[n * K + k]) * WeightScale<0>(scales, row0 + n, K, k / kBlock);
-  }
-};
 
-// Dense weights (fp32 values, BF16 codes or FP8 codes as values: the same sums), in tiles of
+// Dense weights (fp32 values or BF16 codes: the same sums), in tiles of
 // kTileCols output columns and up to kRows rows by kTileThreads threads: thread t keeps lane j = (t
 // / 32) % 4 of column t % 32 for every row, the products of values k = j, j + 4, ... in order (the
 // K % 4 last values in lane 0 after them), and the lanes meet as (p0 + p1) + (p2 + p3): the CPU's
@@ -448,6 +439,174 @@ bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t
 
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
+// FP8 codes used as their values (kFp8Dense: wo_a), the dense sums over fp32 activations, for
+// `groups` projections side by side. Each lane of the CPU's sums (values k = j, j + 4, ... of a
+// row, in order) is one chain of adds, so a column can use four threads at most: thread t of a
+// block takes column t / 4 of the tile's kTileCols and lane j = t % 4, and a launch has 4 x
+// columns x groups threads (wo_a at batch 1: 32,768, where tiles of whole columns would give a
+// fourth of that, each reading its rows a byte a load). K goes 64 values a step: the four
+// threads of a column each load the step's 64 codes (four 16-byte loads at the same addresses,
+// which the memory system serves once) and decode their lane's 16, byte j of every word; the
+// loads of the next kAhead steps are in flight while a step is summed. A row's activations are
+// staged in shared memory a chunk at a time, each lane's values together.
+//
+// A code is decoded as in the quantized tile (its value times 2^-120, without a multiply) and
+// its 32x32 tile's scale s applied as s x 2^120 (exact for s <= 2^7): the product is the
+// CPU's code value times s, the same real number rounded once, so the sums are the CPU's bit for
+// bit. Larger scales take the exact decode. A NaN code (magnitude 0x7F) decodes as 480 x 2^-120,
+// above every finite code's 448: a lane that met one gives NaN, as the CPU's sums do.
+constexpr int64_t kValueStep = 64;
+constexpr int64_t kValueChunk = 1024;
+constexpr int64_t kValueLanes = kValueChunk / 4 + 4;  // float4-aligned, lanes four banks apart
+constexpr float kValueScaledMax = 448.0f * 0x1p-120f;
+
+template <int kRows>
+constexpr int kValueAhead = kRows == 1 ? 8 : 4;
+
+template <int kRows>
+__global__ void __launch_bounds__(kTileThreads)
+    Fp8ValuesKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
+                    const uint8_t* scales, int64_t row0, int64_t N, float* y) {
+  constexpr int kAhead = kValueAhead<kRows>;
+  __shared__ float4 xt[kRows][4][kValueLanes / 4];
+  __shared__ float lanes[kRows][kTileCols][5];
+  const int64_t col_groups = ColumnGroups(N);
+  const int64_t n0 = (blockIdx.x % col_groups) * kTileCols;
+  const int64_t g = (blockIdx.x / col_groups) % groups;
+  const int64_t m0 = blockIdx.x / (col_groups * groups) * kRows;
+  const int64_t rows = kRows == 1 ? 1 : M - m0 < kRows ? M - m0 : kRows;
+  const unsigned t = threadIdx.x;
+  const int64_t col = t / 4, n = n0 + col;
+  const int j = static_cast<int>(t % 4);
+  const int64_t row = g * N + (n < N ? n : N - 1);  // Columns past N read the last row.
+  const uint8_t* wrow = w + row * K;
+  const uint8_t* srow = scales + (row0 + row) / kBlock * (K / kBlock);
+  const float* xg = x + g * K;
+  const int64_t x_stride = groups * K;
+
+  const uint4* wq = reinterpret_cast<const uint4*>(wrow);
+  const int whole_steps = static_cast<int>(K / kValueStep);  // Then one 32-block if K % 64.
+  float p[kRows];
+  FLASHD_UNROLL
+  for (int r = 0; r < kRows; ++r) p[r] = 0.0f;
+  float vmax = 0.0f;
+  const int shift = 24 - 8 * j;
+  // The chunk of activations from c0, lane by lane, once every thread is done with the last.
+  const auto stage = [&](int64_t c0) {
+    __syncthreads();
+    for (int64_t i = t; i < rows * kValueChunk; i += kTileThreads) {
+      const int64_t r = i / kValueChunk, kk = i % kValueChunk;
+      if (c0 + kk < K) {
+        reinterpret_cast<float*>(xt[r][kk % 4])[kk / 4] = xg[(m0 + r) * x_stride + c0 + kk];
+      }
+    }
+    __syncthreads();
+  };
+  // The step at K-offset k0: its 16 words (8 when it holds one 32-block) with the two blocks'
+  // scale codes in sc.
+  const auto sum_step = [&](const uint32_t(&words)[16], uint32_t sc, int64_t k0, bool whole) {
+    const int q0 = static_cast<int>(k0 % kValueChunk / 16);  // The step's first float4 a lane.
+    const uint32_t e0 = sc & 0xFF, e1 = sc >> 8;
+    const bool fast = e0 <= 134 && e1 <= 134;
+    const float s_lo =
+        fast ? c::FromBits((e0 + 120) << 23) : c::E8M0ToFloat(static_cast<uint8_t>(e0));
+    const float s_hi =
+        fast ? c::FromBits((e1 + 120) << 23) : c::E8M0ToFloat(static_cast<uint8_t>(e1));
+    FLASHD_UNROLL
+    for (int h = 0; h < 16; ++h) {
+      if (h >= 8 && !whole) break;
+      float wv;
+      if (fast) {
+        const int32_t top = static_cast<int32_t>(words[h] << shift);
+        const float v = c::FromBits(static_cast<uint32_t>(top >> 4) & 0x87F00000u);
+        vmax = fmaxf(vmax, fabsf(v));
+        wv = v * (h < 8 ? s_lo : s_hi);
+      } else {
+        wv = c::E4M3ToFloat(static_cast<uint8_t>(words[h] >> (8 * j))) * (h < 8 ? s_lo : s_hi);
+      }
+      FLASHD_UNROLL
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= rows) break;
+        const float4 x4 = xt[r][j][q0 + h / 4];
+        const float xv = h % 4 == 0 ? x4.x : h % 4 == 1 ? x4.y : h % 4 == 2 ? x4.z : x4.w;
+        const float prod = xv * wv;
+        p[r] = p[r] + prod;
+      }
+    }
+  };
+  const auto words_of = [](const uint4* q, uint32_t(&words)[16]) {
+    FLASHD_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      words[4 * i] = q[i].x;
+      words[4 * i + 1] = q[i].y;
+      words[4 * i + 2] = q[i].z;
+      words[4 * i + 3] = q[i].w;
+    }
+  };
+  // The whole steps, kAhead steps' loads in flight ahead of the sums.
+  uint4 raw[kAhead][4];
+  uint32_t sc[kAhead];
+  FLASHD_UNROLL
+  for (int a = 0; a < kAhead; ++a) {
+    if (a >= whole_steps) break;
+    FLASHD_UNROLL
+    for (int i = 0; i < 4; ++i) raw[a][i] = wq[4 * a + i];
+    sc[a] = srow[2 * a] | uint32_t{srow[2 * a + 1]} << 8;
+  }
+  for (int s0 = 0; s0 < whole_steps; s0 += kAhead) {
+    FLASHD_UNROLL
+    for (int a = 0; a < kAhead; ++a) {
+      const int s = s0 + a;
+      if (s >= whole_steps) break;
+      const int64_t k0 = int64_t{s} * kValueStep;
+      if (k0 % kValueChunk == 0) stage(k0);
+      uint32_t words[16];
+      words_of(raw[a], words);
+      sum_step(words, sc[a], k0, true);
+      const int next = s + kAhead;
+      if (next < whole_steps) {
+        FLASHD_UNROLL
+        for (int i = 0; i < 4; ++i) raw[a][i] = wq[4 * next + i];
+        sc[a] = srow[2 * next] | uint32_t{srow[2 * next + 1]} << 8;
+      }
+    }
+  }
+  if (K % kValueStep != 0) {  // One 32-block left.
+    const int64_t k0 = int64_t{whole_steps} * kValueStep;
+    if (k0 % kValueChunk == 0) stage(k0);
+    const uint4 half[4] = {wq[4 * whole_steps], wq[4 * whole_steps + 1], uint4{0, 0, 0, 0},
+                           uint4{0, 0, 0, 0}};
+    uint32_t words[16];
+    words_of(half, words);
+    sum_step(words, srow[2 * whole_steps], k0, false);
+  }
+  if (vmax > kValueScaledMax) {  // A NaN code in this lane.
+    FLASHD_UNROLL
+    for (int r = 0; r < kRows; ++r) p[r] = c::FromBits(0x7FC00000u);
+  }
+  FLASHD_UNROLL
+  for (int r = 0; r < kRows; ++r) lanes[r][col][j] = p[r];
+  __syncthreads();
+  for (int64_t i = t; i < rows * kTileCols; i += kTileThreads) {
+    const int64_t r = i / kTileCols, cc = i % kTileCols;
+    if (n0 + cc >= N) continue;
+    y[(m0 + r) * groups * N + g * N + n0 + cc] =
+        (lanes[r][cc][0] + lanes[r][cc][1]) + (lanes[r][cc][2] + lanes[r][cc][3]);
+  }
+}
+
+OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream) {
+  if (!Aligned(p.w, 16)) return OpStatus::kBadArgument;  // Rows are read 16 bytes a load.
+  const bool one_row = p.rows == 1;
+  const int64_t tile_rows = one_row ? 1 : kGemmRows;
+  const int64_t grid = (p.rows + tile_rows - 1) / tile_rows * p.groups * ColumnGroups(p.out);
+  if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  const auto kernel = one_row ? &Fp8ValuesKernel<1> : &Fp8ValuesKernel<kGemmRows>;
+  FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x, p.rows, p.in,
+                p.groups, p.w, p.w_scales, p.w_row0, p.out, p.y);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
 // FP8 or FP4 weights: the activations quantized, then the fixed-order GEMM (split 0) or the
 // free-order one split `split` ways over K.
 OpStatus QuantizedLinear(const LinearParams& p, int split) {
@@ -509,6 +668,8 @@ OpStatus Linear(const LinearParams& p) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
+  if (p.groups < 1) return OpStatus::kBadShape;
+  if (p.groups > 1 && p.format != WeightFormat::kFp8Dense) return OpStatus::kBadArgument;
   if (p.rows == 0) return OpStatus::kOk;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   if (p.format == WeightFormat::kDense) {
@@ -523,7 +684,7 @@ OpStatus Linear(const LinearParams& p) {
   if (p.format == WeightFormat::kFp8Dense) {
     if (p.w == nullptr || p.w_scales == nullptr) return OpStatus::kBadArgument;
     if (p.w_row0 < 0 || p.in % kBlock != 0) return OpStatus::kBadShape;
-    return DenseLinear(p.x, p.rows, p.in, Fp8Values{p.w, p.w_scales, p.w_row0}, p.out, p.y, stream);
+    return Fp8ValuesLinear(p, stream);
   }
   return QuantizedLinear(p, 0);
 }
@@ -532,7 +693,8 @@ OpStatus LinearFreeOrder(const LinearParams& p, int split) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
-  if (split < 1 || (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4)) {
+  if (split < 1 || p.groups != 1 ||
+      (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4)) {
     return OpStatus::kBadArgument;
   }
   if (p.rows == 0) return OpStatus::kOk;

@@ -550,6 +550,113 @@ BOOST_AUTO_TEST_CASE(fp8_values_equal_their_dequantized_matrix) {
                            .y = y.data()}) == OpStatus::kBadShape));
 }
 
+// wo_a's grouped projection in one op: each group's columns as a separate op on its slices, on
+// both sides, over every FP8 code (NaN codes included), tile scales from 2^-127 to 2^60 (the
+// device decodes scales up to 2^7 one way, larger ones another), a NaN scale, K in whole
+// 64-value steps and with a 32-block left over, one to two chunks of activations, several
+// groups of row tiles, and columns past the last whole tile.
+BOOST_AUTO_TEST_CASE(fp8_values_in_groups_equal_one_op_per_group) {
+  std::mt19937 rng(57);
+  struct Shape {
+    int64_t groups, rows, in, out;
+  };
+  for (const Shape& sh : {Shape{3, 1, 96, 45}, Shape{3, 9, 96, 45}, Shape{2, 1, 2080, 64},
+                          Shape{2, 3, 2080, 64}, Shape{1, 1, 4096, 40}, Shape{8, 2, 256, 32}}) {
+    const int64_t G = sh.groups, rows = sh.rows, in = sh.in, out = sh.out;
+    const int64_t all_rows = G * out;
+    std::vector<uint8_t> codes(all_rows * in);
+    for (uint8_t& c : codes) {
+      c = static_cast<uint8_t>(rng());
+      if ((c & 0x7F) == 0x7F) c ^= 1;  // NaN codes only where placed:
+    }
+    codes[3 * in + in - 1] = 0x7F;           // a column's last value,
+    codes[(all_rows - 1) * in + 40] = 0xFF;  // and the last column's 41st (-NaN).
+    std::vector<uint8_t> scales((all_rows + 31) / 32 * (in / 32));
+    for (size_t i = 0; i < scales.size(); ++i) {
+      // Mostly the weights' own range; every eighth tile large, one tile 2^-127, one NaN.
+      scales[i] = static_cast<uint8_t>(i % 8 == 5 ? 135 + rng() % 52 : 110 + rng() % 20);
+    }
+    scales[0] = 0;
+    if (scales.size() > 3) scales[3] = 0xFF;
+    const std::vector<float> x = Normal(rng, rows * G * in);
+    const LinearParams grouped{.x = x.data(),
+                               .rows = rows,
+                               .in = in,
+                               .out = out,
+                               .format = WeightFormat::kFp8Dense,
+                               .w = codes.data(),
+                               .w_scales = scales.data(),
+                               .groups = G};
+    std::vector<float> want(rows * G * out, -1.0f);
+    LinearParams p = grouped;
+    p.y = want.data();
+    BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
+    // Each group as its own op on its slices.
+    for (int64_t g = 0; g < G; ++g) {
+      std::vector<float> gx(rows * in), gy(rows * out);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::copy_n(&x[(r * G + g) * in], in, &gx[r * in]);
+      }
+      LinearParams one = grouped;
+      one.x = gx.data();
+      one.w = codes.data() + g * out * in;
+      one.w_row0 = g * out;
+      one.groups = 1;
+      one.y = gy.data();
+      BOOST_REQUIRE(cpu::Linear(one) == OpStatus::kOk);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t n = 0; n < out; ++n) {
+          const float a = want[(r * G + g) * out + n], b = gy[r * out + n];
+          BOOST_TEST((codecs::Bits(a) == codecs::Bits(b) || (std::isnan(a) && std::isnan(b))),
+                     "cpu group " << g << " row " << r << " column " << n);
+        }
+      }
+    }
+    Dev<float> dx(x), dy(std::vector<float>(want.size(), -2.0f));
+    Dev<uint8_t> dcodes(codes), dscales(scales);
+    p.x = dx.get();
+    p.w = dcodes.get();
+    p.w_scales = dscales.get();
+    p.y = dy.get();
+    BOOST_REQUIRE(gpu::Linear(p) == OpStatus::kOk);
+    const std::vector<float> got = dy.Host();
+    int64_t nans = 0, wrong = 0;
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (std::isnan(want[i])) ++nans;
+      if (codecs::Bits(got[i]) != codecs::Bits(want[i]) &&
+          !(std::isnan(got[i]) && std::isnan(want[i]))) {
+        if (++wrong <= 5) {
+          BOOST_TEST_MESSAGE("value " << i << ": " << got[i] << ", want " << want[i]);
+        }
+      }
+    }
+    BOOST_TEST(wrong == 0, "groups " << G << " rows " << rows << " in " << in << " out " << out);
+    BOOST_TEST(nans > 0);                                  // Some columns hold a NaN code,
+    BOOST_TEST(nans < static_cast<int64_t>(want.size()));  // not all.
+  }
+  // One group is all other formats take; groups count from one.
+  const std::vector<float> x(64, 1.0f);
+  std::vector<float> y(4);
+  std::vector<uint8_t> codes(4 * 64, 0x38), scales(4 * 2, 127);
+  LinearParams bad{.x = x.data(),
+                   .rows = 1,
+                   .in = 32,
+                   .out = 2,
+                   .format = WeightFormat::kFp8,
+                   .w = codes.data(),
+                   .w_scales = scales.data(),
+                   .x_codes = codes.data(),
+                   .x_scales = scales.data(),
+                   .y = y.data(),
+                   .groups = 2};
+  BOOST_TEST((cpu::Linear(bad) == OpStatus::kBadArgument));
+  BOOST_TEST((gpu::Linear(bad) == OpStatus::kBadArgument));
+  bad.format = WeightFormat::kFp8Dense;
+  bad.groups = 0;
+  BOOST_TEST((cpu::Linear(bad) == OpStatus::kBadShape));
+  BOOST_TEST((gpu::Linear(bad) == OpStatus::kBadShape));
+}
+
 // BF16 matrices kept as BF16 codes (how the GPU backend holds them) give the fp32 path's results,
 // for the dense GEMM and the embedding, on both sides.
 BOOST_AUTO_TEST_CASE(bf16_weights_equal_their_fp32_values) {
