@@ -114,9 +114,16 @@ Weight Dense(int64_t out, int64_t in) {
   return {k::WeightFormat::kDense, nullptr, nullptr, Floats(out * in, 0.05f), in, out};
 }
 
-// The shipped GEMM (split 0), or the free-order one split `split` ways over K.
+// Workspace for the fixed order's split over K (LinearParams::block_sums), for up to
+// g::kLinearSplitRows rows of the widest weight.
+float* block_sums = nullptr;
+int64_t block_sums_count = 0;
+
+// The shipped GEMM (the fixed order, split over K as Linear picks), the fixed order unsplit, or
+// the free-order one split `split` ways over K.
+enum class Order { kShipped, kUnsplit, kFree };
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
-              void* stream, int split = 0) {
+              void* stream, Order order = Order::kShipped, int split = 1) {
   const k::LinearParams p = {.x = x,
                              .rows = rows,
                              .in = w.in,
@@ -129,8 +136,13 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .x_scales = xs,
                              .y = y,
                              .stream = stream,
-                             .groups = w.groups};
-  CheckOp(split == 0 ? g::Linear(p) : g::LinearFreeOrder(p, split), "Linear");
+                             .groups = w.groups,
+                             .block_sums = block_sums,
+                             .block_sums_count = block_sums_count};
+  CheckOp(order == Order::kShipped   ? g::Linear(p)
+          : order == Order::kUnsplit ? g::LinearSplit(p, 1)
+                                     : g::LinearFreeOrder(p, split),
+          "Linear");
 }
 
 // Seconds per call of `op`, best of three rounds of `reps` calls each.
@@ -173,6 +185,15 @@ class Layer {
       experts_.push_back({Fp4(d.inter, d.hidden), Fp4(d.inter, d.hidden), Fp4(d.hidden, d.inter)});
     }
     shared_ = {Fp8(d.inter, d.hidden), Fp8(d.inter, d.hidden), Fp8(d.hidden, d.inter)};
+    if (block_sums == nullptr) {
+      int64_t widest = 0;  // Outputs times K-blocks.
+      for (const Weight* w : {&wq_a_, &wq_b_, &wkv_, &wo_b_, &shared_[0], &shared_[2],
+                              &experts_[0][0], &experts_[0][2]}) {
+        widest = std::max(widest, w->out * (w->in / 32));
+      }
+      block_sums_count = g::kLinearSplitRows * widest;
+      block_sums = Alloc<float>(block_sums_count);
+    }
     freqs_ = Floats(d.rope / 2, 0.5f);
     sink_ = Floats(d.heads, 1.0f);
     // Activations for up to max_rows tokens.
@@ -432,13 +453,14 @@ class Layer {
   }
 
  public:
-  // A linear layer at `rows` tokens: seconds per call (split as LinearOn's).
-  double TimeLinear(const Weight& w, int64_t rows, int reps, int split = 0) {
+  // A linear layer at `rows` tokens: seconds per call (order and split as LinearOn's).
+  double TimeLinear(const Weight& w, int64_t rows, int reps, Order order = Order::kShipped,
+                    int split = 1) {
     float* x = Floats(rows * w.in, 1.0f);
     float* y = Alloc<float>(rows * w.out);
     uint8_t* xq = Alloc<uint8_t>(rows * w.in);
     uint8_t* xs = Alloc<uint8_t>(rows * w.in / 32);
-    const double s = Time([&] { LinearOn(w, x, rows, xq, xs, y, stream_, split); }, reps);
+    const double s = Time([&] { LinearOn(w, x, rows, xq, xs, y, stream_, order, split); }, reps);
     for (void* p : {static_cast<void*>(x), static_cast<void*>(y), static_cast<void*>(xq),
                     static_cast<void*>(xs)}) {
       g::DeviceFree(p);
@@ -616,7 +638,7 @@ double FreeOrderBest(Layer& layer, const Weight& w, int64_t rows, int reps, int*
                      int max_split = 32) {
   double best = 1e30;
   for (int s = 1; s <= max_split && (s == 1 || w.in / 32 / s >= 16); s *= 2) {
-    const double t = layer.TimeLinear(w, rows, reps, s);
+    const double t = layer.TimeLinear(w, rows, reps, Order::kFree, s);
     if (t < best) best = t, *split = s;
   }
   return best;
@@ -704,13 +726,14 @@ int main(int argc, char** argv) {
                 graph_us, batch / best, batch / (best * d.layers));
   }
 
-  // What the fixed order costs: the shipped GEMMs (the CPU's order, the same whatever the batch)
-  // against the free-order schedule at its best split for each shape, which no backend uses.
+  // What the fixed order costs: the shipped GEMMs (the CPU's order, the same whatever the batch,
+  // split over K where the tiles are few: "fixed"; "unsplit": one thread block a tile) against
+  // the free-order schedule at its best split for each shape, which no backend uses.
   std::printf(
       "\nfixed order vs free order (the same tiles, K split over thread blocks whose sums land by "
       "atomic adds, the best of splits 1-32)\n");
-  std::printf("%-22s %5s %6s %6s %12s %12s %6s %10s\n", "GEMM", "M", "N", "K", "fixed us",
-              "free us", "split", "fixed/free");
+  std::printf("%-22s %5s %6s %6s %12s %12s %12s %6s %10s\n", "GEMM", "M", "N", "K", "unsplit us",
+              "fixed us", "free us", "split", "fixed/free");
   struct Decode {
     std::string name;
     const Weight* w;
@@ -724,19 +747,21 @@ int main(int argc, char** argv) {
                                             {"expert gate (FP4)", &layer.expert(0)[0]},
                                             {"expert down (FP4)", &layer.expert(0)[2]}};
   for (int64_t batch : {1, 8, 64}) {
-    double fixed_sum = 0, free_sum = 0;
+    double unsplit_sum = 0, fixed_sum = 0, free_sum = 0;
     for (const Decode& gm : decode_gemms) {
       int split = 1;
+      const double unsplit = layer.TimeLinear(*gm.w, batch, reps, Order::kUnsplit);
       const double fixed = layer.TimeLinear(*gm.w, batch, reps);
       const double free = FreeOrderBest(layer, *gm.w, batch, reps, &split);
-      fixed_sum += fixed, free_sum += free;
-      std::printf("%-22s %5lld %6lld %6lld %12.1f %12.1f %6d %9.2fx\n", gm.name.c_str(),
+      unsplit_sum += unsplit, fixed_sum += fixed, free_sum += free;
+      std::printf("%-22s %5lld %6lld %6lld %12.1f %12.1f %12.1f %6d %9.2fx\n", gm.name.c_str(),
                   static_cast<long long>(batch), static_cast<long long>(gm.w->out),
-                  static_cast<long long>(gm.w->in), fixed * 1e6, free * 1e6, split, fixed / free);
+                  static_cast<long long>(gm.w->in), unsplit * 1e6, fixed * 1e6, free * 1e6, split,
+                  fixed / free);
     }
-    std::printf("%-22s %5lld %6s %6s %12.1f %12.1f %6s %9.2fx\n", "these GEMMs",
-                static_cast<long long>(batch), "", "", fixed_sum * 1e6, free_sum * 1e6, "",
-                fixed_sum / free_sum);
+    std::printf("%-22s %5lld %6s %6s %12.1f %12.1f %12.1f %6s %9.2fx\n", "these GEMMs",
+                static_cast<long long>(batch), "", "", unsplit_sum * 1e6, fixed_sum * 1e6,
+                free_sum * 1e6, "", fixed_sum / free_sum);
   }
 
   // Prefill: one layer over a chunk of one sequence's tokens, the same ops.

@@ -918,6 +918,12 @@ class GpuBackend final : public Backend {
       }
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
+      if ((p.format == k::WeightFormat::kFp8 || p.format == k::WeightFormat::kFp4) &&
+          p.rows <= g::kLinearSplitRows) {
+        // Room to split a GEMM with few output tiles over K (the results are the same).
+        d.block_sums_count = p.rows * p.out * (p.in / 32);
+        d.block_sums = c.Work<float>(d.block_sums_count);
+      }
       d.y = c.Out(p.y, p.rows * groups * p.out);
       return Launch(c, [&] { return g::Linear(d); });
     });

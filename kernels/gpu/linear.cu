@@ -5,6 +5,9 @@
 // weights (GemmTile below) read 16 bytes a load and decoded once for up to eight rows, dense ones
 // (DenseGemmKernel) staged in shared memory a chunk of K at a time. Results equal the CPU's bit
 // for bit. Matrix-core GEMMs come beside them, checked against them.
+#include <algorithm>
+#include <atomic>
+
 #include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
@@ -52,6 +55,7 @@ constexpr int64_t kXStride = kBlock + 4;
 constexpr int64_t kPartStride = kChunkBlocks + 1;  // Odd: a warp's chains read different banks.
 
 static_assert(kGemmRows == kExpertTileRows, "an expert slot's tiles are the GEMM's row groups");
+static_assert(kLinearSplitRows <= kGemmRows, "a split GEMM has one tile of rows");
 static_assert(kPairsPerThread * kTileThreads == kTileCols * kChunkBlocks, "whole pairs a thread");
 
 // The weights' values are used scaled by a power of two, which saves the multiply that moves a
@@ -156,11 +160,13 @@ __device__ inline void BlockProducts(const uint4* raw,
 }
 
 // Columns [n0, n0 + kTileCols) of rows [m0, m0 + rows) over K-blocks [b_lo, b_hi), by the whole
-// thread block; `atomic`: the sums added into y (the free-order split), else stored.
+// thread block; `atomic`: the sums added into y (the free-order split), else stored. With
+// `sums` ([rows of y][N][K / 32]) each block's sum is written there instead, for BlockSumsKernel
+// to add in order (the fixed-order split).
 template <int kFormat, int kRows>
 __device__ void GemmTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int64_t rows, int64_t K,
                          const uint8_t* w, const uint8_t* ws, int64_t N, int64_t n0, int64_t b_lo,
-                         int64_t b_hi, bool atomic, float* y) {
+                         int64_t b_hi, bool atomic, float* y, float* sums = nullptr) {
   constexpr int kChains =
       kRows * kTileCols / kTileThreads > 0 ? kRows * kTileCols / kTileThreads : 1;
   __shared__ float4 xf[kRows][kChunkBlocks][kXStride / 4];
@@ -218,10 +224,15 @@ __device__ void GemmTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int64
       for (int r = 0; r < kRows; ++r) {
         if (r >= rows) break;
         const float sum = ((p[r][0] + p[r][1]) + (p[r][2] + p[r][3])) * kUnscale<kFormat>;
-        part[r][col][blk] = sum * w_scale[j];
+        if (sums != nullptr) {
+          sums[((m0 + r) * N + n0 + col) * blocks + c0 + blk] = sum * w_scale[j];
+        } else {
+          part[r][col][blk] = sum * w_scale[j];
+        }
       }
     }
     __syncthreads();
+    if (sums != nullptr) continue;  // Written out: no chains here.
     // 3. The chains: (row, column) adds its blocks in order. The next chunk's step 1 writes only
     // xf, which step 2 finished reading before the barrier above; its step 2 writes `part` after
     // the next barrier, when these reads are done.
@@ -233,6 +244,7 @@ __device__ void GemmTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int64
       for (int64_t b = 0; b < nb; ++b) acc[q] += part[r][col][b];
     }
   }
+  if (sums != nullptr) return;
   FLASHD_UNROLL
   for (int q = 0; q < kChains; ++q) {
     const int64_t chain = t + static_cast<int64_t>(q) * kTileThreads;
@@ -310,6 +322,39 @@ __global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
   GemmTile<kFormat, kRows>(xq, xs, m0, rows, K, w, ws, N, n0, lo, hi, split > 1, y);
 }
 
+// The fixed order split over K: tile (as QuantizedGemmKernel) and part of `split` from the
+// thread block, each part writing its K-blocks' sums to `sums`, which BlockSumsKernel adds.
+template <int kFormat, int kRows>
+__global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
+    SplitGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
+                    const uint8_t* ws, int64_t N, int split, float* sums) {
+  const int64_t tile = blockIdx.x / split, part = blockIdx.x % split;
+  const int64_t n0 = (tile % ColumnGroups(N)) * kTileCols;
+  const int64_t m0 = (tile / ColumnGroups(N)) * kRows;
+  const int64_t rows = M - m0 < kRows ? M - m0 : kRows;
+  const int64_t blocks = K / kBlock;
+  const int64_t lo = blocks * part / split, hi = blocks * (part + 1) / split;
+  GemmTile<kFormat, kRows>(xq, xs, m0, rows, K, w, ws, N, n0, lo, hi, false, nullptr, sums);
+}
+
+// y[m, n] = the block sums of (m, n) added from zero in block order, as GemmTile's chains do.
+__global__ void BlockSumsKernel(const float* sums, int64_t outputs, int64_t blocks, float* y) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= outputs) return;
+  const float* s = sums + i * blocks;
+  float acc = 0.0f;
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {  // The loads issued together, the adds in order.
+    float v[8];
+    FLASHD_UNROLL
+    for (int u = 0; u < 8; ++u) v[u] = s[b + u];
+    FLASHD_UNROLL
+    for (int u = 0; u < 8; ++u) acc += v[u];
+  }
+  for (; b < blocks; ++b) acc += s[b];
+  y[i] = acc;
+}
+
 // The instance for a format (0 FP8, 1 FP4) and a bound of one row a tile or more.
 template <template <int, int> class Kernel>
 auto Pick(int format, bool one_row) {
@@ -327,6 +372,10 @@ struct ExpertGemm {
 template <int kFormat, int kRows>
 struct FreeOrderGemm {
   static constexpr auto kFn = &FreeOrderGemmKernel<kFormat, kRows>;
+};
+template <int kFormat, int kRows>
+struct SplitGemm {
+  static constexpr auto kFn = &SplitGemmKernel<kFormat, kRows>;
 };
 
 __global__ void ZeroKernel(float* y, int64_t n) {
@@ -607,29 +656,71 @@ OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream) {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
-// FP8 or FP4 weights: the activations quantized, then the fixed-order GEMM (split 0) or the
-// free-order one split `split` ways over K.
-OpStatus QuantizedLinear(const LinearParams& p, int split) {
+// The device's multiprocessors (read once per device).
+int Multiprocessors() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];
+  int device = 0;
+  if (gpuGetDevice(&device) != gpuSuccess || device < 0 || device >= kDevices) return 1;
+  int n = known[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    gpuDeviceProp_t prop;
+    n = gpuGetDeviceProperties(&prop, device) == gpuSuccess && prop.multiProcessorCount > 0
+            ? prop.multiProcessorCount
+            : 1;
+    known[device].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+// The fixed order's split over K for a GEMM of M rows, N columns and `blocks` K-blocks: none for
+// more rows than a tile's (their sums would be more bytes to write than the weights save) or when
+// the tiles already give every multiprocessor kSplitTarget thread blocks; else enough parts for
+// that, each of at least kMinSplitBlocks K-blocks.
+constexpr int64_t kSplitTarget = 4;
+constexpr int64_t kMinSplitBlocks = 8;
+int SplitFor(int64_t M, int64_t N, int64_t blocks) {
+  if (M > kLinearSplitRows) return 1;
+  const int64_t tiles = TileGrid(M, N), target = kSplitTarget * Multiprocessors();
+  if (tiles >= target) return 1;
+  const int64_t want = (target + tiles - 1) / tiles, most = blocks / kMinSplitBlocks;
+  return static_cast<int>(std::max<int64_t>(1, std::min(want, most)));
+}
+
+// FP8 or FP4 weights: the activations quantized, then the fixed-order GEMM (free false), split
+// `split` ways over K through the block sums when split > 1, or the free-order one split
+// `split` ways.
+OpStatus QuantizedLinear(const LinearParams& p, int split, bool free) {
   if (p.in % kBlock != 0) return OpStatus::kBadShape;
   if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
     return OpStatus::kBadArgument;
   }
   if (!Aligned(p.w, 16) || !Aligned(p.x_codes, 4)) return OpStatus::kBadArgument;
+  const int64_t outputs = p.rows * p.out, blocks = p.in / kBlock;
+  if (!free && split > 1 && (p.block_sums == nullptr || p.block_sums_count < outputs * blocks)) {
+    return OpStatus::kBadArgument;
+  }
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   const bool one_row = p.rows == 1;
-  const int64_t grid = TileGrid(p.rows, p.out, split > 1 ? split : 1);
+  const int64_t grid = TileGrid(p.rows, p.out, split);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
-  const int64_t blocks = p.rows * p.in / kBlock;
+  const int64_t quantize = p.rows * blocks;
   const int format = p.format == WeightFormat::kFp8 ? 0 : 1;
-  FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
+  FLASHD_LAUNCH(QuantizeKernel, Blocks(quantize), kThreads, 0, stream, p.x, quantize, p.x_codes,
                 p.x_scales);
-  if (split == 0) {
+  if (!free && split == 1) {
     const auto kernel = Pick<QuantizedGemm>(format, one_row);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
                   p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, p.y);
+  } else if (!free) {
+    const auto kernel = Pick<SplitGemm>(format, one_row);
+    FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
+                  p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, split, p.block_sums);
+    FLASHD_LAUNCH(BlockSumsKernel, Blocks(outputs), kThreads, 0, stream, p.block_sums, outputs,
+                  blocks, p.y);
   } else {
     if (split > 1) {
-      FLASHD_LAUNCH(ZeroKernel, Blocks(p.rows * p.out), kThreads, 0, stream, p.y, p.rows * p.out);
+      FLASHD_LAUNCH(ZeroKernel, Blocks(outputs), kThreads, 0, stream, p.y, outputs);
     }
     const auto kernel = Pick<FreeOrderGemm>(format, one_row);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
@@ -686,7 +777,9 @@ OpStatus Linear(const LinearParams& p) {
     if (p.w_row0 < 0 || p.in % kBlock != 0) return OpStatus::kBadShape;
     return Fp8ValuesLinear(p, stream);
   }
-  return QuantizedLinear(p, 0);
+  const int64_t blocks = p.in / kBlock;
+  const bool room = p.block_sums != nullptr && p.block_sums_count >= p.rows * p.out * blocks;
+  return QuantizedLinear(p, room ? SplitFor(p.rows, p.out, blocks) : 1, false);
 }
 
 OpStatus LinearFreeOrder(const LinearParams& p, int split) {
@@ -698,7 +791,19 @@ OpStatus LinearFreeOrder(const LinearParams& p, int split) {
     return OpStatus::kBadArgument;
   }
   if (p.rows == 0) return OpStatus::kOk;
-  return QuantizedLinear(p, split);
+  return QuantizedLinear(p, split, true);
+}
+
+OpStatus LinearSplit(const LinearParams& p, int split) {
+  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
+    return OpStatus::kBadShape;
+  }
+  if (split < 1 || p.groups != 1 ||
+      (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4)) {
+    return OpStatus::kBadArgument;
+  }
+  if (p.rows == 0) return OpStatus::kOk;
+  return QuantizedLinear(p, split, false);
 }
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

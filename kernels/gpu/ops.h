@@ -14,6 +14,9 @@
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 
+// FP8 and FP4 weights over at most kLinearSplitRows rows may be split over K (fixed order) when
+// the output tiles are too few for the device and `block_sums` has room (LinearParams).
+constexpr int64_t kLinearSplitRows = 8;
 OpStatus Linear(const LinearParams& p);
 // FP8 and FP4 weights in a free order, for measuring what Linear's fixed order costs: each
 // thread's K-blocks summed in its registers, the thread block's threads by a tree, and K shared
@@ -21,6 +24,11 @@ OpStatus Linear(const LinearParams& p);
 // `split` and on the order the blocks finish. Never used by the backend (gpu_bench compares
 // the two; gpu_ops_test holds it to the CPU's results within rounding).
 OpStatus LinearFreeOrder(const LinearParams& p, int split);
+// Linear's fixed order for FP8 and FP4 weights with K split `split` ways (Linear picks its own
+// split from the device's multiprocessors when given block sums workspace; the results are the
+// same for every split): for the tests, and for gpu_bench to compare splits. REQUIRES: p's block
+// sums workspace for rows x out x in / 32 floats when split > 1.
+OpStatus LinearSplit(const LinearParams& p, int split);
 OpStatus RoundBf16(const RoundBf16Params& p);
 OpStatus AddRound(const AddRoundParams& p);
 OpStatus CopyRows(const CopyRowsParams& p);

@@ -257,6 +257,53 @@ BOOST_AUTO_TEST_CASE(linear_every_code_and_extreme_activations_bit_equal) {
   }
 }
 
+// The fixed order split over K (each 32-block's sum written out, then added in block order)
+// gives the CPU's results bit for bit whatever the split: parts of one block or many, parts
+// ending inside a chunk of the tile, more parts than blocks (some empty); and Linear, given the
+// workspace, picks a split for a GEMM with few output tiles and gives the same.
+BOOST_AUTO_TEST_CASE(linear_split_over_k_is_the_cpu_order) {
+  std::mt19937 rng(61);
+  const int64_t in = 3200, out = 70;  // 100 K-blocks; three column tiles, the last part full.
+  for (WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    const flashd::testing::QuantizedWeights qw =
+        flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.05f), out, in);
+    Dev<uint8_t> dwq(qw.codes), dws(qw.scales);
+    for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{8}}) {
+      const std::vector<float> x = Normal(rng, rows * in);
+      std::vector<uint8_t> xq(rows * in), xs(rows * in / 32);
+      std::vector<float> want(rows * out);
+      const LinearShape shape{format, rows, in, out};
+      BOOST_REQUIRE(cpu::Linear(shape.Params(x.data(), qw.codes.data(), qw.scales.data(), nullptr,
+                                             xq.data(), xs.data(), want.data())) == OpStatus::kOk);
+      Dev<float> dx(x), dy(std::vector<float>(want.size()));
+      Dev<float> dsums(std::vector<float>(rows * out * (in / 32)));
+      Dev<uint8_t> dxq(xq), dxs(xs);
+      LinearParams p =
+          shape.Params(dx.get(), dwq.get(), dws.get(), nullptr, dxq.get(), dxs.get(), dy.get());
+      p.block_sums = dsums.get();
+      p.block_sums_count = rows * out * (in / 32);
+      // NaN in the workspace before each run: a block sum not written shows.
+      const std::vector<float> poison(rows * out * (in / 32), std::nanf(""));
+      for (int split : {1, 2, 3, 7, 13, 100, 130}) {
+        BOOST_REQUIRE(gpu::ZeroOnDevice(dy.get(), want.size() * 4).empty());
+        BOOST_REQUIRE(gpu::CopyToDevice(dsums.get(), poison.data(), poison.size() * 4).empty());
+        BOOST_REQUIRE(gpu::LinearSplit(p, split) == OpStatus::kOk);
+        BOOST_TEST(BitEqual(dy.Host(), want),
+                   "format " << static_cast<int>(format) << " rows " << rows << " split " << split);
+      }
+      BOOST_REQUIRE(gpu::ZeroOnDevice(dy.get(), want.size() * 4).empty());
+      BOOST_REQUIRE(gpu::Linear(p) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dy.Host(), want), "Linear, rows " << rows);
+      // Without room for the sums there is no split.
+      p.block_sums_count = rows * out * (in / 32) - 1;
+      BOOST_TEST((gpu::LinearSplit(p, 2) == OpStatus::kBadArgument));
+      BOOST_REQUIRE(gpu::ZeroOnDevice(dy.get(), want.size() * 4).empty());
+      BOOST_REQUIRE(gpu::Linear(p) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dy.Host(), want), "Linear without the sums' room, rows " << rows);
+    }
+  }
+}
+
 // Choices of `k` distinct experts of `experts` per token, some experts chosen by many tokens
 // (more than one GEMM tile's rows), some by none; weights random.
 void RandomChoices(std::mt19937& rng, int64_t tokens, int64_t experts, int64_t k,
