@@ -55,7 +55,7 @@ constexpr int64_t kXStride = kBlock + 4;
 constexpr int64_t kPartStride = kChunkBlocks + 1;  // Odd: a warp's chains read different banks.
 
 static_assert(kGemmRows == kExpertTileRows, "an expert slot's tiles are the GEMM's row groups");
-static_assert(kLinearSplitRows <= kGemmRows, "a split GEMM has one tile of rows");
+static_assert(kLinearSplitRows <= kGemmRows && kLinearSplitRows % 2 == 0, "one tile of rows");
 static_assert(kPairsPerThread * kTileThreads == kTileCols * kChunkBlocks, "whole pairs a thread");
 
 // The weights' values are used scaled by a power of two, which saves the multiply that moves a
@@ -673,14 +673,15 @@ int Multiprocessors() {
   return n;
 }
 
-// The fixed order's split over K for a GEMM of M rows, N columns and `blocks` K-blocks: none for
-// more rows than a tile's (their sums would be more bytes to write than the weights save) or when
+// The fixed order's split over K for a GEMM of M rows, N columns and `blocks` K-blocks of
+// `format` (0 FP8, 1 FP4): none when the block sums (M x N x K / 8 bytes, written and read back)
+// would be more than a quarter of the weight's bytes (FP8 beyond 2 rows, FP4 beyond 1), or when
 // the tiles already give every multiprocessor kSplitTarget thread blocks; else enough parts for
 // that, each of at least kMinSplitBlocks K-blocks.
 constexpr int64_t kSplitTarget = 4;
 constexpr int64_t kMinSplitBlocks = 8;
-int SplitFor(int64_t M, int64_t N, int64_t blocks) {
-  if (M > kLinearSplitRows) return 1;
+int SplitFor(int64_t M, int64_t N, int64_t blocks, int format) {
+  if (M > (format == 0 ? kLinearSplitRows : kLinearSplitRows / 2)) return 1;
   const int64_t tiles = TileGrid(M, N), target = kSplitTarget * Multiprocessors();
   if (tiles >= target) return 1;
   const int64_t want = (target + tiles - 1) / tiles, most = blocks / kMinSplitBlocks;
@@ -779,7 +780,8 @@ OpStatus Linear(const LinearParams& p) {
   }
   const int64_t blocks = p.in / kBlock;
   const bool room = p.block_sums != nullptr && p.block_sums_count >= p.rows * p.out * blocks;
-  return QuantizedLinear(p, room ? SplitFor(p.rows, p.out, blocks) : 1, false);
+  const int format = p.format == WeightFormat::kFp8 ? 0 : 1;
+  return QuantizedLinear(p, room ? SplitFor(p.rows, p.out, blocks, format) : 1, false);
 }
 
 OpStatus LinearFreeOrder(const LinearParams& p, int split) {

@@ -14,9 +14,10 @@
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 
-// FP8 and FP4 weights over at most kLinearSplitRows rows may be split over K (fixed order) when
-// the output tiles are too few for the device and `block_sums` has room (LinearParams).
-constexpr int64_t kLinearSplitRows = 8;
+// FP8 weights over at most kLinearSplitRows rows (FP4: half as many) may be split over K in the
+// fixed order when the output tiles are too few for the device and `block_sums` has room
+// (LinearParams): their block sums are then at most a quarter of the weight's bytes.
+constexpr int64_t kLinearSplitRows = 2;
 OpStatus Linear(const LinearParams& p);
 // FP8 and FP4 weights in a free order, for measuring what Linear's fixed order costs: each
 // thread's K-blocks summed in its registers, the thread block's threads by a tree, and K shared

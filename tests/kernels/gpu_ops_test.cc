@@ -260,7 +260,8 @@ BOOST_AUTO_TEST_CASE(linear_every_code_and_extreme_activations_bit_equal) {
 // The fixed order split over K (each 32-block's sum written out, then added in block order)
 // gives the CPU's results bit for bit whatever the split: parts of one block or many, parts
 // ending inside a chunk of the tile, more parts than blocks (some empty); and Linear, given the
-// workspace, picks a split for a GEMM with few output tiles and gives the same.
+// workspace, picks a split for a GEMM with few output tiles at one row (and none beyond
+// kLinearSplitRows) and gives the same.
 BOOST_AUTO_TEST_CASE(linear_split_over_k_is_the_cpu_order) {
   std::mt19937 rng(61);
   const int64_t in = 3200, out = 70;  // 100 K-blocks; three column tiles, the last part full.
