@@ -306,35 +306,22 @@ __global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
   }
 }
 
-// The free-order schedule (LinearFreeOrder), for measuring what the fixed order costs: the same
-// tiles, their K-blocks shared by `split` thread blocks per tile, whose sums land by atomic adds
-// into a zeroed output in the order the blocks finish (split 1: stored, the fixed order's sums).
+// A tile's K-blocks shared by `split` thread blocks, in one of two schedules. The free order
+// (LinearFreeOrder, for measuring what the fixed order costs; `sums` null): the parts' sums land
+// by atomic adds into a zeroed y in the order the blocks finish (split 1: stored, the fixed
+// order's sums). The fixed order split (`sums` given): each part writes its K-blocks' sums there,
+// which BlockSumsKernel adds in block order.
 template <int kFormat, int kRows>
 __global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
-    FreeOrderGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
-                        const uint8_t* w, const uint8_t* ws, int64_t N, int split, float* y) {
+    PartsGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
+                    const uint8_t* ws, int64_t N, int split, float* y, float* sums) {
   const int64_t tile = blockIdx.x / split, part = blockIdx.x % split;
   const int64_t n0 = (tile % ColumnGroups(N)) * kTileCols;
   const int64_t m0 = (tile / ColumnGroups(N)) * kRows;
   const int64_t rows = M - m0 < kRows ? M - m0 : kRows;
   const int64_t blocks = K / kBlock;
   const int64_t lo = blocks * part / split, hi = blocks * (part + 1) / split;
-  GemmTile<kFormat, kRows>(xq, xs, m0, rows, K, w, ws, N, n0, lo, hi, split > 1, y);
-}
-
-// The fixed order split over K: tile (as QuantizedGemmKernel) and part of `split` from the
-// thread block, each part writing its K-blocks' sums to `sums`, which BlockSumsKernel adds.
-template <int kFormat, int kRows>
-__global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
-    SplitGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
-                    const uint8_t* ws, int64_t N, int split, float* sums) {
-  const int64_t tile = blockIdx.x / split, part = blockIdx.x % split;
-  const int64_t n0 = (tile % ColumnGroups(N)) * kTileCols;
-  const int64_t m0 = (tile / ColumnGroups(N)) * kRows;
-  const int64_t rows = M - m0 < kRows ? M - m0 : kRows;
-  const int64_t blocks = K / kBlock;
-  const int64_t lo = blocks * part / split, hi = blocks * (part + 1) / split;
-  GemmTile<kFormat, kRows>(xq, xs, m0, rows, K, w, ws, N, n0, lo, hi, false, nullptr, sums);
+  GemmTile<kFormat, kRows>(xq, xs, m0, rows, K, w, ws, N, n0, lo, hi, split > 1, y, sums);
 }
 
 // y[m, n] = the block sums of (m, n) added from zero in block order, as GemmTile's chains do.
@@ -370,12 +357,8 @@ struct ExpertGemm {
   static constexpr auto kFn = &ExpertGemmKernel<kFormat, kRows>;
 };
 template <int kFormat, int kRows>
-struct FreeOrderGemm {
-  static constexpr auto kFn = &FreeOrderGemmKernel<kFormat, kRows>;
-};
-template <int kFormat, int kRows>
-struct SplitGemm {
-  static constexpr auto kFn = &SplitGemmKernel<kFormat, kRows>;
+struct PartsGemm {
+  static constexpr auto kFn = &PartsGemmKernel<kFormat, kRows>;
 };
 
 __global__ void ZeroKernel(float* y, int64_t n) {
@@ -713,19 +696,18 @@ OpStatus QuantizedLinear(const LinearParams& p, int split, bool free) {
     const auto kernel = Pick<QuantizedGemm>(format, one_row);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
                   p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, p.y);
-  } else if (!free) {
-    const auto kernel = Pick<SplitGemm>(format, one_row);
-    FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
-                  p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, split, p.block_sums);
-    FLASHD_LAUNCH(BlockSumsKernel, Blocks(outputs), kThreads, 0, stream, p.block_sums, outputs,
-                  blocks, p.y);
   } else {
-    if (split > 1) {
+    if (free && split > 1) {
       FLASHD_LAUNCH(ZeroKernel, Blocks(outputs), kThreads, 0, stream, p.y, outputs);
     }
-    const auto kernel = Pick<FreeOrderGemm>(format, one_row);
+    float* sums = free ? nullptr : p.block_sums;
+    const auto kernel = Pick<PartsGemm>(format, one_row);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
-                  p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, split, p.y);
+                  p.x_scales, p.rows, p.in, p.w, p.w_scales, p.out, split, p.y, sums);
+    if (!free) {
+      FLASHD_LAUNCH(BlockSumsKernel, Blocks(outputs), kThreads, 0, stream, p.block_sums, outputs,
+                    blocks, p.y);
+    }
   }
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
