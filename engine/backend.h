@@ -21,8 +21,8 @@
 
 namespace flashd::engine {
 
-// The CPU backend's numerics version.
-inline constexpr std::string_view kCpuNumerics = "cpu/2";
+// The CPU backend's numerics version (3: mHC's mixes summed in lanes and a tree, HcMixParams).
+inline constexpr std::string_view kCpuNumerics = "cpu/3";
 
 // What a backend runs on, for /health, /v1/models and the start-up log.
 struct BackendReport {

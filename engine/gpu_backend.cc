@@ -864,7 +864,7 @@ class GpuBackend final : public Backend {
   std::string_view name() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND); }
   // The kernels' results differ from the CPU's in the last bit where they use the device's
   // exp/sin/cos or a tree reduction (kernels/gpu/ops.h), so the cache keys them apart.
-  std::string_view numerics() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND) "/2"; }
+  std::string_view numerics() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND) "/3"; }
 
   BackendReport Report() const override {
     BackendReport r{std::string(name()), "", 0, 0};

@@ -162,6 +162,12 @@ struct FakeQuantParams {
 // --- mHC: the hc residual copies ----------------------------------------------------------------
 // mixes = (flatten(X[r]) . fn^T) * rsqrt(mean(X[r]^2) + norm_eps), split into pre (sigmoid + eps),
 // post (2 sigmoid) and comb (a softmax, then `iters` alternating Sinkhorn normalisations).
+// The long sums (hc x dim terms: 20,480 at the released shape) in one fixed order on every
+// backend: kHcMixLanes lanes, lane l adding the products of elements l, l + kHcMixLanes, ... in
+// order, then the lanes met by a fixed tree (lane l += lane l + s, for s = kHcMixLanes / 2 down
+// to 1); the dot products in fp32, the sum of squares in double. A GPU gives each sum
+// kHcMixLanes threads (one chain of 20,480 adds would take longer than the layer's weights).
+inline constexpr int64_t kHcMixLanes = 256;
 struct HcMixParams {
   const float* X = nullptr;  // [rows, hc, dim]
   int64_t rows = 0, hc = 0, dim = 0;

@@ -6,8 +6,8 @@
 #include <limits>
 
 #include "kernels/cpu/formats.h"
-#include "kernels/cpu/linear.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/cpu/scalar.h"
 
 namespace flashd::kernels::cpu {
@@ -51,6 +51,37 @@ void HcSplit(const float* mixes, const float* scale, const float* base, int hc, 
   }
 }
 
+// HcMixParams' order: kHcMixLanes lanes of products in order, met by the fixed tree.
+template <class T>
+T LaneTree(T* lanes) {
+  for (int64_t s = kHcMixLanes / 2; s >= 1; s /= 2) {
+    for (int64_t l = 0; l < s; ++l) lanes[l] += lanes[l + s];
+  }
+  return lanes[0];
+}
+
+float HcDot(const float* x, const float* w, size_t n) {
+  constexpr size_t kLanes = static_cast<size_t>(kHcMixLanes);
+  float lanes[kLanes] = {};
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (size_t l = 0; l < kLanes; ++l) lanes[l] += x[i + l] * w[i + l];
+  }
+  for (size_t l = 0; i + l < n; ++l) lanes[l] += x[i + l] * w[i + l];
+  return LaneTree(lanes);
+}
+
+double HcSumSquares(const float* x, size_t n) {
+  constexpr size_t kLanes = static_cast<size_t>(kHcMixLanes);
+  double lanes[kLanes] = {};
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (size_t l = 0; l < kLanes; ++l) lanes[l] += double(x[i + l]) * x[i + l];
+  }
+  for (size_t l = 0; i + l < n; ++l) lanes[l] += double(x[i + l]) * x[i + l];
+  return LaneTree(lanes);
+}
+
 }  // namespace
 
 OpStatus Embed(const EmbedParams& p) {
@@ -78,10 +109,17 @@ OpStatus HcMix(const HcMixParams& p) {
   if (p.rows == 0) return OpStatus::kOk;
   const size_t rows = static_cast<size_t>(p.rows), width = static_cast<size_t>(p.hc * p.dim);
   const size_t mix = static_cast<size_t>((2 + p.hc) * p.hc);
-  DenseLinear(p.X, rows, width, p.fn, mix, p.mixes, StreamThreads(p.stream));
+  ParallelRanges(
+      rows * mix, StreamThreads(p.stream),
+      [&](size_t begin, size_t end) {
+        for (size_t i = begin; i < end; ++i) {
+          const size_t t = i / mix, j = i % mix;
+          p.mixes[i] = HcDot(p.X + t * width, p.fn + j * width, width);
+        }
+      },
+      std::max<size_t>(1, (size_t{1} << 16) / width));
   for (size_t t = 0; t < rows; ++t) {
-    double sum = 0;
-    for (size_t i = 0; i < width; ++i) sum += double(p.X[t * width + i]) * p.X[t * width + i];
+    const double sum = HcSumSquares(p.X + t * width, width);
     const float r = 1.0f / std::sqrt(static_cast<float>(sum / width) + p.norm_eps);
     for (size_t j = 0; j < mix; ++j) p.mixes[t * mix + j] *= r;
     HcSplit(p.mixes + t * mix, p.scale, p.base, static_cast<int>(p.hc), p.iters, p.hc_eps,

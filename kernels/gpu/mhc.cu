@@ -1,6 +1,7 @@
-// mHC's collapse and expansion on the device: one thread per output value, the copies summed in
-// the CPU reference's order, so results are equal bit for bit (the collapse's optional norm is
-// RmsNorm's).
+// mHC on the device: the mixes' long sums by a thread block of kHcMixLanes threads each, in the
+// lanes-and-tree order HcMixParams fixes (so equal to the CPU's bit for bit); the collapse and
+// expansion one thread per output value, the copies summed in the CPU reference's order (the
+// collapse's optional norm is RmsNorm's).
 #include <cmath>
 
 #include "kernels/codecs.h"
@@ -67,17 +68,58 @@ __device__ void HcSplit(const float* mixes, const float* scale, const float* bas
   }
 }
 
-// One thread per token: the norm of the flattened stream (a double sum in order), the mixes
-// scaled by it, then the split.
-__global__ void MixSplitKernel(const float* X, int64_t rows, int64_t hc, int64_t dim,
-                               const float* scale, const float* base, int iters, float hc_eps,
-                               float norm_eps, float* mixes, float* pre, float* post, float* comb) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= rows) return;
+// HcMixParams' order for a sum of `n` terms term(i), by the thread block's kHcMixLanes threads:
+// thread l's lane, then the fixed tree through `lanes` (shared). Every thread gets the sum.
+template <class T, class Term>
+__device__ T LaneSum(int64_t n, Term term, T* lanes) {
+  const int64_t l = threadIdx.x;
+  T acc = 0;
+  int64_t i = l;
+  for (; i + 3 * kHcMixLanes < n; i += 4 * kHcMixLanes) {  // Four terms' loads in flight.
+    const T a = term(i), b = term(i + kHcMixLanes), c = term(i + 2 * kHcMixLanes),
+            d = term(i + 3 * kHcMixLanes);
+    acc += a;
+    acc += b;
+    acc += c;
+    acc += d;
+  }
+  for (; i < n; i += kHcMixLanes) acc += term(i);
+  lanes[l] = acc;
+  for (int64_t s = kHcMixLanes / 2; s >= 1; s /= 2) {
+    __syncthreads();
+    if (l < s) lanes[l] += lanes[l + s];
+  }
+  __syncthreads();
+  const T sum = lanes[0];
+  __syncthreads();  // lanes may be reused.
+  return sum;
+}
+
+// Thread block (token t, mix j): the unscaled mix, flatten(X[t]) . fn[j].
+__global__ void __launch_bounds__(kHcMixLanes)
+    HcDotKernel(const float* X, const float* fn, int64_t width, int64_t mix, float* mixes) {
+  __shared__ float lanes[kHcMixLanes];
+  const int64_t t = blockIdx.x / mix, j = blockIdx.x % mix;
+  const float* x = X + t * width;
+  const float* w = fn + j * width;
+  const float sum = LaneSum<float>(
+      width, [&](int64_t i) { return x[i] * w[i]; }, lanes);
+  if (threadIdx.x == 0) mixes[blockIdx.x] = sum;
+}
+
+// Thread block per token: the norm of the flattened stream (a double sum of squares), the
+// mixes scaled by it, then the split by one thread.
+__global__ void __launch_bounds__(kHcMixLanes)
+    MixSplitKernel(const float* X, int64_t hc, int64_t dim, const float* scale, const float* base,
+                   int iters, float hc_eps, float norm_eps, float* mixes, float* pre, float* post,
+                   float* comb) {
+  __shared__ double lanes[kHcMixLanes];
+  const int64_t t = blockIdx.x;
   const int64_t width = hc * dim, mix = (2 + hc) * hc;
-  double sum = 0;
-  for (int64_t i = 0; i < width; ++i)
-    sum += static_cast<double>(X[t * width + i]) * X[t * width + i];
+  const float* x = X + t * width;
+  const double sum = LaneSum<double>(
+      width, [&](int64_t i) { return static_cast<double>(x[i]) * x[i]; }, lanes);
+  if (threadIdx.x != 0) return;
   const float r = 1.0f / sqrtf(static_cast<float>(sum / width) + norm_eps);
   for (int64_t j = 0; j < mix; ++j) mixes[t * mix + j] *= r;
   HcSplit(mixes + t * mix, scale, base, static_cast<int>(hc), iters, hc_eps, pre + t * hc,
@@ -89,18 +131,14 @@ __global__ void MixSplitKernel(const float* X, int64_t rows, int64_t hc, int64_t
 OpStatus HcMix(const HcMixParams& p) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0 || p.iters < 1) return OpStatus::kBadShape;
   if (p.rows == 0) return OpStatus::kOk;
-  const OpStatus s = Linear({.x = p.X,
-                             .rows = p.rows,
-                             .in = p.hc * p.dim,
-                             .out = (2 + p.hc) * p.hc,
-                             .format = WeightFormat::kDense,
-                             .dense = p.fn,
-                             .y = p.mixes,
-                             .stream = p.stream});
-  if (s != OpStatus::kOk) return s;
-  FLASHD_LAUNCH(MixSplitKernel, static_cast<unsigned>((p.rows + kThreads - 1) / kThreads), kThreads,
-                0, static_cast<gpuStream_t>(p.stream), p.X, p.rows, p.hc, p.dim, p.scale, p.base,
-                p.iters, p.hc_eps, p.norm_eps, p.mixes, p.pre, p.post, p.comb);
+  const int64_t width = p.hc * p.dim, mix = (2 + p.hc) * p.hc;
+  if (p.rows * mix > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
+  FLASHD_LAUNCH(HcDotKernel, static_cast<unsigned>(p.rows * mix), kHcMixLanes, 0, stream, p.X, p.fn,
+                width, mix, p.mixes);
+  FLASHD_LAUNCH(MixSplitKernel, static_cast<unsigned>(p.rows), kHcMixLanes, 0, stream, p.X, p.hc,
+                p.dim, p.scale, p.base, p.iters, p.hc_eps, p.norm_eps, p.mixes, p.pre, p.post,
+                p.comb);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

@@ -96,7 +96,7 @@ BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same
     if (!yaml.empty()) {
       BOOST_TEST(Contains(d.log(), "engine: placement: routed experts on the CPU"), d.log());
     }
-    const std::string placement = yaml.empty() ? backend + "/2" : "routed experts:cpu/2";
+    const std::string placement = yaml.empty() ? backend + "/3" : "routed experts:cpu/3";
     auto c = UnixClient(d);
     answers.emplace_back();
     for (int i = 0; i < 3; ++i) {
