@@ -51,35 +51,21 @@ void HcSplit(const float* mixes, const float* scale, const float* base, int hc, 
   }
 }
 
-// HcMixParams' order: kHcMixLanes lanes of products in order, met by the fixed tree.
-template <class T>
-T LaneTree(T* lanes) {
-  for (int64_t s = kHcMixLanes / 2; s >= 1; s /= 2) {
-    for (int64_t l = 0; l < s; ++l) lanes[l] += lanes[l + s];
+// HcMixParams' order for a sum of the n terms term(i): kHcMixLanes lanes, each adding its terms
+// in order, met by the fixed tree (the device's LaneSum in kernels/gpu/mhc.cu).
+template <class T, class Term>
+T LaneSum(size_t n, Term term) {
+  constexpr size_t kLanes = static_cast<size_t>(kHcMixLanes);
+  T lanes[kLanes] = {};
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (size_t l = 0; l < kLanes; ++l) lanes[l] += term(i + l);
+  }
+  for (size_t l = 0; i + l < n; ++l) lanes[l] += term(i + l);
+  for (size_t s = kLanes / 2; s >= 1; s /= 2) {
+    for (size_t l = 0; l < s; ++l) lanes[l] += lanes[l + s];
   }
   return lanes[0];
-}
-
-float HcDot(const float* x, const float* w, size_t n) {
-  constexpr size_t kLanes = static_cast<size_t>(kHcMixLanes);
-  float lanes[kLanes] = {};
-  size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (size_t l = 0; l < kLanes; ++l) lanes[l] += x[i + l] * w[i + l];
-  }
-  for (size_t l = 0; i + l < n; ++l) lanes[l] += x[i + l] * w[i + l];
-  return LaneTree(lanes);
-}
-
-double HcSumSquares(const float* x, size_t n) {
-  constexpr size_t kLanes = static_cast<size_t>(kHcMixLanes);
-  double lanes[kLanes] = {};
-  size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (size_t l = 0; l < kLanes; ++l) lanes[l] += double(x[i + l]) * x[i + l];
-  }
-  for (size_t l = 0; i + l < n; ++l) lanes[l] += double(x[i + l]) * x[i + l];
-  return LaneTree(lanes);
 }
 
 }  // namespace
@@ -114,12 +100,15 @@ OpStatus HcMix(const HcMixParams& p) {
       [&](size_t begin, size_t end) {
         for (size_t i = begin; i < end; ++i) {
           const size_t t = i / mix, j = i % mix;
-          p.mixes[i] = HcDot(p.X + t * width, p.fn + j * width, width);
+          const float* x = p.X + t * width;
+          const float* w = p.fn + j * width;
+          p.mixes[i] = LaneSum<float>(width, [&](size_t k) { return x[k] * w[k]; });
         }
       },
       std::max<size_t>(1, (size_t{1} << 16) / width));
   for (size_t t = 0; t < rows; ++t) {
-    const double sum = HcSumSquares(p.X + t * width, width);
+    const float* x = p.X + t * width;
+    const double sum = LaneSum<double>(width, [&](size_t k) { return double(x[k]) * x[k]; });
     const float r = 1.0f / std::sqrt(static_cast<float>(sum / width) + p.norm_eps);
     for (size_t j = 0; j < mix; ++j) p.mixes[t * mix + j] *= r;
     HcSplit(p.mixes + t * mix, p.scale, p.base, static_cast<int>(p.hc), p.iters, p.hc_eps,

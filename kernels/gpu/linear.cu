@@ -449,10 +449,10 @@ __global__ void __launch_bounds__(kTileThreads)
 }
 
 // Thread blocks for M rows by N columns in tiles of one row (M == 1, one sequence's step) or of
-// kGemmRows, each `split` times.
-int64_t TileGrid(int64_t M, int64_t N, int64_t split = 1) {
+// kGemmRows, each `times` times (the parts of a split, or side-by-side groups).
+int64_t TileGrid(int64_t M, int64_t N, int64_t times = 1) {
   const int64_t tile_rows = M == 1 ? 1 : kGemmRows;
-  return (M + tile_rows - 1) / tile_rows * ColumnGroups(N) * split;
+  return (M + tile_rows - 1) / tile_rows * ColumnGroups(N) * times;
 }
 
 template <class W>
@@ -630,8 +630,7 @@ __global__ void __launch_bounds__(kTileThreads)
 OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream) {
   if (!Aligned(p.w, 16)) return OpStatus::kBadArgument;  // Rows are read 16 bytes a load.
   const bool one_row = p.rows == 1;
-  const int64_t tile_rows = one_row ? 1 : kGemmRows;
-  const int64_t grid = (p.rows + tile_rows - 1) / tile_rows * p.groups * ColumnGroups(p.out);
+  const int64_t grid = TileGrid(p.rows, p.out, p.groups);  // Each group's tiles.
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const auto kernel = one_row ? &Fp8ValuesKernel<1> : &Fp8ValuesKernel<kGemmRows>;
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x, p.rows, p.in,
@@ -766,7 +765,10 @@ OpStatus Linear(const LinearParams& p) {
   return QuantizedLinear(p, room ? SplitFor(p.rows, p.out, blocks, format) : 1, false);
 }
 
-OpStatus LinearFreeOrder(const LinearParams& p, int split) {
+namespace {
+
+// LinearFreeOrder's and LinearSplit's checks, then the schedule.
+OpStatus SplitLinear(const LinearParams& p, int split, bool free) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
@@ -775,19 +777,13 @@ OpStatus LinearFreeOrder(const LinearParams& p, int split) {
     return OpStatus::kBadArgument;
   }
   if (p.rows == 0) return OpStatus::kOk;
-  return QuantizedLinear(p, split, true);
+  return QuantizedLinear(p, split, free);
 }
 
-OpStatus LinearSplit(const LinearParams& p, int split) {
-  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
-    return OpStatus::kBadShape;
-  }
-  if (split < 1 || p.groups != 1 ||
-      (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4)) {
-    return OpStatus::kBadArgument;
-  }
-  if (p.rows == 0) return OpStatus::kOk;
-  return QuantizedLinear(p, split, false);
-}
+}  // namespace
+
+OpStatus LinearFreeOrder(const LinearParams& p, int split) { return SplitLinear(p, split, true); }
+
+OpStatus LinearSplit(const LinearParams& p, int split) { return SplitLinear(p, split, false); }
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND
