@@ -119,9 +119,9 @@ Weight Dense(int64_t out, int64_t in) {
 float* block_sums = nullptr;
 int64_t block_sums_count = 0;
 
-// The shipped GEMM (the fixed order, split over K as Linear picks), the fixed order unsplit, or
-// the free-order one split `split` ways over K.
-enum class Order { kShipped, kUnsplit, kFree };
+// The shipped GEMM (the fixed order, split over K as Linear picks), the fixed order unsplit, the
+// free-order one split `split` ways over K, or the matrix-core one (LinearMatrix).
+enum class Order { kShipped, kUnsplit, kFree, kMatrix };
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
               void* stream, Order order = Order::kShipped, int split = 1) {
   const k::LinearParams p = {.x = x,
@@ -141,6 +141,7 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .block_sums_count = block_sums_count};
   CheckOp(order == Order::kShipped   ? g::Linear(p)
           : order == Order::kUnsplit ? g::LinearSplit(p, 1)
+          : order == Order::kMatrix  ? g::LinearMatrix(p)
                                      : g::LinearFreeOrder(p, split),
           "Linear");
 }
@@ -779,10 +780,12 @@ int main(int argc, char** argv) {
   const int64_t per_expert = tokens * d.topk / d.experts;
   const bool hopper =
       device.find("H100") != std::string::npos || device.find("H200") != std::string::npos;
-  std::printf("\nprefill GEMMs (%lld tokens)%s\n", static_cast<long long>(tokens),
-              hopper ? "; peak: 1979 TFLOP/s dense FP8 (NVIDIA's H100/H200 SXM datasheet)" : "");
-  std::printf("%-28s %6s %6s %6s %10s %10s %8s %12s\n", "GEMM", "M", "N", "K", "us", "TFLOP/s",
-              "of peak", "free-order us");
+  std::printf(
+      "\nprefill GEMMs (%lld tokens)%s; matrix cores: %s\n", static_cast<long long>(tokens),
+      hopper ? "; peak: 1979 TFLOP/s dense FP8 (NVIDIA's H100/H200 SXM datasheet)" : "",
+      g::MatrixCoresNative() ? "the device's instruction" : "the stand-in (no instruction)");
+  std::printf("%-28s %6s %6s %6s %10s %10s %8s %12s %10s %10s %8s\n", "GEMM", "M", "N", "K", "us",
+              "TFLOP/s", "of peak", "free-order us", "matrix us", "TFLOP/s", "of peak");
   struct Gemm {
     std::string name;
     const Weight* w;
@@ -800,10 +803,14 @@ int main(int argc, char** argv) {
     // Thousands of rows fill the device without a split.
     const double free =
         FreeOrderBest(layer, *gm.w, gm.rows, std::max(1, reps / 4), &split, gm.rows <= 64 ? 32 : 1);
-    std::printf("%-28s %6lld %6lld %6lld %10.1f %10.2f %7.2f%% %12.1f\n", gm.name.c_str(),
-                static_cast<long long>(gm.rows), static_cast<long long>(gm.w->out),
+    // The matrix-core GEMM (the stand-in where the device lacks the instruction: see the header).
+    const double m = layer.TimeLinear(*gm.w, gm.rows, std::max(1, reps / 4), Order::kMatrix);
+    const double m_tflops = 2.0 * gm.rows * gm.w->out * gm.w->in / m / 1e12;
+    std::printf("%-28s %6lld %6lld %6lld %10.1f %10.2f %7.2f%% %12.1f %10.1f %10.2f %7.2f%%\n",
+                gm.name.c_str(), static_cast<long long>(gm.rows), static_cast<long long>(gm.w->out),
                 static_cast<long long>(gm.w->in), s * 1e6, tflops,
-                hopper ? 100.0 * tflops / 1979.0 : 0.0, free * 1e6);
+                hopper ? 100.0 * tflops / 1979.0 : 0.0, free * 1e6, m * 1e6, m_tflops,
+                hopper ? 100.0 * m_tflops / 1979.0 : 0.0);
   }
   return 0;
 }

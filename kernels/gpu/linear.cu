@@ -11,6 +11,7 @@
 #include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
+#include "kernels/gpu/quantize.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
@@ -689,8 +690,7 @@ OpStatus QuantizedLinear(const LinearParams& p, int split, bool free) {
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
   const int64_t quantize = p.rows * blocks;
   const int format = p.format == WeightFormat::kFp8 ? 0 : 1;
-  FLASHD_LAUNCH(QuantizeKernel, Blocks(quantize), kThreads, 0, stream, p.x, quantize, p.x_codes,
-                p.x_scales);
+  QuantizeActivations(p.x, quantize, p.x_codes, p.x_scales, stream);
   if (!free && split == 1) {
     const auto kernel = Pick<QuantizedGemm>(format, one_row);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
@@ -713,6 +713,11 @@ OpStatus QuantizedLinear(const LinearParams& p, int split, bool free) {
 
 }  // namespace
 
+void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t* scales,
+                         gpuStream_t stream) {
+  FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, x, blocks, codes, scales);
+}
+
 OpStatus ExpertLinear(const ExpertLinearParams& p) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.slots < 0 || p.experts <= 0) {
     return OpStatus::kBadShape;
@@ -728,8 +733,7 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   const int64_t blocks = p.rows * p.in / kBlock;
-  FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, p.x, blocks, p.x_codes,
-                p.x_scales);
+  QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
   const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes, p.x_scales,
                 p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w, p.w_scales, p.out,

@@ -30,6 +30,18 @@ OpStatus LinearFreeOrder(const LinearParams& p, int split);
 // same for every split): for the tests, and for gpu_bench to compare splits. REQUIRES: p's block
 // sums workspace for rows x out x in / 32 floats when split > 1.
 OpStatus LinearSplit(const LinearParams& p, int split);
+// FP8 and FP4 weights on matrix cores (kernels/gpu/linear_matrix.cu), for long prompts: per
+// K-block one instruction sums the 32 products of codes, the block's scales applied and the
+// blocks added in order, so a row's results do not depend on the rows beside it; they differ from
+// Linear's by the instruction's rounding of each block's sum. Takes Linear's params (one group,
+// weights and x_codes 16-byte aligned). Runs everywhere: where the device has no such
+// instruction (MatrixCoresNative() false) a stand-in with the same data layout computes it.
+OpStatus LinearMatrix(const LinearParams& p);
+// ExpertLinear's grouped rows on matrix cores, each row's sums LinearMatrix's.
+OpStatus ExpertLinearMatrix(const ExpertLinearParams& p);
+// Whether the current device runs the matrix-core instruction (NVIDIA from sm_89) rather than
+// the stand-in.
+bool MatrixCoresNative();
 OpStatus RoundBf16(const RoundBf16Params& p);
 OpStatus AddRound(const AddRoundParams& p);
 OpStatus CopyRows(const CopyRowsParams& p);

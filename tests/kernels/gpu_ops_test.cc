@@ -534,6 +534,147 @@ BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
                                    1) == OpStatus::kBadArgument));
 }
 
+// The matrix-core GEMM (LinearMatrix): each output within rounding of the CPU's Linear (its
+// error at most 1e-3 of the sum of the products' magnitudes: the instruction rounds each block's
+// sum its own way), a NaN weight code or scale giving NaN where the CPU's does, and every row's
+// results the same bits whatever the rows beside it (1, 3, 70 or 257 rows: Narrow and Wide
+// tiles, several token tiles); the grouped experts' rows equal LinearMatrix per expert. K-chunks
+// whole and partial, output tiles whole and partial.
+BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
+  std::mt19937 rng(61);
+  struct Case {
+    WeightFormat format;
+    int64_t in, out;
+  };
+  const Case cases[] = {{WeightFormat::kFp8, 64, 33},
+                        {WeightFormat::kFp8, 1376, 130},
+                        {WeightFormat::kFp4, 96, 40},
+                        {WeightFormat::kFp4, 544, 136}};
+  const int64_t most = 257;
+  for (const Case& c : cases) {
+    std::vector<float> x = Normal(rng, most * c.in), w = Normal(rng, c.out * c.in, 0.2f);
+    flashd::testing::QuantizedWeights qw =
+        flashd::testing::QuantizeWeights(c.format, w, c.out, c.in);
+    if (c.format == WeightFormat::kFp8) {
+      qw.codes[5 * c.in + 7] = 0x7F;    // A NaN code in column 5.
+      qw.scales[c.in / 32 + 1] = 0xFF;  // A NaN scale: columns 32.. of block 1.
+    } else {
+      qw.scales[9 * (c.in / 32) + 2] = 0xFF;  // Column 9, block 2.
+    }
+    Dev<uint8_t> dwq(qw.codes), dws(qw.scales);
+    Dev<float> dx(x);
+    Dev<uint8_t> dxq(std::vector<uint8_t>(x.size())), dxs(std::vector<uint8_t>(x.size() / 32));
+    std::vector<std::vector<float>> got;
+    for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{70}, most}) {
+      std::vector<uint8_t> xq(rows * c.in), xs(rows * c.in / 32);
+      std::vector<float> want(rows * c.out);
+      const LinearShape shape{c.format, rows, c.in, c.out};
+      BOOST_REQUIRE(cpu::Linear(shape.Params(x.data(), qw.codes.data(), qw.scales.data(), nullptr,
+                                             xq.data(), xs.data(), want.data())) == OpStatus::kOk);
+      Dev<float> dy(std::vector<float>(want.size(), 7.0f));
+      BOOST_REQUIRE(gpu::LinearMatrix(shape.Params(dx.get(), dwq.get(), dws.get(), nullptr,
+                                                   dxq.get(), dxs.get(), dy.get())) ==
+                    OpStatus::kOk);
+      got.push_back(dy.Host());
+      const std::vector<float>& y = got.back();
+      int64_t off = 0, nan_mismatch = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t n = 0; n < c.out; ++n) {
+          const float a = y[r * c.out + n], b = want[r * c.out + n];
+          if (std::isnan(a) || std::isnan(b)) {
+            nan_mismatch += std::isnan(a) != std::isnan(b);
+            continue;
+          }
+          double magnitude = 0;  // The products' magnitudes, in double.
+          for (int64_t k = 0; k < c.in; ++k) {
+            magnitude +=
+                std::fabs(double(codecs::E4M3ToFloat(xq[r * c.in + k])) *
+                          codecs::E8M0ToFloat(xs[(r * c.in + k) / 32]) * qw.decoded[n * c.in + k]);
+          }
+          off += std::fabs(double(a) - b) > 1e-3 * magnitude + 1e-30;
+        }
+      }
+      BOOST_TEST(off == 0, "format " << static_cast<int>(c.format) << " in " << c.in << " rows "
+                                     << rows << ": " << off << " outputs off");
+      BOOST_TEST(nan_mismatch == 0, "rows " << rows << ": NaN where the CPU has none or back");
+    }
+    // Every row's bits the same in each call (a call's rows are the first of the largest's).
+    for (size_t i = 0; i + 1 < got.size(); ++i) {
+      const std::vector<float> head(got.back().begin(), got.back().begin() + got[i].size());
+      BOOST_TEST(BitEqual(got[i], head), "format " << static_cast<int>(c.format) << ": rows "
+                                                   << got[i].size() / c.out << " against " << most);
+    }
+  }
+  // The grouped experts' rows: LinearMatrix's over each expert's rows.
+  const int64_t tokens = 29, experts = 6, k = 3, in = 160, out = 136;
+  std::vector<int64_t> chosen;
+  std::vector<float> weights;
+  RandomChoices(rng, tokens, experts, k, &chosen, &weights);
+  const int64_t total = tokens * k, slots = std::min(experts, total);
+  Grouped g(slots, total);
+  BOOST_REQUIRE(cpu::MoeGroup(g.Params(chosen.data(), weights.data(), tokens, experts, k)) ==
+                OpStatus::kOk);
+  for (WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
+    std::vector<const uint8_t*> dw, dws;
+    for (int64_t e = 0; e < experts; ++e) {
+      const auto q = flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in);
+      dev.push_back(std::make_unique<Dev<uint8_t>>(q.codes));
+      dw.push_back(dev.back()->get());
+      dev.push_back(std::make_unique<Dev<uint8_t>>(q.scales));
+      dws.push_back(dev.back()->get());
+    }
+    const std::vector<float> x = Normal(rng, total * in);
+    Dev<float> dx(x), dy(std::vector<float>(total * out, -1.0f));
+    Dev<int64_t> dexpert(g.expert), doffset(g.offset), dtiles(g.tiles);
+    Dev<const uint8_t*> dtable(dw), dstable(dws);
+    Dev<uint8_t> dxq(std::vector<uint8_t>(x.size())), dxs(std::vector<uint8_t>(x.size() / 32));
+    BOOST_REQUIRE(gpu::ExpertLinearMatrix({.x = dx.get(),
+                                           .rows = total,
+                                           .in = in,
+                                           .out = out,
+                                           .slot_expert = dexpert.get(),
+                                           .slot_offset = doffset.get(),
+                                           .slot_tiles = dtiles.get(),
+                                           .slots = slots,
+                                           .experts = experts,
+                                           .format = format,
+                                           .w = dtable.get(),
+                                           .w_scales = dstable.get(),
+                                           .x_codes = dxq.get(),
+                                           .x_scales = dxs.get(),
+                                           .y = dy.get()}) == OpStatus::kOk);
+    const std::vector<float> grouped = dy.Host();
+    for (int64_t s = 0; s < slots; ++s) {
+      const int64_t r0 = g.offset[s], rows = g.offset[s + 1] - r0, e = g.expert[s];
+      if (rows == 0) continue;
+      Dev<float> dxe(std::vector<float>(x.begin() + r0 * in, x.begin() + (r0 + rows) * in));
+      Dev<float> dye(std::vector<float>(rows * out, -2.0f));
+      const LinearShape shape{format, rows, in, out};
+      BOOST_REQUIRE(gpu::LinearMatrix(shape.Params(dxe.get(), dw[e], dws[e], nullptr, dxq.get(),
+                                                   dxs.get(), dye.get())) == OpStatus::kOk);
+      const std::vector<float> one(grouped.begin() + r0 * out, grouped.begin() + (r0 + rows) * out);
+      BOOST_TEST(BitEqual(dye.Host(), one), "format " << static_cast<int>(format) << " slot " << s);
+    }
+  }
+  // What it does not take: groups, dense weights, activation codes off a 16-byte boundary.
+  Dev<float> dx(std::vector<float>(64, 1.0f)), dy(std::vector<float>(4));
+  Dev<uint8_t> dw(std::vector<uint8_t>(64 * 2, 0x38)), ds(std::vector<uint8_t>(2, 127));
+  Dev<uint8_t> dxq(std::vector<uint8_t>(80)), dxs(std::vector<uint8_t>(4));
+  LinearShape shape{WeightFormat::kFp8, 1, 64, 2};
+  LinearParams p =
+      shape.Params(dx.get(), dw.get(), ds.get(), nullptr, dxq.get(), dxs.get(), dy.get());
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kOk));
+  p.x_codes = dxq.get() + 4;
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadArgument));
+  p.x_codes = dxq.get();
+  p.groups = 2;
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadArgument));
+  p.groups = 1;
+  p.format = WeightFormat::kDense;
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadArgument));
+}
+
 // An FP8 matrix run as its exact values (kFp8Dense, how wo_a is held) gives kDense's results over
 // its dequantized values, on the CPU and on the device, also for rows of a larger matrix whose
 // first row is inside a 32-row scale tile (the scales then those of the whole matrix).

@@ -1,0 +1,77 @@
+// The one matrix-core instruction the kernels use, and its stand-in: a 16 x 8 x 32 product of
+// FP8 (E4M3) codes with fp32 sums by a group of 32 threads (a warp on NVIDIA), as NVIDIA's
+// mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 lays it out (PTX ISA, "Matrix Fragments
+// for mma.m16n8k32"). With g = lane / 4 and t = lane % 4 (lane = threadIdx.x % 32):
+//   a[0]: A's row g,     columns 4t..4t+3 (byte i: column 4t + i); a[1]: row g + 8, the same;
+//   a[2]: A's row g,     columns 16 + 4t..;                         a[3]: row g + 8, the same;
+//   b[0]: B's column g,  rows 4t..4t+3;                             b[1]: rows 16 + 4t..;
+//   d[i]: D's row g + 8 (i / 2), column 2t + i % 2.
+// Devices that have the instruction (NVIDIA from sm_89) run it; elsewhere (the HIP CPU runtime,
+// AMD until an MFMA path exists, older NVIDIA) every thread of the block passes its fragments
+// through `scratch` (one MmaScratch a thread, shared memory) and computes its outputs from the
+// group's: the same layout, so a kernel's fragment loads and output stores are tested on the CPU.
+// The stand-in adds the exact products to d in column order in fp32; the instruction's own
+// rounding of the sum is the hardware's (a kernel's results are the same whatever else is in its
+// tiles, but not the stand-in's bit for bit). REQUIRES: every thread of the block calls it the
+// same number of times (the stand-in synchronises the block), blockDim.x a multiple of 32.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/codecs.h"
+#include "kernels/gpu/portability.h"
+
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define FLASHD_MMA_E4M3_NATIVE 1
+#endif
+
+struct MmaScratch {
+  uint32_t a[4];
+  uint32_t b[2];
+};
+
+__device__ inline void MmaE4M3(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&d)[4],
+                               MmaScratch* scratch) {
+#if defined(FLASHD_MMA_E4M3_NATIVE)
+  (void)scratch;
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  const unsigned self = threadIdx.x, lane = self % 32, base = self - lane;
+  for (int i = 0; i < 4; ++i) scratch[self].a[i] = a[i];
+  scratch[self].b[0] = b[0];
+  scratch[self].b[1] = b[1];
+  __syncthreads();
+  for (int i = 0; i < 4; ++i) {
+    const unsigned row = lane / 4 + 8 * (i / 2), col = (lane % 4) * 2 + i % 2;
+    float sum = d[i];
+    for (unsigned k = 0; k < 32; ++k) {
+      // Who holds A(row, k) and B(k, col), in which register and byte.
+      const unsigned t = (k % 16) / 4, byte = 8 * (k % 4);
+      const uint32_t aw = scratch[base + (row % 8) * 4 + t].a[row / 8 + 2 * (k / 16)];
+      const uint32_t bw = scratch[base + col * 4 + t].b[k / 16];
+      sum += codecs::E4M3ToFloat(static_cast<uint8_t>(aw >> byte)) *
+             codecs::E4M3ToFloat(static_cast<uint8_t>(bw >> byte));
+    }
+    d[i] = sum;
+  }
+  __syncthreads();  // The group's scratch is read before anyone's next call writes it.
+#endif
+}
+
+// Four FP4 (E2M1) codes, code i in bits 4i..4i+3 of `nibbles`, as four E4M3 codes (byte i)
+// whose values are the FP4 values times 2^-6, exactly: the FP4 exponent and mantissa bits become
+// the low exponent bits and the top mantissa bit (normal and subnormal values alike).
+FLASHD_OPS_HD inline uint32_t E2M1x4ToE4M3(uint32_t nibbles) {
+  uint32_t x = nibbles & 0xFFFFu;
+  x = (x | (x << 8)) & 0x00FF00FFu;  // Codes 0, 1 in byte 0; 2, 3 in byte 2.
+  x = (x | (x << 4)) & 0x0F0F0F0Fu;  // Code i in the low half of byte i.
+  return ((x & 0x08080808u) << 4) | ((x & 0x07070707u) << 2);
+}
+
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND
