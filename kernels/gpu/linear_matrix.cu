@@ -44,10 +44,12 @@ struct Shape {
   static_assert(kInsRows * kRowTiles * kGroupsRows == kTileRows, "the tile's rows");
 };
 using Wide = Shape<4, 4, 2>;    // 128 tokens
+using Medium = Shape<2, 4, 4>;  // 64 tokens: an expert's rows in a long prompt
 using Narrow = Shape<1, 1, 8>;  // 8 tokens
 // Rows from which Linear's matrix path takes Wide tiles.
 constexpr int64_t kWideFrom = 64;
 static_assert(Narrow::kToks == kExpertTileRows, "an expert slot's tiles are Narrow's tokens");
+static_assert(Medium::kToks % kExpertTileRows == 0, "Medium's tokens are whole slot tiles");
 
 // The staged rows' swizzle: the 16-byte piece p of row r is kept at p ^ (2 (r % 4)), so the
 // 8-byte reads of one instruction's operands (rows g = 0..7, bytes 8t.. of one K-block) fall in
@@ -233,14 +235,17 @@ __global__ void __launch_bounds__(kThreads)
   MatrixTile<kFormat, S>(xq, xs, m0, M - m0 < S::kToks ? M - m0 : S::kToks, K, w, ws, N, n0, y);
 }
 
-// The experts' rows (MoeGroup's slots) in Narrow tiles: thread block (tile, row tile), the tiles
-// of kExpertTileRows counted through slot_tiles (ExpertGemmKernel's mapping,
-// kernels/gpu/linear.cu).
-template <int kFormat>
+// The experts' rows (MoeGroup's slots) in tiles of S's tokens: thread block (tile, row tile),
+// the tiles of kExpertTileRows counted through slot_tiles (ExpertGemmKernel's mapping,
+// kernels/gpu/linear.cu). With S wider than a slot tile, the thread block of a slot's first tile
+// of every S::kToks rows takes them all and the others have nothing to do (a thread block that
+// returns at once; the grid needs no count of the wider tiles, which only the device knows).
+template <int kFormat, class S>
 __global__ void __launch_bounds__(kThreads)
     MatrixExpertKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                        const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
                        const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
+  constexpr int64_t kPer = S::kToks / kExpertTileRows;  // Slot tiles a thread block takes.
   const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows, tile = blockIdx.x / RowTiles(N);
   if (tile >= slot_tiles[slots]) return;  // The whole thread block: no barrier is left waiting.
   int64_t lo = 0, hi = slots;             // slot_tiles[lo] <= tile < slot_tiles[hi]
@@ -252,11 +257,11 @@ __global__ void __launch_bounds__(kThreads)
       hi = mid;
     }
   }
-  const int64_t m0 = slot_offset[lo] + (tile - slot_tiles[lo]) * Narrow::kToks;
+  if ((tile - slot_tiles[lo]) % kPer != 0) return;  // Taken by the slot's tile before it.
+  const int64_t m0 = slot_offset[lo] + (tile - slot_tiles[lo]) * kExpertTileRows;
   const int64_t left = slot_offset[lo + 1] - m0;
   const int64_t e = slot_expert[lo];
-  MatrixTile<kFormat, Narrow>(xq, xs, m0, left < Narrow::kToks ? left : Narrow::kToks, K, w[e],
-                              ws[e], N, n0, y);
+  MatrixTile<kFormat, S>(xq, xs, m0, left < S::kToks ? left : S::kToks, K, w[e], ws[e], N, n0, y);
 }
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -322,8 +327,13 @@ OpStatus ExpertLinearMatrix(const ExpertLinearParams& p) {
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   QuantizeActivations(p.x, p.rows * (p.in / kBlock), p.x_codes, p.x_scales, stream);
-  const auto kernel =
-      p.format == WeightFormat::kFp8 ? &MatrixExpertKernel<0> : &MatrixExpertKernel<1>;
+  // Medium tiles when the slots average more than a Narrow tile's rows (a prompt's), else
+  // Narrow (a decode step's few rows an expert); each output's sums are the same either way.
+  const bool medium = p.rows > p.slots * kExpertTileRows;
+  const bool fp8 = p.format == WeightFormat::kFp8;
+  const auto kernel = medium
+                          ? (fp8 ? &MatrixExpertKernel<0, Medium> : &MatrixExpertKernel<1, Medium>)
+                          : (fp8 ? &MatrixExpertKernel<0, Narrow> : &MatrixExpertKernel<1, Narrow>);
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kThreads, 0, stream, p.x_codes, p.x_scales,
                 p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w, p.w_scales, p.out,
                 p.y);

@@ -10,9 +10,12 @@
 // AMD until an MFMA path exists, older NVIDIA) every thread of the block passes its fragments
 // through `scratch` (one MmaScratch a thread, shared memory) and computes its outputs from the
 // group's: the same layout, so a kernel's fragment loads and output stores are tested on the CPU.
-// The stand-in adds the exact products to d in column order in fp32; the instruction's own
-// rounding of the sum is the hardware's (a kernel's results are the same whatever else is in its
-// tiles, but not the stand-in's bit for bit). REQUIRES: every thread of the block calls it the
+// The stand-in sums the 32 exact products in fp32 in a tree (neighbouring columns in pairs, then
+// neighbouring pairs, ...) and adds that to d: an order other than the exact GEMMs' column by
+// column on purpose, as the instruction's adder is, so that tests on the CPU see results whose
+// rounding differs from the exact path's. The instruction's own rounding is the hardware's (a
+// kernel's results are the same whatever else is in its tiles, but not the stand-in's bit for
+// bit). REQUIRES: every thread of the block calls it the
 // same number of times (the stand-in synchronises the block), blockDim.x a multiple of 32.
 #pragma once
 
@@ -49,16 +52,19 @@ __device__ inline void MmaE4M3(const uint32_t (&a)[4], const uint32_t (&b)[2], f
   __syncthreads();
   for (int i = 0; i < 4; ++i) {
     const unsigned row = lane / 4 + 8 * (i / 2), col = (lane % 4) * 2 + i % 2;
-    float sum = d[i];
+    float sums[32];
     for (unsigned k = 0; k < 32; ++k) {
       // Who holds A(row, k) and B(k, col), in which register and byte.
       const unsigned t = (k % 16) / 4, byte = 8 * (k % 4);
       const uint32_t aw = scratch[base + (row % 8) * 4 + t].a[row / 8 + 2 * (k / 16)];
       const uint32_t bw = scratch[base + col * 4 + t].b[k / 16];
-      sum += codecs::E4M3ToFloat(static_cast<uint8_t>(aw >> byte)) *
-             codecs::E4M3ToFloat(static_cast<uint8_t>(bw >> byte));
+      sums[k] = codecs::E4M3ToFloat(static_cast<uint8_t>(aw >> byte)) *
+                codecs::E4M3ToFloat(static_cast<uint8_t>(bw >> byte));
     }
-    d[i] = sum;
+    for (unsigned width = 1; width < 32; width *= 2) {
+      for (unsigned k = 0; k < 32; k += 2 * width) sums[k] += sums[k + width];
+    }
+    d[i] += sums[0];
   }
   __syncthreads();  // The group's scratch is read before anyone's next call writes it.
 #endif
