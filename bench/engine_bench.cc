@@ -2,9 +2,10 @@
 // the share of the machine's memory bandwidth that is, measured in the same run.
 //
 //   build/bench/engine_bench MODEL_DIR [PREFILL_CONTEXT...] [--decode-at CONTEXT]...
-//                            [--backend auto|cpu|cuda|hip|hipcpu]
+//                            [--backend auto|cpu|cuda|hip|hipcpu] [--gpu-gemms exact|matrix]
 //
-// --backend runs every op on that backend (default cpu); the bandwidth figure is the host's. A
+// --backend runs every op on that backend (default cpu); the bandwidth figure is the host's.
+// --gpu-gemms matrix puts a GPU backend's FP8/FP4 linears on matrix cores (engine.gpu_gemms). A
 // GPU backend's decode rows (--decode-at's too) are followed by what one step moved between host
 // and device and how many times the host waited for the device (BackendReport).
 // Weights are uploaded first, as the engine does (the time is printed for a GPU backend).
@@ -74,9 +75,16 @@ int main(int argc, char** argv) {
   // Prefill contexts; 131072 takes tens of minutes on a small CPU, so it is asked for by name.
   std::vector<size_t> contexts, decode_at;
   std::string backend_name = "cpu";
+  GpuOptions gpu;
   for (int i = 2; i < argc; ++i) {
     if (std::strcmp(argv[i], "--backend") == 0 && i + 1 < argc) {
       backend_name = argv[++i];
+    } else if (std::strcmp(argv[i], "--gpu-gemms") == 0 && i + 1 < argc) {
+      const std::string kind = argv[++i];
+      if (kind != "exact" && kind != "matrix") {
+        return (std::fprintf(stderr, "--gpu-gemms is exact or matrix\n"), 2);
+      }
+      gpu.matrix_gemms = kind == "matrix";
     } else if (std::strcmp(argv[i], "--decode-at") == 0 && i + 1 < argc) {
       decode_at.push_back(std::stoul(argv[++i]));
     } else {
@@ -87,9 +95,9 @@ int main(int argc, char** argv) {
   auto model = Model::Load(argv[1]);
   if (!model.ok()) return (std::fprintf(stderr, "%s\n", model.status().ToString().c_str()), 1);
   std::string why;
-  auto backend = SelectBackend(backend_name, &why);
+  auto backend = SelectBackend(backend_name, &why, 0, gpu);
   if (!backend.ok()) return (std::fprintf(stderr, "%s\n", backend.status().ToString().c_str()), 1);
-  std::printf("%s\n", why.c_str());
+  std::printf("%s; GEMMs %s\n", why.c_str(), (*backend)->Report().gemms.c_str());
   auto fwd = CpuForward::Create(**model, "", 64, std::move(*backend));
   if (!fwd.ok()) return (std::fprintf(stderr, "%s\n", fwd.status().ToString().c_str()), 1);
   {

@@ -469,6 +469,10 @@ class Layer {
     return s;
   }
 
+  // The FP8 and FP4 linears (the experts' too) on matrix cores from now on, as the backend
+  // runs them with engine.gpu_gemms: matrix.
+  void UseMatrixGemms(bool on) { matrix_ = on; }
+
   const Weight& wq_a() const { return wq_a_; }
   const Weight& wq_b() const { return wq_b_; }
   const Weight& wkv() const { return wkv_; }
@@ -531,7 +535,9 @@ class Layer {
   }
 
   void Apply(const Weight& w, const float* x, int64_t rows, float* y) {
-    LinearOn(w, x, rows, xq_, xs_, y, stream_);
+    const bool quantized = w.format == k::WeightFormat::kFp8 || w.format == k::WeightFormat::kFp4;
+    LinearOn(w, x, rows, xq_, xs_, y, stream_,
+             matrix_ && quantized && w.groups == 1 ? Order::kMatrix : Order::kShipped);
   }
 
   void Expert(const std::vector<Weight>& e, int64_t rows) {
@@ -581,23 +587,23 @@ class Layer {
             "CopyRows");
     auto linear = [&](int which, const float* x, float* y) {
       const Weight& w = experts_[0][which];
-      CheckOp(g::ExpertLinear({.x = x,
-                               .rows = total,
-                               .in = w.in,
-                               .out = w.out,
-                               .slot_expert = slot_expert_,
-                               .slot_offset = slot_offset_,
-                               .slot_tiles = slot_tiles_,
-                               .slots = slots,
-                               .experts = d_.experts,
-                               .format = w.format,
-                               .w = tables_[which][0],
-                               .w_scales = tables_[which][1],
-                               .x_codes = xq_grouped_,
-                               .x_scales = xs_grouped_,
-                               .y = y,
-                               .stream = stream_,
-                               .slot_rows = rows}),
+      CheckOp((matrix_ ? g::ExpertLinearMatrix : g::ExpertLinear)({.x = x,
+                                                                   .rows = total,
+                                                                   .in = w.in,
+                                                                   .out = w.out,
+                                                                   .slot_expert = slot_expert_,
+                                                                   .slot_offset = slot_offset_,
+                                                                   .slot_tiles = slot_tiles_,
+                                                                   .slots = slots,
+                                                                   .experts = d_.experts,
+                                                                   .format = w.format,
+                                                                   .w = tables_[which][0],
+                                                                   .w_scales = tables_[which][1],
+                                                                   .x_codes = xq_grouped_,
+                                                                   .x_scales = xs_grouped_,
+                                                                   .y = y,
+                                                                   .stream = stream_,
+                                                                   .slot_rows = rows}),
               "ExpertLinear");
     };
     linear(0, xg_, gg_);
@@ -609,6 +615,7 @@ class Layer {
   }
 
   Dims d_;
+  bool matrix_ = false;     // UseMatrixGemms.
   void* stream_ = nullptr;  // The ops' stream (one of the bench's own, so graphs can record it).
   std::map<int64_t, int64_t> tokens_of_;  // The picked experts and their tokens.
   const uint8_t** tables_[3][2] = {};     // w1, w3, w2: codes, scales
@@ -766,15 +773,33 @@ int main(int argc, char** argv) {
   }
 
   // Prefill: one layer over a chunk of one sequence's tokens, the same ops.
+  const std::vector<Row> exact_rows = layer.Decode(tokens, std::max(1, reps / 10), rng, true);
   double prefill_s = 0;
-  for (const Row& r : layer.Decode(tokens, std::max(1, reps / 10), rng, true)) {
-    prefill_s += r.seconds;
-  }
+  for (const Row& r : exact_rows) prefill_s += r.seconds;
   std::printf(
       "\nprefill, %lld tokens of one sequence: one layer %.1f ms, %.0f tokens/s per layer, "
       "%.1f tokens/s for 40 layers (est.)\n",
       static_cast<long long>(tokens), prefill_s * 1e3, tokens / prefill_s,
       tokens / (prefill_s * d.layers));
+
+  // The same prefill with the linears on matrix cores, op by op beside the exact GEMMs'.
+  layer.UseMatrixGemms(true);
+  const std::vector<Row> matrix_rows = layer.Decode(tokens, std::max(1, reps / 10), rng, true);
+  layer.UseMatrixGemms(false);
+  std::printf("\nprefill, %lld tokens, op by op: exact GEMMs against matrix cores (%s)\n",
+              static_cast<long long>(tokens),
+              g::MatrixCoresNative() ? "the device's instruction" : "the stand-in");
+  std::printf("%-44s %12s %12s %8s\n", "op", "exact us", "matrix us", "ratio");
+  double matrix_s = 0;
+  for (size_t i = 0; i < exact_rows.size() && i < matrix_rows.size(); ++i) {
+    matrix_s += matrix_rows[i].seconds;
+    std::printf("%-44s %12.1f %12.1f %7.2fx\n", exact_rows[i].op.c_str(),
+                exact_rows[i].seconds * 1e6, matrix_rows[i].seconds * 1e6,
+                exact_rows[i].seconds / matrix_rows[i].seconds);
+  }
+  std::printf("%-44s %12.1f %12.1f %7.2fx; %.0f against %.0f tokens/s per layer\n", "layer",
+              prefill_s * 1e6, matrix_s * 1e6, prefill_s / matrix_s, tokens / prefill_s,
+              tokens / matrix_s);
 
   // Prefill GEMMs at 4,096 tokens: FP8 projections, and an FP4 expert with its share of them.
   const int64_t per_expert = tokens * d.topk / d.experts;

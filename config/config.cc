@@ -166,6 +166,12 @@ const std::vector<Field>& Schema() {
          c->engine.routed_experts = t;
          return Status::Ok();
        }},
+      {"engine.gpu_gemms", "exact or matrix",
+       [](const std::string& t, Config* c) {
+         if (t != "exact" && t != "matrix") return InvalidArgument("not a GEMM kind");
+         c->engine.gpu_gemms = t;
+         return Status::Ok();
+       }},
       {"engine.speculative", "dspark or off",
        [](const std::string& t, Config* c) {
          if (t != "dspark" && t != "off") return InvalidArgument("not a speculative mode");

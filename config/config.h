@@ -72,6 +72,11 @@ struct EngineConfig {
   // Where the routed experts run: with their layer, or on the CPU (the hybrid mode of one GPU
   // beside a large host memory).
   std::string routed_experts = "layer";
+  // How a GPU backend computes the FP8 and FP4 linears: exact (every block's 32 products summed
+  // in the CPU's order) or matrix (on the matrix cores, the fast way to prefill long prompts;
+  // each block's sum rounded by the instruction). Either way a prompt gives the same tokens
+  // however it is batched or chunked. The CPU ignores it.
+  std::string gpu_gemms = "exact";
   // Speculative decoding: dspark (the checkpoint's own draft heads, when it has them) or off.
   // The output is the same either way: greedy token for token, sampled in distribution.
   std::string speculative = "dspark";

@@ -394,6 +394,7 @@ void Daemon::Reload() {
       n.engine.threads != applied_.engine.threads || n.engine.backend != applied_.engine.backend ||
       n.engine.gpus != applied_.engine.gpus ||
       n.engine.routed_experts != applied_.engine.routed_experts ||
+      n.engine.gpu_gemms != applied_.engine.gpu_gemms ||
       n.engine.speculative != applied_.engine.speculative ||
       n.engine.speculative_tokens != applied_.engine.speculative_tokens) {
     restart.push_back("engine");

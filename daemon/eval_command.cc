@@ -46,7 +46,9 @@ void PrintEvalHelp() {
       "                          indexer and router (reference: the official code's CPU order)\n"
       "  --threads N             forward-pass threads (default: all cores)\n"
       "  --backend NAME          cpu (default), cuda, hip or hipcpu: where the ops run, so that\n"
-      "                          two backends' outputs can be compared\n");
+      "                          two backends' outputs can be compared\n"
+      "  --gpu-gemms KIND        exact (default) or matrix: how a GPU backend computes the FP8\n"
+      "                          and FP4 linears (engine.gpu_gemms)\n");
 }
 
 int Fail(const std::string& message, int code = kExitUsage) {
@@ -169,6 +171,7 @@ struct EvalArgs {
   int threads = 0;
   kernels::TopKOrder order = kernels::TopKOrder::kTotal;
   std::string backend = "cpu";
+  engine::GpuOptions gpu;
 };
 
 int Run(const EvalArgs& a) {
@@ -185,7 +188,7 @@ int Run(const EvalArgs& a) {
   auto model = engine::Model::Load(a.model_dir);
   if (!model.ok()) return Fail(model.status().ToString(), kExitFailed);
   std::string why;
-  auto backend = engine::SelectBackend(a.backend, &why);
+  auto backend = engine::SelectBackend(a.backend, &why, 0, a.gpu);
   if (!backend.ok()) return Fail(backend.status().message(), kExitFailed);
   auto fwd = engine::CpuForward::Create(**model, "", 64, std::move(*backend));
   if (!fwd.ok()) return Fail(fwd.status().ToString(), kExitFailed);
@@ -300,6 +303,11 @@ int EvalCommand(const std::vector<std::string>& args) {
       if (!value(&a.backend) || a.backend == "auto") {
         return Fail("--backend is cpu, cuda, hip or hipcpu");
       }
+    } else if (arg == "--gpu-gemms") {
+      if (!value(&v) || (v != "exact" && v != "matrix")) {
+        return Fail("--gpu-gemms is exact or matrix");
+      }
+      a.gpu.matrix_gemms = v == "matrix";
     } else if (arg == "--topk-order") {
       if (!value(&v) || (v != "total" && v != "reference")) {
         return Fail("--topk-order is total or reference");

@@ -11,16 +11,18 @@ namespace flashd::engine {
 namespace {
 
 // One GPU backend by name, or why not.
-StatusOr<std::unique_ptr<Backend>> MakeNamed(std::string_view kind, int device) {
-  (void)device;  // A build with the CPU backend alone has no use for it.
+StatusOr<std::unique_ptr<Backend>> MakeNamed(std::string_view kind, int device,
+                                             const GpuOptions& gpu) {
+  (void)device;  // A build with the CPU backend alone has no use for them.
+  (void)gpu;
 #ifdef FLASHD_WITH_CUDA
-  if (kind == "cuda") return cuda::MakeGpuBackend(device);
+  if (kind == "cuda") return cuda::MakeGpuBackend(device, gpu);
 #endif
 #ifdef FLASHD_WITH_HIP
-  if (kind == "hip") return hip::MakeGpuBackend(device);
+  if (kind == "hip") return hip::MakeGpuBackend(device, gpu);
 #endif
 #ifdef FLASHD_WITH_HIPCPU
-  if (kind == "hipcpu") return hipcpu::MakeGpuBackend(device);
+  if (kind == "hipcpu") return hipcpu::MakeGpuBackend(device, gpu);
 #endif
   if (kind == "cuda" || kind == "hip" || kind == "hipcpu") {
     return Unavailable("this build of flashd has no " + std::string(kind) + " backend (it has " +
@@ -47,13 +49,13 @@ std::string CompiledBackends() {
 }
 
 StatusOr<std::unique_ptr<Backend>> SelectBackend(std::string_view kind, std::string* reason,
-                                                 int device) {
+                                                 int device, const GpuOptions& gpu) {
   if (kind == "cpu") {
     *reason = "backend cpu: as configured";
     return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
   }
   if (kind != "auto") {
-    auto backend = MakeNamed(kind, device);
+    auto backend = MakeNamed(kind, device, gpu);
     if (backend.ok()) {
       const BackendReport r = (*backend)->Report();
       *reason = "backend " + r.backend + ": as configured, on " + r.device;
@@ -61,8 +63,8 @@ StatusOr<std::unique_ptr<Backend>> SelectBackend(std::string_view kind, std::str
     return backend;
   }
   std::string why;
-  for (std::string_view gpu : {"cuda", "hip"}) {
-    auto backend = MakeNamed(gpu, 0);
+  for (std::string_view name : {"cuda", "hip"}) {
+    auto backend = MakeNamed(name, 0, gpu);
     if (backend.ok()) {
       const BackendReport r = (*backend)->Report();
       *reason = "backend " + r.backend + " (auto): " + r.device;

@@ -92,9 +92,18 @@ cache::BlockKey Fingerprint(const Model& model, int64_t block_tokens) {
 StatusOr<Placement> PlaceModel(const EngineOptions& options, const Model& model) {
   Placement placement;
   std::string why;
-  FLASHD_ASSIGN_OR_RETURN(std::unique_ptr<Backend> first, SelectBackend(options.backend, &why, 0));
-  spdlog::info("engine: {}", why);
+  const GpuOptions gpu{.matrix_gemms = options.gpu_gemms == "matrix"};
+  FLASHD_ASSIGN_OR_RETURN(std::unique_ptr<Backend> first,
+                          SelectBackend(options.backend, &why, 0, gpu));
   const std::string kind(first->name());
+  const std::string gemms = first->Report().gemms;
+  if (gpu.matrix_gemms && kind == "cpu") {
+    why += "; engine.gpu_gemms: matrix has no effect on the CPU";
+  } else if (gemms != "exact") {
+    why += "; FP8/FP4 GEMMs on matrix cores";
+    if (gemms != "matrix") why += " (a stand-in: this device lacks the instruction, slow)";
+  }
+  spdlog::info("engine: {}", why);
   if (options.gpus > 1 && kind == "cpu") {
     return InvalidArgument("engine.gpus: " + std::to_string(options.gpus) +
                            " GPUs asked for, but the engine runs on the CPU (" + why + ")");
@@ -102,7 +111,7 @@ StatusOr<Placement> PlaceModel(const EngineOptions& options, const Model& model)
   placement.backends.push_back(std::move(first));
   for (int i = 1; i < options.gpus; ++i) {
     std::string ignored;
-    auto next = SelectBackend(kind, &ignored, i);
+    auto next = SelectBackend(kind, &ignored, i, gpu);
     if (!next.ok()) {
       return InvalidArgument("engine.gpus: " + std::to_string(options.gpus) +
                              " asked for: " + next.status().message());

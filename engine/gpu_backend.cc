@@ -860,16 +860,22 @@ std::vector<int64_t> TableRows(const int32_t* table, int64_t blocks, int64_t per
 
 class GpuBackend final : public Backend {
  public:
-  explicit GpuBackend(int device) : device_(device) {}
+  GpuBackend(int device, const GpuOptions& options)
+      : device_(device),
+        matrix_(options.matrix_gemms),
+        numerics_(std::string(FLASHD_GPU_STR(FLASHD_GPU_BACKEND)) + (matrix_ ? "-matrix" : "") +
+                  "/3") {}
   std::string_view name() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND); }
   // The kernels' results differ from the CPU's in the last bit where they use the device's
-  // exp/sin/cos or a tree reduction (kernels/gpu/ops.h), so the cache keys them apart.
-  std::string_view numerics() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND) "/3"; }
+  // exp/sin/cos or a tree reduction (kernels/gpu/ops.h), and further with the matrix-core
+  // GEMMs, so the cache keys them apart.
+  std::string_view numerics() const override { return numerics_; }
 
   BackendReport Report() const override {
     BackendReport r{std::string(name()), "", 0, 0};
     std::lock_guard<std::mutex> lock(mu_);
     if (!g::SetDevice(device_).empty() || !g::DeviceName(&r.device).empty()) r.device = "unknown";
+    if (matrix_) r.gemms = g::MatrixCoresNative() ? "matrix" : "matrix stand-in";
     if (device_ > 0) r.device += " #" + std::to_string(device_);
     size_t free_bytes = 0, total = 0;
     if (g::MemoryInfo(&free_bytes, &total).empty()) r.memory_total = total;
@@ -918,14 +924,17 @@ class GpuBackend final : public Backend {
       }
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
-      if ((p.format == k::WeightFormat::kFp8 || p.format == k::WeightFormat::kFp4) &&
-          p.rows <= g::kLinearSplitRows) {
+      const bool quantized = p.format == k::WeightFormat::kFp8 || p.format == k::WeightFormat::kFp4;
+      // On matrix cores for every row count, so that a row's results do not depend on how the
+      // rows were batched.
+      const bool matrix = matrix_ && quantized && groups == 1;
+      if (quantized && !matrix && p.rows <= g::kLinearSplitRows) {
         // Room to split a GEMM with few output tiles over K (the results are the same).
         d.block_sums_count = p.rows * p.out * (p.in / 32);
         d.block_sums = c.Work<float>(d.block_sums_count);
       }
       d.y = c.Out(p.y, p.rows * groups * p.out);
-      return Launch(c, [&] { return g::Linear(d); });
+      return Launch(c, [&] { return matrix ? g::LinearMatrix(d) : g::Linear(d); });
     });
   }
 
@@ -1246,7 +1255,7 @@ class GpuBackend final : public Backend {
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
       d.y = c.Out(p.y, p.rows * p.out);
-      return Launch(c, [&] { return g::ExpertLinear(d); });
+      return Launch(c, [&] { return matrix_ ? g::ExpertLinearMatrix(d) : g::ExpertLinear(d); });
     });
   }
 
@@ -1418,6 +1427,8 @@ class GpuBackend final : public Backend {
   }
 
   const int device_;
+  const bool matrix_;  // GpuOptions::matrix_gemms.
+  const std::string numerics_;
   mutable std::mutex mu_;
   mutable DeviceMemory memory_;
   mutable std::string last_error_;
@@ -1425,7 +1436,7 @@ class GpuBackend final : public Backend {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device) {
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device, const GpuOptions& options) {
   std::string reason;
   const int count = g::DeviceCount(&reason);
   const std::string kind = FLASHD_GPU_STR(FLASHD_GPU_BACKEND);
@@ -1434,7 +1445,7 @@ StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device) {
     return Unavailable(kind + ": no device " + std::to_string(device) + " (" +
                        std::to_string(count) + " found)");
   }
-  return std::unique_ptr<Backend>(std::make_unique<GpuBackend>(device));
+  return std::unique_ptr<Backend>(std::make_unique<GpuBackend>(device, options));
 }
 
 }  // namespace flashd::engine::FLASHD_GPU_BACKEND

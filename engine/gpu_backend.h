@@ -12,14 +12,22 @@
 
 namespace flashd::engine {
 
+// How a GPU backend computes (engine.gpu_gemms).
+struct GpuOptions {
+  // FP8 and FP4 linears on matrix cores (kernels/gpu/ops.h LinearMatrix) for every row count,
+  // instead of the exact GEMMs whose sums are the CPU's. A row's results still do not depend on
+  // the rows beside it, so a prompt gives the same tokens however it is batched or chunked.
+  bool matrix_gemms = false;
+};
+
 namespace cuda {
-StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device = 0);
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device = 0, const GpuOptions& options = {});
 }
 namespace hip {
-StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device = 0);
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device = 0, const GpuOptions& options = {});
 }
 namespace hipcpu {
-StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device = 0);
+StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device = 0, const GpuOptions& options = {});
 }
 
 // The backends this build has, e.g. "cpu+cuda+hipcpu".
@@ -29,8 +37,8 @@ std::string CompiledBackends();
 // the CPU by the HIP CPU runtime, for checking them), or "auto": the first usable GPU (CUDA,
 // then HIP), else the CPU. `reason` gets one line saying which was chosen and why. A named
 // backend that this build lacks or that finds no device is an error. `device` picks one of
-// several GPUs of the kind (auto and cpu ignore it).
+// several GPUs of the kind (auto and cpu ignore it); `gpu` applies to a GPU backend alone.
 StatusOr<std::unique_ptr<Backend>> SelectBackend(std::string_view kind, std::string* reason,
-                                                 int device = 0);
+                                                 int device = 0, const GpuOptions& gpu = {});
 
 }  // namespace flashd::engine

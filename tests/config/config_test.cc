@@ -129,6 +129,7 @@ BOOST_AUTO_TEST_CASE(out_of_range_values_are_rejected) {
       {"engine:\n  backend: gpu\n", "engine.backend"},
       {"engine:\n  gpus: 0\n", "engine.gpus"},
       {"engine:\n  routed_experts: gpu\n", "engine.routed_experts"},
+      {"engine:\n  gpu_gemms: fast\n", "engine.gpu_gemms"},
       {"model:\n  id: \"\"\n", "model.id"},
       {"state_dir: \"\"\n", "state_dir"},
   };

@@ -83,6 +83,8 @@ BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same
   backends.push_back({"hipcpu", ""});
   // The hybrid mode: the routed experts on the CPU beside the GPU backend.
   backends.push_back({"hipcpu", "engine:\n  routed_experts: cpu\n"});
+  // The linears on matrix cores (here the stand-in of kernels/gpu/mma.h).
+  backends.push_back({"hipcpu", "engine:\n  gpu_gemms: matrix\n"});
 #else
   BOOST_TEST_MESSAGE("this build has no HIP CPU runtime: the CPU backend only");
 #endif
@@ -93,10 +95,17 @@ BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same
     BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
     BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
     BOOST_TEST(Contains(d.log(), "engine: backend " + backend + ": as configured"), d.log());
-    if (!yaml.empty()) {
+    const bool matrix = Contains(yaml, "gpu_gemms: matrix");
+    const bool hybrid = Contains(yaml, "routed_experts: cpu");
+    if (hybrid) {
       BOOST_TEST(Contains(d.log(), "engine: placement: routed experts on the CPU"), d.log());
     }
-    const std::string placement = yaml.empty() ? backend + "/3" : "routed experts:cpu/3";
+    if (matrix) {
+      BOOST_TEST(Contains(d.log(), "FP8/FP4 GEMMs on matrix cores (a stand-in"), d.log());
+    }
+    const std::string placement = hybrid   ? "routed experts:cpu/3"
+                                  : matrix ? backend + "-matrix/3"
+                                           : backend + "/3";
     auto c = UnixClient(d);
     answers.emplace_back();
     for (int i = 0; i < 3; ++i) {
@@ -110,6 +119,7 @@ BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same
     BOOST_TEST(h["speculative"] == "dspark", h.dump());  // The test model has the heads.
     BOOST_TEST(Contains(h["backend"]["placement"].get<std::string>(), placement), h.dump());
     BOOST_TEST(!h["backend"]["device"].get<std::string>().empty());
+    BOOST_TEST(h["backend"]["gemms"] == (matrix ? "matrix stand-in" : "exact"), h.dump());
     if (backend != "cpu") {
       // Weights uploaded and workspace held on the device.
       BOOST_TEST(h["backend"]["memory_in_use_bytes"].get<uint64_t>() > 0u, h.dump());

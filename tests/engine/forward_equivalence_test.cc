@@ -45,6 +45,16 @@ bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
 
 BOOST_AUTO_TEST_SUITE(forward_equivalence)
 
+// The GEMMs asked for (FLASHD_TEST_GPU_GEMMS) are the ones running, and the cache keys them apart.
+BOOST_AUTO_TEST_CASE(the_gemms_are_the_ones_asked_for) {
+  const BackendReport r = Forward().backend().Report();
+  const bool gpu = Forward().backend().name() != "cpu";
+  const bool matrix = gpu && testing::TestMatrixGemms();
+  BOOST_TEST(r.gemms.starts_with("matrix") == matrix, r.gemms);
+  BOOST_TEST((Forward().numerics().find("-matrix") != std::string_view::npos) == matrix,
+             Forward().numerics());
+}
+
 BOOST_AUTO_TEST_CASE(one_prefill_equals_any_chunking_equals_token_by_token) {
   const std::vector<int32_t> tokens = Tokens(77, 1);  // Past several windows and index top-ks.
   SequenceState whole = Forward().NewSequence();

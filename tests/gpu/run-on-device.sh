@@ -23,10 +23,12 @@ export FLASHD_TEST_DSPARK_GOLDEN_DIR="$here/golden-dspark"
 } > "$out/device.txt"
 status=0
 : > "$out/summary.txt"
-for t in "$here"/bin/*_test; do
-  name=$(basename "$t")
+# run NAME [VAR=VALUE...] COMMAND...: one test binary, its log NAME.log, a line in the summary.
+run() {
+  local name=$1 start end rc verdict
+  shift
   start=$(date +%s.%N)
-  timeout 240 "$t" --log_level=test_suite --report_level=short > "$out/$name.log" 2>&1
+  env "$@" --log_level=test_suite --report_level=short > "$out/$name.log" 2>&1
   rc=$?
   end=$(date +%s.%N)
   case $rc in
@@ -35,6 +37,13 @@ for t in "$here"/bin/*_test; do
     *) verdict="FAILED (exit $rc)"; status=1 ;;
   esac
   awk -v n="$name" -v v="$verdict" -v a="$start" -v b="$end" 'BEGIN { printf "%s: %s in %.1f s\n", n, v, b - a }' >> "$out/summary.txt"
+}
+for t in "$here"/bin/*_test; do
+  run "$(basename "$t")" timeout 240 "$t"
+done
+# The forward pass's tests again with the linears on matrix cores (engine.gpu_gemms: matrix).
+for t in golden_test forward_equivalence_test; do
+  [ -x "$here/bin/$t" ] && run "${t}_matrix" FLASHD_TEST_GPU_GEMMS=matrix timeout 240 "$here/bin/$t"
 done
 timeout 240 "$here/bin/gpu_bench_cuda" > "$out/gpu_bench.txt" 2>&1 ||
   echo "gpu_bench: exit $?" >> "$out/summary.txt"
@@ -43,5 +52,8 @@ for backend in cpu cuda; do
     --backend "$backend" > "$out/engine_bench_$backend.txt" 2>&1 ||
     echo "engine_bench $backend: exit $?" >> "$out/summary.txt"
 done
+timeout 150 "$here/bin/engine_bench" "$FLASHD_TEST_GOLDEN_DIR" 512 4096 --backend cuda \
+  --gpu-gemms matrix > "$out/engine_bench_cuda_matrix.txt" 2>&1 ||
+  echo "engine_bench cuda matrix: exit $?" >> "$out/summary.txt"
 cat "$out/summary.txt"
 exit $status

@@ -26,9 +26,16 @@ inline std::string GoldenDir() {
 }
 #endif
 
+// FLASHD_TEST_GPU_GEMMS=matrix: a GPU backend's FP8/FP4 linears on matrix cores
+// (engine.gpu_gemms), so that the forward pass's tests run once more that way.
+inline bool TestMatrixGemms() {
+  const char* gemms = std::getenv("FLASHD_TEST_GPU_GEMMS");
+  return gemms != nullptr && std::string(gemms) == "matrix";
+}
+
 inline std::unique_ptr<engine::Backend> TestBackend(const std::string& name = TestBackendName()) {
   std::string reason;
-  auto backend = engine::SelectBackend(name, &reason);
+  auto backend = engine::SelectBackend(name, &reason, 0, {.matrix_gemms = TestMatrixGemms()});
   if (!backend.ok()) {
     std::printf("SKIP: backend %s: %s\n", name.c_str(), backend.status().ToString().c_str());
     std::fflush(stdout);
