@@ -42,6 +42,7 @@ struct Shape {
   static constexpr int kGroupsToks = static_cast<int>(kThreads) / kGroup / kGroupsRows;
   static constexpr int kToks = kInsToks * kTokTiles * kGroupsToks;
   static_assert(kInsRows * kRowTiles * kGroupsRows == kTileRows, "the tile's rows");
+  static_assert(kRowTiles == 1 || kRowTiles % 2 == 0, "a group's rows in whole FP8 scale tiles");
 };
 using Wide = Shape<4, 4, 2>;    // 128 tokens
 using Medium = Shape<2, 4, 4>;  // 64 tokens: an expert's rows in a long prompt
@@ -196,6 +197,23 @@ __device__ void MatrixTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int
         const int tok2 = tok_base + j * kInsToks + 2 * static_cast<int>(q);
         bs[j][0] = b_scale[tok2][kb], bs[j][1] = b_scale[tok2 + 1][kb];
       }
+      // The products of weight and activation scales, before the instructions. FP8 weights have
+      // one scale a 32-row tile (the rows of instructions 2h and 2h + 1, whose first row is a
+      // multiple of 32 from the tile's start), so one product serves both instructions' rows
+      // (a quarter of the multiplies); FP4 weights have one a row.
+      constexpr int kScaleRows = kFormat == 0 ? (S::kRowTiles + 1) / 2 : S::kRowTiles;
+      float ps[kScaleRows][2][S::kTokTiles][2];
+      FLASHD_UNROLL
+      for (int i = 0; i < kScaleRows; ++i) {
+        FLASHD_UNROLL
+        for (int h = 0; h < 2; ++h) {
+          const float a = kFormat == 0 ? as[2 * i][0] : as[i][h];
+          FLASHD_UNROLL
+          for (int j = 0; j < S::kTokTiles; ++j) {
+            ps[i][h][j][0] = a * bs[j][0], ps[i][h][j][1] = a * bs[j][1];
+          }
+        }
+      }
       FLASHD_UNROLL
       for (int i = 0; i < S::kRowTiles; ++i) {
         FLASHD_UNROLL
@@ -204,7 +222,8 @@ __device__ void MatrixTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int
           MmaE4M3(af[i], bf[j], d, scratch);
           FLASHD_UNROLL
           for (int e = 0; e < 4; ++e) {
-            acc[i][j][e] = FLASHD_EXACT_FMA(d[e], as[i][e / 2] * bs[j][e % 2], acc[i][j][e]);
+            const float scale = kFormat == 0 ? ps[i / 2][0][j][e % 2] : ps[i][e / 2][j][e % 2];
+            acc[i][j][e] = FLASHD_EXACT_FMA(d[e], scale, acc[i][j][e]);
           }
         }
       }
