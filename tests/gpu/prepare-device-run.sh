@@ -38,5 +38,7 @@ for t in "${tests[@]}"; do
     esac
   done
 done
+# Symbols are not needed there; without them the bundle stays well inside what a run carries.
+strip --strip-unneeded "$dest"/bin/* "$dest"/lib/*
 echo "prepare-device-run: $(ls "$dest/bin" | wc -l) tests, $(ls "$dest/lib" | wc -l) libraries," \
   "$(du -sh "$dest" | cut -f1) in $dest"
