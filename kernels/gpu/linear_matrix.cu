@@ -47,8 +47,9 @@ struct Shape {
 using Wide = Shape<4, 4, 2>;    // 128 tokens
 using Medium = Shape<2, 4, 4>;  // 64 tokens: an expert's rows in a long prompt
 using Narrow = Shape<1, 1, 8>;  // 8 tokens
-// Rows from which Linear's matrix path takes Wide tiles.
-constexpr int64_t kWideFrom = 64;
+// Linear's matrix path: Narrow tiles up to kNarrowTo rows, Medium up to kMediumTo, else Wide
+// (fewer thread blocks, each weight row read fewer times, without tiles mostly empty).
+constexpr int64_t kNarrowTo = 16, kMediumTo = 64;
 static_assert(Narrow::kToks == kExpertTileRows, "an expert slot's tiles are Narrow's tokens");
 static_assert(Medium::kToks % kExpertTileRows == 0, "Medium's tokens are whole slot tiles");
 
@@ -317,15 +318,19 @@ OpStatus LinearMatrix(const LinearParams& p) {
   }
   if (!Aligned(p.w, 16) || !Aligned(p.x_codes, 16)) return OpStatus::kBadArgument;
   if (p.rows == 0) return OpStatus::kOk;
-  const bool wide = p.rows >= kWideFrom;
-  const int64_t toks = wide ? Wide::kToks : Narrow::kToks;
+  const int shape = p.rows <= kNarrowTo ? 0 : p.rows <= kMediumTo ? 1 : 2;
+  const int64_t toks = shape == 0 ? Narrow::kToks : shape == 1 ? Medium::kToks : Wide::kToks;
   const int64_t grid = (p.rows + toks - 1) / toks * RowTiles(p.out);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   QuantizeActivations(p.x, p.rows * (p.in / kBlock), p.x_codes, p.x_scales, stream);
   const bool fp8 = p.format == WeightFormat::kFp8;
-  const auto kernel = wide ? (fp8 ? &MatrixGemmKernel<0, Wide> : &MatrixGemmKernel<1, Wide>)
-                           : (fp8 ? &MatrixGemmKernel<0, Narrow> : &MatrixGemmKernel<1, Narrow>);
+  using Kernel = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, const uint8_t*,
+                          const uint8_t*, int64_t, float*);
+  const Kernel kernels[2][3] = {
+      {&MatrixGemmKernel<0, Narrow>, &MatrixGemmKernel<0, Medium>, &MatrixGemmKernel<0, Wide>},
+      {&MatrixGemmKernel<1, Narrow>, &MatrixGemmKernel<1, Medium>, &MatrixGemmKernel<1, Wide>}};
+  const Kernel kernel = kernels[fp8 ? 0 : 1][shape];
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kThreads, 0, stream, p.x_codes, p.x_scales,
                 p.rows, p.in, p.w, p.w_scales, p.out, p.y);
   return Launched();

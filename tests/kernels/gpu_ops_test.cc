@@ -566,7 +566,8 @@ BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
     Dev<uint8_t> dxq(std::vector<uint8_t>(x.size())), dxs(std::vector<uint8_t>(x.size() / 32));
     std::vector<std::vector<float>> got;
     int64_t differ = 0;  // Outputs whose bits differ from the CPU's (another order of sums).
-    for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{70}, most}) {
+    // Narrow, Medium and Wide tiles (8, 64 and 128 tokens), the last ones part full.
+    for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{40}, int64_t{70}, most}) {
       std::vector<uint8_t> xq(rows * c.in), xs(rows * c.in / 32);
       std::vector<float> want(rows * c.out);
       const LinearShape shape{c.format, rows, c.in, c.out};
