@@ -149,6 +149,23 @@ struct LinearShape {
   }
 };
 
+// A quantized GEMM's weight format and dimensions, and the CPU's results for `rows` rows of x
+// (the activation codes and scales it made in *xq and *xs).
+struct GemmCase {
+  WeightFormat format;
+  int64_t in, out;
+  std::vector<float> Cpu(int64_t rows, const std::vector<float>& x,
+                         const flashd::testing::QuantizedWeights& qw, std::vector<uint8_t>* xq,
+                         std::vector<uint8_t>* xs) const {
+    std::vector<float> y(rows * out);
+    xq->resize(rows * in), xs->resize(rows * in / 32 + 1);
+    const LinearShape shape{format, rows, in, out};
+    BOOST_REQUIRE(cpu::Linear(shape.Params(x.data(), qw.codes.data(), qw.scales.data(), nullptr,
+                                           xq->data(), xs->data(), y.data())) == OpStatus::kOk);
+    return y;
+  }
+};
+
 const int64_t kRows[] = {1, 3, 257};
 
 BOOST_AUTO_TEST_SUITE(gpu_ops)
@@ -319,6 +336,41 @@ void RandomChoices(std::mt19937& rng, int64_t tokens, int64_t experts, int64_t k
 
 using Grouped = flashd::testing::GroupedRows;
 
+// `tokens` tokens' random choices of k of `experts` (RandomChoices), grouped by the CPU's
+// MoeGroup: the slots the experts' GEMMs run over.
+Grouped GroupedChoices(std::mt19937& rng, int64_t tokens, int64_t experts, int64_t k) {
+  std::vector<int64_t> chosen;
+  std::vector<float> weights;
+  RandomChoices(rng, tokens, experts, k, &chosen, &weights);
+  const int64_t total = tokens * k;
+  Grouped g(std::min(experts, total), total);
+  BOOST_REQUIRE(cpu::MoeGroup(g.Params(chosen.data(), weights.data(), tokens, experts, k)) ==
+                OpStatus::kOk);
+  return g;
+}
+
+// Random quantized weights for each of `experts` experts, on the host and on the device, with
+// the tables of their addresses the experts' GEMMs take (host: w, ws; device: dw, dws).
+struct ExpertWeights {
+  std::vector<flashd::testing::QuantizedWeights> host;
+  std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
+  std::vector<const uint8_t*> w, ws, dw, dws;
+  ExpertWeights(std::mt19937& rng, WeightFormat format, int64_t experts, int64_t out, int64_t in) {
+    for (int64_t e = 0; e < experts; ++e) {
+      host.push_back(
+          flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in));
+    }
+    for (const auto& q : host) {
+      w.push_back(q.codes.data());
+      ws.push_back(q.scales.data());
+      dev.push_back(std::make_unique<Dev<uint8_t>>(q.codes));
+      dw.push_back(dev.back()->get());
+      dev.push_back(std::make_unique<Dev<uint8_t>>(q.scales));
+      dws.push_back(dev.back()->get());
+    }
+  }
+};
+
 // Tokens grouped by expert: the GPU's grouping is the CPU's, entry for entry (released shape:
 // 384 experts, 6 per token; a small one where every expert is chosen and slots run out).
 BOOST_AUTO_TEST_CASE(moe_group_is_the_cpu_grouping) {
@@ -365,29 +417,11 @@ BOOST_AUTO_TEST_CASE(moe_group_is_the_cpu_grouping) {
 BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
   std::mt19937 rng(22);
   const int64_t tokens = 29, experts = 6, k = 3, in = 96, out = 40;
-  std::vector<int64_t> chosen;
-  std::vector<float> weights;
-  RandomChoices(rng, tokens, experts, k, &chosen, &weights);
-  const int64_t total = tokens * k, slots = std::min(experts, total);
-  Grouped g(slots, total);
-  BOOST_REQUIRE(cpu::MoeGroup(g.Params(chosen.data(), weights.data(), tokens, experts, k)) ==
-                OpStatus::kOk);
+  const Grouped g = GroupedChoices(rng, tokens, experts, k);
+  const int64_t total = tokens * k, slots = static_cast<int64_t>(g.expert.size());
   BOOST_TEST(g.offset[1] - g.offset[0] > 8);  // A slot of more than one tile.
   for (WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
-    std::vector<flashd::testing::QuantizedWeights> qw;
-    std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
-    std::vector<const uint8_t*> w, ws, dw, dws;
-    for (int64_t e = 0; e < experts; ++e) {
-      qw.push_back(flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in));
-    }
-    for (const auto& q : qw) {
-      w.push_back(q.codes.data());
-      ws.push_back(q.scales.data());
-      dev.push_back(std::make_unique<Dev<uint8_t>>(q.codes));
-      dw.push_back(dev.back()->get());
-      dev.push_back(std::make_unique<Dev<uint8_t>>(q.scales));
-      dws.push_back(dev.back()->get());
-    }
+    const ExpertWeights ew(rng, format, experts, out, in);
     const std::vector<float> x = Normal(rng, total * in);
     std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
     std::vector<float> want(total * out, -1.0f);
@@ -401,15 +435,15 @@ BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
                          .slots = slots,
                          .experts = experts,
                          .format = format,
-                         .w = w.data(),
-                         .w_scales = ws.data(),
+                         .w = ew.w.data(),
+                         .w_scales = ew.ws.data(),
                          .x_codes = xq.data(),
                          .x_scales = xs.data(),
                          .y = want.data()};
     BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
     Dev<float> dx(x), dy(std::vector<float>(want.size(), -1.0f));
     Dev<int64_t> dexpert(g.expert), doffset(g.offset), dtiles(g.tiles);
-    Dev<const uint8_t*> dtable(dw), dstable(dws);
+    Dev<const uint8_t*> dtable(ew.dw), dstable(ew.dws);
     Dev<uint8_t> dxq(xq), dxs(xs);
     p.x = dx.get();
     p.slot_expert = dexpert.get();
@@ -484,24 +518,18 @@ BOOST_AUTO_TEST_CASE(ops_on_a_stream_and_replayed_as_a_graph) {
 // weights are refused.
 BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
   std::mt19937 rng(16);
-  struct Case {
-    WeightFormat format;
-    int64_t in, out;
-  };
-  const Case cases[] = {{WeightFormat::kFp8, 64, 33},
-                        {WeightFormat::kFp8, 4480, 9},
-                        {WeightFormat::kFp4, 96, 40},
-                        {WeightFormat::kFp4, 4160, 5}};
-  for (const Case& c : cases) {
+  const GemmCase cases[] = {{WeightFormat::kFp8, 64, 33},
+                            {WeightFormat::kFp8, 4480, 9},
+                            {WeightFormat::kFp4, 96, 40},
+                            {WeightFormat::kFp4, 4160, 5}};
+  for (const GemmCase& c : cases) {
     for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{13}}) {
       std::vector<float> x = Normal(rng, rows * c.in), w = Normal(rng, c.out * c.in, 0.2f);
       const flashd::testing::QuantizedWeights qw =
           flashd::testing::QuantizeWeights(c.format, w, c.out, c.in);
-      std::vector<uint8_t> xq(x.size()), xs(x.size() / 32 + 1);
-      std::vector<float> want(rows * c.out);
+      std::vector<uint8_t> xq, xs;
+      const std::vector<float> want = c.Cpu(rows, x, qw, &xq, &xs);
       const LinearShape shape{c.format, rows, c.in, c.out};
-      BOOST_REQUIRE(cpu::Linear(shape.Params(x.data(), qw.codes.data(), qw.scales.data(), nullptr,
-                                             xq.data(), xs.data(), want.data())) == OpStatus::kOk);
       for (int split : {1, 3, 4}) {
         Dev<float> dx(x), dy(std::vector<float>(want.size(), 7.0f));
         Dev<uint8_t> dwq(qw.codes), dws(qw.scales), dxq(xq), dxs(xs);
@@ -542,16 +570,12 @@ BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
 // whole and partial, output tiles whole and partial.
 BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
   std::mt19937 rng(61);
-  struct Case {
-    WeightFormat format;
-    int64_t in, out;
-  };
-  const Case cases[] = {{WeightFormat::kFp8, 64, 33},
-                        {WeightFormat::kFp8, 1376, 130},
-                        {WeightFormat::kFp4, 96, 40},
-                        {WeightFormat::kFp4, 544, 136}};
+  const GemmCase cases[] = {{WeightFormat::kFp8, 64, 33},
+                            {WeightFormat::kFp8, 1376, 130},
+                            {WeightFormat::kFp4, 96, 40},
+                            {WeightFormat::kFp4, 544, 136}};
   const int64_t most = 257;
-  for (const Case& c : cases) {
+  for (const GemmCase& c : cases) {
     std::vector<float> x = Normal(rng, most * c.in), w = Normal(rng, c.out * c.in, 0.2f);
     flashd::testing::QuantizedWeights qw =
         flashd::testing::QuantizeWeights(c.format, w, c.out, c.in);
@@ -568,11 +592,9 @@ BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
     int64_t differ = 0;  // Outputs whose bits differ from the CPU's (another order of sums).
     // Narrow, Medium and Wide tiles (8, 64 and 128 tokens), the last ones part full.
     for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{40}, int64_t{70}, most}) {
-      std::vector<uint8_t> xq(rows * c.in), xs(rows * c.in / 32);
-      std::vector<float> want(rows * c.out);
+      std::vector<uint8_t> xq, xs;
+      const std::vector<float> want = c.Cpu(rows, x, qw, &xq, &xs);
       const LinearShape shape{c.format, rows, c.in, c.out};
-      BOOST_REQUIRE(cpu::Linear(shape.Params(x.data(), qw.codes.data(), qw.scales.data(), nullptr,
-                                             xq.data(), xs.data(), want.data())) == OpStatus::kOk);
       Dev<float> dy(std::vector<float>(want.size(), 7.0f));
       BOOST_REQUIRE(gpu::LinearMatrix(shape.Params(dx.get(), dwq.get(), dws.get(), nullptr,
                                                    dxq.get(), dxs.get(), dy.get())) ==
@@ -617,28 +639,14 @@ BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
   // tokens: 15 rows over 6 slots), one Medium tile a slot (29) and several with a part (150).
   for (const int64_t tokens : {5, 29, 150}) {
     const int64_t experts = 6, k = 3, in = 160, out = 136;
-    std::vector<int64_t> chosen;
-    std::vector<float> weights;
-    RandomChoices(rng, tokens, experts, k, &chosen, &weights);
-    const int64_t total = tokens * k, slots = std::min(experts, total);
-    Grouped g(slots, total);
-    BOOST_REQUIRE(cpu::MoeGroup(g.Params(chosen.data(), weights.data(), tokens, experts, k)) ==
-                  OpStatus::kOk);
+    const Grouped g = GroupedChoices(rng, tokens, experts, k);
+    const int64_t total = tokens * k, slots = static_cast<int64_t>(g.expert.size());
     for (WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
-      std::vector<std::unique_ptr<Dev<uint8_t>>> dev;
-      std::vector<const uint8_t*> dw, dws;
-      for (int64_t e = 0; e < experts; ++e) {
-        const auto q =
-            flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in);
-        dev.push_back(std::make_unique<Dev<uint8_t>>(q.codes));
-        dw.push_back(dev.back()->get());
-        dev.push_back(std::make_unique<Dev<uint8_t>>(q.scales));
-        dws.push_back(dev.back()->get());
-      }
+      const ExpertWeights ew(rng, format, experts, out, in);
       const std::vector<float> x = Normal(rng, total * in);
       Dev<float> dx(x), dy(std::vector<float>(total * out, -1.0f));
       Dev<int64_t> dexpert(g.expert), doffset(g.offset), dtiles(g.tiles);
-      Dev<const uint8_t*> dtable(dw), dstable(dws);
+      Dev<const uint8_t*> dtable(ew.dw), dstable(ew.dws);
       Dev<uint8_t> dxq(std::vector<uint8_t>(x.size())), dxs(std::vector<uint8_t>(x.size() / 32));
       BOOST_REQUIRE(gpu::ExpertLinearMatrix({.x = dx.get(),
                                              .rows = total,
@@ -662,8 +670,9 @@ BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
         Dev<float> dxe(std::vector<float>(x.begin() + r0 * in, x.begin() + (r0 + rows) * in));
         Dev<float> dye(std::vector<float>(rows * out, -2.0f));
         const LinearShape shape{format, rows, in, out};
-        BOOST_REQUIRE(gpu::LinearMatrix(shape.Params(dxe.get(), dw[e], dws[e], nullptr, dxq.get(),
-                                                     dxs.get(), dye.get())) == OpStatus::kOk);
+        BOOST_REQUIRE(gpu::LinearMatrix(shape.Params(dxe.get(), ew.dw[e], ew.dws[e], nullptr,
+                                                     dxq.get(), dxs.get(), dye.get())) ==
+                      OpStatus::kOk);
         const std::vector<float> one(grouped.begin() + r0 * out,
                                      grouped.begin() + (r0 + rows) * out);
         BOOST_TEST(BitEqual(dye.Host(), one), "format " << static_cast<int>(format) << " slot " << s
