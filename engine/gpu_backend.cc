@@ -875,7 +875,11 @@ class GpuBackend final : public Backend {
     BackendReport r{std::string(name()), "", 0, 0};
     std::lock_guard<std::mutex> lock(mu_);
     if (!g::SetDevice(device_).empty() || !g::DeviceName(&r.device).empty()) r.device = "unknown";
-    if (matrix_) r.gemms = g::MatrixCoresNative() ? "matrix" : "matrix stand-in";
+    if (matrix_) {
+      // Asked of the device once (a kernel and a copy back), the first time: at start-up.
+      if (native_ < 0) native_ = g::MatrixCoresNative() ? 1 : 0;
+      r.gemms = native_ == 1 ? "matrix" : "matrix stand-in";
+    }
     if (device_ > 0) r.device += " #" + std::to_string(device_);
     size_t free_bytes = 0, total = 0;
     if (g::MemoryInfo(&free_bytes, &total).empty()) r.memory_total = total;
@@ -1427,7 +1431,8 @@ class GpuBackend final : public Backend {
   }
 
   const int device_;
-  const bool matrix_;  // GpuOptions::matrix_gemms.
+  const bool matrix_;        // GpuOptions::matrix_gemms.
+  mutable int native_ = -1;  // MatrixCoresNative(), once asked (under mu_).
   const std::string numerics_;
   mutable std::mutex mu_;
   mutable DeviceMemory memory_;

@@ -284,6 +284,14 @@ __global__ void __launch_bounds__(kThreads)
   MatrixTile<kFormat, S>(xq, xs, m0, left < S::kToks ? left : S::kToks, K, w[e], ws[e], N, n0, y);
 }
 
+__global__ void NativeKernel(int* native) {
+#if defined(FLASHD_MMA_E4M3_NATIVE)
+  *native = 1;
+#else
+  *native = 0;
+#endif
+}
+
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 OpStatus Launched() {
@@ -293,16 +301,16 @@ OpStatus Launched() {
 }  // namespace
 
 bool MatrixCoresNative() {
-#if defined(FLASHD_HIP_CPU) || defined(__HIPCC__)
-  return false;
-#else
-  int device = 0;
-  gpuDeviceProp_t prop;
-  if (gpuGetDevice(&device) != gpuSuccess || gpuGetDeviceProperties(&prop, device) != gpuSuccess) {
-    return false;
-  }
-  return prop.major * 10 + prop.minor >= 89;
-#endif
+  // Asked of the code the device runs (the machine code or PTX it loaded for this build's
+  // architectures), not of its compute capability: 1 where that code has the instruction.
+  int* flag = nullptr;
+  if (gpuMalloc(reinterpret_cast<void**>(&flag), sizeof(int)) != gpuSuccess) return false;
+  int native = 0;
+  FLASHD_LAUNCH(NativeKernel, 1, 1, 0, nullptr, flag);
+  const bool ok = gpuGetLastError() == gpuSuccess &&
+                  gpuMemcpy(&native, flag, sizeof(int), gpuMemcpyDeviceToHost) == gpuSuccess;
+  gpuFree(flag);
+  return ok && native == 1;
 }
 
 OpStatus LinearMatrix(const LinearParams& p) {

@@ -39,8 +39,9 @@ OpStatus LinearSplit(const LinearParams& p, int split);
 OpStatus LinearMatrix(const LinearParams& p);
 // ExpertLinear's grouped rows on matrix cores, each row's sums LinearMatrix's.
 OpStatus ExpertLinearMatrix(const ExpertLinearParams& p);
-// Whether the current device runs the matrix-core instruction (NVIDIA from sm_89) rather than
-// the stand-in.
+// Whether the code the current device runs has the matrix-core instruction (built for NVIDIA
+// sm_89 or newer) rather than the stand-in: asked of the device with a kernel, so not while the
+// device is busy with work one must not wait for.
 bool MatrixCoresNative();
 OpStatus RoundBf16(const RoundBf16Params& p);
 OpStatus AddRound(const AddRoundParams& p);
