@@ -765,8 +765,13 @@ OpStatus Linear(const LinearParams& p) {
   }
   const int64_t blocks = p.in / kBlock;
   const bool room = p.block_sums != nullptr && p.block_sums_count >= p.rows * p.out * blocks;
-  const int format = p.format == WeightFormat::kFp8 ? 0 : 1;
-  return QuantizedLinear(p, room ? SplitFor(p.rows, p.out, blocks, format) : 1, false);
+  return QuantizedLinear(p, room ? LinearSplitFor(p) : 1, false);
+}
+
+int LinearSplitFor(const LinearParams& p) {
+  const bool quantized = p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4;
+  if (!quantized || p.groups != 1 || p.rows <= 0 || p.out <= 0 || p.in < kBlock) return 1;
+  return SplitFor(p.rows, p.out, p.in / kBlock, p.format == WeightFormat::kFp8 ? 0 : 1);
 }
 
 namespace {

@@ -19,6 +19,9 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 // (LinearParams): their block sums are then at most a quarter of the weight's bytes.
 constexpr int64_t kLinearSplitRows = 2;
 OpStatus Linear(const LinearParams& p);
+// The split over K that Linear picks for p given the room (1: none, and no block sums needed;
+// else rows x out x in / 32 of them), from its shape and the current device.
+int LinearSplitFor(const LinearParams& p);
 // FP8 and FP4 weights in a free order, for measuring what Linear's fixed order costs: each
 // thread's K-blocks summed in its registers, the thread block's threads by a tree, and K shared
 // by `split` thread blocks (1 or more) whose sums meet by atomic adds, so results depend on
