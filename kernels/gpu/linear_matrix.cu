@@ -8,10 +8,10 @@
 // block or the rows beside it, so results do not depend on the batch; they differ from Linear's
 // (the CPU's lanes) by the instruction's rounding of each block's sum.
 //
-// A thread block takes 128 weight rows (output columns) by 128 tokens (Wide) or 8 (Narrow, few
-// rows), in K-chunks of four blocks staged in shared memory (the next chunk's loads in flight
-// while this one is summed); groups of 32 threads each take 16-row by 8-token instructions, each
-// thread's operands read by 8-byte loads in an order that the staging's swizzle keeps free of
+// A thread block takes 128 weight rows (output columns) by 128 tokens (Wide), 64 (Medium) or 8
+// (Narrow, few rows), in K-chunks of four blocks staged in shared memory (the next chunk's loads in
+// flight while this one is summed); groups of 32 threads each take 16-row by 8-token instructions,
+// each thread's operands read by 8-byte loads in an order that the staging's swizzle keeps free of
 // bank conflicts. Inside a 32-block the instruction's columns 4t..4t+3 and 16 + 4t.. are the
 // staged bytes 8t..8t+7 (for weights and activations alike: the products are the block's).
 #include <cstdint>
