@@ -139,10 +139,12 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .groups = w.groups,
                              .block_sums = block_sums,
                              .block_sums_count = block_sums_count};
-  CheckOp(order == Order::kShipped   ? g::Linear(p)
+  // kMatrix: weights LinearMatrix does not take run as the backend runs them then (Linear).
+  const bool matrix = order == Order::kMatrix && g::LinearMatrixTakes(p);
+  CheckOp(matrix                     ? g::LinearMatrix(p)
           : order == Order::kUnsplit ? g::LinearSplit(p, 1)
-          : order == Order::kMatrix  ? g::LinearMatrix(p)
-                                     : g::LinearFreeOrder(p, split),
+          : order == Order::kFree    ? g::LinearFreeOrder(p, split)
+                                     : g::Linear(p),
           "Linear");
 }
 
@@ -535,9 +537,7 @@ class Layer {
   }
 
   void Apply(const Weight& w, const float* x, int64_t rows, float* y) {
-    const bool quantized = w.format == k::WeightFormat::kFp8 || w.format == k::WeightFormat::kFp4;
-    LinearOn(w, x, rows, xq_, xs_, y, stream_,
-             matrix_ && quantized && w.groups == 1 ? Order::kMatrix : Order::kShipped);
+    LinearOn(w, x, rows, xq_, xs_, y, stream_, matrix_ ? Order::kMatrix : Order::kShipped);
   }
 
   void Expert(const std::vector<Weight>& e, int64_t rows) {
@@ -786,9 +786,10 @@ int main(int argc, char** argv) {
   layer.UseMatrixGemms(true);
   const std::vector<Row> matrix_rows = layer.Decode(tokens, std::max(1, reps / 10), rng, true);
   layer.UseMatrixGemms(false);
-  std::printf("\nprefill, %lld tokens, op by op: exact GEMMs against matrix cores (%s)\n",
-              static_cast<long long>(tokens),
-              g::MatrixCoresNative() ? "the device's instruction" : "the stand-in");
+  const char* matrix_cores =
+      g::MatrixCoresNative() ? "the device's instruction" : "the stand-in (no instruction)";
+  std::printf("\nprefill, %lld tokens, op by op: exact GEMMs against matrix cores, %s\n",
+              static_cast<long long>(tokens), matrix_cores);
   std::printf("%-44s %12s %12s %8s\n", "op", "exact us", "matrix us", "ratio");
   double matrix_s = 0;
   for (size_t i = 0; i < exact_rows.size() && i < matrix_rows.size(); ++i) {
@@ -805,10 +806,9 @@ int main(int argc, char** argv) {
   const int64_t per_expert = tokens * d.topk / d.experts;
   const bool hopper =
       device.find("H100") != std::string::npos || device.find("H200") != std::string::npos;
-  std::printf(
-      "\nprefill GEMMs (%lld tokens)%s; matrix cores: %s\n", static_cast<long long>(tokens),
-      hopper ? "; peak: 1979 TFLOP/s dense FP8 (NVIDIA's H100/H200 SXM datasheet)" : "",
-      g::MatrixCoresNative() ? "the device's instruction" : "the stand-in (no instruction)");
+  std::printf("\nprefill GEMMs (%lld tokens)%s; matrix cores: %s\n", static_cast<long long>(tokens),
+              hopper ? "; peak: 1979 TFLOP/s dense FP8 (NVIDIA's H100/H200 SXM datasheet)" : "",
+              matrix_cores);
   std::printf("%-28s %6s %6s %6s %10s %10s %8s %12s %10s %10s %8s\n", "GEMM", "M", "N", "K", "us",
               "TFLOP/s", "of peak", "free-order us", "matrix us", "TFLOP/s", "of peak");
   struct Gemm {

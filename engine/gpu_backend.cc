@@ -928,10 +928,9 @@ class GpuBackend final : public Backend {
       }
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
-      const bool quantized = p.format == k::WeightFormat::kFp8 || p.format == k::WeightFormat::kFp4;
       // On matrix cores for every row count, so that a row's results do not depend on how the
       // rows were batched.
-      const bool matrix = matrix_ && quantized && groups == 1;
+      const bool matrix = matrix_ && g::LinearMatrixTakes(d);
       if (!matrix && g::LinearSplitFor(d) > 1) {
         // Room to split a GEMM with few output tiles over K (the results are the same).
         d.block_sums_count = p.rows * p.out * (p.in / 32);

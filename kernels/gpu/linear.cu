@@ -11,7 +11,7 @@
 #include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
-#include "kernels/gpu/quantize.h"
+#include "kernels/gpu/quantized.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
@@ -468,7 +468,6 @@ OpStatus DenseLinear(const float* x, int64_t M, int64_t K, W w, int64_t N, float
 }
 
 // The tile reads weights 16 bytes and activation codes 4 bytes at a time.
-bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
@@ -675,11 +674,7 @@ int SplitFor(int64_t M, int64_t N, int64_t blocks, int format) {
 // `split` ways over K through the block sums when split > 1, or the free-order one split
 // `split` ways.
 OpStatus QuantizedLinear(const LinearParams& p, int split, bool free) {
-  if (p.in % kBlock != 0) return OpStatus::kBadShape;
-  if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
-    return OpStatus::kBadArgument;
-  }
-  if (!Aligned(p.w, 16) || !Aligned(p.x_codes, 4)) return OpStatus::kBadArgument;
+  if (const OpStatus s = CheckQuantizedLinear(p, 4); s != OpStatus::kOk) return s;
   const int64_t outputs = p.rows * p.out, blocks = p.in / kBlock;
   if (!free && split > 1 && (p.block_sums == nullptr || p.block_sums_count < outputs * blocks)) {
     return OpStatus::kBadArgument;
@@ -719,15 +714,8 @@ void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t
 }
 
 OpStatus ExpertLinear(const ExpertLinearParams& p) {
-  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.slots < 0 || p.experts <= 0) {
-    return OpStatus::kBadShape;
-  }
-  if (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4) {
-    return OpStatus::kBadArgument;
-  }
-  if (p.in % kBlock != 0) return OpStatus::kBadShape;
-  if (!Aligned(p.x_codes, 4)) return OpStatus::kBadArgument;  // Weights: aligned as allocated.
-  if (p.rows == 0 || p.slots == 0) return OpStatus::kOk;
+  bool none = false;
+  if (const OpStatus s = CheckExpertLinear(p, 4, &none); s != OpStatus::kOk || none) return s;
   // Every slot's rows in whole tiles: at most rows / kGemmRows plus one partial tile per slot.
   const int64_t grid = ((p.rows + kGemmRows - 1) / kGemmRows + p.slots) * ColumnGroups(p.out);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;

@@ -20,7 +20,7 @@
 #include "kernels/gpu/mma.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
-#include "kernels/gpu/quantize.h"
+#include "kernels/gpu/quantized.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
@@ -292,8 +292,6 @@ __global__ void NativeKernel(int* native) {
 #endif
 }
 
-bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 OpStatus Launched() {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
@@ -313,18 +311,16 @@ bool MatrixCoresNative() {
   return ok && native == 1;
 }
 
+bool LinearMatrixTakes(const LinearParams& p) {
+  return p.groups == 1 && (p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4);
+}
+
 OpStatus LinearMatrix(const LinearParams& p) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
-  if (p.groups != 1 || (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4)) {
-    return OpStatus::kBadArgument;
-  }
-  if (p.in % kBlock != 0) return OpStatus::kBadShape;
-  if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
-    return OpStatus::kBadArgument;
-  }
-  if (!Aligned(p.w, 16) || !Aligned(p.x_codes, 16)) return OpStatus::kBadArgument;
+  if (!LinearMatrixTakes(p)) return OpStatus::kBadArgument;
+  if (const OpStatus s = CheckQuantizedLinear(p, 16); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;
   const int shape = p.rows <= kNarrowTo ? 0 : p.rows <= kMediumTo ? 1 : 2;
   const int64_t toks = shape == 0 ? Narrow::kToks : shape == 1 ? Medium::kToks : Wide::kToks;
@@ -345,15 +341,8 @@ OpStatus LinearMatrix(const LinearParams& p) {
 }
 
 OpStatus ExpertLinearMatrix(const ExpertLinearParams& p) {
-  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.slots < 0 || p.experts <= 0) {
-    return OpStatus::kBadShape;
-  }
-  if (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4) {
-    return OpStatus::kBadArgument;
-  }
-  if (p.in % kBlock != 0) return OpStatus::kBadShape;
-  if (!Aligned(p.x_codes, 16)) return OpStatus::kBadArgument;  // Weights: aligned as allocated.
-  if (p.rows == 0 || p.slots == 0) return OpStatus::kOk;
+  bool none = false;
+  if (const OpStatus s = CheckExpertLinear(p, 16, &none); s != OpStatus::kOk || none) return s;
   const int64_t grid =
       ((p.rows + kExpertTileRows - 1) / kExpertTileRows + p.slots) * RowTiles(p.out);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;

@@ -15,8 +15,8 @@
 // column on purpose, as the instruction's adder is, so that tests on the CPU see results whose
 // rounding differs from the exact path's. The instruction's own rounding is the hardware's (a
 // kernel's results are the same whatever else is in its tiles, but not the stand-in's bit for
-// bit). REQUIRES: every thread of the block calls it the
-// same number of times (the stand-in synchronises the block), blockDim.x a multiple of 32.
+// bit). REQUIRES: every thread of the block calls it the same number of times (the stand-in
+// synchronises the block), blockDim.x a multiple of 32.
 #pragma once
 
 #include <cstdint>

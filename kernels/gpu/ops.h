@@ -40,6 +40,8 @@ OpStatus LinearSplit(const LinearParams& p, int split);
 // weights and x_codes 16-byte aligned). Runs everywhere: where the device has no such
 // instruction (MatrixCoresNative() false) a stand-in with the same data layout computes it.
 OpStatus LinearMatrix(const LinearParams& p);
+// Whether LinearMatrix takes p's weights: FP8 or FP4, one group.
+bool LinearMatrixTakes(const LinearParams& p);
 // ExpertLinear's grouped rows on matrix cores, each row's sums LinearMatrix's.
 OpStatus ExpertLinearMatrix(const ExpertLinearParams& p);
 // Whether the code the current device runs has the matrix-core instruction (built for NVIDIA

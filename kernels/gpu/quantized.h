@@ -1,0 +1,48 @@
+// What the quantized GEMMs (kernels/gpu/linear.cu and linear_matrix.cu) share: the activations'
+// quantizer and the checks of their arguments.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/gpu/portability.h"
+#include "kernels/ops.h"
+
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+
+// x[blocks x 32] to FP8 codes with a UE8M0 scale per 32, as the CPU's Linear quantizes its
+// input, one thread a block; launched on `stream`.
+void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t* scales,
+                         gpuStream_t stream);
+
+inline bool Aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// FP8 or FP4 weights' Linear arguments (the shape checked by the caller): K in whole 32-blocks,
+// the weights 16-byte aligned, the activation codes `codes_align`-byte aligned.
+inline OpStatus CheckQuantizedLinear(const LinearParams& p, uintptr_t codes_align) {
+  if (p.in % 32 != 0) return OpStatus::kBadShape;
+  if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
+    return OpStatus::kBadArgument;
+  }
+  if (!Aligned(p.w, 16) || !Aligned(p.x_codes, codes_align)) return OpStatus::kBadArgument;
+  return OpStatus::kOk;
+}
+
+// ExpertLinear's arguments, the activation codes `codes_align`-byte aligned (the weights are
+// aligned as allocated); *none when there is nothing to compute.
+inline OpStatus CheckExpertLinear(const ExpertLinearParams& p, uintptr_t codes_align, bool* none) {
+  *none = false;
+  if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.slots < 0 || p.experts <= 0) {
+    return OpStatus::kBadShape;
+  }
+  if (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4) {
+    return OpStatus::kBadArgument;
+  }
+  if (p.in % 32 != 0) return OpStatus::kBadShape;
+  if (!Aligned(p.x_codes, codes_align)) return OpStatus::kBadArgument;
+  *none = p.rows == 0 || p.slots == 0;
+  return OpStatus::kOk;
+}
+
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND
