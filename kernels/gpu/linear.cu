@@ -288,15 +288,7 @@ __global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
                      const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
   const int64_t n0 = (blockIdx.x % ColumnGroups(N)) * kTileCols, g = blockIdx.x / ColumnGroups(N);
   if (g >= slot_tiles[slots]) return;
-  int64_t lo = 0, hi = slots;  // slot_tiles[lo] <= g < slot_tiles[hi]
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (slot_tiles[mid] <= g) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
+  const int64_t lo = SlotOfTile(slot_tiles, slots, g);
   const int64_t m0 = slot_offset[lo] + (g - slot_tiles[lo]) * kGemmRows;
   const int64_t left = slot_offset[lo + 1] - m0;
   const int64_t rows = left < kGemmRows ? left : kGemmRows;

@@ -268,15 +268,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int64_t kPer = S::kToks / kExpertTileRows;  // Slot tiles a thread block takes.
   const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows, tile = blockIdx.x / RowTiles(N);
   if (tile >= slot_tiles[slots]) return;  // The whole thread block: no barrier is left waiting.
-  int64_t lo = 0, hi = slots;             // slot_tiles[lo] <= tile < slot_tiles[hi]
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (slot_tiles[mid] <= tile) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
+  const int64_t lo = SlotOfTile(slot_tiles, slots, tile);
   if ((tile - slot_tiles[lo]) % kPer != 0) return;  // Taken by the slot's tile before it.
   const int64_t m0 = slot_offset[lo] + (tile - slot_tiles[lo]) * kExpertTileRows;
   const int64_t left = slot_offset[lo + 1] - m0;

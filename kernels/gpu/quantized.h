@@ -45,4 +45,19 @@ inline OpStatus CheckExpertLinear(const ExpertLinearParams& p, uintptr_t codes_a
   return OpStatus::kOk;
 }
 
+// The slot (MoeGroup's) holding the experts' row tile `tile`: the last s with
+// slot_tiles[s] <= tile. REQUIRES: tile < slot_tiles[slots].
+__device__ inline int64_t SlotOfTile(const int64_t* slot_tiles, int64_t slots, int64_t tile) {
+  int64_t lo = 0, hi = slots;  // slot_tiles[lo] <= tile < slot_tiles[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (slot_tiles[mid] <= tile) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND
