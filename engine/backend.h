@@ -21,8 +21,9 @@
 
 namespace flashd::engine {
 
-// The CPU backend's numerics version (3: mHC's mixes summed in lanes and a tree, HcMixParams).
-inline constexpr std::string_view kCpuNumerics = "cpu/3";
+// The CPU backend's numerics version (3: mHC's mixes summed in lanes and a tree, HcMixParams;
+// 4: exp, sin and cos from kernels/fmath.h, RMSNorm's sum of squares in HcMixParams' lanes).
+inline constexpr std::string_view kCpuNumerics = "cpu/4";
 
 // What a backend runs on, for /health, /v1/models and the start-up log.
 struct BackendReport {

@@ -126,8 +126,9 @@ struct RoundBf16Params {
   float scale = 1.0f;
 };
 
-// x = BF16(weight * (x * rsqrt(mean(x^2) + eps))) per row, the mean accumulated in double; with
-// round_input the row is rounded to BF16 first (the projection it comes from is fp32).
+// x = BF16(weight * (x * rsqrt(mean(x^2) + eps))) per row, the sum of squares in double in
+// HcMixParams' order (kHcMixLanes lanes, then the fixed tree); with round_input the row is rounded
+// to BF16 first (the projection it comes from is fp32).
 struct RmsNormParams {
   float* x = nullptr;
   int64_t rows = 0, dim = 0, stride = 0;  // stride: floats between rows.

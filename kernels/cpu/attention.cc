@@ -109,10 +109,10 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
           block_max = std::max(block_max, w.logit[j1]);
         }
         const float m_new = std::max(m, block_max);
-        const float rescale = std::exp(m - m_new);
+        const float rescale = fmath::Exp(m - m_new);
         float sum = 0;
         for (size_t j = j0; j < j1; ++j) {
-          const float pj = std::exp(w.logit[j] - m_new);
+          const float pj = fmath::Exp(w.logit[j] - m_new);
           sum += pj;
           w.weight[j] = Bf(pj);
         }
@@ -122,7 +122,7 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
         m = m_new;
         j0 = j1;
       }
-      denom += std::exp(p.sink[h] - m);
+      denom += fmath::Exp(p.sink[h] - m);
       float* oh = p.out + (t * p.heads + static_cast<int64_t>(h)) * p.head_dim;
       for (size_t d = 0; d < hd; ++d) oh[d] = Bf(w.acc[d] / denom);
     }

@@ -28,10 +28,10 @@ OpStatus CompressPool(const CompressPoolParams& p) {
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t s = 0; s < ratio; ++s) mx = std::max(mx, p.score_partial[s * dim + d]);
       float sum = 0;
-      for (int64_t s = 0; s < ratio; ++s) sum += std::exp(p.score_partial[s * dim + d] - mx);
+      for (int64_t s = 0; s < ratio; ++s) sum += fmath::Exp(p.score_partial[s * dim + d] - mx);
       float acc = 0;
       for (int64_t s = 0; s < ratio; ++s) {
-        acc += p.kv_partial[s * dim + d] * (std::exp(p.score_partial[s * dim + d] - mx) / sum);
+        acc += p.kv_partial[s * dim + d] * (fmath::Exp(p.score_partial[s * dim + d] - mx) / sum);
       }
       pooled[d] = Bf(acc);
     }

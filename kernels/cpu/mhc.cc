@@ -27,7 +27,7 @@ void HcSplit(const float* mixes, const float* scale, const float* base, int hc, 
       row_max = std::max(row_max, comb[i * hc + j]);
     }
     float sum = 0;
-    for (int j = 0; j < hc; ++j) sum += (comb[i * hc + j] = std::exp(comb[i * hc + j] - row_max));
+    for (int j = 0; j < hc; ++j) sum += (comb[i * hc + j] = fmath::Exp(comb[i * hc + j] - row_max));
     for (int j = 0; j < hc; ++j) comb[i * hc + j] = comb[i * hc + j] / sum + eps;
   }
   auto normalize_cols = [&] {
@@ -49,23 +49,6 @@ void HcSplit(const float* mixes, const float* scale, const float* base, int hc, 
     normalize_rows();
     normalize_cols();
   }
-}
-
-// HcMixParams' order for a sum of the n terms term(i): kHcMixLanes lanes, each adding its terms
-// in order, met by the fixed tree (the device's LaneSum in kernels/gpu/mhc.cu).
-template <class T, class Term>
-T LaneSum(size_t n, Term term) {
-  constexpr size_t kLanes = static_cast<size_t>(kHcMixLanes);
-  T lanes[kLanes] = {};
-  size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (size_t l = 0; l < kLanes; ++l) lanes[l] += term(i + l);
-  }
-  for (size_t l = 0; i + l < n; ++l) lanes[l] += term(i + l);
-  for (size_t s = kLanes / 2; s >= 1; s /= 2) {
-    for (size_t l = 0; l < s; ++l) lanes[l] += lanes[l + s];
-  }
-  return lanes[0];
 }
 
 }  // namespace

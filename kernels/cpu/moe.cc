@@ -11,7 +11,7 @@
 
 namespace flashd::kernels::cpu {
 namespace {
-inline float SqrtSoftplus(float x) { return std::sqrt(x > 20.0f ? x : std::log1p(std::exp(x))); }
+inline float SqrtSoftplus(float x) { return std::sqrt(x > 20.0f ? x : fmath::Softplus(x)); }
 }  // namespace
 
 OpStatus MoeRoute(const MoeRouteParams& p) {
@@ -29,7 +29,7 @@ OpStatus MoeRoute(const MoeRouteParams& p) {
     }
     if (p.scoring == RouteScoring::kSoftmax) {
       float mx = *std::max_element(s, s + E), sum = 0;
-      for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(s[e] - mx));
+      for (int64_t e = 0; e < E; ++e) sum += (s[e] = fmath::Exp(s[e] - mx));
       for (int64_t e = 0; e < E; ++e) s[e] /= sum;
     }
     for (int64_t e = 0; e < E; ++e) biased[e] = s[e] + p.bias[e];

@@ -36,8 +36,8 @@ OpStatus RmsNorm(const RmsNormParams& p) {
     if (p.round_input) {
       for (int64_t i = 0; i < p.dim; ++i) x[i] = Bf(x[i]);
     }
-    double sum = 0;
-    for (int64_t i = 0; i < p.dim; ++i) sum += double(x[i]) * x[i];
+    const double sum =
+        LaneSum<double>(static_cast<size_t>(p.dim), [&](size_t i) { return double(x[i]) * x[i]; });
     const float scale = 1.0f / std::sqrt(static_cast<float>(sum / p.dim) + p.eps);
     for (int64_t i = 0; i < p.dim; ++i) x[i] = Bf(p.weight[i] * (x[i] * scale));
   }
@@ -57,8 +57,9 @@ OpStatus Rope(const RopeParams& p) {
       float* x = p.x + r * p.row_stride + h * p.head_dim + p.head_dim - p.rope_dim;
       for (int64_t i = 0; i < pairs; ++i) {
         const float angle = pos * p.freqs[i];
-        const float c = std::cos(angle);
-        const float s = p.inverse ? -std::sin(angle) : std::sin(angle);
+        float s, c;
+        fmath::SinCos(angle, &s, &c);
+        if (p.inverse) s = -s;
         const float a = x[2 * i], b = x[2 * i + 1];
         x[2 * i] = Bf(a * c - b * s);
         x[2 * i + 1] = Bf(a * s + b * c);

@@ -4,12 +4,13 @@
 // release's online softmax: the block's largest logit, then its probabilities (fp32 into the
 // denominator, BF16 into the values' sum), the running sums rescaled by exp(m - m'). Each dot
 // product sums over the dimensions in order and each block's weighted sum over its keys in list
-// order, as the CPU's do, so only exp() may differ in the last bit. The output is rounded to
-// BF16 and rotated back by the Rope op. The split-KV kernels for long contexts come beside it,
-// checked against it.
+// order, as the CPU's do, with the CPU's exp (kernels/fmath.h): the same bits. The output is
+// rounded to BF16 and rotated back by the Rope op. The split-KV kernels for long contexts come
+// beside it, checked against it.
 #include <cmath>
 
 #include "kernels/codecs.h"
+#include "kernels/fmath.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -17,6 +18,7 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
+namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 64;
 
 // Where key j of query t comes from, in list order: the window keys first (AttentionKeys),
@@ -120,10 +122,10 @@ __global__ void AttendKernel(SparseAttentionParams p) {
       float block_max = -INFINITY;
       for (int64_t j = 0; j < n; ++j) block_max = fmaxf(block_max, weight[j]);
       const float m_new = fmaxf(m, block_max);
-      rescale = expf(m - m_new);
+      rescale = fm::Exp(m - m_new);
       float sum = 0;
       for (int64_t j = 0; j < n; ++j) {
-        const float pj = expf(weight[j] - m_new);
+        const float pj = fm::Exp(weight[j] - m_new);
         sum += pj;
         weight[j] = c::RoundBf16(pj);
       }
@@ -138,7 +140,7 @@ __global__ void AttendKernel(SparseAttentionParams p) {
     }
     __syncthreads();  // Before thread 0 gathers the next block.
   }
-  if (tid == 0) denom += expf(p.sink[h] - m);
+  if (tid == 0) denom += fm::Exp(p.sink[h] - m);
   __syncthreads();
   for (int64_t d = tid; d < hd; d += threads) out[d] = c::RoundBf16(out[d] / denom);
 }

@@ -1,10 +1,11 @@
 // The compressor on the device. Pooling: one thread per dimension walks the rows in order (the
 // partial group is per dimension, so the threads never share state), pooling where a group ends:
-// the CPU's steps, with only exp() free to differ in the last bit. Row write: one thread per
+// the CPU's steps and functions (kernels/fmath.h), so the same bits. Row write: one thread per
 // entry rotates its latent (and key) and quantizes them into their rows with the shared codecs.
 #include <cmath>
 
 #include "kernels/codecs.h"
+#include "kernels/fmath.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -12,6 +13,7 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
+namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 128;
 
 __global__ void PoolKernel(const float* kv, const float* score, int64_t rows, int64_t dim,
@@ -28,10 +30,10 @@ __global__ void PoolKernel(const float* kv, const float* score, int64_t rows, in
     float mx = -INFINITY;
     for (int64_t s = 0; s < ratio; ++s) mx = fmaxf(mx, score_partial[s * dim + d]);
     float sum = 0;
-    for (int64_t s = 0; s < ratio; ++s) sum += expf(score_partial[s * dim + d] - mx);
+    for (int64_t s = 0; s < ratio; ++s) sum += fm::Exp(score_partial[s * dim + d] - mx);
     float acc = 0;
     for (int64_t s = 0; s < ratio; ++s) {
-      acc += kv_partial[s * dim + d] * (expf(score_partial[s * dim + d] - mx) / sum);
+      acc += kv_partial[s * dim + d] * (fm::Exp(score_partial[s * dim + d] - mx) / sum);
     }
     pooled[groups * dim + d] = c::RoundBf16(acc);
     groups += 1;
@@ -42,7 +44,8 @@ __device__ void RotateRow(float* x, int64_t n, int64_t rope_dim, int64_t pos, co
   float* r = x + n - rope_dim;
   for (int64_t i = 0; i < rope_dim / 2; ++i) {
     const float angle = static_cast<float>(pos) * freqs[i];
-    const float cs = cosf(angle), sn = sinf(angle);
+    float sn, cs;
+    fm::SinCos(angle, &sn, &cs);
     const float a = r[2 * i], b = r[2 * i + 1];
     r[2 * i] = c::RoundBf16(a * cs - b * sn);
     r[2 * i + 1] = c::RoundBf16(a * sn + b * cs);

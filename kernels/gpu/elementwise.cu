@@ -1,10 +1,11 @@
 // Element-wise and row-local ops: BF16 rounding, add-and-round, row copies, SwiGLU, the fake
 // quantizers, the embedding copy and the MoE combine. Each thread computes what the CPU
-// reference computes for its element, in the same order, so results are equal bit for bit except
-// where exp() is used (SwiGLU's sigmoid), whose device implementation may differ in the last bit.
+// reference computes for its element, in the same order and with the same exp (kernels/fmath.h),
+// so results are equal bit for bit.
 #include <cmath>
 
 #include "kernels/codecs.h"
+#include "kernels/fmath.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -12,6 +13,7 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
+namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 256;
 
 unsigned Blocks(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
@@ -40,7 +42,7 @@ __global__ void SwigluKernel(const float* gate_in, const float* up_in, int64_t n
     up = c::Clamp(up, -limit, limit);
     gate = gate < limit ? gate : limit;
   }
-  float v = gate * (1.0f / (1.0f + expf(-gate))) * up;
+  float v = gate * fm::Sigmoid(gate) * up;
   if (row_weights != nullptr) v = row_weights[i / inter] * v;
   h[i] = c::RoundBf16(v);
 }

@@ -1,9 +1,10 @@
 // Engram on the device: the gather of each token's FP8 n-gram rows (one thread per value, exact)
-// and the gate (one thread per token and copy: the double sums in the CPU's order, so only the
-// sigmoid's exp may differ in the last bit).
+// and the gate (one thread per token and copy: the double sums in the CPU's order and the CPU's
+// sigmoid, kernels/fmath.h: the same bits).
 #include <cmath>
 
 #include "kernels/codecs.h"
+#include "kernels/fmath.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -11,6 +12,7 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
+namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 256;
 
 __global__ void GatherKernel(const uint8_t* table, const uint8_t* scales, const int64_t* row_ids,
@@ -43,7 +45,7 @@ __global__ void GateKernel(float* X, const float* kv, const float* qk, int64_t t
                      (1.0f / sqrtf(static_cast<float>(k2 / dim) + eps));
   const float g = static_cast<float>(dot) * rstd / sqrtf(static_cast<float>(dim));
   const float root = sqrtf(fmaxf(fabsf(g), 1e-6f));
-  const float gate = 1.0f / (1.0f + expf(-copysignf(root, g)));
+  const float gate = fm::Sigmoid(copysignf(root, g));
   for (int64_t d = 0; d < dim; ++d) stream[d] = c::RoundBf16(stream[d] + gate * value[d]);
 }
 

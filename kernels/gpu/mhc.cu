@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "kernels/codecs.h"
+#include "kernels/fmath.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -12,6 +13,7 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
+namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 256;
 
 __global__ void CollapseKernel(const float* X, const float* weights, int64_t rows, int64_t hc,
@@ -39,8 +41,8 @@ __global__ void ExpandKernel(const float* X, const float* sub, const float* post
 __device__ void HcSplit(const float* mixes, const float* scale, const float* base, int hc,
                         int iters, float eps, float* pre, float* post, float* comb) {
   for (int i = 0; i < hc; ++i) {
-    pre[i] = 1.0f / (1.0f + expf(-(mixes[i] * scale[0] + base[i]))) + eps;
-    post[i] = 2.0f * (1.0f / (1.0f + expf(-(mixes[hc + i] * scale[1] + base[hc + i]))));
+    pre[i] = fm::Sigmoid(mixes[i] * scale[0] + base[i]) + eps;
+    post[i] = 2.0f * fm::Sigmoid(mixes[hc + i] * scale[1] + base[hc + i]);
   }
   for (int i = 0; i < hc; ++i) {
     float row_max = -INFINITY;
@@ -49,7 +51,7 @@ __device__ void HcSplit(const float* mixes, const float* scale, const float* bas
       row_max = fmaxf(row_max, comb[i * hc + j]);
     }
     float sum = 0;
-    for (int j = 0; j < hc; ++j) sum += (comb[i * hc + j] = expf(comb[i * hc + j] - row_max));
+    for (int j = 0; j < hc; ++j) sum += (comb[i * hc + j] = fm::Exp(comb[i * hc + j] - row_max));
     for (int j = 0; j < hc; ++j) comb[i * hc + j] = comb[i * hc + j] / sum + eps;
   }
   for (int it = 0; it < iters; ++it) {

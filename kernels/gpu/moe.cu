@@ -4,6 +4,7 @@
 // thread, one after another (select.h). The reference's libstdc++ order exists on the CPU only.
 #include <cmath>
 
+#include "kernels/fmath.h"
 #include "kernels/gpu/block_select.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
@@ -11,6 +12,7 @@
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
+namespace fm = flashd::kernels::fmath;
 using gpu_select::SelectTop;
 constexpr unsigned kThreads = 128;
 
@@ -38,15 +40,15 @@ __global__ void RouteKernel(const float* logits, const float* bias, int64_t toke
     if (scoring == static_cast<int>(RouteScoring::kSoftmax)) {
       s[e] = v;
     } else if (scoring == static_cast<int>(RouteScoring::kSigmoid)) {
-      s[e] = 1.0f / (1.0f + expf(-v));
+      s[e] = fm::Sigmoid(v);
     } else {
-      s[e] = sqrtf(v > 20.0f ? v : log1pf(expf(v)));
+      s[e] = sqrtf(v > 20.0f ? v : fm::Softplus(v));
     }
   }
   if (scoring == static_cast<int>(RouteScoring::kSoftmax)) {
     float mx = s[0], sum = 0;
     for (int64_t e = 1; e < E; ++e) mx = s[e] > mx ? s[e] : mx;
-    for (int64_t e = 0; e < E; ++e) sum += (s[e] = expf(s[e] - mx));
+    for (int64_t e = 0; e < E; ++e) sum += (s[e] = fm::Exp(s[e] - mx));
     for (int64_t e = 0; e < E; ++e) s[e] /= sum;
   }
   for (int64_t e = 0; e < E; ++e) b[e] = s[e] + bias[e];

@@ -1,9 +1,11 @@
-// RMSNorm and RoPE on the device. RMSNorm: one block per row, the sum of squares in double in a
-// fixed tree (so a row's result never depends on the batch), then the same fp32 scale and BF16
-// rounding as the CPU. RoPE: one thread per rotated pair, the angle an fp32 product as on the CPU.
+// RMSNorm and RoPE on the device. RMSNorm: one block per row, the sum of squares in double in the
+// CPU's lanes and fixed tree (so a row's result never depends on the batch), then the same fp32
+// scale and BF16 rounding as the CPU. RoPE: one thread per rotated pair, the angle an fp32 product
+// as on the CPU, its sine and cosine kernels/fmath.h's.
 #include <cmath>
 
 #include "kernels/codecs.h"
+#include "kernels/fmath.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -11,7 +13,9 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
-constexpr unsigned kNormThreads = 256;
+namespace fm = flashd::kernels::fmath;
+// The sum of squares in LaneSum's order (kernels/cpu/scalar.h): a lane per thread, the fixed tree.
+constexpr unsigned kNormThreads = static_cast<unsigned>(kHcMixLanes);
 
 __global__ void RmsNormKernel(float* x, int64_t dim, int64_t stride, const float* weight, float eps,
                               bool round_input) {
@@ -43,8 +47,9 @@ __global__ void RopeKernel(float* x, int64_t rows, int64_t heads, int64_t head_d
   const int64_t r = i / (heads * pairs), h = (i / pairs) % heads, k = i % pairs;
   float* v = x + r * row_stride + h * head_dim + head_dim - rope_dim + 2 * k;
   const float angle = static_cast<float>(positions[r]) * freqs[k];
-  const float cs = cosf(angle);
-  const float sn = inverse ? -sinf(angle) : sinf(angle);
+  float sn, cs;
+  fm::SinCos(angle, &sn, &cs);
+  if (inverse) sn = -sn;
   const float a = v[0], b = v[1];
   v[0] = c::RoundBf16(a * cs - b * sn);
   v[1] = c::RoundBf16(a * sn + b * cs);

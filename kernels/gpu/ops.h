@@ -4,10 +4,10 @@
 // Every pointer in the params is device memory; `stream` is a gpuStream_t (null: the default
 // stream). An op launches its kernels on the stream and returns without waiting.
 //
-// Numerics: element-wise ops and fixed-order sums are bit-equal to the CPU references (kernels
-// are compiled without fused multiply-add); transcendental functions (exp, sin, cos) and the
-// tree reduction of RMSNorm's sum of squares may differ in the last bit, which moves a BF16
-// result by at most one step. tests/kernels/gpu_ops_test.cc holds each op to its reference.
+// Numerics: every op is bit-equal to its CPU reference (kernels are compiled without fused
+// multiply-add, sums run in the CPU's order, and exp, sin and cos are kernels/fmath.h's, shared
+// with the CPU); only the matrix-core GEMMs (linear_matrix.h) sum a 32-block in another order.
+// tests/kernels/gpu_ops_test.cc holds each op to its reference.
 #pragma once
 
 #include "kernels/ops.h"

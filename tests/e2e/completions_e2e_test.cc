@@ -103,9 +103,9 @@ BOOST_AUTO_TEST_CASE(each_backend_is_reported_and_the_gpu_kernels_serve_the_same
     if (matrix) {
       BOOST_TEST(Contains(d.log(), "FP8/FP4 GEMMs on matrix cores (a stand-in"), d.log());
     }
-    const std::string placement = hybrid   ? "routed experts:cpu/3"
-                                  : matrix ? backend + "-matrix/3"
-                                           : backend + "/3";
+    const std::string placement = hybrid   ? "routed experts:cpu/4"
+                                  : matrix ? backend + "-matrix/4"
+                                           : backend + "/4";
     auto c = UnixClient(d);
     answers.emplace_back();
     for (int i = 0; i < 3; ++i) {

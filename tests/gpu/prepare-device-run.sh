@@ -4,16 +4,22 @@
 # which run on the backend FLASHD_TEST_BACKEND names, with the DSpark golden checkpoint the build
 # wrote), engine_bench, gpu_bench, and every shared
 # library they load that is not part of the C library, because the device machine has the CUDA
-# toolkit but none of the project's Debian libraries. Then tests/gpu/run-on-device.sh runs them
-# there.
+# toolkit but none of the project's Debian libraries, and this machine's C library and loader in
+# glibc/, which run-on-device.sh uses only where the device's own C library is older than the one
+# the binaries were linked against. The folder is packed into build-device-pack/device.tar.xz (a
+# run carries at most 64 MiB; the binaries compress to about a quarter). Then, on the device
+# machine, from the repository root:
+#
+#   tar xJf build-device-pack/device.tar.xz && build-device/run-on-device.sh "$OUT"
 #
 # Usage: tests/gpu/prepare-device-run.sh [BUILD_DIR]   (default: build; run `make build` first)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 build=${1:-build}
 dest=build-device
-rm -rf "$dest"
-mkdir -p "$dest/bin" "$dest/lib"
+pack=build-device-pack
+rm -rf "$dest" "$pack"
+mkdir -p "$dest/bin" "$dest/lib" "$dest/glibc" "$pack"
 shopt -s nullglob
 tests=("$build"/tests/gpu_*_cuda_test)
 if [[ ${#tests[@]} -eq 0 ]]; then
@@ -38,7 +44,16 @@ for t in "${tests[@]}"; do
     esac
   done
 done
+# The C library, the loader and the libraries split from it, for a device machine whose own are
+# older (run-on-device.sh starts the binaries through this loader then).
+for lib in libc.so.6 libm.so.6 libpthread.so.0 libdl.so.2 librt.so.1 ld-linux-x86-64.so.2; do
+  path=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ {print $NF; exit}')
+  [[ -n "$path" ]] && cp -L "$path" "$dest/glibc/"
+done
+[[ -x "$dest/glibc/ld-linux-x86-64.so.2" ]] || chmod +x "$dest/glibc/ld-linux-x86-64.so.2"
 # Symbols are not needed there; without them the bundle stays well inside what a run carries.
 strip --strip-unneeded "$dest"/bin/* "$dest"/lib/*
-echo "prepare-device-run: $(ls "$dest/bin" | wc -l) tests, $(ls "$dest/lib" | wc -l) libraries," \
-  "$(du -sh "$dest" | cut -f1) in $dest"
+tar cJf "$pack/device.tar.xz" "$dest"
+echo "prepare-device-run: $(ls "$dest/bin" | wc -l) binaries, $(ls "$dest/lib" | wc -l) libraries," \
+  "$(du -sh "$dest" | cut -f1) in $dest, packed to $(du -sh "$pack/device.tar.xz" | cut -f1)" \
+  "in $pack/device.tar.xz"

@@ -1,59 +1,104 @@
 #!/usr/bin/env bash
-# Runs flashd's GPU tests on a machine with a device, from binaries gathered beforehand by
-# tests/gpu/prepare-device-run.sh, and writes every log and a summary to OUT (default: the
-# $OUT directory the device machine provides, else ./device-out). Needs no network, no compiler
-# and none of the project's libraries; each test gets at most 4 minutes. The forward pass's tests
-# run on the CUDA backend against the golden model of the repository this folder sits in; then
-# engine_bench measures that model's decode (also behind a 64K-token context) and prefill on the
-# CPU and on the GPU, with the GPU's traffic and waits per step, and gpu_bench the kernels at the
-# released model's dimensions (gpu_bench.txt).
+# Runs flashd's GPU tests and benchmarks on a machine with a device, from binaries gathered
+# beforehand by tests/gpu/prepare-device-run.sh. Needs no network, no compiler and none of the
+# project's libraries. The forward pass's tests run on the CUDA backend against the golden model
+# of the repository this folder sits in (backend_equivalence_test includes the layer split with
+# the CPU as the second backend); gpu_bench measures the kernels at the released model's
+# dimensions; engine_bench the golden model's decode (also behind a 64K-token context) and
+# prefill on the GPU and on the CPU.
+#
+# The whole run keeps to a deadline (FLASHD_DEVICE_DEADLINE_S, default 420 s): the steps run in
+# the order of what matters most, each within its own limit and what is left of the deadline,
+# and a step with too little time left is listed as not run. Results go to OUT (default: $OUT,
+# else ./device-out) as a few files, rewritten after every step so that a run cut short still
+# leaves them: summary.txt, device.txt, gpu_bench.txt, engine_bench.txt and logs.tar.gz (every
+# test's log).
 #
 # Usage (on the device machine, from the repository root): build-device/run-on-device.sh [OUT]
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-${OUT:-./device-out}}
+deadline=${FLASHD_DEVICE_DEADLINE_S:-420}
 mkdir -p "$out"
+logs=$(mktemp -d)
+begin=$(date +%s)
 export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export FLASHD_TEST_BACKEND=cuda FLASHD_TEST_GOLDEN_DIR="$here/../tests/golden"
 export FLASHD_TEST_DSPARK_GOLDEN_DIR="$here/golden-dspark"
 {
   date -u
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 ||
-    echo "nvidia-smi not available"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.sm,temperature.gpu,power.draw \
+    --format=csv 2>&1 || echo "nvidia-smi not available"
+  echo "cores: $(nproc)"
+  ldd --version 2>&1 | head -1
 } > "$out/device.txt"
+# The binaries were linked against this project's build machine's C library; where the device's
+# is older, start each through the loader and C library carried beside them.
+loader=()
+if ! probe=$("$here/bin/gpu_scale_add_cuda_test" --list_content 2>&1 >/dev/null) &&
+   grep -q "GLIBC" <<< "$probe"; then
+  loader=("$here/glibc/ld-linux-x86-64.so.2" --library-path "$here/glibc:$LD_LIBRARY_PATH")
+  echo "the device's C library is older than the build's: binaries started through glibc/" \
+    >> "$out/device.txt"
+fi
 status=0
 : > "$out/summary.txt"
-# run NAME [VAR=VALUE...] COMMAND...: one test binary, its log NAME.log, a line in the summary.
-run() {
-  local name=$1 start end rc verdict
+: > "$out/engine_bench.txt"
+left() { echo $((deadline - ($(date +%s) - begin))); }
+# step NAME LIMIT_S OUTPUT [VAR=VALUE...] BINARY [ARGS...]: one binary with its own limit, cut to
+# what is left of the deadline; its output to OUTPUT (a file), a line in the summary.
+step() {
+  local name=$1 limit=$2 output=$3 start end rc verdict budget
+  shift 3
+  budget=$(( $(left) - 5 ))
+  ((budget < limit)) && limit=$budget
+  if ((limit < 10)); then
+    echo "$name: not run ($(left) s of the deadline left)" >> "$out/summary.txt"
+    status=1
+    return
+  fi
+  local vars=()
+  while [[ $1 == *=* ]]; do vars+=("$1"); shift; done
+  local bin=$1
   shift
   start=$(date +%s.%N)
-  env "$@" --log_level=test_suite --report_level=short > "$out/$name.log" 2>&1
+  env "${vars[@]}" timeout "$limit" "${loader[@]}" "$here/bin/$bin" "$@" >> "$output" 2>&1
   rc=$?
   end=$(date +%s.%N)
   case $rc in
     0) verdict=passed ;;
-    77) verdict="skipped ($(grep -m1 -o "SKIP.*" "$out/$name.log"))" ;;
+    77) verdict="skipped ($(grep -m1 -o "SKIP.*" "$output"))" ;;
+    124) verdict="TIMED OUT after $limit s"; status=1 ;;
     *) verdict="FAILED (exit $rc)"; status=1 ;;
   esac
-  awk -v n="$name" -v v="$verdict" -v a="$start" -v b="$end" 'BEGIN { printf "%s: %s in %.1f s\n", n, v, b - a }' >> "$out/summary.txt"
+  awk -v n="$name" -v v="$verdict" -v a="$start" -v b="$end" \
+    'BEGIN { printf "%s: %s in %.1f s\n", n, v, b - a }' >> "$out/summary.txt"
+  tar czf "$out/logs.tar.gz" -C "$logs" . 2>/dev/null
 }
-for t in "$here"/bin/*_test; do
-  run "$(basename "$t")" timeout 240 "$t"
+# test NAME LIMIT_S [VAR=VALUE...] BINARY: a Boost.Test binary, its log in logs.tar.gz.
+test_step() {
+  local name=$1 limit=$2
+  shift 2
+  step "$name" "$limit" "$logs/$name.log" "$@" --log_level=test_suite --report_level=short
+}
+# The kernels against the CPU reference first, then the released dimensions' figures, then the
+# forward pass on the device (the layer split among them), then the golden model's speed.
+test_step gpu_ops_cuda_test 120 gpu_ops_cuda_test
+test_step gpu_scale_add_cuda_test 30 gpu_scale_add_cuda_test
+step gpu_bench 150 "$out/gpu_bench.txt" gpu_bench_cuda
+test_step backend_equivalence_test 90 backend_equivalence_test
+test_step golden_test 60 golden_test
+test_step golden_test_matrix 60 FLASHD_TEST_GPU_GEMMS=matrix golden_test
+test_step forward_equivalence_test 90 forward_equivalence_test
+test_step forward_equivalence_test_matrix 90 FLASHD_TEST_GPU_GEMMS=matrix forward_equivalence_test
+test_step dspark_golden_test 60 dspark_golden_test
+for run in "cuda" "cuda --gpu-gemms matrix" "cpu"; do
+  echo "== engine_bench --backend $run" >> "$out/engine_bench.txt"
+  # shellcheck disable=SC2086 # the words of $run are separate arguments
+  step "engine_bench $run" 60 "$out/engine_bench.txt" engine_bench "$FLASHD_TEST_GOLDEN_DIR" \
+    512 4096 --decode-at 65536 --backend $run
 done
-# The forward pass's tests again with the linears on matrix cores (engine.gpu_gemms: matrix).
-for t in golden_test forward_equivalence_test; do
-  [ -x "$here/bin/$t" ] && run "${t}_matrix" FLASHD_TEST_GPU_GEMMS=matrix timeout 240 "$here/bin/$t"
-done
-timeout 240 "$here/bin/gpu_bench_cuda" > "$out/gpu_bench.txt" 2>&1 ||
-  echo "gpu_bench: exit $?" >> "$out/summary.txt"
-for backend in cpu cuda; do
-  timeout 150 "$here/bin/engine_bench" "$FLASHD_TEST_GOLDEN_DIR" 512 4096 --decode-at 65536 \
-    --backend "$backend" > "$out/engine_bench_$backend.txt" 2>&1 ||
-    echo "engine_bench $backend: exit $?" >> "$out/summary.txt"
-done
-timeout 150 "$here/bin/engine_bench" "$FLASHD_TEST_GOLDEN_DIR" 512 4096 --backend cuda \
-  --gpu-gemms matrix > "$out/engine_bench_cuda_matrix.txt" 2>&1 ||
-  echo "engine_bench cuda matrix: exit $?" >> "$out/summary.txt"
+echo "total: $(($(date +%s) - begin)) s of a $deadline s deadline" >> "$out/summary.txt"
+rm -rf "$logs"
 cat "$out/summary.txt"
 exit $status
