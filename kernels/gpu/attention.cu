@@ -1,12 +1,17 @@
-// Sparse attention on the device, as the portable path: a thread block per query and head walks
-// that query's key list (kernels/ops.h: the window's slots, then the selected entries) once, in
-// blocks of kAttentionBlock, each key's logit computed once (a thread per key), with the
-// release's online softmax: the block's largest logit, then its probabilities (fp32 into the
-// denominator, BF16 into the values' sum), the running sums rescaled by exp(m - m'). Each dot
-// product sums over the dimensions in order and each block's weighted sum over its keys in list
-// order, as the CPU's do, with the CPU's exp (kernels/fmath.h): the same bits. The output is
-// rounded to BF16 and rotated back by the Rope op. The split-KV kernels for long contexts come
-// beside it, checked against it.
+// Sparse attention on the device, in the CPU's order (kernels/cpu/attention.cc) so the results
+// are its bits: each logit sums its products over the dimensions in order, each attention block
+// (kAttentionBlock list entries) runs the release's online softmax (its largest logit, fp32
+// probabilities summed in list order into the denominator, BF16 probabilities times the keys
+// summed in list order per dimension, the running sums rescaled by exp(m - m')), with the CPU's
+// exp (kernels/fmath.h). The output is rounded to BF16 and rotated back by the Rope op.
+//
+// A thread block serves one query and a group of G heads (G = 8 for prompts, where the keys,
+// shared by the heads, are decoded once for eight; G = 1 for decode steps, where the heads are
+// the only parallelism). The query's key list is taken kPassKeys list entries at a time (whole
+// attention blocks): the keys' values staged in shared memory kLogitDims dimensions at a time,
+// a thread per key keeping its G dot products; the softmax's steps a thread per head and block
+// (the sequential sums) or per probability (the exps); then the keys staged again whole, a few at
+// a time, a thread per dimension keeping its G heads' block sums and accumulators in registers.
 #include <cmath>
 
 #include "kernels/codecs.h"
@@ -19,130 +24,273 @@ namespace {
 
 namespace c = flashd::kernels::codecs;
 namespace fm = flashd::kernels::fmath;
-constexpr unsigned kThreads = 64;
 
-// Where key j of query t comes from, in list order: the window keys first (AttentionKeys),
-// fresh rows or ring slots, then the selected compressed rows that are not -1.
+// Where a key's values come from: a fresh row (fp32), a ring slot (FP8 codes and UE8M0 scales per
+// 32) or a compressed KV row (FP4 codes and E4M3 scales per 16), its row's addresses resolved
+// once when the key list is built.
 enum class KeySource : uint8_t { kFresh, kRing, kCompressed };
 
-struct Key {
+struct KeyRow {
+  const void* codes;      // The fresh row's floats, or the row's codes.
+  const uint8_t* scales;  // Null for a fresh row.
   KeySource source;
-  int64_t index;  // The fresh row, the ring slot or the KV row.
 };
 
-__device__ __host__ inline float KeyValue(const SparseAttentionParams& p, Key k, int64_t d) {
+__device__ __host__ inline float KeyValue(const KeyRow& k, int64_t d) {
   switch (k.source) {
     case KeySource::kFresh:
-      return p.fresh[k.index * p.head_dim + d];
+      return static_cast<const float*>(k.codes)[d];
     case KeySource::kRing:
-      return c::E4M3ToFloat(p.ring_codes[k.index * p.head_dim + d]) *
-             c::E8M0ToFloat(p.ring_scales[k.index * p.head_dim / 32 + d / 32]);
+      return c::E4M3ToFloat(static_cast<const uint8_t*>(k.codes)[d]) *
+             c::E8M0ToFloat(k.scales[d / 32]);
     default: {
-      const uint8_t byte = p.kv_codes.Row(k.index)[d / 2];
+      const uint8_t byte = static_cast<const uint8_t*>(k.codes)[d / 2];
       const uint8_t code = (d % 2 == 0) ? (byte & 0xF) : (byte >> 4);
-      return c::E2M1ToFloat(code) * c::E4M3ToFloat(p.kv_scales.Row(k.index)[d / 16]);
+      return c::E2M1ToFloat(code) * c::E4M3ToFloat(k.scales[d / 16]);
     }
   }
 }
 
-// Walks query t's keys in list order, each looked up once: the selection row is read once for
-// the whole list.
-struct KeyWalk {
-  const SparseAttentionParams& p;
-  int64_t t;
-  AttentionKeys window;
-  int64_t j = 0;         // The next key's place in the list.
-  int64_t selected = 0;  // The next place in the selection row to look at.
-
-  __device__ __host__ bool Done() {
-    if (j < window.count()) return false;
-    while (selected < p.selected_stride && p.selected[t * p.selected_stride + selected] < 0) {
-      ++selected;
+// A key's values at dimensions [d0, d0 + 32) (d0 a multiple of 32), each KeyValue's product.
+__device__ __host__ inline void KeyValues32(const KeyRow& k, int64_t d0, float* v) {
+  switch (k.source) {
+    case KeySource::kFresh: {
+      const float* row = static_cast<const float*>(k.codes) + d0;
+      FLASHD_UNROLL
+      for (int dd = 0; dd < 32; ++dd) v[dd] = row[dd];
+      break;
     }
-    return selected >= p.selected_stride;
-  }
-  // REQUIRES: !Done(). The next key's block of the list.
-  __device__ __host__ int64_t Block() const {
-    const int64_t w = window.count();
-    return (j < w ? window.ListIndex(j) : window.selected_base() + (j - w)) / kAttentionBlock;
-  }
-  // REQUIRES: !Done(). The next key, and a step past it.
-  __device__ __host__ Key Next() {
-    if (j < window.count()) {
-      const int64_t q = window.Position(j++);
-      if (q >= p.fresh_first) return {KeySource::kFresh, q - p.fresh_first};
-      return {KeySource::kRing, q % p.window};
+    case KeySource::kRing: {
+      const uint8_t* row = static_cast<const uint8_t*>(k.codes) + d0;
+      const float s = c::E8M0ToFloat(k.scales[d0 / 32]);
+      FLASHD_UNROLL
+      for (int dd = 0; dd < 32; ++dd) v[dd] = c::E4M3ToFloat(row[dd]) * s;
+      break;
     }
-    const int64_t entry = p.selected[t * p.selected_stride + selected++];
-    ++j;
-    return {KeySource::kCompressed, BlockRow(p.block_table, p.kv_codes.rows_per_block, entry)};
-  }
-};
-
-// One thread block per query and head. Thread 0 walks the key list and gathers a block of it;
-// the threads compute its logits (a key each, its dot product over the dimensions in order);
-// thread 0 takes the block's largest logit and its probabilities and denominator in list order;
-// then each thread updates its dimensions of the accumulator (dimension d: the block's keys in
-// list order). The same sums in the same order as the CPU's, spread over the threads.
-__global__ void AttendKernel(SparseAttentionParams p) {
-  __shared__ Key key[kAttentionBlock];
-  __shared__ float weight[kAttentionBlock];  // The block's logits, then its BF16 probabilities.
-  __shared__ int64_t count;                  // The block's keys; 0: the list is done.
-  __shared__ float rescale, denom;
-  const int64_t i = blockIdx.x, t = i / p.heads, h = i % p.heads, hd = p.head_dim;
-  const unsigned tid = threadIdx.x, threads = blockDim.x;
-  KeyWalk keys{p, t, AttentionKeys::Of(p, t)};  // Walked by thread 0 only.
-  const float* q = p.q + i * hd;
-  const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
-  float* out = p.out + i * hd;  // The accumulator, then the output.
-  for (int64_t d = tid; d < hd; d += threads) out[d] = 0;
-  float m = -1e30f;  // Thread 0's running maximum.
-  if (tid == 0) denom = 0;
-  for (;;) {
-    if (tid == 0) {
-      int64_t n = 0;
-      if (!keys.Done()) {
-        const int64_t b = keys.Block();
-        do {
-          key[n++] = keys.Next();
-        } while (!keys.Done() && keys.Block() == b);
+    default: {
+      const uint8_t* row = static_cast<const uint8_t*>(k.codes) + d0 / 2;
+      const float s0 = c::E4M3ToFloat(k.scales[d0 / 16]),
+                  s1 = c::E4M3ToFloat(k.scales[d0 / 16 + 1]);
+      FLASHD_UNROLL
+      for (int dd = 0; dd < 32; ++dd) {
+        const uint8_t byte = row[dd / 2];
+        v[dd] = c::E2M1ToFloat(dd % 2 == 0 ? (byte & 0xF) : (byte >> 4)) * (dd < 16 ? s0 : s1);
       }
-      count = n;
     }
-    __syncthreads();
-    const int64_t n = count;
-    if (n == 0) break;
-    for (int64_t j = tid; j < n; j += threads) {
-      float dot = 0;
-      for (int64_t d = 0; d < hd; ++d) dot += q[d] * KeyValue(p, key[j], d);
-      weight[j] = dot * scale;
-    }
-    __syncthreads();
-    if (tid == 0) {
-      float block_max = -INFINITY;
-      for (int64_t j = 0; j < n; ++j) block_max = fmaxf(block_max, weight[j]);
-      const float m_new = fmaxf(m, block_max);
-      rescale = fm::Exp(m - m_new);
-      float sum = 0;
-      for (int64_t j = 0; j < n; ++j) {
-        const float pj = fm::Exp(weight[j] - m_new);
-        sum += pj;
-        weight[j] = c::RoundBf16(pj);
-      }
-      denom = denom * rescale + sum;
-      m = m_new;
-    }
-    __syncthreads();
-    for (int64_t d = tid; d < hd; d += threads) {
-      float block = 0;
-      for (int64_t j = 0; j < n; ++j) block += weight[j] * KeyValue(p, key[j], d);
-      out[d] = out[d] * rescale + block;
-    }
-    __syncthreads();  // Before thread 0 gathers the next block.
   }
-  if (tid == 0) denom += fm::Exp(p.sink[h] - m);
+}
+
+constexpr unsigned kAttendThreads = 256;
+constexpr int64_t kPassKeys = 256;  // List entries per pass: whole attention blocks.
+constexpr int64_t kPassBlocks = kPassKeys / kAttentionBlock;
+constexpr int64_t kLogitDims = 32;     // A key's values loaded at a time by its thread.
+constexpr int64_t kDimsPerThread = 2;  // Of the weighted sums: so head_dim <= 512 (the model's).
+constexpr int64_t kMaxHeadDim = kDimsPerThread * kAttendThreads;
+constexpr int64_t kAheadKeys = 16;  // Keys whose values a thread loads before summing them.
+constexpr int64_t kGroupTokens = 16;  // Queries from which heads are taken eight at a time.
+static_assert(kPassKeys % kAttentionBlock == 0 && kPassKeys == kAttendThreads);
+
+// The exclusive prefix sum of each thread's `flag` over the thread block (through `scan`,
+// kAttendThreads ints of shared memory), and the total in *total.
+__device__ int ExclusiveScan(int flag, int* scan, int* total) {
+  const unsigned tid = threadIdx.x;
+  scan[tid] = flag;
   __syncthreads();
-  for (int64_t d = tid; d < hd; d += threads) out[d] = c::RoundBf16(out[d] / denom);
+  for (unsigned step = 1; step < kAttendThreads; step *= 2) {
+    const int add = tid >= step ? scan[tid - step] : 0;
+    __syncthreads();
+    scan[tid] += add;
+    __syncthreads();
+  }
+  const int inclusive = scan[tid];
+  *total = scan[kAttendThreads - 1];
+  __syncthreads();  // scan may be reused.
+  return inclusive - flag;
+}
+
+// A thread block per query and group of G heads. The key list in list order: the window's keys
+// (list entries [w0, sb): AttentionKeys), then the selected rows that are not -1 (entries sb,
+// sb + 1, ... in the selection row's order). Each pass takes the keys of list entries [L0, L0 +
+// kPassKeys), built by all threads at once (the selected rows' ranks by a prefix sum over the
+// selection row), each key's row addresses resolved once. Logits: thread j reads key j's values
+// 32 at a time (the next 32 loaded while these are summed) against the group's queries, held in
+// shared memory. Weighted sums: thread d reads dimensions d and d + 256 of each key (neighbouring
+// threads, neighbouring bytes), kAheadKeys keys' loads ahead of their sums.
+template <int G>
+__global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionParams p) {
+  __shared__ float qs[G][kMaxHeadDim];
+  __shared__ float prob[G][kPassKeys];  // Logits, then probabilities, then their BF16 values.
+  __shared__ KeyRow key[kPassKeys];
+  __shared__ int scan[kAttendThreads];
+  __shared__ float block_m[G][kPassBlocks], block_rescale[G][kPassBlocks];
+  __shared__ float run_m[G], denom[G];
+  const int64_t groups = (p.heads + G - 1) / G;
+  const int64_t t = blockIdx.x / groups, h0 = (blockIdx.x % groups) * G, hd = p.head_dim;
+  const unsigned tid = threadIdx.x;
+  const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
+  for (int64_t i = tid; i < G * hd; i += kAttendThreads) {
+    const int64_t g = i / hd, d = i % hd;
+    qs[g][d] = h0 + g < p.heads ? p.q[(t * p.heads + h0 + g) * hd + d] : 0.0f;
+  }
+  const AttentionKeys window = AttentionKeys::Of(p, t);
+  const int64_t wcount = window.count(), sb = window.selected_base();
+  const int64_t w0 = wcount > 0 ? window.ListIndex(0) : sb;
+  const int64_t* selected = p.selected + t * p.selected_stride;
+  int64_t nsel = 0;  // The selection row's entries that are not -1.
+  for (int64_t c0 = 0; c0 < p.selected_stride; c0 += kAttendThreads) {
+    int total;
+    const int64_t i = c0 + tid;
+    ExclusiveScan(i < p.selected_stride && selected[i] >= 0 ? 1 : 0, scan, &total);
+    nsel += total;
+  }
+  const int64_t list_end = sb + nsel;
+  if (tid < G) run_m[tid] = -1e30f, denom[tid] = 0;
+  float acc[G][kDimsPerThread], part[G][kDimsPerThread];
+  FLASHD_UNROLL
+  for (int g = 0; g < G; ++g) {
+    FLASHD_UNROLL
+    for (int e = 0; e < kDimsPerThread; ++e) acc[g][e] = 0, part[g][e] = 0;
+  }
+  for (int64_t L0 = w0 - w0 % kPassKeys; L0 < list_end; L0 += kPassKeys) {
+    // The pass's keys: list entries [lo, hi), key s at entry lo + s.
+    const int64_t lo = L0 > w0 ? L0 : w0;
+    const int64_t hi = L0 + kPassKeys < list_end ? L0 + kPassKeys : list_end;
+    const int64_t n = hi - lo;
+    __syncthreads();  // The last pass's readers of the key list are done.
+    for (int64_t s = tid; s < n && lo + s < sb; s += kAttendThreads) {
+      const int64_t q = window.Position(lo + s - w0);
+      if (q >= p.fresh_first) {
+        key[s] = {p.fresh + (q - p.fresh_first) * hd, nullptr, KeySource::kFresh};
+      } else {
+        const int64_t slot = q % p.window;
+        key[s] = {p.ring_codes + slot * hd, p.ring_scales + slot * hd / 32, KeySource::kRing};
+      }
+    }
+    int64_t rank0 = 0;  // Ranks of the selection row's entries before the current chunk.
+    for (int64_t c0 = 0; c0 < p.selected_stride && sb + rank0 < hi; c0 += kAttendThreads) {
+      const int64_t i = c0 + tid;
+      const int64_t entry = i < p.selected_stride ? selected[i] : -1;
+      int total;
+      const int64_t li = sb + rank0 + ExclusiveScan(entry >= 0 ? 1 : 0, scan, &total);
+      if (entry >= 0 && li >= lo && li < hi) {
+        const int64_t row = BlockRow(p.block_table, p.kv_codes.rows_per_block, entry);
+        key[li - lo] = {p.kv_codes.Row(row), p.kv_scales.Row(row), KeySource::kCompressed};
+      }
+      rank0 += total;
+    }
+    // Attention block b of the pass: keys [begin(b), begin(b + 1)).
+    auto begin = [&](int64_t b) {
+      const int64_t e = L0 + b * kAttentionBlock - lo;
+      return e < 0 ? int64_t{0} : e > n ? n : e;
+    };
+    __syncthreads();
+    // Logits: thread j keeps key j's dot products with the group's queries, dimensions in order.
+    if (tid < n) {
+      const KeyRow k = key[tid];
+      float dot[G], next[kLogitDims], v[kLogitDims];
+      FLASHD_UNROLL
+      for (int g = 0; g < G; ++g) dot[g] = 0;
+      KeyValues32(k, 0, next);
+      for (int64_t d0 = 0; d0 < hd; d0 += kLogitDims) {
+        FLASHD_UNROLL
+        for (int dd = 0; dd < kLogitDims; ++dd) v[dd] = next[dd];
+        if (d0 + kLogitDims < hd) KeyValues32(k, d0 + kLogitDims, next);
+        FLASHD_UNROLL
+        for (int dd = 0; dd < kLogitDims; ++dd) {
+          FLASHD_UNROLL
+          for (int g = 0; g < G; ++g) dot[g] += qs[g][d0 + dd] * v[dd];
+        }
+      }
+      FLASHD_UNROLL
+      for (int g = 0; g < G; ++g) prob[g][tid] = dot[g] * scale;
+    }
+    __syncthreads();
+    // Each block's running maximum and rescale, a thread per head through the blocks in order.
+    if (tid < G) {
+      float m = run_m[tid];
+      for (int64_t b = 0; b < kPassBlocks; ++b) {
+        if (begin(b) == begin(b + 1)) continue;
+        float block_max = -INFINITY;
+        for (int64_t j = begin(b); j < begin(b + 1); ++j)
+          block_max = fmaxf(block_max, prob[tid][j]);
+        const float m_new = fmaxf(m, block_max);
+        block_rescale[tid][b] = fm::Exp(m - m_new);
+        block_m[tid][b] = m_new;
+        m = m_new;
+      }
+      run_m[tid] = m;
+    }
+    __syncthreads();
+    for (int64_t i = tid; i < G * n; i += kAttendThreads) {
+      const int64_t g = i / n, j = i % n;
+      prob[g][j] =
+          fm::Exp(prob[g][j] - block_m[g][(lo + j) / kAttentionBlock - L0 / kAttentionBlock]);
+    }
+    __syncthreads();
+    // The denominator: each block's probabilities summed in list order, a thread per head.
+    if (tid < G) {
+      float den = denom[tid];
+      for (int64_t b = 0; b < kPassBlocks; ++b) {
+        if (begin(b) == begin(b + 1)) continue;
+        float sum = 0;
+        for (int64_t j = begin(b); j < begin(b + 1); ++j) {
+          sum += prob[tid][j];
+          prob[tid][j] = c::RoundBf16(prob[tid][j]);
+        }
+        den = den * block_rescale[tid][b] + sum;
+      }
+      denom[tid] = den;
+    }
+    __syncthreads();
+    // The weighted sums: dimension d of each of the block's keys in list order; at a block's end
+    // the accumulator takes acc * rescale + the block's sum.
+    int64_t b = 0;
+    for (int64_t j0 = 0; j0 < n; j0 += kAheadKeys) {
+      float v[kAheadKeys][kDimsPerThread];
+      FLASHD_UNROLL
+      for (int u = 0; u < kAheadKeys; ++u) {
+        FLASHD_UNROLL
+        for (int e = 0; e < kDimsPerThread; ++e) {
+          const int64_t d = tid + e * kAttendThreads;
+          v[u][e] = j0 + u < n && d < hd ? KeyValue(key[j0 + u], d) : 0.0f;
+        }
+      }
+      FLASHD_UNROLL
+      for (int u = 0; u < kAheadKeys; ++u) {
+        const int64_t j = j0 + u;
+        if (j >= n) break;
+        FLASHD_UNROLL
+        for (int e = 0; e < kDimsPerThread; ++e) {
+          FLASHD_UNROLL
+          for (int g = 0; g < G; ++g) part[g][e] += prob[g][j] * v[u][e];
+        }
+        while (begin(b + 1) <= j) ++b;
+        if (j + 1 == begin(b + 1)) {  // The block's last key.
+          FLASHD_UNROLL
+          for (int g = 0; g < G; ++g) {
+            FLASHD_UNROLL
+            for (int e = 0; e < kDimsPerThread; ++e) {
+              acc[g][e] = acc[g][e] * block_rescale[g][b] + part[g][e];
+              part[g][e] = 0;
+            }
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < G && h0 + tid < p.heads) denom[tid] += fm::Exp(p.sink[h0 + tid] - run_m[tid]);
+  __syncthreads();
+  FLASHD_UNROLL
+  for (int g = 0; g < G; ++g) {
+    if (h0 + g >= p.heads) break;
+    float* out = p.out + (t * p.heads + h0 + g) * hd;
+    FLASHD_UNROLL
+    for (int e = 0; e < kDimsPerThread; ++e) {
+      const int64_t d = tid + e * kAttendThreads;
+      if (d < hd) out[d] = c::RoundBf16(acc[g][e] / denom[g]);
+    }
+  }
 }
 
 }  // namespace
@@ -153,11 +301,18 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
       (p.selected_stride > 0 && (p.selected == nullptr || p.block_table == nullptr))) {
     return OpStatus::kBadShape;
   }
-  const int64_t n = p.tokens * p.heads;
-  if (n == 0) return OpStatus::kOk;
+  if (p.head_dim > kMaxHeadDim) return OpStatus::kBadShape;
+  if (p.tokens == 0) return OpStatus::kOk;
+  // Heads eight to a thread block where the queries are many; one where they are few.
+  const bool grouped = p.tokens >= kGroupTokens;
+  const int64_t n = p.tokens * (grouped ? (p.heads + 7) / 8 : p.heads);
   if (n > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
-  FLASHD_LAUNCH(AttendKernel, static_cast<unsigned>(n), kThreads, 0,
-                static_cast<gpuStream_t>(p.stream), p);
+  const auto stream = static_cast<gpuStream_t>(p.stream);
+  if (grouped) {
+    FLASHD_LAUNCH(AttendKernel<8>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p);
+  } else {
+    FLASHD_LAUNCH(AttendKernel<1>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p);
+  }
   if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
   // Each head rotated back by its query's position.
   return Rope({.x = p.out,

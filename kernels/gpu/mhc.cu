@@ -77,13 +77,15 @@ __device__ T LaneSum(int64_t n, Term term, T* lanes) {
   const int64_t l = threadIdx.x;
   T acc = 0;
   int64_t i = l;
-  for (; i + 3 * kHcMixLanes < n; i += 4 * kHcMixLanes) {  // Four terms' loads in flight.
-    const T a = term(i), b = term(i + kHcMixLanes), c = term(i + 2 * kHcMixLanes),
-            d = term(i + 3 * kHcMixLanes);
-    acc += a;
-    acc += b;
-    acc += c;
-    acc += d;
+  // Sixteen terms' loads in flight (a thread block per sum: its loads are all the memory
+  // traffic an SM has), added in order.
+  constexpr int kAhead = 16;
+  for (; i + (kAhead - 1) * kHcMixLanes < n; i += kAhead * kHcMixLanes) {
+    T v[kAhead];
+    FLASHD_UNROLL
+    for (int u = 0; u < kAhead; ++u) v[u] = term(i + u * kHcMixLanes);
+    FLASHD_UNROLL
+    for (int u = 0; u < kAhead; ++u) acc += v[u];
   }
   for (; i < n; i += kHcMixLanes) acc += term(i);
   lanes[l] = acc;

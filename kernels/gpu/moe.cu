@@ -1,7 +1,7 @@
 // Top-k in the total order and the MoE router on the device. Top-k: a thread block per row
 // selects in the total order (value descending, then index ascending, NaN first;
-// block_select.h), the CPU's order exactly; the router's few experts per token are picked by one
-// thread, one after another (select.h). The reference's libstdc++ order exists on the CPU only.
+// block_select.h), the CPU's order exactly; the router likewise, a thread block per token. The
+// reference's libstdc++ order exists on the CPU only.
 #include <cmath>
 
 #include "kernels/fmath.h"
@@ -13,8 +13,6 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace fm = flashd::kernels::fmath;
-using gpu_select::SelectTop;
-constexpr unsigned kThreads = 128;
 
 // One thread block per row.
 constexpr unsigned kSelectThreads = 256;
@@ -28,16 +26,22 @@ __global__ void TopKKernel(const float* values, int64_t stride, int64_t k, const
   for (int64_t i = got + threadIdx.x; i < k; i += kSelectThreads) out[r * k + i] = -1;
 }
 
-__global__ void RouteKernel(const float* logits, const float* bias, int64_t tokens, int64_t E,
-                            int64_t k, int scoring, bool norm_topk, float scale, float* scores,
-                            float* biased, int64_t* chosen, float* weights) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= tokens) return;
+// One thread block per token: the experts' scores a thread per expert (a softmax's sum by one
+// thread, in expert order, as on the CPU), the top k by BlockSelectTop, then the weights by one
+// thread in rank order.
+__global__ void __launch_bounds__(kSelectThreads)
+    RouteKernel(const float* logits, const float* bias, int64_t E, int64_t k, int scoring,
+                bool norm_topk, float scale, float* scores, float* biased, int64_t* chosen,
+                float* weights) {
+  __shared__ float softmax_max, softmax_sum;
+  const int64_t t = blockIdx.x;
+  const unsigned tid = threadIdx.x;
   float* s = scores + t * E;
   float* b = biased + t * E;
-  for (int64_t e = 0; e < E; ++e) {
+  const bool softmax = scoring == static_cast<int>(RouteScoring::kSoftmax);
+  for (int64_t e = tid; e < E; e += kSelectThreads) {
     const float v = logits[t * E + e];
-    if (scoring == static_cast<int>(RouteScoring::kSoftmax)) {
+    if (softmax) {
       s[e] = v;
     } else if (scoring == static_cast<int>(RouteScoring::kSigmoid)) {
       s[e] = fm::Sigmoid(v);
@@ -45,15 +49,29 @@ __global__ void RouteKernel(const float* logits, const float* bias, int64_t toke
       s[e] = sqrtf(v > 20.0f ? v : fm::Softplus(v));
     }
   }
-  if (scoring == static_cast<int>(RouteScoring::kSoftmax)) {
-    float mx = s[0], sum = 0;
-    for (int64_t e = 1; e < E; ++e) mx = s[e] > mx ? s[e] : mx;
-    for (int64_t e = 0; e < E; ++e) sum += (s[e] = fm::Exp(s[e] - mx));
-    for (int64_t e = 0; e < E; ++e) s[e] /= sum;
+  if (softmax) {
+    __syncthreads();
+    if (tid == 0) {
+      float mx = s[0];
+      for (int64_t e = 1; e < E; ++e) mx = s[e] > mx ? s[e] : mx;
+      softmax_max = mx;
+    }
+    __syncthreads();
+    for (int64_t e = tid; e < E; e += kSelectThreads) s[e] = fm::Exp(s[e] - softmax_max);
+    __syncthreads();
+    if (tid == 0) {
+      float sum = 0;
+      for (int64_t e = 0; e < E; ++e) sum += s[e];
+      softmax_sum = sum;
+    }
+    __syncthreads();
+    for (int64_t e = tid; e < E; e += kSelectThreads) s[e] /= softmax_sum;
   }
-  for (int64_t e = 0; e < E; ++e) b[e] = s[e] + bias[e];
+  for (int64_t e = tid; e < E; e += kSelectThreads) b[e] = s[e] + bias[e];
+  __syncthreads();
   int64_t* top = chosen + t * k;
-  SelectTop(b, E, k, top);
+  gpu_select::BlockSelectTop<kSelectThreads>(b, E, k, top);
+  if (tid != 0) return;
   float sum = 0;
   for (int64_t i = 0; i < k; ++i) sum += s[top[i]];
   for (int64_t i = 0; i < k; ++i) {
@@ -141,9 +159,11 @@ OpStatus TopK(const TopKParams& p) {
 OpStatus MoeRoute(const MoeRouteParams& p) {
   if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.k > p.experts) return OpStatus::kBadShape;
   if (p.order != TopKOrder::kTotal) return OpStatus::kBadArgument;
+  if (p.k > gpu_select::kBlockSelectPerThread * kSelectThreads) return OpStatus::kBadShape;
   if (p.tokens == 0) return OpStatus::kOk;
-  FLASHD_LAUNCH(RouteKernel, static_cast<unsigned>((p.tokens + kThreads - 1) / kThreads), kThreads,
-                0, static_cast<gpuStream_t>(p.stream), p.logits, p.bias, p.tokens, p.experts, p.k,
+  if (p.tokens > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  FLASHD_LAUNCH(RouteKernel, static_cast<unsigned>(p.tokens), kSelectThreads, 0,
+                static_cast<gpuStream_t>(p.stream), p.logits, p.bias, p.experts, p.k,
                 static_cast<int>(p.scoring), p.norm_topk, p.scale, p.scores, p.biased, p.chosen,
                 p.weights);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;

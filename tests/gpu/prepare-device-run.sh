@@ -47,7 +47,7 @@ done
 # The C library, the loader and the libraries split from it, for a device machine whose own are
 # older (run-on-device.sh starts the binaries through this loader then).
 for lib in libc.so.6 libm.so.6 libpthread.so.0 libdl.so.2 librt.so.1 ld-linux-x86-64.so.2; do
-  path=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ {print $NF; exit}')
+  path=$(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ && !p {p = $NF} END {print p}')
   [[ -n "$path" ]] && cp -L "$path" "$dest/glibc/"
 done
 [[ -x "$dest/glibc/ld-linux-x86-64.so.2" ]] || chmod +x "$dest/glibc/ld-linux-x86-64.so.2"

@@ -1549,44 +1549,49 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
   }
   const RouteScoring scorings[] = {RouteScoring::kSoftmax, RouteScoring::kSigmoid,
                                    RouteScoring::kSqrtSoftplus};
-  for (RouteScoring sc : scorings) {
-    const int64_t tokens = 257, experts = 12, top = 3;
-    std::vector<float> logits(tokens * experts), bias(experts);
-    std::normal_distribution<float> d(0.0f, 2.0f);
-    for (float& x : logits) x = d(rng);
-    for (float& x : bias) x = d(rng);
-    std::vector<float> s(logits.size()), b(logits.size()), w(tokens * top);
-    std::vector<int64_t> chosen(tokens * top);
-    cpu::MoeRoute({.logits = logits.data(),
-                   .bias = bias.data(),
-                   .tokens = tokens,
-                   .experts = experts,
-                   .k = top,
-                   .scoring = sc,
-                   .norm_topk = true,
-                   .scale = 2.5f,
-                   .scores = s.data(),
-                   .biased = b.data(),
-                   .chosen = chosen.data(),
-                   .weights = w.data()});
-    Dev<float> dl(logits), db(bias), dsc(s), dbi(b), dw(w);
-    Dev<int64_t> dch(chosen);
-    BOOST_REQUIRE(gpu::MoeRoute({.logits = dl.get(),
-                                 .bias = db.get(),
-                                 .tokens = tokens,
-                                 .experts = experts,
-                                 .k = top,
-                                 .scoring = sc,
-                                 .norm_topk = true,
-                                 .scale = 2.5f,
-                                 .scores = dsc.get(),
-                                 .biased = dbi.get(),
-                                 .chosen = dch.get(),
-                                 .weights = dw.get()}) == OpStatus::kOk);
-    BOOST_TEST((dch.Host() == chosen));
-    BOOST_TEST(BitEqual(dsc.Host(), s));
-    BOOST_TEST(BitEqual(dw.Host(), w));
-  }
+  // Few experts for many tokens, and the model's 384 experts (more than a thread block's threads).
+  struct RouteShape {
+    int64_t tokens, experts, top;
+  };
+  for (const RouteShape& shape : {RouteShape{257, 12, 3}, RouteShape{9, 384, 6}})
+    for (RouteScoring sc : scorings) {
+      const int64_t tokens = shape.tokens, experts = shape.experts, top = shape.top;
+      std::vector<float> logits(tokens * experts), bias(experts);
+      std::normal_distribution<float> d(0.0f, 2.0f);
+      for (float& x : logits) x = d(rng);
+      for (float& x : bias) x = d(rng);
+      std::vector<float> s(logits.size()), b(logits.size()), w(tokens * top);
+      std::vector<int64_t> chosen(tokens * top);
+      cpu::MoeRoute({.logits = logits.data(),
+                     .bias = bias.data(),
+                     .tokens = tokens,
+                     .experts = experts,
+                     .k = top,
+                     .scoring = sc,
+                     .norm_topk = true,
+                     .scale = 2.5f,
+                     .scores = s.data(),
+                     .biased = b.data(),
+                     .chosen = chosen.data(),
+                     .weights = w.data()});
+      Dev<float> dl(logits), db(bias), dsc(s), dbi(b), dw(w);
+      Dev<int64_t> dch(chosen);
+      BOOST_REQUIRE(gpu::MoeRoute({.logits = dl.get(),
+                                   .bias = db.get(),
+                                   .tokens = tokens,
+                                   .experts = experts,
+                                   .k = top,
+                                   .scoring = sc,
+                                   .norm_topk = true,
+                                   .scale = 2.5f,
+                                   .scores = dsc.get(),
+                                   .biased = dbi.get(),
+                                   .chosen = dch.get(),
+                                   .weights = dw.get()}) == OpStatus::kOk);
+      BOOST_TEST((dch.Host() == chosen));
+      BOOST_TEST(BitEqual(dsc.Host(), s));
+      BOOST_TEST(BitEqual(dw.Host(), w));
+    }
 }
 
 // Attention over window rows (fresh and from the FP8 ring) and selected FP4 rows read through
@@ -1594,95 +1599,118 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
 // and selections spanning several of the softmax's blocks, and a draft block whose ring wraps.
 BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
   std::mt19937 rng(9);
-  const int64_t heads = 2, hd = 64, rd = 16, per = 4, nblocks = 5;
-  const size_t block_bytes = per * (hd / 2 + hd / 16);
-  std::vector<std::vector<uint8_t>> host_blocks(nblocks, std::vector<uint8_t>(block_bytes));
-  for (auto& b : host_blocks) {
-    for (int64_t r = 0; r < per; ++r) {
-      std::vector<float> k = Normal(rng, hd);
-      cpu::QuantizeFp4E4M3(k.data(), hd, 16, b.data() + r * hd / 2,
-                           b.data() + per * hd / 2 + r * hd / 16);
-    }
-  }
-  Blocks blocks;
-  blocks.host = host_blocks;
-  blocks.Upload();
-  uint8_t* const* host_table = blocks.host_table.data();
-  uint8_t* const* dev_table = blocks.dev_table->get();
-  const std::vector<int32_t> table = {3, 0, 0, 4};
-  std::vector<float> freqs(rd / 2);
-  cpu::RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
   struct Case {
     int64_t tokens, window, width, first;
     bool whole;  // Every query sees every row of the call (a DSpark draft block, window_last).
   };
-  const Case cases[] = {{1, 8, 5, 30, false},     {5, 8, 5, 30, false},  {20, 8, 5, 30, false},
-                        {5, 8, 5, 30, true},      {20, 8, 5, 30, true},  {6, 80, 60, 10, false},
-                        {4, 150, 60, 170, false}, {5, 100, 0, 130, true}};
-  for (const Case& k : cases) {
-    const int64_t tokens = k.tokens, window = k.window, width = k.width, first = k.first;
-    const bool whole = k.whole;
-    std::vector<float> ring_rows = Normal(rng, window * hd);
-    std::vector<uint8_t> ring_codes(window * hd), ring_scales(window * hd / 32);
-    cpu::QuantizeFp8PerBlock(ring_rows.data(), ring_rows.size(), 32, ring_codes.data(),
-                             ring_scales.data());
-    std::vector<float> fresh = Normal(rng, tokens * hd);
-    cpu::RoundTripFp8(fresh.data(), fresh.size(), 32);
-    std::vector<float> q = Normal(rng, tokens * heads * hd, 0.3f), sink = Normal(rng, heads);
-    std::vector<int64_t> pos(tokens), wfirst(tokens), sel(tokens * width);
-    std::uniform_int_distribution<int64_t> entry(0, 15);
-    for (int64_t t = 0; t < tokens; ++t) {
-      pos[t] = first + t;
-      wfirst[t] = whole ? std::max<int64_t>(0, first - window)
-                        : std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
-      for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : entry(rng);
+  struct Shape {
+    int64_t heads, hd;
+    std::vector<Case> cases;
+  };
+  // Queries one head to a thread block (under 16 tokens) and eight (16 and more, 9 heads: a
+  // group part empty); key lists within one pass of 256 entries and over two (window 300), at the
+  // model's head_dim (512: two dimensions a thread) and the golden model's.
+  const Shape shapes[] = {{2,
+                           64,
+                           {{1, 8, 5, 30, false},
+                            {5, 8, 5, 30, false},
+                            {20, 8, 5, 30, false},
+                            {5, 8, 5, 30, true},
+                            {20, 8, 5, 30, true},
+                            {6, 80, 60, 10, false},
+                            {4, 150, 60, 170, false},
+                            {5, 100, 0, 130, true}}},
+                          {9,
+                           512,
+                           {{3, 300, 60, 400, false},
+                            {17, 300, 60, 400, false},
+                            {16, 300, 40, 280, true},
+                            {2, 128, 20, 90, false}}}};
+  for (const Shape& shape : shapes) {
+    const int64_t heads = shape.heads, hd = shape.hd, rd = 16, per = 4, nblocks = 5;
+    const size_t block_bytes = per * (hd / 2 + hd / 16);
+    std::vector<std::vector<uint8_t>> host_blocks(nblocks, std::vector<uint8_t>(block_bytes));
+    for (auto& b : host_blocks) {
+      for (int64_t r = 0; r < per; ++r) {
+        std::vector<float> k = Normal(rng, hd);
+        cpu::QuantizeFp4E4M3(k.data(), hd, 16, b.data() + r * hd / 2,
+                             b.data() + per * hd / 2 + r * hd / 16);
+      }
     }
-    std::vector<int64_t> wlast(tokens, first + tokens - 1);
-    SparseAttentionParams params{.q = q.data(),
-                                 .tokens = tokens,
-                                 .heads = heads,
-                                 .head_dim = hd,
-                                 .rope_dim = rd,
-                                 .positions = pos.data(),
-                                 .ring_codes = ring_codes.data(),
-                                 .ring_scales = ring_scales.data(),
-                                 .window = window,
-                                 .fresh = fresh.data(),
-                                 .fresh_first = first,
-                                 .window_first = wfirst.data(),
-                                 .window_last = whole ? wlast.data() : nullptr,
-                                 .selected = width > 0 ? sel.data() : nullptr,
-                                 .selected_stride = width,
-                                 .block_table = table.data(),
-                                 .kv_codes = {host_table, per, 0, static_cast<size_t>(hd / 2)},
-                                 .kv_scales = {host_table, per, static_cast<size_t>(per * hd / 2),
-                                               static_cast<size_t>(hd / 16)},
-                                 .sink = sink.data(),
-                                 .freqs = freqs.data()};
-    std::vector<float> want(tokens * heads * hd);
-    params.out = want.data();
-    BOOST_REQUIRE(cpu::SparseAttention(params) == OpStatus::kOk);
-    Dev<float> dq(q), dfresh(fresh), dsink(sink), dfreqs(freqs), dout(want);
-    Dev<uint8_t> drc(ring_codes), drs(ring_scales);
-    Dev<int64_t> dpos(pos), dwf(wfirst), dwl(wlast), dsel(sel);
-    Dev<int32_t> dtab(table);
-    params.q = dq.get();
-    params.positions = dpos.get();
-    params.ring_codes = drc.get();
-    params.ring_scales = drs.get();
-    params.fresh = dfresh.get();
-    params.window_first = dwf.get();
-    if (whole) params.window_last = dwl.get();
-    if (width > 0) params.selected = dsel.get();
-    params.block_table = dtab.get();
-    params.kv_codes.blocks = dev_table;
-    params.kv_scales.blocks = dev_table;
-    params.sink = dsink.get();
-    params.freqs = dfreqs.get();
-    params.out = dout.get();
-    BOOST_REQUIRE(gpu::SparseAttention(params) == OpStatus::kOk);
-    BOOST_TEST(BitEqual(dout.Host(), want),
-               "tokens " << tokens << " window " << window << " whole " << whole);
+    Blocks blocks;
+    blocks.host = host_blocks;
+    blocks.Upload();
+    uint8_t* const* host_table = blocks.host_table.data();
+    uint8_t* const* dev_table = blocks.dev_table->get();
+    const std::vector<int32_t> table = {3, 0, 0, 4};
+    std::vector<float> freqs(rd / 2);
+    cpu::RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
+    for (const Case& k : shape.cases) {
+      const int64_t tokens = k.tokens, window = k.window, width = k.width, first = k.first;
+      const bool whole = k.whole;
+      std::vector<float> ring_rows = Normal(rng, window * hd);
+      std::vector<uint8_t> ring_codes(window * hd), ring_scales(window * hd / 32);
+      cpu::QuantizeFp8PerBlock(ring_rows.data(), ring_rows.size(), 32, ring_codes.data(),
+                               ring_scales.data());
+      std::vector<float> fresh = Normal(rng, tokens * hd);
+      cpu::RoundTripFp8(fresh.data(), fresh.size(), 32);
+      std::vector<float> q = Normal(rng, tokens * heads * hd, 0.3f), sink = Normal(rng, heads);
+      std::vector<int64_t> pos(tokens), wfirst(tokens), sel(tokens * width);
+      std::uniform_int_distribution<int64_t> entry(0, 15);
+      for (int64_t t = 0; t < tokens; ++t) {
+        pos[t] = first + t;
+        wfirst[t] = whole ? std::max<int64_t>(0, first - window)
+                          : std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
+        for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : entry(rng);
+      }
+      std::vector<int64_t> wlast(tokens, first + tokens - 1);
+      SparseAttentionParams params{.q = q.data(),
+                                   .tokens = tokens,
+                                   .heads = heads,
+                                   .head_dim = hd,
+                                   .rope_dim = rd,
+                                   .positions = pos.data(),
+                                   .ring_codes = ring_codes.data(),
+                                   .ring_scales = ring_scales.data(),
+                                   .window = window,
+                                   .fresh = fresh.data(),
+                                   .fresh_first = first,
+                                   .window_first = wfirst.data(),
+                                   .window_last = whole ? wlast.data() : nullptr,
+                                   .selected = width > 0 ? sel.data() : nullptr,
+                                   .selected_stride = width,
+                                   .block_table = table.data(),
+                                   .kv_codes = {host_table, per, 0, static_cast<size_t>(hd / 2)},
+                                   .kv_scales = {host_table, per, static_cast<size_t>(per * hd / 2),
+                                                 static_cast<size_t>(hd / 16)},
+                                   .sink = sink.data(),
+                                   .freqs = freqs.data()};
+      std::vector<float> want(tokens * heads * hd);
+      params.out = want.data();
+      BOOST_REQUIRE(cpu::SparseAttention(params) == OpStatus::kOk);
+      Dev<float> dq(q), dfresh(fresh), dsink(sink), dfreqs(freqs), dout(want);
+      Dev<uint8_t> drc(ring_codes), drs(ring_scales);
+      Dev<int64_t> dpos(pos), dwf(wfirst), dwl(wlast), dsel(sel);
+      Dev<int32_t> dtab(table);
+      params.q = dq.get();
+      params.positions = dpos.get();
+      params.ring_codes = drc.get();
+      params.ring_scales = drs.get();
+      params.fresh = dfresh.get();
+      params.window_first = dwf.get();
+      if (whole) params.window_last = dwl.get();
+      if (width > 0) params.selected = dsel.get();
+      params.block_table = dtab.get();
+      params.kv_codes.blocks = dev_table;
+      params.kv_scales.blocks = dev_table;
+      params.sink = dsink.get();
+      params.freqs = dfreqs.get();
+      params.out = dout.get();
+      BOOST_REQUIRE(gpu::SparseAttention(params) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dout.Host(), want), "head_dim " << hd << " tokens " << tokens
+                                                          << " window " << window << " whole "
+                                                          << whole);
+    }
   }
 }
 
