@@ -86,7 +86,7 @@ constexpr int64_t kPassBlocks = kPassKeys / kAttentionBlock;
 constexpr int64_t kLogitDims = 32;     // A key's values loaded at a time by its thread.
 constexpr int64_t kDimsPerThread = 2;  // Of the weighted sums: so head_dim <= 512 (the model's).
 constexpr int64_t kMaxHeadDim = kDimsPerThread * kAttendThreads;
-constexpr int64_t kAheadKeys = 16;  // Keys whose values a thread loads before summing them.
+constexpr int64_t kAheadKeys = 16;    // Keys whose values a thread loads before summing them.
 constexpr int64_t kGroupTokens = 16;  // Queries from which heads are taken eight at a time.
 static_assert(kPassKeys % kAttentionBlock == 0 && kPassKeys == kAttendThreads);
 
