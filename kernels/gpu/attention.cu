@@ -36,22 +36,8 @@ struct KeyRow {
   KeySource source;
 };
 
-__device__ __host__ inline float KeyValue(const KeyRow& k, int64_t d) {
-  switch (k.source) {
-    case KeySource::kFresh:
-      return static_cast<const float*>(k.codes)[d];
-    case KeySource::kRing:
-      return c::E4M3ToFloat(static_cast<const uint8_t*>(k.codes)[d]) *
-             c::E8M0ToFloat(k.scales[d / 32]);
-    default: {
-      const uint8_t byte = static_cast<const uint8_t*>(k.codes)[d / 2];
-      const uint8_t code = (d % 2 == 0) ? (byte & 0xF) : (byte >> 4);
-      return c::E2M1ToFloat(code) * c::E4M3ToFloat(k.scales[d / 16]);
-    }
-  }
-}
-
-// A key's values at dimensions [d0, d0 + 32) (d0 a multiple of 32), each KeyValue's product.
+// A key's values at dimensions [d0, d0 + 32) (d0 a multiple of 32): a fresh row's floats, a ring
+// slot's E4M3 codes times their UE8M0 scale, a compressed row's E2M1 codes times their E4M3 scale.
 __device__ __host__ inline void KeyValues32(const KeyRow& k, int64_t d0, float* v) {
   switch (k.source) {
     case KeySource::kFresh: {
@@ -80,11 +66,35 @@ __device__ __host__ inline void KeyValues32(const KeyRow& k, int64_t d0, float* 
   }
 }
 
+// A key's values at dimensions d and d + 1 (d even: one byte of FP4 codes, one scale), the same
+// products as KeyValues32's.
+__device__ __host__ inline void KeyValues2(const KeyRow& k, int64_t d, float* v) {
+  switch (k.source) {
+    case KeySource::kFresh: {
+      const float* row = static_cast<const float*>(k.codes);
+      v[0] = row[d], v[1] = row[d + 1];
+      break;
+    }
+    case KeySource::kRing: {
+      const uint8_t* row = static_cast<const uint8_t*>(k.codes);
+      const float s = c::E8M0ToFloat(k.scales[d / 32]);
+      v[0] = c::E4M3ToFloat(row[d]) * s, v[1] = c::E4M3ToFloat(row[d + 1]) * s;
+      break;
+    }
+    default: {
+      const uint8_t byte = static_cast<const uint8_t*>(k.codes)[d / 2];
+      const float s = c::E4M3ToFloat(k.scales[d / 16]);
+      v[0] = c::E2M1ToFloat(byte & 0xF) * s, v[1] = c::E2M1ToFloat(byte >> 4) * s;
+    }
+  }
+}
+
 constexpr unsigned kAttendThreads = 256;
 constexpr int64_t kPassKeys = 256;  // List entries per pass: whole attention blocks.
 constexpr int64_t kPassBlocks = kPassKeys / kAttentionBlock;
 constexpr int64_t kLogitDims = 32;     // A key's values loaded at a time by its thread.
 constexpr int64_t kDimsPerThread = 2;  // Of the weighted sums: so head_dim <= 512 (the model's).
+static_assert(kDimsPerThread == 2, "KeyValues2 loads a thread's two neighbouring dimensions");
 constexpr int64_t kMaxHeadDim = kDimsPerThread * kAttendThreads;
 constexpr int64_t kAheadKeys = 16;    // Keys whose values a thread loads before summing them.
 constexpr int64_t kGroupTokens = 16;  // Queries from which heads are taken eight at a time.
@@ -114,8 +124,9 @@ __device__ int ExclusiveScan(int flag, int* scan, int* total) {
 // kPassKeys), built by all threads at once (the selected rows' ranks by a prefix sum over the
 // selection row), each key's row addresses resolved once. Logits: thread j reads key j's values
 // 32 at a time (the next 32 loaded while these are summed) against the group's queries, held in
-// shared memory. Weighted sums: thread d reads dimensions d and d + 256 of each key (neighbouring
-// threads, neighbouring bytes), kAheadKeys keys' loads ahead of their sums.
+// shared memory. Weighted sums: thread i reads dimensions 2i and 2i + 1 of each key (one byte of
+// FP4 codes and one scale; neighbouring threads, neighbouring bytes), kAheadKeys keys' loads ahead
+// of their sums.
 template <int G>
 __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionParams p) {
   __shared__ float qs[G][kMaxHeadDim];
@@ -242,17 +253,17 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionPa
       denom[tid] = den;
     }
     __syncthreads();
-    // The weighted sums: dimension d of each of the block's keys in list order; at a block's end
-    // the accumulator takes acc * rescale + the block's sum.
+    // The weighted sums: thread i's dimensions 2i and 2i + 1 of each of the block's keys in list
+    // order; at a block's end the accumulator takes acc * rescale + the block's sum.
     int64_t b = 0;
     for (int64_t j0 = 0; j0 < n; j0 += kAheadKeys) {
       float v[kAheadKeys][kDimsPerThread];
       FLASHD_UNROLL
       for (int u = 0; u < kAheadKeys; ++u) {
-        FLASHD_UNROLL
-        for (int e = 0; e < kDimsPerThread; ++e) {
-          const int64_t d = tid + e * kAttendThreads;
-          v[u][e] = j0 + u < n && d < hd ? KeyValue(key[j0 + u], d) : 0.0f;
+        if (j0 + u < n && 2 * tid < hd) {
+          KeyValues2(key[j0 + u], 2 * tid, v[u]);
+        } else {
+          v[u][0] = v[u][1] = 0.0f;
         }
       }
       FLASHD_UNROLL
@@ -287,7 +298,7 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionPa
     float* out = p.out + (t * p.heads + h0 + g) * hd;
     FLASHD_UNROLL
     for (int e = 0; e < kDimsPerThread; ++e) {
-      const int64_t d = tid + e * kAttendThreads;
+      const int64_t d = 2 * tid + e;
       if (d < hd) out[d] = c::RoundBf16(acc[g][e] / denom[g]);
     }
   }

@@ -38,33 +38,48 @@ __global__ void ExpandKernel(const float* X, const float* sub, const float* post
 }
 
 // pre, post and the Sinkhorn-normalised comb from one row of mixes: the CPU's steps in its order.
-__device__ void HcSplit(const float* mixes, const float* scale, const float* base, int hc,
+// kHc > 0: hc is kHc, known to the compiler, so the loops unroll and arrays the caller keeps in
+// registers stay there (one thread runs all of it: memory round trips would be its time).
+template <int kHc>
+__device__ void HcSplit(const float* mixes, const float* scale, const float* base, int hc_arg,
                         int iters, float eps, float* pre, float* post, float* comb) {
+  const int hc = kHc > 0 ? kHc : hc_arg;
+  FLASHD_UNROLL
   for (int i = 0; i < hc; ++i) {
     pre[i] = fm::Sigmoid(mixes[i] * scale[0] + base[i]) + eps;
     post[i] = 2.0f * fm::Sigmoid(mixes[hc + i] * scale[1] + base[hc + i]);
   }
+  FLASHD_UNROLL
   for (int i = 0; i < hc; ++i) {
     float row_max = -INFINITY;
+    FLASHD_UNROLL
     for (int j = 0; j < hc; ++j) {
       comb[i * hc + j] = mixes[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
       row_max = fmaxf(row_max, comb[i * hc + j]);
     }
     float sum = 0;
+    FLASHD_UNROLL
     for (int j = 0; j < hc; ++j) sum += (comb[i * hc + j] = fm::Exp(comb[i * hc + j] - row_max));
+    FLASHD_UNROLL
     for (int j = 0; j < hc; ++j) comb[i * hc + j] = comb[i * hc + j] / sum + eps;
   }
   for (int it = 0; it < iters; ++it) {
     if (it > 0) {
+      FLASHD_UNROLL
       for (int i = 0; i < hc; ++i) {
         float sum = 0;
+        FLASHD_UNROLL
         for (int j = 0; j < hc; ++j) sum += comb[i * hc + j];
+        FLASHD_UNROLL
         for (int j = 0; j < hc; ++j) comb[i * hc + j] /= sum + eps;
       }
     }
+    FLASHD_UNROLL
     for (int j = 0; j < hc; ++j) {
       float sum = 0;
+      FLASHD_UNROLL
       for (int i = 0; i < hc; ++i) sum += comb[i * hc + j];
+      FLASHD_UNROLL
       for (int i = 0; i < hc; ++i) comb[i * hc + j] /= sum + eps;
     }
   }
@@ -111,6 +126,8 @@ __global__ void __launch_bounds__(kHcMixLanes)
   if (threadIdx.x == 0) mixes[blockIdx.x] = sum;
 }
 
+constexpr int64_t kRegisterHc = 4;  // The model's hc: its split runs in registers.
+
 // Thread block per token: the norm of the flattened stream (a double sum of squares), the
 // mixes scaled by it, then the split by one thread.
 __global__ void __launch_bounds__(kHcMixLanes)
@@ -125,9 +142,21 @@ __global__ void __launch_bounds__(kHcMixLanes)
       width, [&](int64_t i) { return static_cast<double>(x[i]) * x[i]; }, lanes);
   if (threadIdx.x != 0) return;
   const float r = 1.0f / sqrtf(static_cast<float>(sum / width) + norm_eps);
+  if (hc == kRegisterHc) {  // The model's: the row in registers.
+    constexpr int kMix = (2 + kRegisterHc) * kRegisterHc;
+    float m[kMix], pre_r[kRegisterHc], post_r[kRegisterHc], comb_r[kRegisterHc * kRegisterHc];
+    FLASHD_UNROLL
+    for (int j = 0; j < kMix; ++j) mixes[t * kMix + j] = m[j] = mixes[t * kMix + j] * r;
+    HcSplit<kRegisterHc>(m, scale, base, kRegisterHc, iters, hc_eps, pre_r, post_r, comb_r);
+    FLASHD_UNROLL
+    for (int i = 0; i < kRegisterHc; ++i) pre[t * hc + i] = pre_r[i], post[t * hc + i] = post_r[i];
+    FLASHD_UNROLL
+    for (int i = 0; i < kRegisterHc * kRegisterHc; ++i) comb[t * hc * hc + i] = comb_r[i];
+    return;
+  }
   for (int64_t j = 0; j < mix; ++j) mixes[t * mix + j] *= r;
-  HcSplit(mixes + t * mix, scale, base, static_cast<int>(hc), iters, hc_eps, pre + t * hc,
-          post + t * hc, comb + t * hc * hc);
+  HcSplit<0>(mixes + t * mix, scale, base, static_cast<int>(hc), iters, hc_eps, pre + t * hc,
+             post + t * hc, comb + t * hc * hc);
 }
 
 }  // namespace

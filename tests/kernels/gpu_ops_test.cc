@@ -1164,15 +1164,17 @@ BOOST_AUTO_TEST_CASE(rms_norm_and_rope_bit_equal) {
 }
 
 // The mixes in HcMixParams' lanes-and-tree order on both sides: widths under one round of lanes,
-// whole rounds with a part (4,400 = 17 x 256 + 48), and the released 20,480.
-BOOST_AUTO_TEST_CASE(hc_mix_close_and_its_mixes_exact) {
+// whole rounds with a part (4,400 = 17 x 256 + 48), and the released 20,480; the model's 4 copies
+// (the split in registers) and others (in memory).
+BOOST_AUTO_TEST_CASE(hc_mix_bit_equal) {
   std::mt19937 rng(10);
   struct Shape {
-    int64_t dim, rows;
+    int64_t dim, rows, hc;
   };
-  for (const auto& [dim, rows] : {Shape{40, 1}, Shape{40, 3}, Shape{40, 257}, Shape{1100, 1},
-                                  Shape{1100, 5}, Shape{5120, 2}}) {
-    const int64_t hc = 4, mix = (2 + hc) * hc;
+  for (const auto& [dim, rows, hc] :
+       {Shape{40, 1, 4}, Shape{40, 3, 4}, Shape{40, 257, 4}, Shape{1100, 1, 4}, Shape{1100, 5, 4},
+        Shape{5120, 2, 4}, Shape{40, 3, 3}, Shape{1100, 2, 2}}) {
+    const int64_t mix = (2 + hc) * hc;
     std::vector<float> X = Normal(rng, rows * hc * dim), fn = Normal(rng, mix * hc * dim, 0.05f);
     std::vector<float> scale = {0.7f, 1.3f, 0.9f}, base = Normal(rng, mix, 0.5f);
     std::vector<float> mixes(rows * mix), pre(rows * hc), post(rows * hc), comb(rows * hc * hc);
