@@ -5,8 +5,6 @@
 // weights (GemmTile below) read 16 bytes a load and decoded once for up to eight rows, dense ones
 // (DenseGemmKernel) staged in shared memory a chunk of K at a time. Results equal the CPU's bit
 // for bit. Matrix-core GEMMs come beside them, checked against them.
-#include <algorithm>
-#include <atomic>
 
 #include "kernels/codecs.h"
 #include "kernels/gpu/ops.h"
@@ -630,38 +628,6 @@ OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream) {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
-// The device's multiprocessors (read once per device).
-int Multiprocessors() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices];
-  int device = 0;
-  if (gpuGetDevice(&device) != gpuSuccess || device < 0 || device >= kDevices) return 1;
-  int n = known[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    gpuDeviceProp_t prop;
-    n = gpuGetDeviceProperties(&prop, device) == gpuSuccess && prop.multiProcessorCount > 0
-            ? prop.multiProcessorCount
-            : 1;
-    known[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
-// The fixed order's split over K for a GEMM of M rows, N columns and `blocks` K-blocks of
-// `format` (0 FP8, 1 FP4): none when the block sums (M x N x K / 8 bytes, written and read back)
-// would be more than a quarter of the weight's bytes (FP8 beyond 2 rows, FP4 beyond 1), or when
-// the tiles already give every multiprocessor kSplitTarget thread blocks; else enough parts for
-// that, each of at least kMinSplitBlocks K-blocks.
-constexpr int64_t kSplitTarget = 4;
-constexpr int64_t kMinSplitBlocks = 8;
-int SplitFor(int64_t M, int64_t N, int64_t blocks, int format) {
-  if (M > (format == 0 ? kLinearSplitRows : kLinearSplitRows / 2)) return 1;
-  const int64_t tiles = TileGrid(M, N), target = kSplitTarget * Multiprocessors();
-  if (tiles >= target) return 1;
-  const int64_t want = (target + tiles - 1) / tiles, most = blocks / kMinSplitBlocks;
-  return static_cast<int>(std::max<int64_t>(1, std::min(want, most)));
-}
-
 // FP8 or FP4 weights: the activations quantized, then the fixed-order GEMM (free false), split
 // `split` ways over K through the block sums when split > 1, or the free-order one split
 // `split` ways.
@@ -748,10 +714,13 @@ OpStatus Linear(const LinearParams& p) {
   return QuantizedLinear(p, room ? LinearSplitFor(p) : 1, false);
 }
 
+// None: on the H200 every split the earlier rule chose (enough parts to give each multiprocessor
+// four thread blocks, at one or two rows) was slower than none, the block sums' round trip and
+// the second kernel costing more than the parts gained (gpu_bench: wq_a 39.9 against 30.8 us,
+// wo_b 69.8 against 51.2; docs/benchmarks.md). LinearSplit keeps the split for measuring.
 int LinearSplitFor(const LinearParams& p) {
-  const bool quantized = p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4;
-  if (!quantized || p.groups != 1 || p.rows <= 0 || p.out <= 0 || p.in < kBlock) return 1;
-  return SplitFor(p.rows, p.out, p.in / kBlock, p.format == WeightFormat::kFp8 ? 0 : 1);
+  (void)p;
+  return 1;
 }
 
 namespace {
