@@ -66,7 +66,7 @@ BOOST_AUTO_TEST_CASE(a_restarted_daemon_resumes_exactly) {
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_corruptions_total") == 0);
   // flashctl reads the same counters.
   const CommandResult stats =
-      RunCommand(std::string(FLASHD_SOURCE_DIR) + "/clients/flashctl --url " +
+      RunCommand(SourceDir() + "/clients/flashctl --url " +
                  "http://127.0.0.1:" + std::to_string(d.port()) + " --json cache stats 2>&1");
   BOOST_TEST(stats.code == 0, stats.out);
   const json counters = json::parse(stats.out, nullptr, false);

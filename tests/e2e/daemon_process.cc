@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -18,12 +19,22 @@
 namespace flashd::testing {
 namespace fs = std::filesystem;
 
+namespace {
+std::string FromEnv(const char* name, const char* built) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? v : built;
+}
+}  // namespace
+
+std::string DaemonBinary() { return FromEnv("FLASHD_TEST_BINARY", FLASHD_BINARY); }
+std::string SourceDir() { return FromEnv("FLASHD_TEST_SOURCE_DIR", FLASHD_SOURCE_DIR); }
+std::string GoldenDir() { return FromEnv("FLASHD_TEST_GOLDEN_DIR", FLASHD_GOLDEN_DIR); }
+
 const std::string& SharedTinyModelDir() {
   static TempDir* dir = new TempDir();  // Removed at exit by the OS-level temp cleanup below.
   static const std::string path = [] {
     std::string model = (dir->path() / "tiny-model").string();
-    std::string cmd = std::string(FLASHD_BINARY) + " mkmodel " + model +
-                      " --tokenizer " FLASHD_GOLDEN_DIR
+    std::string cmd = DaemonBinary() + " mkmodel " + model + " --tokenizer " + GoldenDir() +
                       " --set vocab_size=480"
                       " --set engram_compressed_vocab_size=389 --set dspark_noise_token_id=400"
                       " --seed 3 "
@@ -93,7 +104,7 @@ bool DaemonProcess::Start(std::chrono::seconds timeout) {
   options_.env = env;
 
   std::vector<std::string> args = wrapper_;
-  args.push_back(FLASHD_BINARY);
+  args.push_back(DaemonBinary());
   args.push_back("serve");
   std::string config = options_.config_yaml;
   if (config.empty()) {

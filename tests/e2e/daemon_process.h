@@ -19,6 +19,13 @@
 
 namespace flashd::testing {
 
+// The flashd binary, the source tree and the golden model directory the tests use: the build's
+// (compiled in), or, for binaries carried to another machine (tests/gpu/run-on-device.sh),
+// FLASHD_TEST_BINARY, FLASHD_TEST_SOURCE_DIR and FLASHD_TEST_GOLDEN_DIR.
+std::string DaemonBinary();
+std::string SourceDir();
+std::string GoldenDir();
+
 // A tiny model in the released format, written once per test binary with `flashd mkmodel`
 // (the golden tests' 480-token tokenizer, so it takes a fraction of a second), shared by every
 // daemon a test starts.

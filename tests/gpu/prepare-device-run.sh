@@ -2,7 +2,7 @@
 # Gathers what a GPU machine needs to run flashd's device tests into build-device/ (git-ignored):
 # the GPU test binaries of an existing build (the kernels' tests, and the forward pass's tests,
 # which run on the backend FLASHD_TEST_BACKEND names, with the DSpark golden checkpoint the build
-# wrote), engine_bench, gpu_bench, and every shared
+# wrote), engine_bench, gpu_bench, the daemon and its cache end-to-end test, and every shared
 # library they load that is not part of the C library, because the device machine has the CUDA
 # toolkit but none of the project's Debian libraries, and this machine's C library and loader in
 # glibc/, which run-on-device.sh uses only where the device's own C library is older than the one
@@ -29,7 +29,7 @@ fi
 tests+=("$build"/tests/golden_test "$build"/tests/forward_equivalence_test
         "$build"/tests/dspark_golden_test
         "$build"/tests/backend_equivalence_test "$build"/bench/engine_bench
-        "$build"/bench/gpu_bench_cuda)
+        "$build"/bench/gpu_bench_cuda "$build"/tests/cache_e2e_test "$build"/bin/flashd)
 cp "${tests[@]}" "$dest/bin/"
 cp tests/gpu/run-on-device.sh "$dest/"
 # The DSpark golden checkpoint the build wrote, with the reference's outputs beside it.

@@ -3,7 +3,8 @@
 # beforehand by tests/gpu/prepare-device-run.sh. Needs no network, no compiler and none of the
 # project's libraries. The forward pass's tests run on the CUDA backend against the golden model
 # of the repository this folder sits in (backend_equivalence_test includes the layer split with
-# the CPU as the second backend); gpu_bench measures the kernels at the released model's
+# the CPU as the second backend), and the daemon serves it on the device (cache_e2e_test);
+# gpu_bench measures the kernels at the released model's
 # dimensions; engine_bench the golden model's decode (also behind a 64K-token context) and
 # prefill on the GPU and on the CPU.
 #
@@ -92,6 +93,15 @@ test_step golden_test_matrix 60 FLASHD_TEST_GPU_GEMMS=matrix golden_test
 test_step forward_equivalence_test 90 forward_equivalence_test
 test_step forward_equivalence_test_matrix 90 FLASHD_TEST_GPU_GEMMS=matrix forward_equivalence_test
 test_step dspark_golden_test 60 dspark_golden_test
+# The daemon on the device (where the kernels ran): the tiny model served over the API, then a
+# restarted daemon resuming a prompt from the prefix cache exactly.
+if grep -q "^gpu_ops_cuda_test: passed" "$out/summary.txt"; then
+  test_step cache_e2e_test_cuda 120 FLASHD_BACKEND=cuda FLASHD_TEST_BINARY="$here/bin/flashd" \
+    FLASHD_TEST_SOURCE_DIR="$here/.." cache_e2e_test \
+    --run_test=cache_e2e/a_restarted_daemon_resumes_exactly
+else
+  echo "cache_e2e_test_cuda: not run (the kernels' tests did not pass here)" >> "$out/summary.txt"
+fi
 for run in "cuda" "cuda --gpu-gemms matrix" "cpu"; do
   echo "== engine_bench --backend $run" >> "$out/engine_bench.txt"
   # shellcheck disable=SC2086 # the words of $run are separate arguments
