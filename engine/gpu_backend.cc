@@ -931,11 +931,6 @@ class GpuBackend final : public Backend {
       // On matrix cores for every row count, so that a row's results do not depend on how the
       // rows were batched.
       const bool matrix = matrix_ && g::LinearMatrixTakes(d);
-      if (!matrix && g::LinearSplitFor(d) > 1) {
-        // Room to split a GEMM with few output tiles over K (the results are the same).
-        d.block_sums_count = p.rows * p.out * (p.in / 32);
-        d.block_sums = c.Work<float>(d.block_sums_count);
-      }
       d.y = c.Out(p.y, p.rows * groups * p.out);
       return Launch(c, [&] { return matrix ? g::LinearMatrix(d) : g::Linear(d); });
     });

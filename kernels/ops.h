@@ -110,9 +110,9 @@ struct LinearParams {
   // w_row0 + g * out). Each group's sums are those of a separate op on its slices. Other formats
   // take one group.
   int64_t groups = 1;
-  // kFp8/kFp4, optional workspace of block_sums_count floats: with room for rows x out x in / 32,
-  // a GPU may split a GEMM with few output tiles over K (each 32-block's sum written out, then
-  // added in block order: the same results whatever the split). CPUs ignore it.
+  // kFp8/kFp4, workspace of block_sums_count floats for a GPU's LinearSplit (rows x out x in / 32:
+  // a GEMM split over K, each 32-block's sum written out, then added in block order, the same
+  // results whatever the split; kept for measuring). Linear and the CPUs ignore it.
   float* block_sums = nullptr;
   int64_t block_sums_count = 0;
 };

@@ -709,18 +709,12 @@ OpStatus Linear(const LinearParams& p) {
     if (p.w_row0 < 0 || p.in % kBlock != 0) return OpStatus::kBadShape;
     return Fp8ValuesLinear(p, stream);
   }
-  const int64_t blocks = p.in / kBlock;
-  const bool room = p.block_sums != nullptr && p.block_sums_count >= p.rows * p.out * blocks;
-  return QuantizedLinear(p, room ? LinearSplitFor(p) : 1, false);
-}
-
-// None: on the H200 every split the earlier rule chose (enough parts to give each multiprocessor
-// four thread blocks, at one or two rows) was slower than none, the block sums' round trip and
-// the second kernel costing more than the parts gained (gpu_bench: wq_a 39.9 against 30.8 us,
-// wo_b 69.8 against 51.2; docs/benchmarks.md). LinearSplit keeps the split for measuring.
-int LinearSplitFor(const LinearParams& p) {
-  (void)p;
-  return 1;
+  // Never split over K: on the H200 every split the earlier rule chose (enough parts to give
+  // each multiprocessor four thread blocks, at one or two rows) was slower than none, the block
+  // sums' round trip and the second kernel costing more than the parts gained (gpu_bench: wq_a
+  // 39.9 against 30.8 us, wo_b 69.8 against 51.2; docs/benchmarks.md). LinearSplit keeps the
+  // split for measuring.
+  return QuantizedLinear(p, 1, false);
 }
 
 namespace {

@@ -17,10 +17,8 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 // FP8 weights over at most kLinearSplitRows rows (FP4: half as many) can be split over K in the
 // fixed order (LinearSplit), their block sums then at most a quarter of the weight's bytes.
 constexpr int64_t kLinearSplitRows = 2;
+// Linear never splits over K (the H200 measured no split faster) and leaves block_sums alone.
 OpStatus Linear(const LinearParams& p);
-// The split over K that Linear picks for p given the room (1: none, and no block sums needed;
-// else rows x out x in / 32 of them). Now always 1: the H200 measured no split faster.
-int LinearSplitFor(const LinearParams& p);
 // FP8 and FP4 weights in a free order, for measuring what Linear's fixed order costs: each
 // thread's K-blocks summed in its registers, the thread block's threads by a tree, and K shared
 // by `split` thread blocks (1 or more) whose sums meet by atomic adds, so results depend on
