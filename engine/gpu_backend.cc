@@ -866,9 +866,9 @@ class GpuBackend final : public Backend {
         numerics_(std::string(FLASHD_GPU_STR(FLASHD_GPU_BACKEND)) + (matrix_ ? "-matrix" : "") +
                   "/4") {}
   std::string_view name() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND); }
-  // The kernels give the CPU's bits (kernels/gpu/ops.h), but for the matrix-core GEMMs; the cache
-  // keys each backend apart all the same until a device run has shown the whole forward pass
-  // equal (backend_equivalence_test on that device).
+  // The kernels give the CPU's bits (kernels/gpu/ops.h), but for the matrix-core GEMMs, and on
+  // an H200 the whole forward pass did (backend_equivalence_test); the cache still keys each
+  // backend apart: sharing the CPU's string wants HIP shown on a device too.
   std::string_view numerics() const override { return numerics_; }
 
   BackendReport Report() const override {

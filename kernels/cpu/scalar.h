@@ -1,5 +1,6 @@
 // The scalar steps the CPU ops share: rounding to BF16 (the reference keeps activations in BF16
-// between ops) and the logistic function, both as the reference computes them in fp32.
+// between ops), the logistic function (kernels/fmath.h's, the GPU kernels' too), and the lanes
+// order of the long sums.
 #pragma once
 
 #include <cmath>

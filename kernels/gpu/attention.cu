@@ -8,10 +8,11 @@
 // A thread block serves one query and a group of G heads (G = 8 for prompts, where the keys,
 // shared by the heads, are decoded once for eight; G = 1 for decode steps, where the heads are
 // the only parallelism). The query's key list is taken kPassKeys list entries at a time (whole
-// attention blocks): the keys' values staged in shared memory kLogitDims dimensions at a time,
-// a thread per key keeping its G dot products; the softmax's steps a thread per head and block
-// (the sequential sums) or per probability (the exps); then the keys staged again whole, a few at
-// a time, a thread per dimension keeping its G heads' block sums and accumulators in registers.
+// attention blocks): a thread per key reads its values kLogitDims at a time and keeps its G dot
+// products; the softmax's steps run a thread per head and block (the sequential sums) or per
+// probability (the exps); then a thread per pair of dimensions reads them from every key and
+// keeps its G heads' block sums and accumulators in registers. No key value goes through shared
+// memory; each is read from its row twice, once for the logits and once for the sums.
 #include <cmath>
 
 #include "kernels/codecs.h"
@@ -99,6 +100,7 @@ constexpr int64_t kMaxHeadDim = kDimsPerThread * kAttendThreads;
 constexpr int64_t kAheadKeys = 16;    // Keys whose values a thread loads before summing them.
 constexpr int64_t kGroupTokens = 16;  // Queries from which heads are taken eight at a time.
 static_assert(kPassKeys % kAttentionBlock == 0 && kPassKeys == kAttendThreads);
+static_assert(kLogitDims == 32, "KeyValues32 loads a key's values 32 at a time");
 
 // The exclusive prefix sum of each thread's `flag` over the thread block (through `scan`,
 // kAttendThreads ints of shared memory), and the total in *total.

@@ -141,8 +141,7 @@ BOOST_AUTO_TEST_CASE(flashctl_reports_status_over_the_socket_and_tcp) {
   BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
   BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
   auto run = [](const std::string& args) {
-    CommandResult r =
-        RunCommand(std::string(FLASHD_SOURCE_DIR) + "/clients/flashctl " + args + " 2>&1");
+    CommandResult r = RunCommand(SourceDir() + "/clients/flashctl " + args + " 2>&1");
     return std::make_pair(r.code, r.out);
   };
   auto [code, out] = run("--socket " + d.socket_path() + " --json status");
@@ -163,7 +162,7 @@ BOOST_AUTO_TEST_CASE(flashctl_reports_status_over_the_socket_and_tcp) {
 
 BOOST_AUTO_TEST_CASE(sigterm_lets_an_in_flight_response_finish) {
   TempDir tmp;
-  DaemonProcess d({tmp.path(), "", {{"FLASHD_MODEL_DIR", FLASHD_GOLDEN_DIR}}, {}});
+  DaemonProcess d({tmp.path(), "", {{"FLASHD_MODEL_DIR", GoldenDir()}}, {}});
   BOOST_REQUIRE_MESSAGE(d.Start(), d.log());
   BOOST_REQUIRE(WaitHealthy("127.0.0.1", d.port()) == 200);
   // A request that takes a while: tokenizing ~24 MB of text.
@@ -652,18 +651,18 @@ BOOST_AUTO_TEST_CASE(model_verify_checks_sha256sums_and_names_a_changed_file) {
 }
 
 BOOST_AUTO_TEST_CASE(version_and_help) {
-  CommandResult version = RunCommand(std::string(FLASHD_BINARY) + " version");
+  CommandResult version = RunCommand(DaemonBinary() + " version");
   BOOST_TEST(version.code == 0);
   BOOST_TEST(Contains(version.out, "flashd 0."));
 
-  CommandResult help = RunCommand(std::string(FLASHD_BINARY) + " serve --help");
+  CommandResult help = RunCommand(DaemonBinary() + " serve --help");
   BOOST_TEST(help.code == 0);
   for (const char* var : {"FLASHD_LISTEN", "FLASHD_SOCKET", "FLASHD_STATE_DIR", "FLASHD_MODEL_DIR",
                           "FLASHD_LOG_LEVEL", "FLASHD_BACKEND", "--config"}) {
     BOOST_TEST(Contains(help.out, var), var);
   }
 
-  BOOST_TEST(RunCommand(std::string(FLASHD_BINARY) + " frobnicate 2>/dev/null").code == 2);
+  BOOST_TEST(RunCommand(DaemonBinary() + " frobnicate 2>/dev/null").code == 2);
 }
 
 // Started from / with only --config, the embedded default model finds the tokenizer installed
