@@ -119,9 +119,10 @@ Weight Dense(int64_t out, int64_t in) {
 float* block_sums = nullptr;
 int64_t block_sums_count = 0;
 
-// The shipped GEMM (the fixed order, split over K as Linear picks), the fixed order unsplit, the
-// free-order one split `split` ways over K, or the matrix-core one (LinearMatrix).
-enum class Order { kShipped, kUnsplit, kFree, kMatrix };
+// The shipped GEMM (Linear: the fixed order, at one row the GEMV), the fixed order's GEMM tile
+// at any row count (LinearSplit at split 1), the free-order one split `split` ways over K, or the
+// matrix-core one (LinearMatrix).
+enum class Order { kShipped, kTile, kFree, kMatrix };
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
               void* stream, Order order = Order::kShipped, int split = 1) {
   const k::LinearParams p = {.x = x,
@@ -141,10 +142,10 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .block_sums_count = block_sums_count};
   // kMatrix: weights LinearMatrix does not take run as the backend runs them then (Linear).
   const bool matrix = order == Order::kMatrix && g::LinearMatrixTakes(p);
-  CheckOp(matrix                     ? g::LinearMatrix(p)
-          : order == Order::kUnsplit ? g::LinearSplit(p, 1)
-          : order == Order::kFree    ? g::LinearFreeOrder(p, split)
-                                     : g::Linear(p),
+  CheckOp(matrix                  ? g::LinearMatrix(p)
+          : order == Order::kTile ? g::LinearSplit(p, 1)
+          : order == Order::kFree ? g::LinearFreeOrder(p, split)
+                                  : g::Linear(p),
           "Linear");
 }
 
@@ -734,13 +735,14 @@ int main(int argc, char** argv) {
                 graph_us, batch / best, batch / (best * d.layers));
   }
 
-  // What the fixed order costs: the shipped GEMMs (the CPU's order, the same whatever the batch,
-  // split over K where the tiles are few: "fixed"; "unsplit": one thread block a tile) against
-  // the free-order schedule at its best split for each shape, which no backend uses.
+  // What the fixed order costs: the shipped GEMMs (the CPU's order, the same whatever the batch:
+  // "fixed", at one row the GEMV; "tile": the GEMM tile, one thread block a tile of 32 columns,
+  // which takes more rows) against the free-order schedule at its best split for each shape,
+  // which no backend uses.
   std::printf(
       "\nfixed order vs free order (the same tiles, K split over thread blocks whose sums land by "
       "atomic adds, the best of splits 1-32)\n");
-  std::printf("%-22s %5s %6s %6s %12s %12s %12s %6s %10s\n", "GEMM", "M", "N", "K", "unsplit us",
+  std::printf("%-22s %5s %6s %6s %12s %12s %12s %6s %10s\n", "GEMM", "M", "N", "K", "tile us",
               "fixed us", "free us", "split", "fixed/free");
   struct Decode {
     std::string name;
@@ -755,20 +757,20 @@ int main(int argc, char** argv) {
                                             {"expert gate (FP4)", &layer.expert(0)[0]},
                                             {"expert down (FP4)", &layer.expert(0)[2]}};
   for (int64_t batch : {1, 8, 64}) {
-    double unsplit_sum = 0, fixed_sum = 0, free_sum = 0;
+    double tile_sum = 0, fixed_sum = 0, free_sum = 0;
     for (const Decode& gm : decode_gemms) {
       int split = 1;
-      const double unsplit = layer.TimeLinear(*gm.w, batch, reps, Order::kUnsplit);
+      const double tile = layer.TimeLinear(*gm.w, batch, reps, Order::kTile);
       const double fixed = layer.TimeLinear(*gm.w, batch, reps);
       const double free = FreeOrderBest(layer, *gm.w, batch, reps, &split);
-      unsplit_sum += unsplit, fixed_sum += fixed, free_sum += free;
+      tile_sum += tile, fixed_sum += fixed, free_sum += free;
       std::printf("%-22s %5lld %6lld %6lld %12.1f %12.1f %12.1f %6d %9.2fx\n", gm.name.c_str(),
                   static_cast<long long>(batch), static_cast<long long>(gm.w->out),
-                  static_cast<long long>(gm.w->in), unsplit * 1e6, fixed * 1e6, free * 1e6, split,
+                  static_cast<long long>(gm.w->in), tile * 1e6, fixed * 1e6, free * 1e6, split,
                   fixed / free);
     }
     std::printf("%-22s %5lld %6s %6s %12.1f %12.1f %12.1f %6s %9.2fx\n", "these GEMMs",
-                static_cast<long long>(batch), "", "", unsplit_sum * 1e6, fixed_sum * 1e6,
+                static_cast<long long>(batch), "", "", tile_sum * 1e6, fixed_sum * 1e6,
                 free_sum * 1e6, "", fixed_sum / free_sum);
   }
 

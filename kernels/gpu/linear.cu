@@ -333,6 +333,189 @@ __global__ void BlockSumsKernel(const float* sums, int64_t outputs, int64_t bloc
   y[i] = acc;
 }
 
+// One row (a sequence's decode step) in the same sums, with every weight load of a thread
+// issued at once. The GEMM tile above takes K a chunk at a time with barriers between, so at one
+// row its thread blocks wait for memory once per chunk with little in flight (the H200: 800 GB/s
+// on a 42 MB weight). Here a thread block takes `groups` groups of output columns and all of K:
+// item i (group i / blocks, K-block i % blocks, neighbouring threads on neighbouring blocks of a
+// weight row) is a thread's, which loads the group's weights of the block (128 bytes: four FP8
+// columns, eight FP4) and the row's activation codes of it, the next item's loads issued before
+// this one is summed; decodes the activations once for the group; and writes each column's block
+// sum (the tile's ((p0 + p1) + (p2 + p3)) times the weight scale) to shared memory, where a
+// thread per column then adds them in block order. The same numbers as the tile's, bit for bit.
+constexpr unsigned kGemvThreads = 128;
+constexpr int64_t kGemvMaxSums = 8192;      // Floats of block sums a thread block holds.
+constexpr int64_t kGemvItemsPerThread = 2;  // Groups are packed to give each thread about two.
+
+// Columns an item takes: its weights are 128 bytes of a K-block.
+template <int kFormat>
+constexpr int kGemvCols = kFormat == 0 ? 4 : 8;
+template <int kFormat>
+constexpr int kWeightWords = kFormat == 0 ? 2 : 1;  // 16-byte words of a column's K-block.
+
+static_assert(kGemvThreads % kGemvCols<1> == 0, "a thread per column for the adds");
+
+// The block sums' row stride for K-blocks `blocks`: odd, so the column threads' reads of block b
+// fall in different banks.
+FLASHD_OPS_HD inline int64_t GemvStride(int64_t blocks) { return blocks | 1; }
+
+// The 32 activations of K-block b of a row as the tile stages them, (code x scale) x 2^kXShift,
+// each code's value from its bits (as the weights': the value times 2^-120, times 2^120 exactly),
+// or one by one as the tile does when the block holds a NaN code (a NaN activation).
+__device__ inline void GemvActivations(const uint4* codes, uint8_t scale_code, float* xv) {
+  const float scale = c::E8M0ToFloat(scale_code);
+  const uint32_t words[8] = {codes[0].x, codes[0].y, codes[0].z, codes[0].w,
+                             codes[1].x, codes[1].y, codes[1].z, codes[1].w};
+  if (HasNanCode(codes)) {
+    FLASHD_UNROLL
+    for (int k = 0; k < kBlock; ++k) {
+      const float v = c::E4M3ToFloat(static_cast<uint8_t>(words[k / 4] >> (8 * (k % 4))));
+      xv[k] = (v * scale) * kXShift;
+    }
+    return;
+  }
+  FLASHD_UNROLL
+  for (int j = 0; j < 8; ++j) {
+    float v[4];
+    E4M3x4Scaled<false>(words[j], v);
+    FLASHD_UNROLL
+    for (int i = 0; i < 4; ++i) xv[4 * j + i] = ((v[i] * 0x1p120f) * scale) * kXShift;
+  }
+}
+
+// A column's sum over one K-block against the activations xv, unscaled: the tile's.
+template <int kFormat, bool kExact>
+__device__ inline float GemvBlockSum(const uint4* raw, const float* xv) {
+  const uint4 hi = kFormat == 0 ? raw[kWeightWords<kFormat> - 1] : uint4{0, 0, 0, 0};
+  const uint32_t words[8] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w, hi.x, hi.y, hi.z, hi.w};
+  constexpr int kWords = kFormat == 0 ? 8 : 4, kPerWord = kBlock / kWords;
+  float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  FLASHD_UNROLL
+  for (int j = 0; j < kWords; ++j) {
+    float v[kPerWord];
+    if (kFormat == 0) {
+      E4M3x4Scaled<kExact>(words[j], v);
+    } else {
+      E2M1x8Scaled(words[j], v);
+    }
+    FLASHD_UNROLL
+    for (int i = 0; i < kPerWord; ++i) {
+      p[i % 4] = FLASHD_EXACT_FMA(xv[j * kPerWord + i], v[i], p[i % 4]);
+    }
+  }
+  return ((p[0] + p[1]) + (p[2] + p[3])) * kUnscale<kFormat>;
+}
+
+// One item's loads: the group's weights of K-block b (columns past N not read) and the
+// row's activation codes and scale code of it.
+template <int kFormat>
+struct GemvLoads {
+  uint4 w[kGemvCols<kFormat>][kWeightWords<kFormat>];
+  uint8_t w_scale[kGemvCols<kFormat>];
+  uint4 x[2];
+  uint8_t x_scale;
+};
+
+template <int kFormat>
+__device__ inline void GemvLoad(const uint8_t* xq, const uint8_t* xs, const uint8_t* w,
+                                const uint8_t* ws, int64_t K, int64_t N, int64_t n, int64_t b,
+                                GemvLoads<kFormat>& l) {
+  const int64_t blocks = K / kBlock;
+  const uint4* at = reinterpret_cast<const uint4*>(xq + b * kBlock);
+  l.x[0] = at[0];
+  l.x[1] = at[1];
+  l.x_scale = xs[b];
+  FLASHD_UNROLL
+  for (int c = 0; c < kGemvCols<kFormat>; ++c) {
+    if (n + c >= N) break;
+    LoadWeightBlock<kFormat>(w, n + c, K, b, l.w[c]);
+    l.w_scale[c] = kFormat == 0 ? ws[((n + c) / kBlock) * blocks + b] : ws[(n + c) * blocks + b];
+  }
+}
+
+// Columns [n0, n0 + kGemvCols x groups) of one row (codes xq, scale codes xs) into y (the row's
+// outputs), by the whole thread block; `sums` holds kGemvCols x groups x GemvStride(blocks)
+// floats.
+template <int kFormat>
+__device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w,
+                         const uint8_t* ws, int64_t N, int64_t n0, int64_t groups, float* y,
+                         float* sums) {
+  const int64_t blocks = K / kBlock, stride = GemvStride(blocks);
+  const int64_t items = groups * blocks;
+  const int64_t t = threadIdx.x;
+  GemvLoads<kFormat> next;
+  if (t < items)
+    GemvLoad<kFormat>(xq, xs, w, ws, K, N, n0 + t / blocks * kGemvCols<kFormat>, t % blocks, next);
+  for (int64_t i = t; i < items; i += kGemvThreads) {
+    const GemvLoads<kFormat> cur = next;
+    const int64_t q = i / blocks, b = i % blocks, n = n0 + q * kGemvCols<kFormat>;
+    const int64_t after = i + kGemvThreads;
+    if (after < items) {
+      GemvLoad<kFormat>(xq, xs, w, ws, K, N, n0 + after / blocks * kGemvCols<kFormat>,
+                        after % blocks, next);
+    }
+    float xv[kBlock];
+    GemvActivations(cur.x, cur.x_scale, xv);
+    FLASHD_UNROLL
+    for (int c = 0; c < kGemvCols<kFormat>; ++c) {
+      if (n + c >= N) break;
+      const float sum = kFormat == 0 && HasNanCode(cur.w[c])
+                            ? GemvBlockSum<kFormat, true>(cur.w[c], xv)
+                            : GemvBlockSum<kFormat, false>(cur.w[c], xv);
+      sums[(q * kGemvCols<kFormat> + c) * stride + b] = sum * c::E8M0ToFloat(cur.w_scale[c]);
+    }
+  }
+  __syncthreads();
+  if (t >= groups * kGemvCols<kFormat> || n0 + t >= N) return;
+  const float* s = sums + t * stride;
+  float acc = 0.0f;
+  int64_t b = 0;
+  for (; b + 8 <= blocks; b += 8) {  // The loads issued together, the adds in order.
+    float v[8];
+    FLASHD_UNROLL
+    for (int u = 0; u < 8; ++u) v[u] = s[b + u];
+    FLASHD_UNROLL
+    for (int u = 0; u < 8; ++u) acc += v[u];
+  }
+  for (; b < blocks; ++b) acc += s[b];
+  y[n0 + t] = acc;
+}
+
+// Linear's row: thread block j takes `groups` groups of columns from the j-th.
+template <int kFormat>
+__global__ void __launch_bounds__(kGemvThreads)
+    GemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w, const uint8_t* ws,
+               int64_t N, int64_t groups, float* y) {
+  FLASHD_DYNAMIC_SHARED(float, sums);
+  GemvTile<kFormat>(xq, xs, K, w, ws, N, blockIdx.x * groups * kGemvCols<kFormat>, groups, y, sums);
+}
+
+// The experts' rows, one a slot (one token's step): thread block (row r, column tile j), r's
+// slot the one whose rows hold it.
+template <int kFormat>
+__global__ void __launch_bounds__(kGemvThreads)
+    ExpertGemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
+                     const int64_t* slot_offset, int64_t slots, const uint8_t* const* w,
+                     const uint8_t* const* ws, int64_t N, int64_t groups, int64_t tiles, float* y) {
+  FLASHD_DYNAMIC_SHARED(float, sums);
+  const int64_t r = blockIdx.x / tiles, j = blockIdx.x % tiles;
+  const int64_t e = slot_expert[SlotOfTile(slot_offset, slots, r)];
+  GemvTile<kFormat>(xq + r * K, xs + r * (K / kBlock), K, w[e], ws[e], N,
+                    j * groups * kGemvCols<kFormat>, groups, y + r * N, sums);
+}
+
+// Column groups a thread block takes for K-blocks `blocks` and N columns (about two items a
+// thread), or 0 when the block sums would not fit (the GEMM tile then takes the row).
+template <int kFormat>
+int64_t GemvGroups(int64_t blocks, int64_t N) {
+  int64_t groups = kGemvItemsPerThread * kGemvThreads / blocks;
+  constexpr int64_t kMax = kGemvThreads / kGemvCols<kFormat>;  // A thread per column.
+  groups = groups < 1 ? 1 : groups > kMax ? kMax : groups;
+  const int64_t all = (N + kGemvCols<kFormat> - 1) / kGemvCols<kFormat>;
+  if (groups > all) groups = all;
+  return groups * kGemvCols<kFormat> * GemvStride(blocks) <= kGemvMaxSums ? groups : 0;
+}
+
 // The instance for a format (0 FP8, 1 FP4) and a bound of one row a tile or more.
 template <template <int, int> class Kernel>
 auto Pick(int format, bool one_row) {
@@ -357,16 +540,28 @@ __global__ void ZeroKernel(float* y, int64_t n) {
   if (i < n) y[i] = 0.0f;
 }
 
-// A dense weight's value (n, k) of [N, K]: fp32 values or BF16 codes.
+// A dense weight's value (n, k) of [N, K]: fp32 values or BF16 codes; Load4, values k to k + 3
+// by one load (K a multiple of 4, the weights aligned as Vectors says).
 struct F32Values {
   const float* w;
   __device__ float operator()(int64_t n, int64_t k, int64_t K) const { return w[n * K + k]; }
+  __device__ void Load4(int64_t n, int64_t k, int64_t K, float* v) const {
+    const float4 q = *reinterpret_cast<const float4*>(w + n * K + k);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  }
+  bool Vectors(int64_t K) const { return K % 4 == 0 && Aligned(w, 16); }
 };
 struct Bf16Values {
   const uint16_t* w;
   __device__ float operator()(int64_t n, int64_t k, int64_t K) const {
     return c::Bf16ToFloat(w[n * K + k]);
   }
+  __device__ void Load4(int64_t n, int64_t k, int64_t K, float* v) const {
+    const uint2 q = *reinterpret_cast<const uint2*>(w + n * K + k);
+    v[0] = c::Bf16ToFloat(static_cast<uint16_t>(q.x)), v[1] = c::Bf16ToFloat(q.x >> 16);
+    v[2] = c::Bf16ToFloat(static_cast<uint16_t>(q.y)), v[3] = c::Bf16ToFloat(q.y >> 16);
+  }
+  bool Vectors(int64_t K) const { return K % 4 == 0 && Aligned(w, 8); }
 };
 
 // Dense weights (fp32 values or BF16 codes: the same sums), in tiles of
@@ -439,6 +634,98 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
+// One row of the dense sums (the router's 384 columns at one token: 12 tiles of 32 columns
+// would leave most multiprocessors idle and each chain of a column reading K / 4 values one
+// after another from memory). Here a thread block takes kDenseGemvCols columns: per chunk of
+// kDenseGemvChunk values all its threads load the columns' weights and the row's activations
+// (four neighbouring values a load) and write the products to shared memory, then a thread per
+// (column, lane) adds its lane's products in order; the next chunk's loads are issued before
+// those adds. Each product is rounded as the tile's multiply rounds it and the lanes meet as the
+// tile's do: the same numbers, bit for bit.
+constexpr unsigned kDenseGemvThreads = 256;
+constexpr int64_t kDenseGemvCols = 2;
+constexpr int64_t kDenseGemvChunk = 2048;
+constexpr int64_t kDenseGemvStride = kDenseGemvChunk + 4;  // The columns' lanes in other banks.
+constexpr int kDenseGemvLoads = static_cast<int>(kDenseGemvChunk / 4 / kDenseGemvThreads);
+
+static_assert(kDenseGemvLoads * 4 * kDenseGemvThreads == kDenseGemvChunk, "whole loads a thread");
+
+template <class W, bool kVectors>
+__global__ void __launch_bounds__(kDenseGemvThreads)
+    DenseGemvKernel(const float* x, int64_t K, W w, int64_t N, float* y) {
+  __shared__ float prod[kDenseGemvCols][kDenseGemvStride];
+  __shared__ float lanes[kDenseGemvCols][4];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kDenseGemvCols;
+  const unsigned t = threadIdx.x;
+  const int64_t k4 = K - K % 4;  // Values from k4 on go to lane 0 after the rest.
+  float wv[kDenseGemvLoads][kDenseGemvCols][4], xv[kDenseGemvLoads][4];
+  // Load a: values 4 (t + a x threads) .. + 3 of the chunk at c0.
+  const auto load = [&](int64_t c0) {
+    FLASHD_UNROLL
+    for (int a = 0; a < kDenseGemvLoads; ++a) {
+      const int64_t k = c0 + 4 * (t + a * static_cast<int64_t>(kDenseGemvThreads));
+      if (k >= K) break;
+      if (kVectors) {
+        const float4 q = *reinterpret_cast<const float4*>(x + k);
+        xv[a][0] = q.x, xv[a][1] = q.y, xv[a][2] = q.z, xv[a][3] = q.w;
+      } else {
+        FLASHD_UNROLL
+        for (int i = 0; i < 4; ++i) xv[a][i] = k + i < K ? x[k + i] : 0.0f;
+      }
+      FLASHD_UNROLL
+      for (int c = 0; c < kDenseGemvCols; ++c) {
+        const int64_t n = n0 + c < N ? n0 + c : N - 1;  // Past N: the last row, unused.
+        if (kVectors) {
+          w.Load4(n, k, K, wv[a][c]);
+        } else {
+          FLASHD_UNROLL
+          for (int i = 0; i < 4; ++i) wv[a][c][i] = k + i < K ? w(n, k + i, K) : 0.0f;
+        }
+      }
+    }
+  };
+  const int64_t col = t / 4, lane = t % 4;
+  float p = 0.0f;
+  load(0);
+  for (int64_t c0 = 0; c0 < K; c0 += kDenseGemvChunk) {
+    const int64_t nk = K - c0 < kDenseGemvChunk ? K - c0 : kDenseGemvChunk;
+    FLASHD_UNROLL
+    for (int a = 0; a < kDenseGemvLoads; ++a) {
+      const int64_t k = 4 * (t + a * static_cast<int64_t>(kDenseGemvThreads));
+      if (k >= nk) break;
+      FLASHD_UNROLL
+      for (int c = 0; c < kDenseGemvCols; ++c) {
+        FLASHD_UNROLL
+        for (int i = 0; i < 4; ++i) prod[c][k + i] = xv[a][i] * wv[a][c][i];
+      }
+    }
+    __syncthreads();
+    if (c0 + kDenseGemvChunk < K) load(c0 + kDenseGemvChunk);
+    if (col < kDenseGemvCols) {
+      const float* pc = prod[col];
+      const int64_t main_end = k4 - c0 < nk ? (k4 - c0 > 0 ? k4 - c0 : 0) : nk;
+      int64_t k = lane;
+      for (; k + 28 < main_end; k += 32) {  // Eight loads issued together, added in order.
+        float v[8];
+        FLASHD_UNROLL
+        for (int u = 0; u < 8; ++u) v[u] = pc[k + 4 * u];
+        FLASHD_UNROLL
+        for (int u = 0; u < 8; ++u) p += v[u];
+      }
+      for (; k < main_end; k += 4) p += pc[k];
+      if (lane == 0) {
+        for (k = main_end; k < nk; ++k) p += pc[k];
+      }
+    }
+    __syncthreads();  // The products read before the next chunk's are written.
+  }
+  if (col < kDenseGemvCols) lanes[col][lane] = p;
+  __syncthreads();
+  if (t < kDenseGemvCols && n0 + t < N) {
+    y[n0 + t] = (lanes[t][0] + lanes[t][1]) + (lanes[t][2] + lanes[t][3]);
+  }
+}
+
 // Thread blocks for M rows by N columns in tiles of one row (M == 1, one sequence's step) or of
 // kGemmRows, each `times` times (the parts of a split, or side-by-side groups).
 int64_t TileGrid(int64_t M, int64_t N, int64_t times = 1) {
@@ -449,10 +736,17 @@ int64_t TileGrid(int64_t M, int64_t N, int64_t times = 1) {
 template <class W>
 OpStatus DenseLinear(const float* x, int64_t M, int64_t K, W w, int64_t N, float* y,
                      gpuStream_t stream) {
-  const bool one_row = M == 1;
+  if (M == 1) {
+    const int64_t grid = (N + kDenseGemvCols - 1) / kDenseGemvCols;
+    if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+    const auto kernel =
+        w.Vectors(K) && Aligned(x, 16) ? &DenseGemvKernel<W, true> : &DenseGemvKernel<W, false>;
+    FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kDenseGemvThreads, 0, stream, x, K, w, N, y);
+    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  }
   const int64_t grid = TileGrid(M, N);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
-  const auto kernel = one_row ? &DenseGemmKernel<W, 1> : &DenseGemmKernel<W, kGemmRows>;
+  const auto kernel = &DenseGemmKernel<W, kGemmRows>;
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, x, M, K, w, N, y);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
@@ -664,6 +958,32 @@ OpStatus QuantizedLinear(const LinearParams& p, int split, bool free) {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
+// A GEMV launch for `in` x `out` weights: column groups a thread block, thread blocks a row and
+// the block sums' bytes; groups 0 when the GEMV does not take the row.
+struct GemvShape {
+  int64_t groups = 0, tiles = 0;
+  size_t shared = 0;
+};
+GemvShape GemvShapeFor(WeightFormat format, int64_t in, int64_t out) {
+  const bool fp8 = format == WeightFormat::kFp8;
+  const int64_t blocks = in / kBlock, cols = fp8 ? kGemvCols<0> : kGemvCols<1>;
+  const int64_t groups = fp8 ? GemvGroups<0>(blocks, out) : GemvGroups<1>(blocks, out);
+  if (groups == 0) return {};
+  return {groups, ((out + cols - 1) / cols + groups - 1) / groups,
+          static_cast<size_t>(groups * cols * GemvStride(blocks)) * sizeof(float)};
+}
+
+// Linear's one row through the GEMV (p checked; g.groups > 0).
+OpStatus GemvLinear(const LinearParams& p, const GemvShape& g) {
+  if (g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
+  QuantizeActivations(p.x, p.in / kBlock, p.x_codes, p.x_scales, stream);
+  const auto kernel = p.format == WeightFormat::kFp8 ? &GemvKernel<0> : &GemvKernel<1>;
+  FLASHD_LAUNCH(kernel, static_cast<unsigned>(g.tiles), kGemvThreads, g.shared, stream, p.x_codes,
+                p.x_scales, p.in, p.w, p.w_scales, p.out, g.groups, p.y);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
 }  // namespace
 
 void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t* scales,
@@ -679,6 +999,17 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   const int64_t blocks = p.rows * p.in / kBlock;
+  const GemvShape g = p.slot_rows == 1 ? GemvShapeFor(p.format, p.in, p.out) : GemvShape{};
+  if (g.groups > 0 && Aligned(p.x_codes, 16)) {  // One token's step: a row a slot, the GEMV.
+    if (p.rows * g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+    QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
+    const auto kernel =
+        p.format == WeightFormat::kFp8 ? &ExpertGemvKernel<0> : &ExpertGemvKernel<1>;
+    FLASHD_LAUNCH(kernel, static_cast<unsigned>(p.rows * g.tiles), kGemvThreads, g.shared, stream,
+                  p.x_codes, p.x_scales, p.in, p.slot_expert, p.slot_offset, p.slots, p.w,
+                  p.w_scales, p.out, g.groups, g.tiles, p.y);
+    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  }
   QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
   const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes, p.x_scales,
@@ -713,7 +1044,12 @@ OpStatus Linear(const LinearParams& p) {
   // each multiprocessor four thread blocks, at one or two rows) was slower than none, the block
   // sums' round trip and the second kernel costing more than the parts gained (gpu_bench: wq_a
   // 39.9 against 30.8 us, wo_b 69.8 against 51.2; docs/benchmarks.md). LinearSplit keeps the
-  // split for measuring.
+  // split for measuring, and at split 1 the GEMM tile at one row as well.
+  if (p.rows == 1) {
+    if (const OpStatus s = CheckQuantizedLinear(p, 4); s != OpStatus::kOk) return s;
+    const GemvShape g = GemvShapeFor(p.format, p.in, p.out);
+    if (g.groups > 0 && Aligned(p.x_codes, 16)) return GemvLinear(p, g);
+  }
   return QuantizedLinear(p, 1, false);
 }
 

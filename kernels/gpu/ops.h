@@ -18,6 +18,9 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 // fixed order (LinearSplit), their block sums then at most a quarter of the weight's bytes.
 constexpr int64_t kLinearSplitRows = 2;
 // Linear never splits over K (the H200 measured no split faster) and leaves block_sums alone.
+// One row (a decode step) of FP8 or FP4 weights runs as a GEMV (every weight load of a thread
+// issued at once, the block sums added in order from shared memory), dense weights likewise; more
+// rows as tiles of 32 columns. The same sums either way.
 OpStatus Linear(const LinearParams& p);
 // FP8 and FP4 weights in a free order, for measuring what Linear's fixed order costs: each
 // thread's K-blocks summed in its registers, the thread block's threads by a tree, and K shared
@@ -25,10 +28,10 @@ OpStatus Linear(const LinearParams& p);
 // `split` and on the order the blocks finish. Never used by the backend (gpu_bench compares
 // the two; gpu_ops_test holds it to the CPU's results within rounding).
 OpStatus LinearFreeOrder(const LinearParams& p, int split);
-// Linear's fixed order for FP8 and FP4 weights with K split `split` ways (Linear picks its own
-// split from the device's multiprocessors when given block sums workspace; the results are the
-// same for every split): for the tests, and for gpu_bench to compare splits. REQUIRES: p's block
-// sums workspace for rows x out x in / 32 floats when split > 1.
+// Linear's fixed order for FP8 and FP4 weights through the GEMM tile (also at one row), with K
+// split `split` ways (the results are the same for every split): for the tests, and for
+// gpu_bench to compare splits and the tile against the GEMV. REQUIRES: p's block sums workspace
+// for rows x out x in / 32 floats when split > 1.
 OpStatus LinearSplit(const LinearParams& p, int split);
 // FP8 and FP4 weights on matrix cores (kernels/gpu/linear_matrix.cu), for long prompts: per
 // K-block one instruction sums the 32 products of codes, the block's scales applied and the

@@ -108,6 +108,18 @@ using gpuGraphExec_t = cudaGraphExec_t;
   kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
 #endif
 
+// Dynamic shared memory (the launch's `shared` bytes) as `type* name`, 16-byte aligned. One
+// declaration per kernel.
+#if defined(FLASHD_HIP_CPU)
+#define FLASHD_DYNAMIC_SHARED(type, name) \
+  HIP_DYNAMIC_SHARED(float4, name##_raw)  \
+  type* name = reinterpret_cast<type*>(name##_raw)
+#else
+#define FLASHD_DYNAMIC_SHARED(type, name)            \
+  extern __shared__ float4 flashd_dynamic_shared_[]; \
+  type* name = reinterpret_cast<type*>(flashd_dynamic_shared_)
+#endif
+
 // a * b + c where the product a * b is exact (it needs no rounding): one fused instruction on a
 // GPU (the builds turn off contraction elsewhere), which then rounds as the CPU's separate
 // multiply and add do; the CPU runtime writes them apart.

@@ -13,6 +13,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -174,10 +175,13 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
     WeightFormat format;
     int64_t in, out;
   };
-  // 70 and 130 K-blocks: more than one pass of the GEMM's 64 threads over a row, the last part.
+  // 70 and 130 K-blocks: more than one chunk of the tile, the last part; the one-row GEMV with
+  // many column groups a thread block (2 and 3 K-blocks), a group cut by N, and 257 K-blocks (a
+  // thread's third item, one group).
   const Case cases[] = {{WeightFormat::kFp8, 64, 33},  {WeightFormat::kFp8, 160, 70},
                         {WeightFormat::kFp8, 2240, 9}, {WeightFormat::kFp4, 96, 33},
-                        {WeightFormat::kFp4, 4160, 5}, {WeightFormat::kDense, 45, 31}};
+                        {WeightFormat::kFp4, 4160, 5}, {WeightFormat::kDense, 45, 31},
+                        {WeightFormat::kFp8, 8224, 7}, {WeightFormat::kFp4, 8224, 13}};
   for (const Case& c : cases) {
     for (int64_t rows : kRows) {
       std::vector<float> x = Normal(rng, rows * c.in), w = Normal(rng, c.out * c.in, 0.2f);
@@ -200,6 +204,29 @@ BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
         BOOST_TEST((dxq.Host() == xq));  // The activation codes too.
       }
     }
+  }
+}
+
+// One row whose block sums outgrow the one-row GEMV's shared memory (FP8 past 2,048 K-blocks, FP4
+// past 1,023) goes to the GEMM tile: the same sums, bit for bit.
+BOOST_AUTO_TEST_CASE(linear_one_row_past_the_gemv_bit_equal) {
+  std::mt19937 rng(7);
+  for (const auto& [format, in] : {std::pair{WeightFormat::kFp8, int64_t{65600}},
+                                   std::pair{WeightFormat::kFp4, int64_t{32800}}}) {
+    const int64_t out = 3;
+    std::vector<float> x = Normal(rng, in), w = Normal(rng, out * in, 0.2f);
+    const flashd::testing::QuantizedWeights qw =
+        flashd::testing::QuantizeWeights(format, w, out, in);
+    std::vector<uint8_t> xq(in), xs(in / 32);
+    std::vector<float> want(out);
+    const LinearShape shape{format, 1, in, out};
+    BOOST_REQUIRE(cpu::Linear(shape.Params(x.data(), qw.codes.data(), qw.scales.data(), nullptr,
+                                           xq.data(), xs.data(), want.data())) == OpStatus::kOk);
+    Dev<float> dx(x), dy(std::vector<float>(out, 0.0f));
+    Dev<uint8_t> dwq(qw.codes), dws(qw.scales), dxq(xq), dxs(xs);
+    BOOST_REQUIRE(gpu::Linear(shape.Params(dx.get(), dwq.get(), dws.get(), nullptr, dxq.get(),
+                                           dxs.get(), dy.get())) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dy.Host(), want), "format " << static_cast<int>(format));
   }
 }
 
@@ -410,11 +437,16 @@ BOOST_AUTO_TEST_CASE(moe_group_is_the_cpu_grouping) {
 // row and of several tiles, slots left empty at the end.
 BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
   std::mt19937 rng(22);
-  const int64_t tokens = 29, experts = 6, k = 3, in = 96, out = 40;
+  const int64_t tokens = 29, experts = 6, k = 3;
   const Grouped g = GroupedChoices(rng, tokens, experts, k);
   const int64_t total = tokens * k, slots = static_cast<int64_t>(g.expert.size());
   BOOST_TEST(g.offset[1] - g.offset[0] > 8);  // A slot of more than one tile.
-  for (WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+  // 3 K-blocks; 73 (the one-row GEMV's thread blocks: several a row, the last cut by N).
+  for (const auto& [format, in, out] :
+       {std::tuple{WeightFormat::kFp8, int64_t{96}, int64_t{40}},
+        std::tuple{WeightFormat::kFp4, int64_t{96}, int64_t{40}},
+        std::tuple{WeightFormat::kFp8, int64_t{2336}, int64_t{44}},
+        std::tuple{WeightFormat::kFp4, int64_t{2336}, int64_t{44}}}) {
     const ExpertWeights ew(rng, format, experts, out, in);
     const std::vector<float> x = Normal(rng, total * in);
     std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
@@ -875,8 +907,10 @@ BOOST_AUTO_TEST_CASE(bf16_weights_equal_their_fp32_values) {
     w[i] = flashd::kernels::codecs::Bf16ToFloat(codes[i]);
   }
   // The GEMMs at the embedding's shape, and at one of several K chunks (1,030 values: four
-  // whole, a part and a K % 4 tail) and three column tiles.
-  for (const auto& [in_, out_] : {std::pair<int64_t, int64_t>{in, out}, {1030, 70}}) {
+  // whole, a part and a K % 4 tail) and three column tiles; one row's at three of its chunks,
+  // read four values a load (4,100) and one by one with a tail (4,099), with a column pair cut.
+  for (const auto& [in_, out_] :
+       {std::pair<int64_t, int64_t>{in, out}, {1030, 70}, {4100, 5}, {4099, 3}}) {
     const int64_t gin = in_, gout = out_;
     std::vector<float> gw = Normal(rng, gout * gin, 0.2f);
     std::vector<uint16_t> gcodes(gw.size());
