@@ -37,9 +37,47 @@ struct KeyRow {
   KeySource source;
 };
 
-// A key's values at dimensions [d0, d0 + 32) (d0 a multiple of 32): a fresh row's floats, a ring
-// slot's E4M3 codes times their UE8M0 scale, a compressed row's E2M1 codes times their E4M3 scale.
-__device__ __host__ inline void KeyValues32(const KeyRow& k, int64_t d0, float* v) {
+// A key's values at dimensions [d0, d0 + 32) (d0 a multiple of 32) in two steps, so that the
+// loads of the next dimensions are in flight while these are summed: LoadKeyChunk reads a ring
+// slot's 32 E4M3 codes and its UE8M0 scale code or a compressed row's 32 E2M1 codes and its two
+// E4M3 scale codes (16 bytes a load where the row is 16-byte aligned, else a byte at a time);
+// DecodeKeyChunk makes the values, the codes times their scales as the CPU's, and reads a fresh
+// row's floats itself (a step's own rows: few).
+struct KeyChunk {
+  uint4 raw[2];
+  uint32_t scales;
+};
+
+__device__ inline uint32_t LoadWord(const uint8_t* p) {
+  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
+}
+
+// Word i (0-7) of the raw words; i known to the compiler, so raw stays in registers.
+__device__ inline uint32_t RawWord(const uint4* raw, int i) {
+  const uint4& q = raw[i / 4];
+  return i % 4 == 0 ? q.x : i % 4 == 1 ? q.y : i % 4 == 2 ? q.z : q.w;
+}
+
+__device__ inline void LoadKeyChunk(const KeyRow& k, int64_t d0, KeyChunk& r) {
+  if (k.source == KeySource::kFresh) return;
+  const bool ring = k.source == KeySource::kRing;
+  const uint8_t* at = static_cast<const uint8_t*>(k.codes) + (ring ? d0 : d0 / 2);
+  const int loads = ring ? 2 : 1;
+  FLASHD_UNROLL
+  for (int i = 0; i < 2; ++i) {
+    if (i >= loads) break;
+    if (reinterpret_cast<uintptr_t>(at) % 16 == 0) {
+      r.raw[i] = reinterpret_cast<const uint4*>(at)[i];
+    } else {
+      r.raw[i] = uint4{LoadWord(at + 16 * i), LoadWord(at + 16 * i + 4), LoadWord(at + 16 * i + 8),
+                       LoadWord(at + 16 * i + 12)};
+    }
+  }
+  r.scales = ring ? uint32_t{k.scales[d0 / 32]}
+                  : uint32_t{k.scales[d0 / 16]} | uint32_t{k.scales[d0 / 16 + 1]} << 8;
+}
+
+__device__ inline void DecodeKeyChunk(const KeyRow& k, int64_t d0, const KeyChunk& r, float* v) {
   switch (k.source) {
     case KeySource::kFresh: {
       const float* row = static_cast<const float*>(k.codes) + d0;
@@ -48,27 +86,28 @@ __device__ __host__ inline void KeyValues32(const KeyRow& k, int64_t d0, float* 
       break;
     }
     case KeySource::kRing: {
-      const uint8_t* row = static_cast<const uint8_t*>(k.codes) + d0;
-      const float s = c::E8M0ToFloat(k.scales[d0 / 32]);
+      const float s = c::E8M0ToFloat(static_cast<uint8_t>(r.scales));
       FLASHD_UNROLL
-      for (int dd = 0; dd < 32; ++dd) v[dd] = c::E4M3ToFloat(row[dd]) * s;
+      for (int dd = 0; dd < 32; ++dd) {
+        v[dd] = c::E4M3ToFloat(static_cast<uint8_t>(RawWord(r.raw, dd / 4) >> (8 * (dd % 4)))) * s;
+      }
       break;
     }
     default: {
-      const uint8_t* row = static_cast<const uint8_t*>(k.codes) + d0 / 2;
-      const float s0 = c::E4M3ToFloat(k.scales[d0 / 16]),
-                  s1 = c::E4M3ToFloat(k.scales[d0 / 16 + 1]);
+      const float s0 = c::E4M3ToFloat(static_cast<uint8_t>(r.scales)),
+                  s1 = c::E4M3ToFloat(static_cast<uint8_t>(r.scales >> 8));
       FLASHD_UNROLL
       for (int dd = 0; dd < 32; ++dd) {
-        const uint8_t byte = row[dd / 2];
-        v[dd] = c::E2M1ToFloat(dd % 2 == 0 ? (byte & 0xF) : (byte >> 4)) * (dd < 16 ? s0 : s1);
+        const uint32_t byte = (RawWord(r.raw, dd / 8) >> (8 * ((dd / 2) % 4))) & 0xFFu;
+        const uint8_t code = static_cast<uint8_t>(dd % 2 == 0 ? (byte & 0xFu) : (byte >> 4));
+        v[dd] = c::E2M1ToFloat(code) * (dd < 16 ? s0 : s1);
       }
     }
   }
 }
 
 // A key's values at dimensions d and d + 1 (d even: one byte of FP4 codes, one scale), the same
-// products as KeyValues32's.
+// products as DecodeKeyChunk's.
 __device__ __host__ inline void KeyValues2(const KeyRow& k, int64_t d, float* v) {
   switch (k.source) {
     case KeySource::kFresh: {
@@ -100,7 +139,7 @@ constexpr int64_t kMaxHeadDim = kDimsPerThread * kAttendThreads;
 constexpr int64_t kAheadKeys = 16;    // Keys whose values a thread loads before summing them.
 constexpr int64_t kGroupTokens = 16;  // Queries from which heads are taken eight at a time.
 static_assert(kPassKeys % kAttentionBlock == 0 && kPassKeys == kAttendThreads);
-static_assert(kLogitDims == 32, "KeyValues32 loads a key's values 32 at a time");
+static_assert(kLogitDims == 32, "KeyChunk holds a key's values 32 at a time");
 
 // The exclusive prefix sum of each thread's `flag` over the thread block (through `scan`,
 // kAttendThreads ints of shared memory), and the total in *total.
@@ -125,10 +164,10 @@ __device__ int ExclusiveScan(int flag, int* scan, int* total) {
 // sb + 1, ... in the selection row's order). Each pass takes the keys of list entries [L0, L0 +
 // kPassKeys), built by all threads at once (the selected rows' ranks by a prefix sum over the
 // selection row), each key's row addresses resolved once. Logits: thread j reads key j's values
-// 32 at a time (the next 32 loaded while these are summed) against the group's queries, held in
-// shared memory. Weighted sums: thread i reads dimensions 2i and 2i + 1 of each key (one byte of
-// FP4 codes and one scale; neighbouring threads, neighbouring bytes), kAheadKeys keys' loads ahead
-// of their sums.
+// 32 at a time, 16 bytes a load (the codes of the next two 32s in flight while these are
+// summed) against the group's queries, held in shared memory. Weighted sums: thread i reads
+// dimensions 2i and 2i + 1 of each key (one byte of FP4 codes and one scale; neighbouring threads,
+// neighbouring bytes), kAheadKeys keys' loads ahead of their sums.
 template <int G>
 __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionParams p) {
   __shared__ float qs[G][kMaxHeadDim];
@@ -197,22 +236,31 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionPa
       return e < 0 ? int64_t{0} : e > n ? n : e;
     };
     __syncthreads();
-    // Logits: thread j keeps key j's dot products with the group's queries, dimensions in order.
+    // Logits: thread j keeps key j's dot products with the group's queries, dimensions in order;
+    // the raw words of two chunks ahead are in flight (a and b in turn) while one is summed.
     if (tid < n) {
       const KeyRow k = key[tid];
-      float dot[G], next[kLogitDims], v[kLogitDims];
+      float dot[G], v[kLogitDims];
       FLASHD_UNROLL
       for (int g = 0; g < G; ++g) dot[g] = 0;
-      KeyValues32(k, 0, next);
-      for (int64_t d0 = 0; d0 < hd; d0 += kLogitDims) {
-        FLASHD_UNROLL
-        for (int dd = 0; dd < kLogitDims; ++dd) v[dd] = next[dd];
-        if (d0 + kLogitDims < hd) KeyValues32(k, d0 + kLogitDims, next);
+      const auto sum = [&](int64_t d0) {
         FLASHD_UNROLL
         for (int dd = 0; dd < kLogitDims; ++dd) {
           FLASHD_UNROLL
           for (int g = 0; g < G; ++g) dot[g] += qs[g][d0 + dd] * v[dd];
         }
+      };
+      KeyChunk a, b;
+      LoadKeyChunk(k, 0, a);
+      if (kLogitDims < hd) LoadKeyChunk(k, kLogitDims, b);
+      for (int64_t d0 = 0; d0 < hd; d0 += 2 * kLogitDims) {
+        DecodeKeyChunk(k, d0, a, v);
+        if (d0 + 2 * kLogitDims < hd) LoadKeyChunk(k, d0 + 2 * kLogitDims, a);
+        sum(d0);
+        if (d0 + kLogitDims >= hd) break;
+        DecodeKeyChunk(k, d0 + kLogitDims, b, v);
+        if (d0 + 3 * kLogitDims < hd) LoadKeyChunk(k, d0 + 3 * kLogitDims, b);
+        sum(d0 + kLogitDims);
       }
       FLASHD_UNROLL
       for (int g = 0; g < G; ++g) prob[g][tid] = dot[g] * scale;

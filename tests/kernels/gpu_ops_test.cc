@@ -1635,7 +1635,9 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
 
 // Attention over window rows (fresh and from the FP8 ring) and selected FP4 rows read through
 // device block pointers, -1 entries and a block shared by two entry ranges included; windows
-// and selections spanning several of the softmax's blocks, and a draft block whose ring wraps.
+// and selections spanning several of the softmax's blocks, and a draft block whose ring wraps;
+// the ring's and the blocks' codes also a byte off 16-byte alignment (the keys' codes then read a
+// byte at a time).
 BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
   std::mt19937 rng(9);
   struct Case {
@@ -1665,90 +1667,93 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
                             {17, 300, 60, 400, false},
                             {16, 300, 40, 280, true},
                             {2, 128, 20, 90, false}}}};
-  for (const Shape& shape : shapes) {
-    const int64_t heads = shape.heads, hd = shape.hd, rd = 16, per = 4, nblocks = 5;
-    const size_t block_bytes = per * (hd / 2 + hd / 16);
-    std::vector<std::vector<uint8_t>> host_blocks(nblocks, std::vector<uint8_t>(block_bytes));
-    for (auto& b : host_blocks) {
-      for (int64_t r = 0; r < per; ++r) {
-        std::vector<float> k = Normal(rng, hd);
-        cpu::QuantizeFp4E4M3(k.data(), hd, 16, b.data() + r * hd / 2,
-                             b.data() + per * hd / 2 + r * hd / 16);
+  for (const size_t shift : {size_t{0}, size_t{1}}) {
+    for (const Shape& shape : shapes) {
+      const int64_t heads = shape.heads, hd = shape.hd, rd = 16, per = 4, nblocks = 5;
+      const size_t block_bytes = shift + per * (hd / 2 + hd / 16);
+      std::vector<std::vector<uint8_t>> host_blocks(nblocks, std::vector<uint8_t>(block_bytes));
+      for (auto& b : host_blocks) {
+        for (int64_t r = 0; r < per; ++r) {
+          std::vector<float> k = Normal(rng, hd);
+          cpu::QuantizeFp4E4M3(k.data(), hd, 16, b.data() + shift + r * hd / 2,
+                               b.data() + shift + per * hd / 2 + r * hd / 16);
+        }
       }
-    }
-    Blocks blocks;
-    blocks.host = host_blocks;
-    blocks.Upload();
-    uint8_t* const* host_table = blocks.host_table.data();
-    uint8_t* const* dev_table = blocks.dev_table->get();
-    const std::vector<int32_t> table = {3, 0, 0, 4};
-    std::vector<float> freqs(rd / 2);
-    cpu::RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
-    for (const Case& k : shape.cases) {
-      const int64_t tokens = k.tokens, window = k.window, width = k.width, first = k.first;
-      const bool whole = k.whole;
-      std::vector<float> ring_rows = Normal(rng, window * hd);
-      std::vector<uint8_t> ring_codes(window * hd), ring_scales(window * hd / 32);
-      cpu::QuantizeFp8PerBlock(ring_rows.data(), ring_rows.size(), 32, ring_codes.data(),
-                               ring_scales.data());
-      std::vector<float> fresh = Normal(rng, tokens * hd);
-      cpu::RoundTripFp8(fresh.data(), fresh.size(), 32);
-      std::vector<float> q = Normal(rng, tokens * heads * hd, 0.3f), sink = Normal(rng, heads);
-      std::vector<int64_t> pos(tokens), wfirst(tokens), sel(tokens * width);
-      std::uniform_int_distribution<int64_t> entry(0, 15);
-      for (int64_t t = 0; t < tokens; ++t) {
-        pos[t] = first + t;
-        wfirst[t] = whole ? std::max<int64_t>(0, first - window)
+      Blocks blocks;
+      blocks.host = host_blocks;
+      blocks.Upload();
+      uint8_t* const* host_table = blocks.host_table.data();
+      uint8_t* const* dev_table = blocks.dev_table->get();
+      const std::vector<int32_t> table = {3, 0, 0, 4};
+      std::vector<float> freqs(rd / 2);
+      cpu::RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
+      for (const Case& k : shape.cases) {
+        const int64_t tokens = k.tokens, window = k.window, width = k.width, first = k.first;
+        const bool whole = k.whole;
+        std::vector<float> ring_rows = Normal(rng, window * hd);
+        std::vector<uint8_t> ring_codes(shift + window * hd), ring_scales(window * hd / 32);
+        cpu::QuantizeFp8PerBlock(ring_rows.data(), ring_rows.size(), 32, ring_codes.data() + shift,
+                                 ring_scales.data());
+        std::vector<float> fresh = Normal(rng, tokens * hd);
+        cpu::RoundTripFp8(fresh.data(), fresh.size(), 32);
+        std::vector<float> q = Normal(rng, tokens * heads * hd, 0.3f), sink = Normal(rng, heads);
+        std::vector<int64_t> pos(tokens), wfirst(tokens), sel(tokens * width);
+        std::uniform_int_distribution<int64_t> entry(0, 15);
+        for (int64_t t = 0; t < tokens; ++t) {
+          pos[t] = first + t;
+          wfirst[t] = whole
+                          ? std::max<int64_t>(0, first - window)
                           : std::max<int64_t>(t % 3 == 0 ? first + t - 2 : 0, pos[t] - window + 1);
-        for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : entry(rng);
+          for (int64_t i = 0; i < width; ++i) sel[t * width + i] = i == 2 ? -1 : entry(rng);
+        }
+        std::vector<int64_t> wlast(tokens, first + tokens - 1);
+        SparseAttentionParams params{
+            .q = q.data(),
+            .tokens = tokens,
+            .heads = heads,
+            .head_dim = hd,
+            .rope_dim = rd,
+            .positions = pos.data(),
+            .ring_codes = ring_codes.data() + shift,
+            .ring_scales = ring_scales.data(),
+            .window = window,
+            .fresh = fresh.data(),
+            .fresh_first = first,
+            .window_first = wfirst.data(),
+            .window_last = whole ? wlast.data() : nullptr,
+            .selected = width > 0 ? sel.data() : nullptr,
+            .selected_stride = width,
+            .block_table = table.data(),
+            .kv_codes = {host_table, per, shift, static_cast<size_t>(hd / 2)},
+            .kv_scales = {host_table, per, shift + per * hd / 2, static_cast<size_t>(hd / 16)},
+            .sink = sink.data(),
+            .freqs = freqs.data()};
+        std::vector<float> want(tokens * heads * hd);
+        params.out = want.data();
+        BOOST_REQUIRE(cpu::SparseAttention(params) == OpStatus::kOk);
+        Dev<float> dq(q), dfresh(fresh), dsink(sink), dfreqs(freqs), dout(want);
+        Dev<uint8_t> drc(ring_codes), drs(ring_scales);
+        Dev<int64_t> dpos(pos), dwf(wfirst), dwl(wlast), dsel(sel);
+        Dev<int32_t> dtab(table);
+        params.q = dq.get();
+        params.positions = dpos.get();
+        params.ring_codes = drc.get() + shift;
+        params.ring_scales = drs.get();
+        params.fresh = dfresh.get();
+        params.window_first = dwf.get();
+        if (whole) params.window_last = dwl.get();
+        if (width > 0) params.selected = dsel.get();
+        params.block_table = dtab.get();
+        params.kv_codes.blocks = dev_table;
+        params.kv_scales.blocks = dev_table;
+        params.sink = dsink.get();
+        params.freqs = dfreqs.get();
+        params.out = dout.get();
+        BOOST_REQUIRE(gpu::SparseAttention(params) == OpStatus::kOk);
+        BOOST_TEST(BitEqual(dout.Host(), want), "head_dim " << hd << " tokens " << tokens
+                                                            << " window " << window << " whole "
+                                                            << whole << " shift " << shift);
       }
-      std::vector<int64_t> wlast(tokens, first + tokens - 1);
-      SparseAttentionParams params{.q = q.data(),
-                                   .tokens = tokens,
-                                   .heads = heads,
-                                   .head_dim = hd,
-                                   .rope_dim = rd,
-                                   .positions = pos.data(),
-                                   .ring_codes = ring_codes.data(),
-                                   .ring_scales = ring_scales.data(),
-                                   .window = window,
-                                   .fresh = fresh.data(),
-                                   .fresh_first = first,
-                                   .window_first = wfirst.data(),
-                                   .window_last = whole ? wlast.data() : nullptr,
-                                   .selected = width > 0 ? sel.data() : nullptr,
-                                   .selected_stride = width,
-                                   .block_table = table.data(),
-                                   .kv_codes = {host_table, per, 0, static_cast<size_t>(hd / 2)},
-                                   .kv_scales = {host_table, per, static_cast<size_t>(per * hd / 2),
-                                                 static_cast<size_t>(hd / 16)},
-                                   .sink = sink.data(),
-                                   .freqs = freqs.data()};
-      std::vector<float> want(tokens * heads * hd);
-      params.out = want.data();
-      BOOST_REQUIRE(cpu::SparseAttention(params) == OpStatus::kOk);
-      Dev<float> dq(q), dfresh(fresh), dsink(sink), dfreqs(freqs), dout(want);
-      Dev<uint8_t> drc(ring_codes), drs(ring_scales);
-      Dev<int64_t> dpos(pos), dwf(wfirst), dwl(wlast), dsel(sel);
-      Dev<int32_t> dtab(table);
-      params.q = dq.get();
-      params.positions = dpos.get();
-      params.ring_codes = drc.get();
-      params.ring_scales = drs.get();
-      params.fresh = dfresh.get();
-      params.window_first = dwf.get();
-      if (whole) params.window_last = dwl.get();
-      if (width > 0) params.selected = dsel.get();
-      params.block_table = dtab.get();
-      params.kv_codes.blocks = dev_table;
-      params.kv_scales.blocks = dev_table;
-      params.sink = dsink.get();
-      params.freqs = dfreqs.get();
-      params.out = dout.get();
-      BOOST_REQUIRE(gpu::SparseAttention(params) == OpStatus::kOk);
-      BOOST_TEST(BitEqual(dout.Host(), want), "head_dim " << hd << " tokens " << tokens
-                                                          << " window " << window << " whole "
-                                                          << whole);
     }
   }
 }
