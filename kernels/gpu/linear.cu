@@ -491,15 +491,22 @@ __global__ void __launch_bounds__(kGemvThreads)
 }
 
 // The experts' rows, one a slot (one token's step): thread block (row r, column tile j), r's
-// slot the one whose rows hold it.
+// slot the one whose rows hold it (any slot of more rows works too, each row read alone).
 template <int kFormat>
 __global__ void __launch_bounds__(kGemvThreads)
     ExpertGemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                      const int64_t* slot_offset, int64_t slots, const uint8_t* const* w,
                      const uint8_t* const* ws, int64_t N, int64_t groups, int64_t tiles, float* y) {
   FLASHD_DYNAMIC_SHARED(float, sums);
+  __shared__ int64_t row_slot;
   const int64_t r = blockIdx.x / tiles, j = blockIdx.x % tiles;
-  const int64_t e = slot_expert[SlotOfTile(slot_offset, slots, r)];
+  // The slot holding row r (the one non-empty slot whose rows hold it), by all threads at once:
+  // a binary search would wait out one load after another before the first weight load.
+  for (int64_t s = threadIdx.x; s < slots; s += kGemvThreads) {
+    if (slot_offset[s] <= r && r < slot_offset[s + 1]) row_slot = s;
+  }
+  __syncthreads();
+  const int64_t e = slot_expert[row_slot];
   GemvTile<kFormat>(xq + r * K, xs + r * (K / kBlock), K, w[e], ws[e], N,
                     j * groups * kGemvCols<kFormat>, groups, y + r * N, sums);
 }
