@@ -138,6 +138,9 @@ static_assert(kDimsPerThread == 2, "KeyValues2 loads a thread's two neighbouring
 constexpr int64_t kMaxHeadDim = kDimsPerThread * kAttendThreads;
 constexpr int64_t kAheadKeys = 16;    // Keys whose values a thread loads before summing them.
 constexpr int64_t kGroupTokens = 16;  // Queries from which heads are taken eight at a time.
+// The softmax's sequential steps (a thread per head) load this many probabilities together
+// before taking them in order: shared memory's latency once per eight, not per value.
+constexpr int kSerialAhead = 8;
 static_assert(kPassKeys % kAttentionBlock == 0 && kPassKeys == kAttendThreads);
 static_assert(kLogitDims == 32, "KeyChunk holds a key's values 32 at a time");
 
@@ -272,8 +275,16 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionPa
       for (int64_t b = 0; b < kPassBlocks; ++b) {
         if (begin(b) == begin(b + 1)) continue;
         float block_max = -INFINITY;
-        for (int64_t j = begin(b); j < begin(b + 1); ++j)
-          block_max = fmaxf(block_max, prob[tid][j]);
+        const int64_t end = begin(b + 1);
+        int64_t j = begin(b);
+        for (; j + kSerialAhead <= end; j += kSerialAhead) {  // Loads together, then in order.
+          float v[kSerialAhead];
+          FLASHD_UNROLL
+          for (int u = 0; u < kSerialAhead; ++u) v[u] = prob[tid][j + u];
+          FLASHD_UNROLL
+          for (int u = 0; u < kSerialAhead; ++u) block_max = fmaxf(block_max, v[u]);
+        }
+        for (; j < end; ++j) block_max = fmaxf(block_max, prob[tid][j]);
         const float m_new = fmaxf(m, block_max);
         block_rescale[tid][b] = fm::Exp(m - m_new);
         block_m[tid][b] = m_new;
@@ -294,7 +305,19 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionPa
       for (int64_t b = 0; b < kPassBlocks; ++b) {
         if (begin(b) == begin(b + 1)) continue;
         float sum = 0;
-        for (int64_t j = begin(b); j < begin(b + 1); ++j) {
+        const int64_t end = begin(b + 1);
+        int64_t j = begin(b);
+        for (; j + kSerialAhead <= end; j += kSerialAhead) {  // Loads together, then in order.
+          float v[kSerialAhead];
+          FLASHD_UNROLL
+          for (int u = 0; u < kSerialAhead; ++u) v[u] = prob[tid][j + u];
+          FLASHD_UNROLL
+          for (int u = 0; u < kSerialAhead; ++u) {
+            sum += v[u];
+            prob[tid][j + u] = c::RoundBf16(v[u]);
+          }
+        }
+        for (; j < end; ++j) {
           sum += prob[tid][j];
           prob[tid][j] = c::RoundBf16(prob[tid][j]);
         }
