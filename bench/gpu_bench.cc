@@ -457,6 +457,13 @@ class Layer {
   }
 
  public:
+  // One sequence's decode-step attention with the weighted sums split over `slices` thread
+  // blocks a head: seconds per call.
+  double TimeAttention(int slices, int reps) {
+    return Time([&] { CheckOp(g::SparseAttentionSliced(Attention(0), slices), "Attention"); },
+                reps);
+  }
+
   // A linear layer at `rows` tokens: seconds per call (order and split as LinearOn's).
   double TimeLinear(const Weight& w, int64_t rows, int reps, Order order = Order::kShipped,
                     int split = 1) {
@@ -720,6 +727,11 @@ int main(int argc, char** argv) {
   } else {
     std::printf("the layer as one graph: not measured (%s)\n\n", graph_error.c_str());
   }
+
+  // The attention of one decode step, a thread block a head or two (SparseAttention picks two
+  // where one leaves half the multiprocessors idle).
+  std::printf("decode attention, one thread block a head: %.1f us; two: %.1f us\n\n",
+              layer.TimeAttention(1, reps) * 1e6, layer.TimeAttention(2, reps) * 1e6);
 
   std::printf("%5s %14s %14s %18s %26s\n", "batch", "layer us", "as a graph us",
               "tokens/s per layer", "tokens/s, 40 layers (est.)");

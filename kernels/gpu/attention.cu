@@ -7,12 +7,15 @@
 //
 // A thread block serves one query and a group of G heads (G = 8 for prompts, where the keys,
 // shared by the heads, are decoded once for eight; G = 1 for decode steps, where the heads are
-// the only parallelism). The query's key list is taken kPassKeys list entries at a time (whole
-// attention blocks): a thread per key reads its values kLogitDims at a time and keeps its G dot
-// products; the softmax's steps run a thread per head and block (the sequential sums) or per
-// probability (the exps); then a thread per pair of dimensions reads them from every key and
-// keeps its G heads' block sums and accumulators in registers. No key value goes through shared
-// memory; each is read from its row twice, once for the logits and once for the sums.
+// the only parallelism; and where even those leave half the multiprocessors idle, two thread
+// blocks a head, each computing all the logits and the weighted sums of half the dimensions).
+// The query's key list is taken kPassKeys list entries at a time (whole attention blocks): a
+// thread per key reads its values kLogitDims at a time and keeps its G dot products; the softmax's
+// steps run a thread per head and block (the sequential sums) or per probability (the exps); then a
+// thread per pair of dimensions reads them from every key and keeps its G heads' block sums and
+// accumulators in registers. No key value goes through shared memory; each is read from its row
+// twice, once for the logits and once for the sums.
+#include <atomic>
 #include <cmath>
 
 #include "kernels/codecs.h"
@@ -172,7 +175,8 @@ __device__ int ExclusiveScan(int flag, int* scan, int* total) {
 // dimensions 2i and 2i + 1 of each key (one byte of FP4 codes and one scale; neighbouring threads,
 // neighbouring bytes), kAheadKeys keys' loads ahead of their sums.
 template <int G>
-__global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionParams p) {
+__global__ void __launch_bounds__(kAttendThreads)
+    AttendKernel(SparseAttentionParams p, int slices) {
   __shared__ float qs[G][kMaxHeadDim];
   __shared__ float prob[G][kPassKeys];  // Logits, then probabilities, then their BF16 values.
   __shared__ KeyRow key[kPassKeys];
@@ -180,7 +184,10 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionPa
   __shared__ float block_m[G][kPassBlocks], block_rescale[G][kPassBlocks];
   __shared__ float run_m[G], denom[G];
   const int64_t groups = (p.heads + G - 1) / G;
-  const int64_t t = blockIdx.x / groups, h0 = (blockIdx.x % groups) * G, hd = p.head_dim;
+  const int64_t slice = blockIdx.x % slices, query_group = blockIdx.x / slices;
+  const int64_t t = query_group / groups, h0 = (query_group % groups) * G, hd = p.head_dim;
+  // The dimensions whose weighted sums this thread block keeps: [d_lo, d_lo + span).
+  const int64_t span = hd / slices, d_lo = slice * span;
   const unsigned tid = threadIdx.x;
   const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
   for (int64_t i = tid; i < G * hd; i += kAttendThreads) {
@@ -333,8 +340,8 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionPa
       float v[kAheadKeys][kDimsPerThread];
       FLASHD_UNROLL
       for (int u = 0; u < kAheadKeys; ++u) {
-        if (j0 + u < n && 2 * tid < hd) {
-          KeyValues2(key[j0 + u], 2 * tid, v[u]);
+        if (j0 + u < n && 2 * tid < span) {
+          KeyValues2(key[j0 + u], d_lo + 2 * tid, v[u]);
         } else {
           v[u][0] = v[u][1] = 0.0f;
         }
@@ -372,14 +379,29 @@ __global__ void __launch_bounds__(kAttendThreads) AttendKernel(SparseAttentionPa
     FLASHD_UNROLL
     for (int e = 0; e < kDimsPerThread; ++e) {
       const int64_t d = 2 * tid + e;
-      if (d < hd) out[d] = c::RoundBf16(acc[g][e] / denom[g]);
+      if (d < span) out[d_lo + d] = c::RoundBf16(acc[g][e] / denom[g]);
     }
   }
 }
 
-}  // namespace
+// The current device's multiprocessors, asked of the runtime once per device.
+int Multiprocessors() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices] = {};
+  int device = 0;
+  if (gpuGetDevice(&device) != gpuSuccess || device < 0 || device >= kDevices) return 1;
+  int count = known[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    gpuDeviceProp_t prop{};
+    count = gpuGetDeviceProperties(&prop, device) == gpuSuccess && prop.multiProcessorCount > 0
+                ? prop.multiProcessorCount
+                : 1;
+    known[device].store(count, std::memory_order_relaxed);
+  }
+  return count;
+}
 
-OpStatus SparseAttention(const SparseAttentionParams& p) {
+OpStatus Attend(const SparseAttentionParams& p, int slices) {
   if (p.tokens < 0 || p.heads <= 0 || p.head_dim <= 0 || p.head_dim % 32 != 0 || p.window <= 0 ||
       p.positions == nullptr || p.window_first == nullptr ||
       (p.selected_stride > 0 && (p.selected == nullptr || p.block_table == nullptr))) {
@@ -389,13 +411,17 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
   if (p.tokens == 0) return OpStatus::kOk;
   // Heads eight to a thread block where the queries are many; one where they are few.
   const bool grouped = p.tokens >= kGroupTokens;
-  const int64_t n = p.tokens * (grouped ? (p.heads + 7) / 8 : p.heads);
+  if (slices == 0) {  // Two where a query's heads, one a thread block, leave half the SMs idle.
+    slices = !grouped && p.tokens * p.heads * 2 <= Multiprocessors() ? 2 : 1;
+  }
+  if (slices != 1 && slices != 2) return OpStatus::kBadArgument;
+  const int64_t n = p.tokens * (grouped ? (p.heads + 7) / 8 : p.heads) * slices;
   if (n > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
   const auto stream = static_cast<gpuStream_t>(p.stream);
   if (grouped) {
-    FLASHD_LAUNCH(AttendKernel<8>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p);
+    FLASHD_LAUNCH(AttendKernel<8>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p, slices);
   } else {
-    FLASHD_LAUNCH(AttendKernel<1>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p);
+    FLASHD_LAUNCH(AttendKernel<1>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p, slices);
   }
   if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
   // Each head rotated back by its query's position.
@@ -409,6 +435,15 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
                .freqs = p.freqs,
                .inverse = true,
                .stream = p.stream});
+}
+
+}  // namespace
+
+OpStatus SparseAttention(const SparseAttentionParams& p) { return Attend(p, 0); }
+
+OpStatus SparseAttentionSliced(const SparseAttentionParams& p, int slices) {
+  if (slices < 1) return OpStatus::kBadArgument;
+  return Attend(p, slices);
 }
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -74,6 +74,12 @@ OpStatus TopK(const TopKParams& p);
 OpStatus IndexerScores(const IndexerScoreParams& p);
 OpStatus CandidateFilter(const CandidateFilterParams& p);  // Total order only.
 OpStatus MoeRoute(const MoeRouteParams& p);
+// A thread block per query and head (eight heads where the queries are 16 or more); where the
+// query's heads leave half the multiprocessors idle (a decode step: 64 thread blocks for 132),
+// two thread blocks per head, each computing all the logits and half the weighted sums.
 OpStatus SparseAttention(const SparseAttentionParams& p);
+// SparseAttention with the weighted sums split over `slices` (1 or 2) thread blocks a head,
+// whatever the device: for the tests and gpu_bench. The same results for every split.
+OpStatus SparseAttentionSliced(const SparseAttentionParams& p, int slices);
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND
