@@ -147,6 +147,21 @@ constexpr int kSerialAhead = 8;
 static_assert(kPassKeys % kAttentionBlock == 0 && kPassKeys == kAttendThreads);
 static_assert(kLogitDims == 32, "KeyChunk holds a key's values 32 at a time");
 
+// f(j, v[j]) for j in [lo, hi) in order, kSerialAhead values loaded together before they are
+// used (f may write v[j] back).
+template <class F>
+__device__ inline void InOrder(float* v, int64_t lo, int64_t hi, F f) {
+  int64_t j = lo;
+  for (; j + kSerialAhead <= hi; j += kSerialAhead) {
+    float w[kSerialAhead];
+    FLASHD_UNROLL
+    for (int u = 0; u < kSerialAhead; ++u) w[u] = v[j + u];
+    FLASHD_UNROLL
+    for (int u = 0; u < kSerialAhead; ++u) f(j + u, w[u]);
+  }
+  for (; j < hi; ++j) f(j, v[j]);
+}
+
 // The exclusive prefix sum of each thread's `flag` over the thread block (through `scan`,
 // kAttendThreads ints of shared memory), and the total in *total.
 __device__ int ExclusiveScan(int flag, int* scan, int* total) {
@@ -282,16 +297,8 @@ __global__ void __launch_bounds__(kAttendThreads)
       for (int64_t b = 0; b < kPassBlocks; ++b) {
         if (begin(b) == begin(b + 1)) continue;
         float block_max = -INFINITY;
-        const int64_t end = begin(b + 1);
-        int64_t j = begin(b);
-        for (; j + kSerialAhead <= end; j += kSerialAhead) {  // Loads together, then in order.
-          float v[kSerialAhead];
-          FLASHD_UNROLL
-          for (int u = 0; u < kSerialAhead; ++u) v[u] = prob[tid][j + u];
-          FLASHD_UNROLL
-          for (int u = 0; u < kSerialAhead; ++u) block_max = fmaxf(block_max, v[u]);
-        }
-        for (; j < end; ++j) block_max = fmaxf(block_max, prob[tid][j]);
+        InOrder(prob[tid], begin(b), begin(b + 1),
+                [&](int64_t, float v) { block_max = fmaxf(block_max, v); });
         const float m_new = fmaxf(m, block_max);
         block_rescale[tid][b] = fm::Exp(m - m_new);
         block_m[tid][b] = m_new;
@@ -312,22 +319,10 @@ __global__ void __launch_bounds__(kAttendThreads)
       for (int64_t b = 0; b < kPassBlocks; ++b) {
         if (begin(b) == begin(b + 1)) continue;
         float sum = 0;
-        const int64_t end = begin(b + 1);
-        int64_t j = begin(b);
-        for (; j + kSerialAhead <= end; j += kSerialAhead) {  // Loads together, then in order.
-          float v[kSerialAhead];
-          FLASHD_UNROLL
-          for (int u = 0; u < kSerialAhead; ++u) v[u] = prob[tid][j + u];
-          FLASHD_UNROLL
-          for (int u = 0; u < kSerialAhead; ++u) {
-            sum += v[u];
-            prob[tid][j + u] = c::RoundBf16(v[u]);
-          }
-        }
-        for (; j < end; ++j) {
-          sum += prob[tid][j];
-          prob[tid][j] = c::RoundBf16(prob[tid][j]);
-        }
+        InOrder(prob[tid], begin(b), begin(b + 1), [&](int64_t j, float v) {
+          sum += v;
+          prob[tid][j] = c::RoundBf16(v);
+        });
         den = den * block_rescale[tid][b] + sum;
       }
       denom[tid] = den;

@@ -315,22 +315,26 @@ __global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
   GemmTile<kFormat, kRows>(xq, xs, m0, rows, K, w, ws, N, n0, lo, hi, split > 1, y, sums);
 }
 
-// y[m, n] = the block sums of (m, n) added from zero in block order, as GemmTile's chains do.
-__global__ void BlockSumsKernel(const float* sums, int64_t outputs, int64_t blocks, float* y) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= outputs) return;
-  const float* s = sums + i * blocks;
+// s[0] + s[1] + ... + s[n - 1] from zero in order, eight loads issued together.
+__device__ inline float SumInOrder(const float* s, int64_t n) {
   float acc = 0.0f;
   int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {  // The loads issued together, the adds in order.
+  for (; b + 8 <= n; b += 8) {
     float v[8];
     FLASHD_UNROLL
     for (int u = 0; u < 8; ++u) v[u] = s[b + u];
     FLASHD_UNROLL
     for (int u = 0; u < 8; ++u) acc += v[u];
   }
-  for (; b < blocks; ++b) acc += s[b];
-  y[i] = acc;
+  for (; b < n; ++b) acc += s[b];
+  return acc;
+}
+
+// y[m, n] = the block sums of (m, n) added from zero in block order, as GemmTile's chains do.
+__global__ void BlockSumsKernel(const float* sums, int64_t outputs, int64_t blocks, float* y) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= outputs) return;
+  y[i] = SumInOrder(sums + i * blocks, blocks);
 }
 
 // One row (a sequence's decode step) in the same sums, with every weight load of a thread
@@ -467,18 +471,7 @@ __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const 
   }
   __syncthreads();
   if (t >= groups * kGemvCols<kFormat> || n0 + t >= N) return;
-  const float* s = sums + t * stride;
-  float acc = 0.0f;
-  int64_t b = 0;
-  for (; b + 8 <= blocks; b += 8) {  // The loads issued together, the adds in order.
-    float v[8];
-    FLASHD_UNROLL
-    for (int u = 0; u < 8; ++u) v[u] = s[b + u];
-    FLASHD_UNROLL
-    for (int u = 0; u < 8; ++u) acc += v[u];
-  }
-  for (; b < blocks; ++b) acc += s[b];
-  y[n0 + t] = acc;
+  y[n0 + t] = SumInOrder(sums + t * stride, blocks);
 }
 
 // Linear's row: thread block j takes `groups` groups of columns from the j-th.
