@@ -97,6 +97,16 @@ __device__ inline void E2M1x8Scaled(uint32_t word, float* v) {
   }
 }
 
+// A word of weight codes as their scaled values: four FP8 codes or eight FP4.
+template <int kFormat, bool kExact>
+__device__ inline void WordValues(uint32_t word, float* v) {
+  if (kFormat == 0) {
+    E4M3x4Scaled<kExact>(word, v);
+  } else {
+    E2M1x8Scaled(word, v);
+  }
+}
+
 // Whether a block of FP8 codes holds a NaN code: a magnitude 0x7F plus one sets its byte's top.
 __device__ inline bool HasNanCode(const uint4* raw) {
   const uint32_t m = 0x7F7F7F7Fu, one = 0x01010101u;
@@ -138,11 +148,7 @@ __device__ inline void BlockProducts(const uint4* raw,
   FLASHD_UNROLL
   for (int j = 0; j < kWords; ++j) {
     float v[kPerWord];
-    if (kFormat == 0) {
-      E4M3x4Scaled<kExact>(words[j], v);
-    } else {
-      E2M1x8Scaled(words[j], v);
-    }
+    WordValues<kFormat, kExact>(words[j], v);
     FLASHD_UNROLL
     for (int r = 0; r < kRows; ++r) {
       if (r >= rows) break;
@@ -397,11 +403,7 @@ __device__ inline float GemvBlockSum(const uint4* raw, const float* xv) {
   FLASHD_UNROLL
   for (int j = 0; j < kWords; ++j) {
     float v[kPerWord];
-    if (kFormat == 0) {
-      E4M3x4Scaled<kExact>(words[j], v);
-    } else {
-      E2M1x8Scaled(words[j], v);
-    }
+    WordValues<kFormat, kExact>(words[j], v);
     FLASHD_UNROLL
     for (int i = 0; i < kPerWord; ++i) {
       p[i % 4] = FLASHD_EXACT_FMA(xv[j * kPerWord + i], v[i], p[i % 4]);
