@@ -1002,21 +1002,21 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   const int64_t blocks = p.rows * p.in / kBlock;
   const GemvShape g = p.slot_rows == 1 ? GemvShapeFor(p.format, p.in, p.out) : GemvShape{};
-  if (g.groups > 0 && Aligned(p.x_codes, 16)) {  // One token's step: a row a slot, the GEMV.
-    if (p.rows * g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
-    QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
+  const bool gemv = g.groups > 0 && Aligned(p.x_codes, 16);  // One token's step: a row a slot.
+  if (gemv && p.rows * g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
+  if (gemv) {
     const auto kernel =
         p.format == WeightFormat::kFp8 ? &ExpertGemvKernel<0> : &ExpertGemvKernel<1>;
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(p.rows * g.tiles), kGemvThreads, g.shared, stream,
                   p.x_codes, p.x_scales, p.in, p.slot_expert, p.slot_offset, p.slots, p.w,
                   p.w_scales, p.out, g.groups, g.tiles, p.y);
-    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  } else {
+    const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
+    FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
+                  p.x_scales, p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w,
+                  p.w_scales, p.out, p.y);
   }
-  QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
-  const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
-  FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes, p.x_scales,
-                p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w, p.w_scales, p.out,
-                p.y);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

@@ -1592,7 +1592,7 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
   struct RouteShape {
     int64_t tokens, experts, top;
   };
-  for (const RouteShape& shape : {RouteShape{257, 12, 3}, RouteShape{9, 384, 6}})
+  for (const RouteShape& shape : {RouteShape{257, 12, 3}, RouteShape{9, 384, 6}}) {
     for (RouteScoring sc : scorings) {
       const int64_t tokens = shape.tokens, experts = shape.experts, top = shape.top;
       std::vector<float> logits(tokens * experts), bias(experts);
@@ -1601,36 +1601,33 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
       for (float& x : bias) x = d(rng);
       std::vector<float> s(logits.size()), b(logits.size()), w(tokens * top);
       std::vector<int64_t> chosen(tokens * top);
-      cpu::MoeRoute({.logits = logits.data(),
-                     .bias = bias.data(),
-                     .tokens = tokens,
-                     .experts = experts,
-                     .k = top,
-                     .scoring = sc,
-                     .norm_topk = true,
-                     .scale = 2.5f,
-                     .scores = s.data(),
-                     .biased = b.data(),
-                     .chosen = chosen.data(),
-                     .weights = w.data()});
+      // The op's params over host or device buffers.
+      const auto params = [&](const float* l, const float* bi, float* sc_out, float* biased,
+                              int64_t* ch, float* wt) {
+        return MoeRouteParams{.logits = l,
+                              .bias = bi,
+                              .tokens = tokens,
+                              .experts = experts,
+                              .k = top,
+                              .scoring = sc,
+                              .norm_topk = true,
+                              .scale = 2.5f,
+                              .scores = sc_out,
+                              .biased = biased,
+                              .chosen = ch,
+                              .weights = wt};
+      };
+      BOOST_REQUIRE(cpu::MoeRoute(params(logits.data(), bias.data(), s.data(), b.data(),
+                                         chosen.data(), w.data())) == OpStatus::kOk);
       Dev<float> dl(logits), db(bias), dsc(s), dbi(b), dw(w);
       Dev<int64_t> dch(chosen);
-      BOOST_REQUIRE(gpu::MoeRoute({.logits = dl.get(),
-                                   .bias = db.get(),
-                                   .tokens = tokens,
-                                   .experts = experts,
-                                   .k = top,
-                                   .scoring = sc,
-                                   .norm_topk = true,
-                                   .scale = 2.5f,
-                                   .scores = dsc.get(),
-                                   .biased = dbi.get(),
-                                   .chosen = dch.get(),
-                                   .weights = dw.get()}) == OpStatus::kOk);
+      BOOST_REQUIRE(gpu::MoeRoute(params(dl.get(), db.get(), dsc.get(), dbi.get(), dch.get(),
+                                         dw.get())) == OpStatus::kOk);
       BOOST_TEST((dch.Host() == chosen));
       BOOST_TEST(BitEqual(dsc.Host(), s));
       BOOST_TEST(BitEqual(dw.Host(), w));
     }
+  }
 }
 
 // Attention over window rows (fresh and from the FP8 ring) and selected FP4 rows read through
