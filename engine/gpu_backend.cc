@@ -1161,6 +1161,9 @@ class GpuBackend final : public Backend {
       d.sink = c.Weight(p.sink, p.heads);
       d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
       d.out = c.Out(p.out, p.tokens * p.heads * p.head_dim);
+      // A decode step's keys decoded once for all the heads (the same bits as without).
+      d.workspace_floats = g::SparseAttentionWorkspaceFloats(p);
+      d.workspace = d.workspace_floats > 0 ? c.Work<float>(d.workspace_floats) : nullptr;
       return Launch(c, [&] { return g::SparseAttention(d); });
     });
   }

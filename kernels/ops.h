@@ -347,6 +347,10 @@ struct SparseAttentionParams {
   const float* sink = nullptr;   // [heads]
   const float* freqs = nullptr;  // For the inverse rotation.
   float* out = nullptr;          // [tokens, heads, head_dim]
+  // Optional scratch for a GPU backend (kernels/gpu/ops.h: SparseAttentionWorkspaceFloats says
+  // how much it takes); the CPU ignores it.
+  float* workspace = nullptr;
+  int64_t workspace_floats = 0;
   void* stream = nullptr;
 };
 

@@ -15,6 +15,11 @@
 // thread per pair of dimensions reads them from every key and keeps its G heads' block sums and
 // accumulators in registers. No key value goes through shared memory; each is read from its row
 // twice, once for the logits and once for the sums.
+//
+// A decode step given a workspace takes three other kernels instead, which decode each key once
+// for all the heads and spread the logits over (head, key) threads ("A decode step's keys
+// decoded once" below); the same bits.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 
@@ -379,6 +384,252 @@ __global__ void __launch_bounds__(kAttendThreads)
   }
 }
 
+// --- A decode step's keys decoded once -----------------------------------------------------------
+// Where the queries are few (under kGroupTokens, not a draft block) and the caller gives a
+// workspace, three kernels replace AttendKernel, none of them bound to a head's thread block:
+//   DecodeKeysKernel: each listed key's values (the products KeyValues2 makes) into the
+//     workspace, once for all the heads (AttendKernel<1> decodes each key once per head);
+//   LogitsKernel: each (head, key) logit, a thread each, the dimensions in order, 16 keys and 16
+//     heads a thread block staging 128 dimensions of each at a time in shared memory;
+//   SoftmaxSumsKernel: per query, head and 128 dimensions, the softmax's steps (block maxima and
+//     block sums a thread per attention block, the running maximum and the denominator a thread
+//     through the blocks, the exps a thread per key) and the weighted sums, a thread per dimension
+//     through the keys in list order.
+// Every value is made by the same operations in the same order as AttendKernel's: the same bits.
+//
+// The workspace: [tokens] list ends (floats, exact), padded to 4; [tokens, capacity, head_dim]
+// key values; [tokens, heads, capacity] logits; a key's slot is its list index (the window's
+// slots first, so the capacity is window + selected_stride).
+constexpr int64_t kOnceDecodeKeys = 16;  // List entries a DecodeKeysKernel block decodes.
+constexpr int64_t kOnceLogitKeys = 16, kOnceLogitHeads = 16;
+constexpr int64_t kOnceStageDims = 128;  // Dimensions a LogitsKernel block stages at a time.
+constexpr int64_t kOnceStagePitch = kOnceStageDims + 4;  // Rows 16 bytes apart in banks.
+constexpr unsigned kOnceLogitThreads = kOnceLogitKeys * kOnceLogitHeads;
+constexpr unsigned kOnceSumThreads = 128;  // Dimensions a SoftmaxSumsKernel block keeps.
+constexpr int64_t kOnceSumAhead = 32;      // Keys a thread's loads run ahead of its sums.
+static_assert(kOnceDecodeKeys <= kAttendThreads, "a thread resolves each entry's row");
+
+struct OnceLayout {
+  int64_t capacity = 0, keys = 0, logits = 0, total = 0;  // Offsets and size in floats.
+};
+
+OnceLayout OnceLayoutOf(const SparseAttentionParams& p) {
+  OnceLayout l;
+  l.capacity = p.window + p.selected_stride;
+  l.keys = (p.tokens + 3) / 4 * 4;
+  l.logits = l.keys + p.tokens * l.capacity * p.head_dim;
+  l.total = l.logits + p.tokens * p.heads * l.capacity;
+  return l;
+}
+
+// SoftmaxSumsKernel's shared memory: a probability per slot, and per attention block its maximum,
+// running maximum, rescale and sum.
+size_t OnceSumShared(int64_t capacity) {
+  const int64_t blocks = (capacity + kAttentionBlock - 1) / kAttentionBlock;
+  return static_cast<size_t>(capacity + 4 * blocks) * sizeof(float);
+}
+
+// Where query t's list starts: the first window entry, else the selected entries' base.
+__device__ inline int64_t ListStart(const AttentionKeys& window) {
+  return window.count() > 0 ? window.ListIndex(0) : window.selected_base();
+}
+
+// Block (t, chunk c): list entries [c * kOnceDecodeKeys, + kOnceDecodeKeys) of query t, each
+// key's values by a thread per pair of dimensions; chunk 0 also writes the query's list end.
+__global__ void __launch_bounds__(kAttendThreads)
+    DecodeKeysKernel(SparseAttentionParams p, OnceLayout l) {
+  __shared__ KeyRow key[kOnceDecodeKeys];
+  __shared__ int scan[kAttendThreads];
+  const int64_t chunks = (l.capacity + kOnceDecodeKeys - 1) / kOnceDecodeKeys;
+  const int64_t t = blockIdx.x / chunks, L = blockIdx.x % chunks * kOnceDecodeKeys;
+  const int64_t hd = p.head_dim;
+  const unsigned tid = threadIdx.x;
+  const AttentionKeys window = AttentionKeys::Of(p, t);
+  const int64_t sb = window.selected_base(), w0 = ListStart(window);
+  if (tid < kOnceDecodeKeys) {
+    const int64_t li = L + tid;
+    if (li >= w0 && li < sb) {
+      const int64_t q = window.Position(li - w0);
+      if (q >= p.fresh_first) {
+        key[tid] = {p.fresh + (q - p.fresh_first) * hd, nullptr, KeySource::kFresh};
+      } else {
+        const int64_t slot = q % p.window;
+        key[tid] = {p.ring_codes + slot * hd, p.ring_scales + slot * hd / 32, KeySource::kRing};
+      }
+    }
+  }
+  // The selected entries' ranks: all of the row for chunk 0 (the list's end), else up to the
+  // chunk's last entry.
+  const int64_t* selected = p.selected + t * p.selected_stride;
+  int64_t rank0 = 0;
+  for (int64_t c0 = 0; c0 < p.selected_stride && (L == 0 || sb + rank0 < L + kOnceDecodeKeys);
+       c0 += kAttendThreads) {
+    const int64_t i = c0 + tid;
+    const int64_t entry = i < p.selected_stride ? selected[i] : -1;
+    int total;
+    const int64_t li = sb + rank0 + ExclusiveScan(entry >= 0 ? 1 : 0, scan, &total);
+    if (entry >= 0 && li >= L && li < L + kOnceDecodeKeys) {
+      const int64_t row = BlockRow(p.block_table, p.kv_codes.rows_per_block, entry);
+      key[li - L] = {p.kv_codes.Row(row), p.kv_scales.Row(row), KeySource::kCompressed};
+    }
+    rank0 += total;
+  }
+  // The list's end for chunk 0; for another, past the chunk's last listed entry (the ranks were
+  // counted until they passed it, or through the row).
+  const int64_t end = sb + rank0;
+  if (L == 0 && tid == 0) p.workspace[t] = static_cast<float>(end);
+  __syncthreads();
+  float* keys = p.workspace + l.keys + t * l.capacity * hd;
+  for (int64_t s = 0; s < kOnceDecodeKeys; ++s) {
+    const int64_t li = L + s;
+    if (li < w0 || li >= end) continue;
+    for (int64_t d = 2 * tid; d < hd; d += 2 * kAttendThreads) {
+      float v[2];
+      KeyValues2(key[s], d, v);
+      keys[li * hd + d] = v[0], keys[li * hd + d + 1] = v[1];
+    }
+  }
+}
+
+// Block (t, key chunk, head group): logits[t][h][li] for the chunk's kOnceLogitKeys list entries
+// and the group's kOnceLogitHeads heads, thread (key tid % 16, head tid / 16) summing q . key over
+// the dimensions in order, both staged kOnceStageDims dimensions at a time.
+__global__ void __launch_bounds__(kOnceLogitThreads)
+    LogitsKernel(SparseAttentionParams p, OnceLayout l) {
+  __shared__ float4 ks[kOnceLogitKeys][kOnceStagePitch / 4];
+  __shared__ float4 qs[kOnceLogitHeads][kOnceStagePitch / 4];
+  const int64_t chunks = (l.capacity + kOnceLogitKeys - 1) / kOnceLogitKeys;
+  const int64_t groups = (p.heads + kOnceLogitHeads - 1) / kOnceLogitHeads;
+  const int64_t t = blockIdx.x / (chunks * groups), rest = blockIdx.x % (chunks * groups);
+  const int64_t L = rest / groups * kOnceLogitKeys, h0 = rest % groups * kOnceLogitHeads;
+  const int64_t hd = p.head_dim, w0 = ListStart(AttentionKeys::Of(p, t));
+  const int64_t end = static_cast<int64_t>(p.workspace[t]);
+  if (L + kOnceLogitKeys <= w0 || L >= end) return;  // The whole block: no key of the list.
+  const unsigned tid = threadIdx.x, kk = tid % kOnceLogitKeys, hh = tid / kOnceLogitKeys;
+  const float* keys = p.workspace + l.keys + (t * l.capacity + L) * hd;
+  const float* q = p.q + (t * p.heads + h0) * hd;
+  const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
+  float dot = 0;
+  for (int64_t d0 = 0; d0 < hd; d0 += kOnceStageDims) {
+    const int64_t dims = hd - d0 < kOnceStageDims ? hd - d0 : kOnceStageDims;
+    __syncthreads();  // The last stage's readers are done.
+    for (int64_t i = tid; i < kOnceLogitKeys * dims / 4; i += kOnceLogitThreads) {
+      const int64_t r = i / (dims / 4), c4 = i % (dims / 4);
+      float4 k = {0, 0, 0, 0}, x = {0, 0, 0, 0};
+      if (L + r >= w0 && L + r < end) k = reinterpret_cast<const float4*>(keys + r * hd + d0)[c4];
+      if (h0 + r < p.heads) x = reinterpret_cast<const float4*>(q + r * hd + d0)[c4];
+      ks[r][c4] = k, qs[r][c4] = x;
+    }
+    __syncthreads();
+    for (int64_t c4 = 0; c4 < dims / 4; ++c4) {
+      const float4 k = ks[kk][c4], x = qs[hh][c4];
+      dot += x.x * k.x;
+      dot += x.y * k.y;
+      dot += x.z * k.z;
+      dot += x.w * k.w;
+    }
+  }
+  const int64_t li = L + kk, h = h0 + hh;
+  if (li >= w0 && li < end && h < p.heads) {
+    p.workspace[l.logits + (t * p.heads + h) * l.capacity + li] = dot * scale;
+  }
+}
+
+// Block (t, h, slice): query t's head h, its output's dimensions [slice * 128, + 128), a thread
+// each. The softmax as AttendKernel's (the same operations on the same values), then each
+// thread's weighted sums through the keys in list order.
+__global__ void __launch_bounds__(kOnceSumThreads)
+    SoftmaxSumsKernel(SparseAttentionParams p, OnceLayout l) {
+  FLASHD_DYNAMIC_SHARED(float, shared);
+  __shared__ float run_m, denom;
+  const int64_t hd = p.head_dim, slices = (hd + kOnceSumThreads - 1) / kOnceSumThreads;
+  const int64_t t = blockIdx.x / (p.heads * slices), h = blockIdx.x / slices % p.heads;
+  const int64_t d = blockIdx.x % slices * kOnceSumThreads + threadIdx.x;
+  const int64_t blocks = (l.capacity + kAttentionBlock - 1) / kAttentionBlock;
+  float* prob = shared;  // A slot's logit, then its probability, then that rounded to BF16.
+  float* block_max = shared + l.capacity;
+  float* block_m = block_max + blocks;
+  float* block_rescale = block_m + blocks;
+  float* block_sum = block_rescale + blocks;
+  const unsigned tid = threadIdx.x;
+  const int64_t w0 = ListStart(AttentionKeys::Of(p, t));
+  const int64_t end = static_cast<int64_t>(p.workspace[t]);
+  const float* logits = p.workspace + l.logits + (t * p.heads + h) * l.capacity;
+  for (int64_t j = w0 + tid; j < end; j += kOnceSumThreads) prob[j] = logits[j];
+  // Attention blocks [b0, b1) hold the list; block b's entries are [lo(b), hi(b)).
+  const int64_t b0 = w0 / kAttentionBlock, b1 = end > w0 ? (end - 1) / kAttentionBlock + 1 : b0;
+  auto lo = [&](int64_t b) { return b * kAttentionBlock > w0 ? b * kAttentionBlock : w0; };
+  auto hi = [&](int64_t b) {
+    return (b + 1) * kAttentionBlock < end ? (b + 1) * kAttentionBlock : end;
+  };
+  __syncthreads();
+  for (int64_t b = b0 + tid; b < b1; b += kOnceSumThreads) {
+    float m = -INFINITY;
+    InOrder(prob, lo(b), hi(b), [&](int64_t, float v) { m = fmaxf(m, v); });
+    block_max[b] = m;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float m = -1e30f;
+    for (int64_t b = b0; b < b1; ++b) {
+      const float m_new = fmaxf(m, block_max[b]);
+      block_rescale[b] = fm::Exp(m - m_new);
+      block_m[b] = m_new;
+      m = m_new;
+    }
+    run_m = m;
+  }
+  __syncthreads();
+  for (int64_t j = w0 + tid; j < end; j += kOnceSumThreads) {
+    prob[j] = fm::Exp(prob[j] - block_m[j / kAttentionBlock]);
+  }
+  __syncthreads();
+  for (int64_t b = b0 + tid; b < b1; b += kOnceSumThreads) {
+    float sum = 0;
+    InOrder(prob, lo(b), hi(b), [&](int64_t j, float v) {
+      sum += v;
+      prob[j] = c::RoundBf16(v);
+    });
+    block_sum[b] = sum;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    float den = 0;
+    for (int64_t b = b0; b < b1; ++b) den = den * block_rescale[b] + block_sum[b];
+    denom = den + fm::Exp(p.sink[h] - run_m);
+  }
+  __syncthreads();
+  if (d >= hd) return;
+  // The keys in list order, kOnceSumAhead at a time, the next ones' loads issued before these
+  // are summed; at an attention block's last key the accumulator takes acc * rescale + the
+  // block's sum.
+  const float* keys = p.workspace + l.keys + t * l.capacity * hd + d;
+  const auto load = [&](int64_t j0, float* v) {
+    FLASHD_UNROLL
+    for (int u = 0; u < kOnceSumAhead; ++u) v[u] = j0 + u < end ? keys[(j0 + u) * hd] : 0.0f;
+  };
+  float acc = 0, part = 0, now[kOnceSumAhead] = {}, next[kOnceSumAhead] = {};
+  int64_t b = b0;
+  load(w0, now);
+  for (int64_t j0 = w0; j0 < end; j0 += kOnceSumAhead) {
+    if (j0 + kOnceSumAhead < end) load(j0 + kOnceSumAhead, next);
+    FLASHD_UNROLL
+    for (int u = 0; u < kOnceSumAhead; ++u) {
+      const int64_t j = j0 + u;
+      if (j >= end) break;
+      part += prob[j] * now[u];
+      if (j + 1 == hi(b)) {
+        acc = acc * block_rescale[b] + part;
+        part = 0;
+        ++b;
+      }
+    }
+    FLASHD_UNROLL
+    for (int u = 0; u < kOnceSumAhead; ++u) now[u] = next[u];
+  }
+  p.out[(t * p.heads + h) * hd + d] = c::RoundBf16(acc / denom);
+}
+
 // The current device's multiprocessors, asked of the runtime once per device.
 int Multiprocessors() {
   constexpr int kDevices = 64;
@@ -396,30 +647,22 @@ int Multiprocessors() {
   return count;
 }
 
-OpStatus Attend(const SparseAttentionParams& p, int slices) {
-  if (p.tokens < 0 || p.heads <= 0 || p.head_dim <= 0 || p.head_dim % 32 != 0 || p.window <= 0 ||
-      p.positions == nullptr || p.window_first == nullptr ||
-      (p.selected_stride > 0 && (p.selected == nullptr || p.block_table == nullptr))) {
-    return OpStatus::kBadShape;
-  }
-  if (p.head_dim > kMaxHeadDim) return OpStatus::kBadShape;
-  if (p.tokens == 0) return OpStatus::kOk;
-  // Heads eight to a thread block where the queries are many; one where they are few.
-  const bool grouped = p.tokens >= kGroupTokens;
-  if (slices == 0) {  // Two where a query's heads, one a thread block, leave half the SMs idle.
-    slices = !grouped && p.tokens * p.heads * 2 <= Multiprocessors() ? 2 : 1;
-  }
-  if (slices != 1 && slices != 2) return OpStatus::kBadArgument;
-  const int64_t n = p.tokens * (grouped ? (p.heads + 7) / 8 : p.heads) * slices;
-  if (n > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
-  const auto stream = static_cast<gpuStream_t>(p.stream);
-  if (grouped) {
-    FLASHD_LAUNCH(AttendKernel<8>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p, slices);
-  } else {
-    FLASHD_LAUNCH(AttendKernel<1>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p, slices);
-  }
-  if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
-  // Each head rotated back by its query's position.
+// Whether the keys-once kernels take p's shape: a few queries (not a draft block), the
+// softmax's slots within shared memory.
+bool OnceTakes(const SparseAttentionParams& p) {
+  return p.window_last == nullptr && p.tokens < kGroupTokens &&
+         OnceSumShared(p.window + p.selected_stride) <= 48 * 1024;
+}
+
+bool ValidShape(const SparseAttentionParams& p) {
+  return p.tokens >= 0 && p.heads > 0 && p.head_dim > 0 && p.head_dim % 32 == 0 &&
+         p.head_dim <= kMaxHeadDim && p.window > 0 && p.positions != nullptr &&
+         p.window_first != nullptr &&
+         (p.selected_stride == 0 || (p.selected != nullptr && p.block_table != nullptr));
+}
+
+// The output's heads rotated back, each by its query's position.
+OpStatus RotateBack(const SparseAttentionParams& p) {
   return Rope({.x = p.out,
                .rows = p.tokens,
                .heads = p.heads,
@@ -432,13 +675,73 @@ OpStatus Attend(const SparseAttentionParams& p, int slices) {
                .stream = p.stream});
 }
 
+OpStatus AttendOnce(const SparseAttentionParams& p) {
+  const OnceLayout l = OnceLayoutOf(p);
+  const int64_t decode_blocks = p.tokens * ((l.capacity + kOnceDecodeKeys - 1) / kOnceDecodeKeys);
+  const int64_t logit_blocks = p.tokens * ((l.capacity + kOnceLogitKeys - 1) / kOnceLogitKeys) *
+                               ((p.heads + kOnceLogitHeads - 1) / kOnceLogitHeads);
+  const int64_t sum_blocks =
+      p.tokens * p.heads * ((p.head_dim + kOnceSumThreads - 1) / kOnceSumThreads);
+  if (std::max({decode_blocks, logit_blocks, sum_blocks}) > int64_t{0x7FFFFFFF}) {
+    return OpStatus::kBadShape;  // The grid's limit.
+  }
+  const auto stream = static_cast<gpuStream_t>(p.stream);
+  FLASHD_LAUNCH(DecodeKeysKernel, static_cast<unsigned>(decode_blocks), kAttendThreads, 0, stream,
+                p, l);
+  FLASHD_LAUNCH(LogitsKernel, static_cast<unsigned>(logit_blocks), kOnceLogitThreads, 0, stream, p,
+                l);
+  FLASHD_LAUNCH(SoftmaxSumsKernel, static_cast<unsigned>(sum_blocks), kOnceSumThreads,
+                OnceSumShared(l.capacity), stream, p, l);
+  if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
+  return RotateBack(p);
+}
+
+// AttendKernel over `slices` (1 or 2) thread blocks a head; 0: two where a query's heads, one a
+// thread block, leave half the SMs idle.
+OpStatus Attend(const SparseAttentionParams& p, int slices) {
+  // Heads eight to a thread block where the queries are many; one where they are few.
+  const bool grouped = p.tokens >= kGroupTokens;
+  if (slices == 0) slices = !grouped && p.tokens * p.heads * 2 <= Multiprocessors() ? 2 : 1;
+  const int64_t n = p.tokens * (grouped ? (p.heads + 7) / 8 : p.heads) * slices;
+  if (n > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  const auto stream = static_cast<gpuStream_t>(p.stream);
+  if (grouped) {
+    FLASHD_LAUNCH(AttendKernel<8>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p, slices);
+  } else {
+    FLASHD_LAUNCH(AttendKernel<1>, static_cast<unsigned>(n), kAttendThreads, 0, stream, p, slices);
+  }
+  if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
+  return RotateBack(p);
+}
+
 }  // namespace
 
-OpStatus SparseAttention(const SparseAttentionParams& p) { return Attend(p, 0); }
+int64_t SparseAttentionWorkspaceFloats(const SparseAttentionParams& p) {
+  return p.tokens > 0 && OnceTakes(p) ? OnceLayoutOf(p).total : 0;
+}
 
-OpStatus SparseAttentionSliced(const SparseAttentionParams& p, int slices) {
-  if (slices < 1) return OpStatus::kBadArgument;
-  return Attend(p, slices);
+OpStatus SparseAttentionScheduled(const SparseAttentionParams& p, AttentionSchedule schedule) {
+  if (!ValidShape(p)) return OpStatus::kBadShape;
+  if (p.tokens == 0) return OpStatus::kOk;
+  const bool once = OnceTakes(p) && p.workspace != nullptr &&
+                    p.workspace_floats >= OnceLayoutOf(p).total &&
+                    reinterpret_cast<uintptr_t>(p.q) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(p.workspace) % 16 == 0;
+  switch (schedule) {
+    case AttentionSchedule::kAuto:
+      return once ? AttendOnce(p) : Attend(p, 0);
+    case AttentionSchedule::kHeadBlocks:
+      return Attend(p, 1);
+    case AttentionSchedule::kHeadBlocksSplit:
+      return Attend(p, 2);
+    case AttentionSchedule::kKeysOnce:
+      return once ? AttendOnce(p) : OpStatus::kBadArgument;
+  }
+  return OpStatus::kBadArgument;
+}
+
+OpStatus SparseAttention(const SparseAttentionParams& p) {
+  return SparseAttentionScheduled(p, AttentionSchedule::kAuto);
 }
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

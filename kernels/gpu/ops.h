@@ -74,12 +74,24 @@ OpStatus TopK(const TopKParams& p);
 OpStatus IndexerScores(const IndexerScoreParams& p);
 OpStatus CandidateFilter(const CandidateFilterParams& p);  // Total order only.
 OpStatus MoeRoute(const MoeRouteParams& p);
-// A thread block per query and head (eight heads where the queries are 16 or more); where the
-// query's heads leave half the multiprocessors idle (a decode step: 64 thread blocks for 132),
-// two thread blocks per head, each computing all the logits and half the weighted sums.
+// Where the queries are few (under 16, not a DSpark draft block) and p gives the workspace
+// SparseAttentionWorkspaceFloats(p) asks for (16-byte aligned, as q): each listed key decoded
+// once into the workspace for all the heads, then the logits a thread per (head, key) and the
+// softmax and weighted sums a thread block per head and 128 dimensions. Otherwise a thread block
+// per query and head (eight heads where the queries are 16 or more), and where the query's heads
+// leave half the multiprocessors idle, two a head, each computing all the logits and half the
+// weighted sums. The same bits every way.
 OpStatus SparseAttention(const SparseAttentionParams& p);
-// SparseAttention with the weighted sums split over `slices` (1 or 2) thread blocks a head,
-// whatever the device: for the tests and gpu_bench. The same results for every split.
-OpStatus SparseAttentionSliced(const SparseAttentionParams& p, int slices);
+// The floats of workspace SparseAttention takes for p's shape (tokens, heads, head_dim, window,
+// selected_stride; draft or not), 0 where it takes none.
+int64_t SparseAttentionWorkspaceFloats(const SparseAttentionParams& p);
+// SparseAttention's layouts, forced whatever the device: for the tests and gpu_bench.
+enum class AttentionSchedule {
+  kAuto,             // What SparseAttention picks.
+  kHeadBlocks,       // A thread block a head (eight heads for 16 queries or more).
+  kHeadBlocksSplit,  // Two thread blocks a head, each half the weighted sums.
+  kKeysOnce,         // Keys decoded once (kBadArgument where SparseAttention could not).
+};
+OpStatus SparseAttentionScheduled(const SparseAttentionParams& p, AttentionSchedule schedule);
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

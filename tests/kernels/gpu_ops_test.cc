@@ -1647,7 +1647,8 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
   };
   // Queries one head to a thread block (under 16 tokens) and eight (16 and more, 9 heads: a
   // group part empty); key lists within one pass of 256 entries and over two (window 300), at the
-  // model's head_dim (512: two dimensions a thread) and the golden model's.
+  // model's head_dim (512: two dimensions a thread) and the golden model's; selection rows of
+  // over 256 entries (two rounds of ranks) and over 16 heads (the logits' second head group).
   const Shape shapes[] = {{2,
                            64,
                            {{1, 8, 5, 30, false},
@@ -1663,7 +1664,9 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
                            {{3, 300, 60, 400, false},
                             {17, 300, 60, 400, false},
                             {16, 300, 40, 280, true},
-                            {2, 128, 20, 90, false}}}};
+                            {2, 128, 20, 90, false},
+                            {1, 128, 300, 600, false}}},
+                          {20, 64, {{1, 8, 40, 30, false}, {3, 70, 290, 100, false}}}};
   for (const size_t shift : {size_t{0}, size_t{1}}) {
     for (const Shape& shape : shapes) {
       const int64_t heads = shape.heads, hd = shape.hd, rd = 16, per = 4, nblocks = 5;
@@ -1750,13 +1753,35 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
         BOOST_TEST(BitEqual(dout.Host(), want), "head_dim " << hd << " tokens " << tokens
                                                             << " window " << window << " whole "
                                                             << whole << " shift " << shift);
-        // The weighted sums split over two thread blocks a head (what a decode step gets where
-        // its heads leave multiprocessors idle): the same bits.
-        Dev<float> dout2(std::vector<float>(want.size(), -1.0f));
-        params.out = dout2.get();
-        BOOST_REQUIRE(gpu::SparseAttentionSliced(params, 2) == OpStatus::kOk);
-        BOOST_TEST(BitEqual(dout2.Host(), want),
-                   "two slices, head_dim " << hd << " tokens " << tokens);
+        // Every layout: a thread block a head, two a head (each half the weighted sums), and for
+        // the few queries of decode steps the keys decoded once into the workspace (which
+        // starts as NaNs, so a slot read before it is written shows): the same bits.
+        const int64_t floats = gpu::SparseAttentionWorkspaceFloats(params);
+        BOOST_TEST((floats > 0) == (!whole && tokens < 16));
+        Dev<float> dwork(std::vector<float>(std::max<int64_t>(floats, 1), std::nanf("")));
+        params.workspace = dwork.get();
+        params.workspace_floats = floats;
+        using gpu::AttentionSchedule;
+        for (const AttentionSchedule schedule :
+             {AttentionSchedule::kAuto, AttentionSchedule::kHeadBlocks,
+              AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
+          Dev<float> dout2(std::vector<float>(want.size(), -1.0f));
+          params.out = dout2.get();
+          const OpStatus status = gpu::SparseAttentionScheduled(params, schedule);
+          if (schedule == AttentionSchedule::kKeysOnce && floats == 0) {
+            BOOST_TEST((status == OpStatus::kBadArgument));
+            continue;
+          }
+          BOOST_REQUIRE(status == OpStatus::kOk);
+          BOOST_TEST(BitEqual(dout2.Host(), want),
+                     "schedule " << static_cast<int>(schedule) << ", head_dim " << hd << " tokens "
+                                 << tokens << " window " << window << " width " << width);
+        }
+        if (floats > 0) {  // A workspace a float short: refused, not overrun.
+          params.workspace_floats = floats - 1;
+          BOOST_TEST((gpu::SparseAttentionScheduled(params, AttentionSchedule::kKeysOnce) ==
+                      OpStatus::kBadArgument));
+        }
       }
     }
   }
