@@ -37,52 +37,90 @@ __global__ void ExpandKernel(const float* X, const float* sub, const float* post
   out[i] = c::RoundBf16(acc + mixed);
 }
 
-// pre, post and the Sinkhorn-normalised comb from one row of mixes: the CPU's steps in its order.
-// kHc > 0: hc is kHc, known to the compiler, so the loops unroll and arrays the caller keeps in
-// registers stay there (one thread runs all of it: memory round trips would be its time).
-template <int kHc>
-__device__ void HcSplit(const float* mixes, const float* scale, const float* base, int hc_arg,
+// pre, post and the Sinkhorn-normalised comb from one row of mixes: the CPU's steps in its order,
+// by one thread (hc past what a thread block's threads split between them; not the model's).
+__device__ void HcSplit(const float* mixes, const float* scale, const float* base, int64_t hc,
                         int iters, float eps, float* pre, float* post, float* comb) {
-  const int hc = kHc > 0 ? kHc : hc_arg;
-  FLASHD_UNROLL
-  for (int i = 0; i < hc; ++i) {
+  for (int64_t i = 0; i < hc; ++i) {
     pre[i] = fm::Sigmoid(mixes[i] * scale[0] + base[i]) + eps;
     post[i] = 2.0f * fm::Sigmoid(mixes[hc + i] * scale[1] + base[hc + i]);
   }
-  FLASHD_UNROLL
-  for (int i = 0; i < hc; ++i) {
+  for (int64_t i = 0; i < hc; ++i) {
     float row_max = -INFINITY;
-    FLASHD_UNROLL
-    for (int j = 0; j < hc; ++j) {
+    for (int64_t j = 0; j < hc; ++j) {
       comb[i * hc + j] = mixes[2 * hc + i * hc + j] * scale[2] + base[2 * hc + i * hc + j];
       row_max = fmaxf(row_max, comb[i * hc + j]);
     }
     float sum = 0;
-    FLASHD_UNROLL
-    for (int j = 0; j < hc; ++j) sum += (comb[i * hc + j] = fm::Exp(comb[i * hc + j] - row_max));
-    FLASHD_UNROLL
-    for (int j = 0; j < hc; ++j) comb[i * hc + j] = comb[i * hc + j] / sum + eps;
+    for (int64_t j = 0; j < hc; ++j)
+      sum += (comb[i * hc + j] = fm::Exp(comb[i * hc + j] - row_max));
+    for (int64_t j = 0; j < hc; ++j) comb[i * hc + j] = comb[i * hc + j] / sum + eps;
   }
   for (int it = 0; it < iters; ++it) {
     if (it > 0) {
-      FLASHD_UNROLL
-      for (int i = 0; i < hc; ++i) {
+      for (int64_t i = 0; i < hc; ++i) {
         float sum = 0;
-        FLASHD_UNROLL
-        for (int j = 0; j < hc; ++j) sum += comb[i * hc + j];
-        FLASHD_UNROLL
-        for (int j = 0; j < hc; ++j) comb[i * hc + j] /= sum + eps;
+        for (int64_t j = 0; j < hc; ++j) sum += comb[i * hc + j];
+        for (int64_t j = 0; j < hc; ++j) comb[i * hc + j] /= sum + eps;
       }
     }
-    FLASHD_UNROLL
-    for (int j = 0; j < hc; ++j) {
+    for (int64_t j = 0; j < hc; ++j) {
       float sum = 0;
-      FLASHD_UNROLL
-      for (int i = 0; i < hc; ++i) sum += comb[i * hc + j];
-      FLASHD_UNROLL
-      for (int i = 0; i < hc; ++i) comb[i * hc + j] /= sum + eps;
+      for (int64_t i = 0; i < hc; ++i) sum += comb[i * hc + j];
+      for (int64_t i = 0; i < hc; ++i) comb[i * hc + j] /= sum + eps;
     }
   }
+}
+
+// The same split by the thread block: a thread per pre and post value and per comb element (i, j)
+// (thread i * hc + j), each doing that value's operations of HcSplit in its order; a row's or a
+// column's sum is read from shared memory in order by each of its threads, the comb passing
+// between two buffers, so a pass is one barrier. `m` (shared) holds the row's scaled mixes.
+// REQUIRES: (2 + hc) * hc <= kHcMixLanes.
+__device__ void HcSplitByThreads(const float* m, const float* scale, const float* base, int64_t hc,
+                                 int iters, float eps, float* pre, float* post, float* comb,
+                                 float (*buf)[kHcMixLanes]) {
+  const int64_t tid = threadIdx.x, i = tid / hc, j = tid % hc;
+  const bool mine = tid < hc * hc;
+  if (tid < hc) {
+    pre[tid] = fm::Sigmoid(m[tid] * scale[0] + base[tid]) + eps;
+    post[tid] = 2.0f * fm::Sigmoid(m[hc + tid] * scale[1] + base[hc + tid]);
+  }
+  float v = 0;
+  if (mine) buf[0][tid] = v = m[2 * hc + tid] * scale[2] + base[2 * hc + tid];
+  __syncthreads();
+  if (mine) {
+    float row_max = -INFINITY;
+    for (int64_t k = 0; k < hc; ++k) row_max = fmaxf(row_max, buf[0][i * hc + k]);
+    buf[1][tid] = v = fm::Exp(v - row_max);
+  }
+  __syncthreads();
+  if (mine) {
+    float sum = 0;
+    for (int64_t k = 0; k < hc; ++k) sum += buf[1][i * hc + k];
+    buf[0][tid] = v = v / sum + eps;
+  }
+  __syncthreads();
+  int now = 0;  // The buffer holding the comb.
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) {
+      if (mine) {
+        float sum = 0;
+        for (int64_t k = 0; k < hc; ++k) sum += buf[now][i * hc + k];
+        buf[now ^ 1][tid] = v /= sum + eps;
+      }
+      __syncthreads();
+      now ^= 1;
+    }
+    if (mine) {
+      float sum = 0;
+      for (int64_t k = 0; k < hc; ++k) sum += buf[now][k * hc + j];
+      buf[now ^ 1][tid] = v /= sum + eps;
+    }
+    __syncthreads();
+    now ^= 1;
+  }
+  if (mine) comb[tid] = v;
 }
 
 // HcMixParams' order for a sum of `n` terms term(i), by the thread block's kHcMixLanes threads:
@@ -126,37 +164,33 @@ __global__ void __launch_bounds__(kHcMixLanes)
   if (threadIdx.x == 0) mixes[blockIdx.x] = sum;
 }
 
-constexpr int64_t kRegisterHc = 4;  // The model's hc: its split runs in registers.
-
 // Thread block per token: the norm of the flattened stream (a double sum of squares), the
-// mixes scaled by it, then the split by one thread.
+// mixes scaled by it, then the split (by the thread block where its threads cover the values, as
+// for the model's 4 copies; else by one thread).
 __global__ void __launch_bounds__(kHcMixLanes)
     MixSplitKernel(const float* X, int64_t hc, int64_t dim, const float* scale, const float* base,
                    int iters, float hc_eps, float norm_eps, float* mixes, float* pre, float* post,
                    float* comb) {
   __shared__ double lanes[kHcMixLanes];
+  __shared__ float m[kHcMixLanes], buf[2][kHcMixLanes];
   const int64_t t = blockIdx.x;
   const int64_t width = hc * dim, mix = (2 + hc) * hc;
   const float* x = X + t * width;
   const double sum = LaneSum<double>(
       width, [&](int64_t i) { return static_cast<double>(x[i]) * x[i]; }, lanes);
-  if (threadIdx.x != 0) return;
   const float r = 1.0f / sqrtf(static_cast<float>(sum / width) + norm_eps);
-  if (hc == kRegisterHc) {  // The model's: the row in registers.
-    constexpr int kMix = (2 + kRegisterHc) * kRegisterHc;
-    float m[kMix], pre_r[kRegisterHc], post_r[kRegisterHc], comb_r[kRegisterHc * kRegisterHc];
-    FLASHD_UNROLL
-    for (int j = 0; j < kMix; ++j) mixes[t * kMix + j] = m[j] = mixes[t * kMix + j] * r;
-    HcSplit<kRegisterHc>(m, scale, base, kRegisterHc, iters, hc_eps, pre_r, post_r, comb_r);
-    FLASHD_UNROLL
-    for (int i = 0; i < kRegisterHc; ++i) pre[t * hc + i] = pre_r[i], post[t * hc + i] = post_r[i];
-    FLASHD_UNROLL
-    for (int i = 0; i < kRegisterHc * kRegisterHc; ++i) comb[t * hc * hc + i] = comb_r[i];
+  if (mix <= kHcMixLanes) {
+    const int64_t tid = threadIdx.x;
+    if (tid < mix) mixes[t * mix + tid] = m[tid] = mixes[t * mix + tid] * r;
+    __syncthreads();
+    HcSplitByThreads(m, scale, base, hc, iters, hc_eps, pre + t * hc, post + t * hc,
+                     comb + t * hc * hc, buf);
     return;
   }
+  if (threadIdx.x != 0) return;
   for (int64_t j = 0; j < mix; ++j) mixes[t * mix + j] *= r;
-  HcSplit<0>(mixes + t * mix, scale, base, static_cast<int>(hc), iters, hc_eps, pre + t * hc,
-             post + t * hc, comb + t * hc * hc);
+  HcSplit(mixes + t * mix, scale, base, hc, iters, hc_eps, pre + t * hc, post + t * hc,
+          comb + t * hc * hc);
 }
 
 }  // namespace

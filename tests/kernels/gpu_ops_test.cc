@@ -1202,7 +1202,7 @@ BOOST_AUTO_TEST_CASE(rms_norm_and_rope_bit_equal) {
 
 // The mixes in HcMixParams' lanes-and-tree order on both sides: widths under one round of lanes,
 // whole rounds with a part (4,400 = 17 x 256 + 48), and the released 20,480; the model's 4 copies
-// (the split in registers) and others (in memory).
+// and others (the split a thread per value), and 16 (more values than threads: one thread).
 BOOST_AUTO_TEST_CASE(hc_mix_bit_equal) {
   std::mt19937 rng(10);
   struct Shape {
@@ -1210,7 +1210,7 @@ BOOST_AUTO_TEST_CASE(hc_mix_bit_equal) {
   };
   for (const auto& [dim, rows, hc] :
        {Shape{40, 1, 4}, Shape{40, 3, 4}, Shape{40, 257, 4}, Shape{1100, 1, 4}, Shape{1100, 5, 4},
-        Shape{5120, 2, 4}, Shape{40, 3, 3}, Shape{1100, 2, 2}}) {
+        Shape{5120, 2, 4}, Shape{40, 3, 3}, Shape{1100, 2, 2}, Shape{40, 2, 16}}) {
     const int64_t mix = (2 + hc) * hc;
     std::vector<float> X = Normal(rng, rows * hc * dim), fn = Normal(rng, mix * hc * dim, 0.05f);
     std::vector<float> scale = {0.7f, 1.3f, 0.9f}, base = Normal(rng, mix, 0.5f);
