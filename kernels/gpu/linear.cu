@@ -913,8 +913,168 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
+// The same sums for many rows (a prompt's chunk), as a register-blocked tile: a thread block
+// takes 64 rows by 64 columns of one group, and each thread keeps one lane's chains (the lane of
+// warp pair j = thread / 64) for 8 rows by 8 columns, 64 chains in registers. K goes 64 values a
+// chunk: the chunk's activations (64 x 64 floats) and weight values (each code decoded once, as
+// the CPU's dequantization: code value x tile scale) are staged in shared memory lane by lane,
+// value k of a row at [k % 4][k / 4], so that a thread's step reads its 8 rows' and 8 columns'
+// values of one k in four 16-byte loads and adds 64 products to its chains, k in order. The next
+// chunk's loads are in registers while a chunk is summed. At the end the lanes meet through shared
+// memory as the CPU's (p0 + p1) + (p2 + p3). The operations are the CPU's, value by value (a NaN
+// code or scale gives a NaN value, which its lane carries): the same bits. The weights are read
+// once per 64 rows (the row kernel above: once per 8).
+constexpr int64_t kValueTileRows = 64, kValueTileCols = 64, kValueTileK = 64;
+constexpr unsigned kValueTileThreads = 256;
+constexpr int64_t kValueTilePitch = kValueTileRows + 4;  // Staged stores two banks apart at most.
+constexpr int64_t kValueTileLane = kValueTileK / 4 * kValueTilePitch;  // Floats a lane's stage.
+constexpr int64_t kValueTileMinRows = 64;  // Fewer rows take Fp8ValuesKernel.
+static_assert(kValueTileRows == kValueTileCols && kValueTileThreads == 4 * 64,
+              "a thread per (lane, 8 x 8 outputs) of the 64 x 64 tile");
+static_assert(2 * 4 * kValueTileLane >= 2 * kValueTileRows * kValueTileCols,
+              "two lanes' sums fit where the chunk was staged");
+
+__global__ void __launch_bounds__(kValueTileThreads)
+    Fp8ValuesTileKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
+                        const uint8_t* scales, int64_t row0, int64_t N, float* y) {
+  __shared__ float4 stage4[2 * 4 * kValueTileLane / 4];
+  float* xs = reinterpret_cast<float*>(stage4);  // [lane][k / 4][row], then the weights':
+  float* ws = xs + 4 * kValueTileLane;           // [lane][k / 4][column].
+  const int64_t col_tiles = (N + kValueTileCols - 1) / kValueTileCols;
+  const int64_t n0 = blockIdx.x % col_tiles * kValueTileCols;
+  const int64_t g = blockIdx.x / col_tiles % groups;
+  const int64_t m0 = blockIdx.x / (col_tiles * groups) * kValueTileRows;
+  const unsigned t = threadIdx.x;
+  const int j = static_cast<int>(t / 64);  // The lane: k % 4.
+  const int64_t mg = t % 64 / 8, ng = t % 8;
+  // This thread's rows and columns: 4 mg + a and 32 + 4 mg + a (a < 4), and the same of ng.
+  const int64_t x_stride = groups * K, blocks = K / kBlock;
+  // Staging: x as 1,024 float4 (row f / 16, values 4 (f % 16) ...), four a thread; the weights as
+  // 256 16-byte words (column t / 4, values 16 (t % 4) ...), one a thread.
+  const int64_t w_col = t / 4, w_part = t % 4;
+  const int64_t w_row = g * N + (n0 + w_col < N ? n0 + w_col : N - 1);
+  const uint8_t* w_codes = w + w_row * K;
+  const uint8_t* w_scales = scales + (row0 + w_row) / kBlock * blocks;
+  float4 xr[4];
+  uint4 wr;
+  uint8_t wsc;
+  const auto load = [&](int64_t c0) {
+    FLASHD_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int64_t f = t + i * kValueTileThreads, r = f / 16, k = c0 + 4 * (f % 16);
+      xr[i] = m0 + r < M && k < K
+                  ? *reinterpret_cast<const float4*>(x + (m0 + r) * x_stride + g * K + k)
+                  : float4{0, 0, 0, 0};
+    }
+    const int64_t k = c0 + 16 * w_part;
+    wr = k < K ? *reinterpret_cast<const uint4*>(w_codes + k) : uint4{0, 0, 0, 0};
+    wsc = k < K ? w_scales[k / kBlock] : uint8_t{0};
+  };
+  const auto store = [&]() {
+    FLASHD_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int64_t f = t + i * kValueTileThreads, r = f / 16, q = f % 16;
+      xs[0 * kValueTileLane + q * kValueTilePitch + r] = xr[i].x;
+      xs[1 * kValueTileLane + q * kValueTilePitch + r] = xr[i].y;
+      xs[2 * kValueTileLane + q * kValueTilePitch + r] = xr[i].z;
+      xs[3 * kValueTileLane + q * kValueTilePitch + r] = xr[i].w;
+    }
+    const float scale = c::E8M0ToFloat(wsc);
+    const uint32_t words[4] = {wr.x, wr.y, wr.z, wr.w};
+    FLASHD_UNROLL
+    for (int v = 0; v < 16; ++v) {
+      const uint8_t code = static_cast<uint8_t>(words[v / 4] >> (8 * (v % 4)));
+      const int64_t q = 4 * w_part + v / 4;  // (16 w_part + v) / 4
+      ws[(v % 4) * kValueTileLane + q * kValueTilePitch + w_col] = c::E4M3ToFloat(code) * scale;
+    }
+  };
+  float p[8][8];
+  FLASHD_UNROLL
+  for (int a = 0; a < 8; ++a) {
+    FLASHD_UNROLL
+    for (int b = 0; b < 8; ++b) p[a][b] = 0.0f;
+  }
+  load(0);
+  for (int64_t c0 = 0; c0 < K; c0 += kValueTileK) {
+    __syncthreads();  // The last chunk's readers are done.
+    store();
+    __syncthreads();
+    if (c0 + kValueTileK < K) load(c0 + kValueTileK);
+    const int64_t steps = (K - c0 < kValueTileK ? K - c0 : kValueTileK) / 4;
+    const float* xl = xs + j * kValueTileLane;
+    const float* wl = ws + j * kValueTileLane;
+    for (int64_t q = 0; q < steps; ++q) {
+      const float4* xq = reinterpret_cast<const float4*>(xl + q * kValueTilePitch);
+      const float4* wq = reinterpret_cast<const float4*>(wl + q * kValueTilePitch);
+      const float4 x0 = xq[mg], x1 = xq[8 + mg], w0 = wq[ng], w1 = wq[8 + ng];
+      const float xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+      const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      FLASHD_UNROLL
+      for (int a = 0; a < 8; ++a) {
+        FLASHD_UNROLL
+        for (int b = 0; b < 8; ++b) {
+          const float prod = xv[a] * wv[b];
+          p[a][b] = p[a][b] + prod;
+        }
+      }
+    }
+  }
+  // The lanes met as (p0 + p1) + (p2 + p3): lanes 1 and 3 hand their sums over, lanes 0 and 2
+  // add them, lane 2 hands its pair's over, lane 0 adds and writes.
+  float* part = xs;  // [2][64 rows][64 columns]
+  const auto at = [&](int which, int a, int b) {
+    const int64_t r = a < 4 ? 4 * mg + a : 32 + 4 * mg + a - 4;
+    const int64_t n = b < 4 ? 4 * ng + b : 32 + 4 * ng + b - 4;
+    return part + (which * kValueTileRows + r) * kValueTileCols + n;
+  };
+  __syncthreads();
+  if (j == 1 || j == 3) {
+    FLASHD_UNROLL
+    for (int a = 0; a < 8; ++a) {
+      FLASHD_UNROLL
+      for (int b = 0; b < 8; ++b) *at(j / 2, a, b) = p[a][b];
+    }
+  }
+  __syncthreads();
+  if (j == 0 || j == 2) {
+    FLASHD_UNROLL
+    for (int a = 0; a < 8; ++a) {
+      FLASHD_UNROLL
+      for (int b = 0; b < 8; ++b) p[a][b] = p[a][b] + *at(j / 2, a, b);
+    }
+  }
+  __syncthreads();
+  if (j == 2) {
+    FLASHD_UNROLL
+    for (int a = 0; a < 8; ++a) {
+      FLASHD_UNROLL
+      for (int b = 0; b < 8; ++b) *at(0, a, b) = p[a][b];
+    }
+  }
+  __syncthreads();
+  if (j != 0) return;
+  FLASHD_UNROLL
+  for (int a = 0; a < 8; ++a) {
+    const int64_t m = m0 + (a < 4 ? 4 * mg + a : 32 + 4 * mg + a - 4);
+    if (m >= M) continue;
+    FLASHD_UNROLL
+    for (int b = 0; b < 8; ++b) {
+      const int64_t n = n0 + (b < 4 ? 4 * ng + b : 32 + 4 * ng + b - 4);
+      if (n < N) y[m * groups * N + g * N + n] = p[a][b] + *at(0, a, b);
+    }
+  }
+}
+
 OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream) {
-  if (!Aligned(p.w, 16)) return OpStatus::kBadArgument;  // Rows are read 16 bytes a load.
+  if (!Aligned(p.w, 16)) return OpStatus::kBadArgument;   // Rows are read 16 bytes a load.
+  if (p.rows >= kValueTileMinRows && Aligned(p.x, 16)) {  // The tile reads x 16 bytes a load.
+    const int64_t grid = (p.rows + kValueTileRows - 1) / kValueTileRows *
+                         ((p.out + kValueTileCols - 1) / kValueTileCols) * p.groups;
+    if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+    FLASHD_LAUNCH(Fp8ValuesTileKernel, static_cast<unsigned>(grid), kValueTileThreads, 0, stream,
+                  p.x, p.rows, p.in, p.groups, p.w, p.w_scales, p.w_row0, p.out, p.y);
+    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  }
   const bool one_row = p.rows == 1;
   const int64_t grid = TileGrid(p.rows, p.out, p.groups);  // Each group's tiles.
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;

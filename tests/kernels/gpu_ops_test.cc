@@ -792,14 +792,16 @@ BOOST_AUTO_TEST_CASE(fp8_values_equal_their_dequantized_matrix) {
 // both sides, over every FP8 code (NaN codes included), tile scales from 2^-127 to 2^60 (the
 // device decodes scales up to 2^7 one way, larger ones another), a NaN scale, K in whole
 // 64-value steps and with a 32-block left over, one to two chunks of activations, several
-// groups of row tiles, and columns past the last whole tile.
+// groups of row tiles, and columns past the last whole tile; 70 and 129 rows take the 64 x 64
+// tile (rows and columns past its last whole tile, K's last chunk half).
 BOOST_AUTO_TEST_CASE(fp8_values_in_groups_equal_one_op_per_group) {
   std::mt19937 rng(57);
   struct Shape {
     int64_t groups, rows, in, out;
   };
   for (const Shape& sh : {Shape{3, 1, 96, 45}, Shape{3, 9, 96, 45}, Shape{2, 1, 2080, 64},
-                          Shape{2, 3, 2080, 64}, Shape{1, 1, 4096, 40}, Shape{8, 2, 256, 32}}) {
+                          Shape{2, 3, 2080, 64}, Shape{1, 1, 4096, 40}, Shape{8, 2, 256, 32},
+                          Shape{3, 70, 96, 45}, Shape{2, 129, 2080, 130}}) {
     const int64_t G = sh.groups, rows = sh.rows, in = sh.in, out = sh.out;
     const int64_t all_rows = G * out;
     std::vector<uint8_t> codes(all_rows * in);
