@@ -471,8 +471,8 @@ struct ExpertLinearParams {
   uint8_t* x_scales = nullptr;               // Workspace [rows, in / 32]
   float* y = nullptr;                        // [rows, out]
   void* stream = nullptr;
-  // Optional: no slot has more rows than this (0: unknown). One token's step has one row a slot;
-  // a GPU backend then takes tiles of one row.
+  // Optional: no slot has more rows than this (0: unknown). A step of n tokens has at most n rows
+  // a slot; a GPU backend takes a row at a time where that is few.
   int64_t slot_rows = 0;
 };
 

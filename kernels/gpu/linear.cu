@@ -485,8 +485,8 @@ __global__ void __launch_bounds__(kGemvThreads)
   GemvTile<kFormat>(xq, xs, K, w, ws, N, blockIdx.x * groups * kGemvCols<kFormat>, groups, y, sums);
 }
 
-// The experts' rows, one a slot (one token's step): thread block (row r, column tile j), r's
-// slot the one whose rows hold it (any slot of more rows works too, each row read alone).
+// The experts' rows each on its own (a step of few tokens): thread block (row r, column tile
+// j), r's slot the one whose rows hold it.
 template <int kFormat>
 __global__ void __launch_bounds__(kGemvThreads)
     ExpertGemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
@@ -1135,6 +1135,9 @@ GemvShape GemvShapeFor(WeightFormat format, int64_t in, int64_t out) {
           static_cast<size_t>(groups * cols * GemvStride(blocks)) * sizeof(float)};
 }
 
+// ExpertLinear takes the GEMV up to this many rows a slot (a step of up to 8 tokens).
+constexpr int64_t kExpertGemvRows = 8;
+
 // Linear's one row through the GEMV (p checked; g.groups > 0).
 OpStatus GemvLinear(const LinearParams& p, const GemvShape& g) {
   if (g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
@@ -1161,8 +1164,13 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   const int64_t blocks = p.rows * p.in / kBlock;
-  const GemvShape g = p.slot_rows == 1 ? GemvShapeFor(p.format, p.in, p.out) : GemvShape{};
-  const bool gemv = g.groups > 0 && Aligned(p.x_codes, 16);  // One token's step: a row a slot.
+  // A decode step's few tokens (at most kExpertGemvRows rows a slot) through the GEMV, each row
+  // on its own: an expert chosen by several of the tokens is read once a row, which at a step of
+  // a few sequences is about what the tile reads (their choices mostly differ), without the
+  // tile's wait at every chunk of K.
+  const bool few = p.slot_rows >= 1 && p.slot_rows <= kExpertGemvRows;
+  const GemvShape g = few ? GemvShapeFor(p.format, p.in, p.out) : GemvShape{};
+  const bool gemv = g.groups > 0 && Aligned(p.x_codes, 16);
   if (gemv && p.rows * g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
   if (gemv) {

@@ -482,8 +482,8 @@ BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
     p.y = dy.get();
     BOOST_REQUIRE(gpu::ExpertLinear(p) == OpStatus::kOk);
     BOOST_TEST(BitEqual(dy.Host(), want), "format " << static_cast<int>(format));
-    // Tiles of one row (what one token's step asks for), here over slots of many rows: each
-    // tile takes its rows one at a time, the same sums.
+    // The GEMV a row at a time (what a step of at most 8 tokens asks for), here over slots of
+    // many rows: each row on its own, the same sums.
     Dev<float> dy1(std::vector<float>(want.size(), -1.0f));
     p.y = dy1.get();
     p.slot_rows = 1;
