@@ -288,8 +288,10 @@ class Layer {
     max_rows_ = max_rows;
     kv_rows_ = {blocks_, d.rows_per_block, 0, kv_row};
     kv_scales_ = {blocks_, d.rows_per_block, size_t(d.rows_per_block) * kv_row, scale_row};
-    // The decode step's attention workspace (one sequence a call, so one serves them all).
-    attention_work_floats_ = g::SparseAttentionWorkspaceFloats(Attention(0));
+    // The attention's workspace (one call at a time, so one serves the decode step's sequences
+    // and the prefill chunk).
+    attention_work_floats_ = std::max(g::SparseAttentionWorkspaceFloats(Attention(0)),
+                                      g::SparseAttentionWorkspaceFloats(ChunkAttention()));
     attention_work_ = Alloc<float>(attention_work_floats_);
   }
 
@@ -460,10 +462,11 @@ class Layer {
   }
 
  public:
-  // One sequence's decode-step attention in the given layout: seconds per call.
-  double TimeAttention(g::AttentionSchedule schedule, int reps) {
-    return Time([&] { CheckOp(g::SparseAttentionScheduled(Attention(0), schedule), "Attention"); },
-                reps);
+  // One sequence's decode-step attention (or with `prefill`, the prefill chunk's) in the given
+  // layout: seconds per call.
+  double TimeAttention(g::AttentionSchedule schedule, int reps, bool prefill = false) {
+    const k::SparseAttentionParams p = prefill ? ChunkAttention() : Attention(0);
+    return Time([&] { CheckOp(g::SparseAttentionScheduled(p, schedule), "Attention"); }, reps);
   }
 
   // A linear layer at `rows` tokens: seconds per call (order and split as LinearOn's).
@@ -545,7 +548,6 @@ class Layer {
     p.fresh_first = position_ - max_rows_ + 1;
     p.window_first = chunk_window_first_;
     p.selected = chunk_selected_;
-    p.workspace = nullptr, p.workspace_floats = 0;
     return p;
   }
 
@@ -806,6 +808,14 @@ int main(int argc, char** argv) {
       "%.1f tokens/s for 40 layers (est.)\n",
       static_cast<long long>(tokens), prefill_s * 1e3, tokens / prefill_s,
       tokens / (prefill_s * d.layers));
+  // The chunk's attention in both layouts (the layer above takes the keys decoded once).
+  const int prefill_reps = std::max(1, reps / 10);
+  std::printf(
+      "prefill attention, %lld queries, eight heads a thread block: %.1f ms; keys "
+      "decoded once: %.1f ms\n",
+      static_cast<long long>(tokens),
+      layer.TimeAttention(g::AttentionSchedule::kHeadBlocks, prefill_reps, true) * 1e3,
+      layer.TimeAttention(g::AttentionSchedule::kKeysOnce, prefill_reps, true) * 1e3);
 
   // The same prefill with the linears on matrix cores, op by op beside the exact GEMMs'.
   layer.UseMatrixGemms(true);

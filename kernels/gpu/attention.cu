@@ -16,9 +16,9 @@
 // accumulators in registers. No key value goes through shared memory; each is read from its row
 // twice, once for the logits and once for the sums.
 //
-// A decode step given a workspace takes three other kernels instead, which decode each key once
-// for all the heads and spread the logits over (head, key) threads ("A decode step's keys
-// decoded once" below); the same bits.
+// Given a workspace, three other kernels take the queries instead (but a DSpark draft block's),
+// which decode each key once for all the heads and spread the logits over (head, key) threads
+// ("Each query's keys decoded once" below); the same bits.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -384,49 +384,71 @@ __global__ void __launch_bounds__(kAttendThreads)
   }
 }
 
-// --- A decode step's keys decoded once -----------------------------------------------------------
-// Where the queries are few (under kGroupTokens, not a draft block) and the caller gives a
-// workspace, three kernels replace AttendKernel, none of them bound to a head's thread block:
+// --- Each query's keys decoded once --------------------------------------------------------------
+// Where the caller gives a workspace (and the queries are not a DSpark draft block), three
+// kernels replace AttendKernel, none of them bound to a head's thread block:
 //   DecodeKeysKernel: each listed key's values (the products KeyValues2 makes) into the
-//     workspace, once for all the heads (AttendKernel<1> decodes each key once per head);
+//     workspace, once for all the heads (AttendKernel decodes each key once per head, or per
+//     eight);
 //   LogitsKernel: each (head, key) logit, a thread each, the dimensions in order, 16 keys and 16
 //     heads a thread block staging 128 dimensions of each at a time in shared memory;
-//   SoftmaxSumsKernel: per query, head and 128 dimensions, the softmax's steps (block maxima and
-//     block sums a thread per attention block, the running maximum and the denominator a thread
-//     through the blocks, the exps a thread per key) and the weighted sums, a thread per dimension
-//     through the keys in list order.
+//   SoftmaxSumsKernel: per query, group of heads (one for a decode step's few queries, eight for
+//     a prompt's, which then share each key value loaded) and 128 dimensions, the softmax's steps
+//     (block maxima and block sums a thread per head and attention block, the running maximum and
+//     the denominator a thread per head through the blocks, the exps a thread per value) and the
+//     weighted sums, a thread per dimension through the keys in list order.
 // Every value is made by the same operations in the same order as AttendKernel's: the same bits.
+// The queries go kOncePassTokens at a time (a pass), so the workspace stays within L2 (1.5 MB a
+// query at the model's shape).
 //
-// The workspace: [tokens] list ends (floats, exact), padded to 4; [tokens, capacity, head_dim]
-// key values; [tokens, heads, capacity] logits; a key's slot is its list index (the window's
-// slots first, so the capacity is window + selected_stride).
+// The workspace, for a pass's queries: [pass] list ends (floats, exact), padded to 4; [pass,
+// capacity, head_dim] key values; [pass, heads, capacity] logits; a key's slot is its list index
+// (the window's slots first, so the capacity is window + selected_stride).
+constexpr int64_t kOncePassTokens = 16;
 constexpr int64_t kOnceDecodeKeys = 16;  // List entries a DecodeKeysKernel block decodes.
 constexpr int64_t kOnceLogitKeys = 16, kOnceLogitHeads = 16;
 constexpr int64_t kOnceStageDims = 128;  // Dimensions a LogitsKernel block stages at a time.
 constexpr int64_t kOnceStagePitch = kOnceStageDims + 4;  // Rows 16 bytes apart in banks.
 constexpr unsigned kOnceLogitThreads = kOnceLogitKeys * kOnceLogitHeads;
 constexpr unsigned kOnceSumThreads = 128;  // Dimensions a SoftmaxSumsKernel block keeps.
-constexpr int64_t kOnceSumAhead = 32;      // Keys a thread's loads run ahead of its sums.
+// Keys a thread's loads run ahead of its sums (fewer with eight heads: each key then serves
+// eight heads' products, and the registers hold eight heads' sums).
+template <int H>
+constexpr int kOnceSumAhead = H == 1 ? 32 : 16;
+constexpr size_t kOnceSharedMax = 48 * 1024;
 static_assert(kOnceDecodeKeys <= kAttendThreads, "a thread resolves each entry's row");
 
 struct OnceLayout {
-  int64_t capacity = 0, keys = 0, logits = 0, total = 0;  // Offsets and size in floats.
+  int64_t capacity = 0, pass = 0;           // Slots a query; queries a pass.
+  int64_t keys = 0, logits = 0, total = 0;  // Offsets and size in floats.
+  int64_t t0 = 0;                           // The pass's first query.
 };
 
 OnceLayout OnceLayoutOf(const SparseAttentionParams& p) {
   OnceLayout l;
   l.capacity = p.window + p.selected_stride;
-  l.keys = (p.tokens + 3) / 4 * 4;
-  l.logits = l.keys + p.tokens * l.capacity * p.head_dim;
-  l.total = l.logits + p.tokens * p.heads * l.capacity;
+  l.pass = p.tokens < kOncePassTokens ? p.tokens : kOncePassTokens;
+  l.keys = (l.pass + 3) / 4 * 4;
+  l.logits = l.keys + l.pass * l.capacity * p.head_dim;
+  l.total = l.logits + l.pass * p.heads * l.capacity;
   return l;
 }
 
-// SoftmaxSumsKernel's shared memory: a probability per slot, and per attention block its maximum,
-// running maximum, rescale and sum.
-size_t OnceSumShared(int64_t capacity) {
+// SoftmaxSumsKernel's shared memory for `heads` a block: a probability per head and slot, and per
+// head and attention block its maximum, running maximum, rescale and sum.
+size_t OnceSumShared(int64_t capacity, int heads) {
   const int64_t blocks = (capacity + kAttentionBlock - 1) / kAttentionBlock;
-  return static_cast<size_t>(capacity + 4 * blocks) * sizeof(float);
+  return static_cast<size_t>(heads * (capacity + 4 * blocks)) * sizeof(float);
+}
+
+// The heads a SoftmaxSumsKernel block takes for p (8 for a prompt's queries, 1 for a decode
+// step's), or 0 where the keys-once kernels do not take p (a draft block, or its slots past
+// shared memory).
+int OnceHeads(const SparseAttentionParams& p) {
+  if (p.window_last != nullptr) return 0;
+  const int64_t capacity = p.window + p.selected_stride;
+  if (p.tokens >= kGroupTokens && OnceSumShared(capacity, 8) <= kOnceSharedMax) return 8;
+  return OnceSumShared(capacity, 1) <= kOnceSharedMax ? 1 : 0;
 }
 
 // Where query t's list starts: the first window entry, else the selected entries' base.
@@ -434,14 +456,14 @@ __device__ inline int64_t ListStart(const AttentionKeys& window) {
   return window.count() > 0 ? window.ListIndex(0) : window.selected_base();
 }
 
-// Block (t, chunk c): list entries [c * kOnceDecodeKeys, + kOnceDecodeKeys) of query t, each
-// key's values by a thread per pair of dimensions; chunk 0 also writes the query's list end.
+// Block (t, chunk c): list entries [c * kOnceDecodeKeys, + kOnceDecodeKeys) of the pass's query
+// t, each key's values by a thread per pair of dimensions; chunk 0 also writes the list's end.
 __global__ void __launch_bounds__(kAttendThreads)
     DecodeKeysKernel(SparseAttentionParams p, OnceLayout l) {
   __shared__ KeyRow key[kOnceDecodeKeys];
   __shared__ int scan[kAttendThreads];
   const int64_t chunks = (l.capacity + kOnceDecodeKeys - 1) / kOnceDecodeKeys;
-  const int64_t t = blockIdx.x / chunks, L = blockIdx.x % chunks * kOnceDecodeKeys;
+  const int64_t tl = blockIdx.x / chunks, t = l.t0 + tl, L = blockIdx.x % chunks * kOnceDecodeKeys;
   const int64_t hd = p.head_dim;
   const unsigned tid = threadIdx.x;
   const AttentionKeys window = AttentionKeys::Of(p, t);
@@ -477,9 +499,9 @@ __global__ void __launch_bounds__(kAttendThreads)
   // The list's end for chunk 0; for another, past the chunk's last listed entry (the ranks were
   // counted until they passed it, or through the row).
   const int64_t end = sb + rank0;
-  if (L == 0 && tid == 0) p.workspace[t] = static_cast<float>(end);
+  if (L == 0 && tid == 0) p.workspace[tl] = static_cast<float>(end);
   __syncthreads();
-  float* keys = p.workspace + l.keys + t * l.capacity * hd;
+  float* keys = p.workspace + l.keys + tl * l.capacity * hd;
   for (int64_t s = 0; s < kOnceDecodeKeys; ++s) {
     const int64_t li = L + s;
     if (li < w0 || li >= end) continue;
@@ -491,22 +513,23 @@ __global__ void __launch_bounds__(kAttendThreads)
   }
 }
 
-// Block (t, key chunk, head group): logits[t][h][li] for the chunk's kOnceLogitKeys list entries
-// and the group's kOnceLogitHeads heads, thread (key tid % 16, head tid / 16) summing q . key over
-// the dimensions in order, both staged kOnceStageDims dimensions at a time.
+// Block (t, key chunk, head group): logits[t][h][li] (t of the pass) for the chunk's kOnceLogitKeys
+// list entries and the group's kOnceLogitHeads heads, thread (key tid % 16, head tid / 16) summing
+// q . key over the dimensions in order, both staged kOnceStageDims dimensions at a time.
 __global__ void __launch_bounds__(kOnceLogitThreads)
     LogitsKernel(SparseAttentionParams p, OnceLayout l) {
   __shared__ float4 ks[kOnceLogitKeys][kOnceStagePitch / 4];
   __shared__ float4 qs[kOnceLogitHeads][kOnceStagePitch / 4];
   const int64_t chunks = (l.capacity + kOnceLogitKeys - 1) / kOnceLogitKeys;
   const int64_t groups = (p.heads + kOnceLogitHeads - 1) / kOnceLogitHeads;
-  const int64_t t = blockIdx.x / (chunks * groups), rest = blockIdx.x % (chunks * groups);
+  const int64_t tl = blockIdx.x / (chunks * groups), rest = blockIdx.x % (chunks * groups);
+  const int64_t t = l.t0 + tl;
   const int64_t L = rest / groups * kOnceLogitKeys, h0 = rest % groups * kOnceLogitHeads;
   const int64_t hd = p.head_dim, w0 = ListStart(AttentionKeys::Of(p, t));
-  const int64_t end = static_cast<int64_t>(p.workspace[t]);
+  const int64_t end = static_cast<int64_t>(p.workspace[tl]);
   if (L + kOnceLogitKeys <= w0 || L >= end) return;  // The whole block: no key of the list.
   const unsigned tid = threadIdx.x, kk = tid % kOnceLogitKeys, hh = tid / kOnceLogitKeys;
-  const float* keys = p.workspace + l.keys + (t * l.capacity + L) * hd;
+  const float* keys = p.workspace + l.keys + (tl * l.capacity + L) * hd;
   const float* q = p.q + (t * p.heads + h0) * hd;
   const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
   float dot = 0;
@@ -531,103 +554,131 @@ __global__ void __launch_bounds__(kOnceLogitThreads)
   }
   const int64_t li = L + kk, h = h0 + hh;
   if (li >= w0 && li < end && h < p.heads) {
-    p.workspace[l.logits + (t * p.heads + h) * l.capacity + li] = dot * scale;
+    p.workspace[l.logits + (tl * p.heads + h) * l.capacity + li] = dot * scale;
   }
 }
 
-// Block (t, h, slice): query t's head h, its output's dimensions [slice * 128, + 128), a thread
-// each. The softmax as AttendKernel's (the same operations on the same values), then each
-// thread's weighted sums through the keys in list order.
+// Block (t, head group, slice): the pass's query t, heads [h0, h0 + H), the output's dimensions
+// [slice * 128, + 128), a thread each. The softmax as AttendKernel's (the same operations on the
+// same values), then each thread's weighted sums through the keys in list order, each key value
+// loaded once for the group's heads.
+template <int H>
 __global__ void __launch_bounds__(kOnceSumThreads)
     SoftmaxSumsKernel(SparseAttentionParams p, OnceLayout l) {
   FLASHD_DYNAMIC_SHARED(float, shared);
-  __shared__ float run_m, denom;
+  __shared__ float run_m[H], denom[H];
   const int64_t hd = p.head_dim, slices = (hd + kOnceSumThreads - 1) / kOnceSumThreads;
-  const int64_t t = blockIdx.x / (p.heads * slices), h = blockIdx.x / slices % p.heads;
+  const int64_t groups = (p.heads + H - 1) / H;
+  const int64_t tl = blockIdx.x / (groups * slices), t = l.t0 + tl;
+  const int64_t h0 = blockIdx.x / slices % groups * H;
+  const int hn = static_cast<int>(p.heads - h0 < H ? p.heads - h0 : H);  // The group's heads.
   const int64_t d = blockIdx.x % slices * kOnceSumThreads + threadIdx.x;
-  const int64_t blocks = (l.capacity + kAttentionBlock - 1) / kAttentionBlock;
-  float* prob = shared;  // A slot's logit, then its probability, then that rounded to BF16.
-  float* block_max = shared + l.capacity;
-  float* block_m = block_max + blocks;
-  float* block_rescale = block_m + blocks;
-  float* block_sum = block_rescale + blocks;
+  const int64_t cap = l.capacity, blocks = (cap + kAttentionBlock - 1) / kAttentionBlock;
+  float* prob = shared;  // [H][cap]: a logit, then its probability, then that rounded to BF16.
+  float* block_max = shared + H * cap;  // Each [H][blocks].
+  float* block_m = block_max + H * blocks;
+  float* block_rescale = block_m + H * blocks;
+  float* block_sum = block_rescale + H * blocks;
   const unsigned tid = threadIdx.x;
   const int64_t w0 = ListStart(AttentionKeys::Of(p, t));
-  const int64_t end = static_cast<int64_t>(p.workspace[t]);
-  const float* logits = p.workspace + l.logits + (t * p.heads + h) * l.capacity;
-  for (int64_t j = w0 + tid; j < end; j += kOnceSumThreads) prob[j] = logits[j];
+  const int64_t end = static_cast<int64_t>(p.workspace[tl]), n = end > w0 ? end - w0 : 0;
+  const float* logits = p.workspace + l.logits + (tl * p.heads + h0) * cap;
+  for (int64_t i = tid; i < hn * n; i += kOnceSumThreads) {
+    const int64_t g = i / n, j = w0 + i % n;
+    prob[g * cap + j] = logits[g * cap + j];
+  }
   // Attention blocks [b0, b1) hold the list; block b's entries are [lo(b), hi(b)).
-  const int64_t b0 = w0 / kAttentionBlock, b1 = end > w0 ? (end - 1) / kAttentionBlock + 1 : b0;
+  const int64_t b0 = w0 / kAttentionBlock, b1 = n > 0 ? (end - 1) / kAttentionBlock + 1 : b0;
+  const int64_t nb = b1 - b0;
   auto lo = [&](int64_t b) { return b * kAttentionBlock > w0 ? b * kAttentionBlock : w0; };
   auto hi = [&](int64_t b) {
     return (b + 1) * kAttentionBlock < end ? (b + 1) * kAttentionBlock : end;
   };
   __syncthreads();
-  for (int64_t b = b0 + tid; b < b1; b += kOnceSumThreads) {
+  for (int64_t i = tid; i < hn * nb; i += kOnceSumThreads) {
+    const int64_t g = i / nb, b = b0 + i % nb;
     float m = -INFINITY;
-    InOrder(prob, lo(b), hi(b), [&](int64_t, float v) { m = fmaxf(m, v); });
-    block_max[b] = m;
+    InOrder(prob + g * cap, lo(b), hi(b), [&](int64_t, float v) { m = fmaxf(m, v); });
+    block_max[g * blocks + b] = m;
   }
   __syncthreads();
-  if (tid == 0) {
+  if (tid < hn) {
     float m = -1e30f;
     for (int64_t b = b0; b < b1; ++b) {
-      const float m_new = fmaxf(m, block_max[b]);
-      block_rescale[b] = fm::Exp(m - m_new);
-      block_m[b] = m_new;
+      const float m_new = fmaxf(m, block_max[tid * blocks + b]);
+      block_rescale[tid * blocks + b] = fm::Exp(m - m_new);
+      block_m[tid * blocks + b] = m_new;
       m = m_new;
     }
-    run_m = m;
+    run_m[tid] = m;
   }
   __syncthreads();
-  for (int64_t j = w0 + tid; j < end; j += kOnceSumThreads) {
-    prob[j] = fm::Exp(prob[j] - block_m[j / kAttentionBlock]);
+  for (int64_t i = tid; i < hn * n; i += kOnceSumThreads) {
+    const int64_t g = i / n, j = w0 + i % n;
+    prob[g * cap + j] = fm::Exp(prob[g * cap + j] - block_m[g * blocks + j / kAttentionBlock]);
   }
   __syncthreads();
-  for (int64_t b = b0 + tid; b < b1; b += kOnceSumThreads) {
+  for (int64_t i = tid; i < hn * nb; i += kOnceSumThreads) {
+    const int64_t g = i / nb, b = b0 + i % nb;
+    float* pg = prob + g * cap;
     float sum = 0;
-    InOrder(prob, lo(b), hi(b), [&](int64_t j, float v) {
+    InOrder(pg, lo(b), hi(b), [&](int64_t j, float v) {
       sum += v;
-      prob[j] = c::RoundBf16(v);
+      pg[j] = c::RoundBf16(v);
     });
-    block_sum[b] = sum;
+    block_sum[g * blocks + b] = sum;
   }
   __syncthreads();
-  if (tid == 0) {
+  if (tid < hn) {
     float den = 0;
-    for (int64_t b = b0; b < b1; ++b) den = den * block_rescale[b] + block_sum[b];
-    denom = den + fm::Exp(p.sink[h] - run_m);
+    for (int64_t b = b0; b < b1; ++b) {
+      den = den * block_rescale[tid * blocks + b] + block_sum[tid * blocks + b];
+    }
+    denom[tid] = den + fm::Exp(p.sink[h0 + tid] - run_m[tid]);
   }
   __syncthreads();
   if (d >= hd) return;
-  // The keys in list order, kOnceSumAhead at a time, the next ones' loads issued before these
-  // are summed; at an attention block's last key the accumulator takes acc * rescale + the
-  // block's sum.
-  const float* keys = p.workspace + l.keys + t * l.capacity * hd + d;
+  // The keys in list order, kOnceSumAhead<H> at a time, the next ones' loads issued before these
+  // are summed; at an attention block's last key each head's accumulator takes acc * rescale +
+  // the block's sum.
+  const float* keys = p.workspace + l.keys + tl * cap * hd + d;
   const auto load = [&](int64_t j0, float* v) {
     FLASHD_UNROLL
-    for (int u = 0; u < kOnceSumAhead; ++u) v[u] = j0 + u < end ? keys[(j0 + u) * hd] : 0.0f;
+    for (int u = 0; u < kOnceSumAhead<H>; ++u) v[u] = j0 + u < end ? keys[(j0 + u) * hd] : 0.0f;
   };
-  float acc = 0, part = 0, now[kOnceSumAhead] = {}, next[kOnceSumAhead] = {};
+  float acc[H], part[H], now[kOnceSumAhead<H>] = {}, next[kOnceSumAhead<H>] = {};
+  FLASHD_UNROLL
+  for (int g = 0; g < H; ++g) acc[g] = 0, part[g] = 0;
   int64_t b = b0;
   load(w0, now);
-  for (int64_t j0 = w0; j0 < end; j0 += kOnceSumAhead) {
-    if (j0 + kOnceSumAhead < end) load(j0 + kOnceSumAhead, next);
+  for (int64_t j0 = w0; j0 < end; j0 += kOnceSumAhead<H>) {
+    if (j0 + kOnceSumAhead<H> < end) load(j0 + kOnceSumAhead<H>, next);
     FLASHD_UNROLL
-    for (int u = 0; u < kOnceSumAhead; ++u) {
+    for (int u = 0; u < kOnceSumAhead<H>; ++u) {
       const int64_t j = j0 + u;
       if (j >= end) break;
-      part += prob[j] * now[u];
+      FLASHD_UNROLL
+      for (int g = 0; g < H; ++g) {
+        if (g < hn) part[g] += prob[g * cap + j] * now[u];
+      }
       if (j + 1 == hi(b)) {
-        acc = acc * block_rescale[b] + part;
-        part = 0;
+        FLASHD_UNROLL
+        for (int g = 0; g < H; ++g) {
+          if (g >= hn) break;
+          acc[g] = acc[g] * block_rescale[g * blocks + b] + part[g];
+          part[g] = 0;
+        }
         ++b;
       }
     }
     FLASHD_UNROLL
-    for (int u = 0; u < kOnceSumAhead; ++u) now[u] = next[u];
+    for (int u = 0; u < kOnceSumAhead<H>; ++u) now[u] = next[u];
   }
-  p.out[(t * p.heads + h) * hd + d] = c::RoundBf16(acc / denom);
+  FLASHD_UNROLL
+  for (int g = 0; g < H; ++g) {
+    if (g >= hn) break;
+    p.out[(t * p.heads + h0 + g) * hd + d] = c::RoundBf16(acc[g] / denom[g]);
+  }
 }
 
 // The current device's multiprocessors, asked of the runtime once per device.
@@ -645,13 +696,6 @@ int Multiprocessors() {
     known[device].store(count, std::memory_order_relaxed);
   }
   return count;
-}
-
-// Whether the keys-once kernels take p's shape: a few queries (not a draft block), the
-// softmax's slots within shared memory.
-bool OnceTakes(const SparseAttentionParams& p) {
-  return p.window_last == nullptr && p.tokens < kGroupTokens &&
-         OnceSumShared(p.window + p.selected_stride) <= 48 * 1024;
 }
 
 bool ValidShape(const SparseAttentionParams& p) {
@@ -675,24 +719,29 @@ OpStatus RotateBack(const SparseAttentionParams& p) {
                .stream = p.stream});
 }
 
+template <int H>
 OpStatus AttendOnce(const SparseAttentionParams& p) {
-  const OnceLayout l = OnceLayoutOf(p);
-  const int64_t decode_blocks = p.tokens * ((l.capacity + kOnceDecodeKeys - 1) / kOnceDecodeKeys);
-  const int64_t logit_blocks = p.tokens * ((l.capacity + kOnceLogitKeys - 1) / kOnceLogitKeys) *
-                               ((p.heads + kOnceLogitHeads - 1) / kOnceLogitHeads);
-  const int64_t sum_blocks =
-      p.tokens * p.heads * ((p.head_dim + kOnceSumThreads - 1) / kOnceSumThreads);
-  if (std::max({decode_blocks, logit_blocks, sum_blocks}) > int64_t{0x7FFFFFFF}) {
-    return OpStatus::kBadShape;  // The grid's limit.
-  }
+  OnceLayout l = OnceLayoutOf(p);
+  const size_t shared = OnceSumShared(l.capacity, H);
   const auto stream = static_cast<gpuStream_t>(p.stream);
-  FLASHD_LAUNCH(DecodeKeysKernel, static_cast<unsigned>(decode_blocks), kAttendThreads, 0, stream,
-                p, l);
-  FLASHD_LAUNCH(LogitsKernel, static_cast<unsigned>(logit_blocks), kOnceLogitThreads, 0, stream, p,
-                l);
-  FLASHD_LAUNCH(SoftmaxSumsKernel, static_cast<unsigned>(sum_blocks), kOnceSumThreads,
-                OnceSumShared(l.capacity), stream, p, l);
-  if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
+  for (l.t0 = 0; l.t0 < p.tokens; l.t0 += l.pass) {
+    const int64_t queries = p.tokens - l.t0 < l.pass ? p.tokens - l.t0 : l.pass;
+    const int64_t decode_blocks = queries * ((l.capacity + kOnceDecodeKeys - 1) / kOnceDecodeKeys);
+    const int64_t logit_blocks = queries * ((l.capacity + kOnceLogitKeys - 1) / kOnceLogitKeys) *
+                                 ((p.heads + kOnceLogitHeads - 1) / kOnceLogitHeads);
+    const int64_t sum_blocks =
+        queries * ((p.heads + H - 1) / H) * ((p.head_dim + kOnceSumThreads - 1) / kOnceSumThreads);
+    if (std::max({decode_blocks, logit_blocks, sum_blocks}) > int64_t{0x7FFFFFFF}) {
+      return OpStatus::kBadShape;  // The grid's limit.
+    }
+    FLASHD_LAUNCH(DecodeKeysKernel, static_cast<unsigned>(decode_blocks), kAttendThreads, 0, stream,
+                  p, l);
+    FLASHD_LAUNCH(LogitsKernel, static_cast<unsigned>(logit_blocks), kOnceLogitThreads, 0, stream,
+                  p, l);
+    FLASHD_LAUNCH(SoftmaxSumsKernel<H>, static_cast<unsigned>(sum_blocks), kOnceSumThreads, shared,
+                  stream, p, l);
+    if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
+  }
   return RotateBack(p);
 }
 
@@ -717,25 +766,27 @@ OpStatus Attend(const SparseAttentionParams& p, int slices) {
 }  // namespace
 
 int64_t SparseAttentionWorkspaceFloats(const SparseAttentionParams& p) {
-  return p.tokens > 0 && OnceTakes(p) ? OnceLayoutOf(p).total : 0;
+  return p.tokens > 0 && OnceHeads(p) > 0 ? OnceLayoutOf(p).total : 0;
 }
 
 OpStatus SparseAttentionScheduled(const SparseAttentionParams& p, AttentionSchedule schedule) {
   if (!ValidShape(p)) return OpStatus::kBadShape;
   if (p.tokens == 0) return OpStatus::kOk;
-  const bool once = OnceTakes(p) && p.workspace != nullptr &&
+  const int heads = OnceHeads(p);
+  const bool once = heads > 0 && p.workspace != nullptr &&
                     p.workspace_floats >= OnceLayoutOf(p).total &&
                     reinterpret_cast<uintptr_t>(p.q) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(p.workspace) % 16 == 0;
+  const auto attend_once = [&] { return heads == 8 ? AttendOnce<8>(p) : AttendOnce<1>(p); };
   switch (schedule) {
     case AttentionSchedule::kAuto:
-      return once ? AttendOnce(p) : Attend(p, 0);
+      return once ? attend_once() : Attend(p, 0);
     case AttentionSchedule::kHeadBlocks:
       return Attend(p, 1);
     case AttentionSchedule::kHeadBlocksSplit:
       return Attend(p, 2);
     case AttentionSchedule::kKeysOnce:
-      return once ? AttendOnce(p) : OpStatus::kBadArgument;
+      return once ? attend_once() : OpStatus::kBadArgument;
   }
   return OpStatus::kBadArgument;
 }
