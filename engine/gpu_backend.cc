@@ -1161,8 +1161,16 @@ class GpuBackend final : public Backend {
       d.sink = c.Weight(p.sink, p.heads);
       d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
       d.out = c.Out(p.out, p.tokens * p.heads * p.head_dim);
-      // A decode step's keys decoded once for all the heads (the same bits as without).
-      d.workspace_floats = g::SparseAttentionWorkspaceFloats(p);
+      // Each query's keys decoded once for all the heads (the same bits as without); a draft
+      // block's window keys counted here, where its bounds are on the host.
+      if (p.window_last != nullptr) {
+        d.draft_keys = 0;
+        for (int64_t t = 0; t < p.tokens; ++t) {
+          d.draft_keys = std::max(d.draft_keys, p.window_last[t] - p.window_first[t] + 1);
+        }
+        d.draft_keys = std::max<int64_t>(d.draft_keys, 1);
+      }
+      d.workspace_floats = g::SparseAttentionWorkspaceFloats(d);
       d.workspace = d.workspace_floats > 0 ? c.Work<float>(d.workspace_floats) : nullptr;
       return Launch(c, [&] { return g::SparseAttention(d); });
     });

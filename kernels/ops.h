@@ -339,6 +339,9 @@ struct SparseAttentionParams {
   // [tokens] the last window position each query attends to; null: its own position (causal).
   // A DSpark draft block's queries all see the whole block.
   const int64_t* window_last = nullptr;
+  // With window_last: at least every query's window_last - window_first + 1 (its window keys), or
+  // 0 (unknown). A GPU backend needs it to give a draft block's queries the keys-once kernels.
+  int64_t draft_keys = 0;
   // Compressed rows: the sequence's entries, read through its block table.
   const int64_t* selected = nullptr;  // [tokens, selected_stride] entries, -1 = none
   int64_t selected_stride = 0;

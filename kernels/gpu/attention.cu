@@ -16,9 +16,9 @@
 // accumulators in registers. No key value goes through shared memory; each is read from its row
 // twice, once for the logits and once for the sums.
 //
-// Given a workspace, three other kernels take the queries instead (but a DSpark draft block's),
-// which decode each key once for all the heads and spread the logits over (head, key) threads
-// ("Each query's keys decoded once" below); the same bits.
+// Given a workspace, three other kernels take the queries instead, which decode each key once
+// for all the heads and spread the logits over (head, key) threads ("Each query's keys decoded
+// once" below); the same bits.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -385,8 +385,8 @@ __global__ void __launch_bounds__(kAttendThreads)
 }
 
 // --- Each query's keys decoded once --------------------------------------------------------------
-// Where the caller gives a workspace (and the queries are not a DSpark draft block), three
-// kernels replace AttendKernel, none of them bound to a head's thread block:
+// Where the caller gives a workspace (and for a DSpark draft block, the bound on its window keys),
+// three kernels replace AttendKernel, none of them bound to a head's thread block:
 //   DecodeKeysKernel: each listed key's values (the products KeyValues2 makes) into the
 //     workspace, once for all the heads (AttendKernel decodes each key once per head, or per
 //     eight);
@@ -403,7 +403,8 @@ __global__ void __launch_bounds__(kAttendThreads)
 //
 // The workspace, for a pass's queries: [pass] list ends (floats, exact), padded to 4; [pass,
 // capacity, head_dim] key values; [pass, heads, capacity] logits; a key's slot is its list index
-// (the window's slots first, so the capacity is window + selected_stride).
+// (the window's slots first, so the capacity is window + selected_stride, or for a draft block
+// draft_keys + selected_stride).
 constexpr int64_t kOncePassTokens = 16;
 constexpr int64_t kOnceDecodeKeys = 16;  // List entries a DecodeKeysKernel block decodes.
 constexpr int64_t kOnceLogitKeys = 16, kOnceLogitHeads = 16;
@@ -426,7 +427,7 @@ struct OnceLayout {
 
 OnceLayout OnceLayoutOf(const SparseAttentionParams& p) {
   OnceLayout l;
-  l.capacity = p.window + p.selected_stride;
+  l.capacity = (p.window_last != nullptr ? p.draft_keys : p.window) + p.selected_stride;
   l.pass = p.tokens < kOncePassTokens ? p.tokens : kOncePassTokens;
   l.keys = (l.pass + 3) / 4 * 4;
   l.logits = l.keys + l.pass * l.capacity * p.head_dim;
@@ -442,11 +443,11 @@ size_t OnceSumShared(int64_t capacity, int heads) {
 }
 
 // The heads a SoftmaxSumsKernel block takes for p (8 for a prompt's queries, 1 for a decode
-// step's), or 0 where the keys-once kernels do not take p (a draft block, or its slots past
-// shared memory).
+// step's), or 0 where the keys-once kernels do not take p (a draft block without its bound on the
+// window keys, or its slots past shared memory).
 int OnceHeads(const SparseAttentionParams& p) {
-  if (p.window_last != nullptr) return 0;
-  const int64_t capacity = p.window + p.selected_stride;
+  if (p.window_last != nullptr && p.draft_keys <= 0) return 0;
+  const int64_t capacity = OnceLayoutOf(p).capacity;
   if (p.tokens >= kGroupTokens && OnceSumShared(capacity, 8) <= kOnceSharedMax) return 8;
   return OnceSumShared(capacity, 1) <= kOnceSharedMax ? 1 : 0;
 }

@@ -75,16 +75,17 @@ OpStatus IndexerScores(const IndexerScoreParams& p);
 OpStatus CandidateFilter(const CandidateFilterParams& p);  // Total order only.
 OpStatus MoeRoute(const MoeRouteParams& p);
 // Where p gives the workspace SparseAttentionWorkspaceFloats(p) asks for (16-byte aligned, as q;
-// not for a DSpark draft block): each query's listed keys decoded once into the workspace for all
-// the heads, then the logits a thread per (head, key), and the softmax and weighted sums a thread
-// block per query, head (eight heads for 16 queries or more) and 128 dimensions; 16 queries at a
-// time. Otherwise a thread block per query and head (eight heads where the queries are 16 or
-// more), and where the query's heads leave half the multiprocessors idle, two a head, each
-// computing all the logits and half the weighted sums. The same bits every way.
+// a DSpark draft block also its draft_keys): each query's listed keys decoded once into the
+// workspace for all the heads, then the logits a thread per (head, key), and the softmax and
+// weighted sums a thread block per query, head (eight heads for 16 queries or more) and 128
+// dimensions; 16 queries at a time. Otherwise a thread block per query and head (eight heads where
+// the queries are 16 or more), and where the query's heads leave half the multiprocessors idle, two
+// a head, each computing all the logits and half the weighted sums. The same bits every way.
 OpStatus SparseAttention(const SparseAttentionParams& p);
 // The floats of workspace SparseAttention takes for p's shape (tokens, heads, head_dim, window,
-// selected_stride; draft or not), 0 where it takes none: 1.5 MB a query at the model's shape, for
-// at most 16 queries.
+// selected_stride; for a draft block draft_keys), 0 where it takes none: 1.5 MB a query at the
+// model's shape, for at most 16 queries. REQUIRES of a draft block given the workspace: no query
+// has more window keys than draft_keys.
 int64_t SparseAttentionWorkspaceFloats(const SparseAttentionParams& p);
 // SparseAttention's layouts, forced whatever the device: for the tests and gpu_bench.
 enum class AttentionSchedule {

@@ -1758,12 +1758,17 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
         BOOST_TEST(BitEqual(dout.Host(), want), "head_dim " << hd << " tokens " << tokens
                                                             << " window " << window << " whole "
                                                             << whole << " shift " << shift);
-        // Every layout: a thread block a head, two a head (each half the weighted sums), and but
-        // for a draft block the keys decoded once into the workspace (16 queries a pass, one
-        // head or eight a block; the workspace starts as NaNs, so a slot read before it is
-        // written shows): the same bits.
+        // Every layout: a thread block a head, two a head (each half the weighted sums), and the
+        // keys decoded once into the workspace (16 queries a pass, one head or eight a block; the
+        // workspace starts as NaNs, so a slot read before it is written shows): the same bits.
+        if (whole) {  // A draft block takes the keys-once kernels with its bound on the keys.
+          BOOST_TEST(gpu::SparseAttentionWorkspaceFloats(params) == 0);
+          for (int64_t t = 0; t < tokens; ++t) {
+            params.draft_keys = std::max(params.draft_keys, wlast[t] - wfirst[t] + 1);
+          }
+        }
         const int64_t floats = gpu::SparseAttentionWorkspaceFloats(params);
-        BOOST_TEST((floats > 0) == !whole);
+        BOOST_TEST(floats > 0);
         Dev<float> dwork(std::vector<float>(std::max<int64_t>(floats, 1), std::nanf("")));
         params.workspace = dwork.get();
         params.workspace_floats = floats;
@@ -1773,21 +1778,15 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
               AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
           Dev<float> dout2(std::vector<float>(want.size(), -1.0f));
           params.out = dout2.get();
-          const OpStatus status = gpu::SparseAttentionScheduled(params, schedule);
-          if (schedule == AttentionSchedule::kKeysOnce && floats == 0) {
-            BOOST_TEST((status == OpStatus::kBadArgument));
-            continue;
-          }
-          BOOST_REQUIRE(status == OpStatus::kOk);
+          BOOST_REQUIRE(gpu::SparseAttentionScheduled(params, schedule) == OpStatus::kOk);
           BOOST_TEST(BitEqual(dout2.Host(), want),
                      "schedule " << static_cast<int>(schedule) << ", head_dim " << hd << " tokens "
                                  << tokens << " window " << window << " width " << width);
         }
-        if (floats > 0) {  // A workspace a float short: refused, not overrun.
-          params.workspace_floats = floats - 1;
-          BOOST_TEST((gpu::SparseAttentionScheduled(params, AttentionSchedule::kKeysOnce) ==
-                      OpStatus::kBadArgument));
-        }
+        // A workspace a float short: refused, not overrun.
+        params.workspace_floats = floats - 1;
+        BOOST_TEST((gpu::SparseAttentionScheduled(params, AttentionSchedule::kKeysOnce) ==
+                    OpStatus::kBadArgument));
       }
     }
   }
