@@ -1221,6 +1221,10 @@ class GpuBackend final : public Backend {
       d.expert_out = c.In(p.expert_out, p.count * p.dim);
       d.rows = c.In(p.rows, p.count);
       d.y = c.InOut(p.y, rows * p.dim);
+      // Each row's entries binned, then the rows added at once (the same order of adds).
+      d.y_rows = rows;
+      d.workspace_ints = g::MoeCombineWorkspaceInts(d);
+      d.workspace = d.workspace_ints > 0 ? c.Work<int32_t>(d.workspace_ints) : nullptr;
       return Launch(c, [&] { return g::MoeCombine(d); });
     });
   }

@@ -433,6 +433,10 @@ struct MoeCombineParams {
   // Rows of y, more than any of `rows`; 0: found from `rows` (which a GPU backend then reads on
   // the host, so `rows` made on the device must come with it).
   int64_t y_rows = 0;
+  // Optional scratch for a GPU backend (kernels/gpu/ops.h: MoeCombineWorkspaceInts); the CPU
+  // ignores it.
+  int32_t* workspace = nullptr;
+  int64_t workspace_ints = 0;
 };
 
 // The tokens grouped by the experts that chose them, on the device that routed them (the host

@@ -1,7 +1,7 @@
 // Element-wise and row-local ops: BF16 rounding, add-and-round, row copies, SwiGLU, the fake
 // quantizers, the embedding copy and the MoE combine. Each thread computes what the CPU
 // reference computes for its element, in the same order and with the same exp (kernels/fmath.h),
-// so results are equal bit for bit.
+// so results are equal bit for bit (the combine's bins fill in any order, and are sorted).
 #include <cmath>
 
 #include "kernels/codecs.h"
@@ -100,6 +100,59 @@ __global__ void CombineKernel(const float* expert_out, const int64_t* rows, int6
   for (int64_t i = 0; i < count; ++i) y[rows[i] * dim + d] += expert_out[i * dim + d];
 }
 
+// The binned combine. Workspace: [y_rows] counts, then [y_rows, kCombineSlots] each row's
+// entries in the order the bins filled (a row of more entries keeps only its count and takes the
+// whole list in order instead).
+constexpr int64_t kCombineSlots = 8;      // A token's experts: 6 in the model.
+constexpr int64_t kCombineMinCount = 16;  // Fewer entries: CombineKernel's loop is short.
+
+__global__ void ZeroIntsKernel(int32_t* v, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) v[i] = 0;
+}
+
+// Threads take the entries last to first, so that where they run in order (the HIP CPU runtime)
+// the bins fill out of entry order and the sort after is tested.
+__global__ void BinKernel(const int64_t* rows, int64_t count, int64_t y_rows, int32_t* work) {
+  const int64_t i = count - 1 - (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
+  if (i < 0) return;
+  const int64_t r = rows[i];
+  const int32_t slot = atomicAdd(&work[r], 1);
+  if (slot < kCombineSlots) work[y_rows + r * kCombineSlots + slot] = static_cast<int32_t>(i);
+}
+
+// Block (row r, dimension chunk): the row's entries sorted into entry order by one thread, then
+// y[r][d] += expert_out[i][d] for them in that order, a thread a dimension.
+__global__ void CombineRowsKernel(const float* expert_out, const int64_t* rows, int64_t count,
+                                  int64_t dim, int64_t y_rows, const int32_t* work, float* y) {
+  __shared__ int32_t entries[kCombineSlots];
+  __shared__ int32_t n;
+  const int64_t chunks = (dim + kThreads - 1) / kThreads;
+  const int64_t r = blockIdx.x / chunks, d = blockIdx.x % chunks * kThreads + threadIdx.x;
+  if (threadIdx.x == 0) {
+    n = work[r];
+    if (n <= kCombineSlots) {
+      for (int32_t a = 0; a < n; ++a) {  // Insertion sort of a few entries.
+        const int32_t e = work[y_rows + r * kCombineSlots + a];
+        int32_t b = a;
+        for (; b > 0 && entries[b - 1] > e; --b) entries[b] = entries[b - 1];
+        entries[b] = e;
+      }
+    }
+  }
+  __syncthreads();
+  if (d >= dim || n == 0) return;
+  float v = y[r * dim + d];
+  if (n <= kCombineSlots) {
+    for (int32_t a = 0; a < n; ++a) v += expert_out[entries[a] * dim + d];
+  } else {
+    for (int64_t i = 0; i < count; ++i) {
+      if (rows[i] == r) v += expert_out[i * dim + d];
+    }
+  }
+  y[r * dim + d] = v;
+}
+
 }  // namespace
 
 OpStatus RoundBf16(const RoundBf16Params& p) {
@@ -155,11 +208,28 @@ OpStatus Embed(const EmbedParams& p) {
   return Launched();
 }
 
+int64_t MoeCombineWorkspaceInts(const MoeCombineParams& p) {
+  return p.y_rows > 0 && p.count >= kCombineMinCount ? p.y_rows * (1 + kCombineSlots) : 0;
+}
+
 OpStatus MoeCombine(const MoeCombineParams& p) {
-  if (p.count < 0 || p.dim <= 0) return OpStatus::kBadShape;
+  if (p.count < 0 || p.dim <= 0 || p.y_rows < 0) return OpStatus::kBadShape;
   if (p.count == 0) return OpStatus::kOk;
-  FLASHD_LAUNCH(CombineKernel, Blocks(p.dim), kThreads, 0, Stream(p.stream), p.expert_out, p.rows,
-                p.count, p.dim, p.y);
+  const int64_t ints = MoeCombineWorkspaceInts(p);
+  const gpuStream_t stream = Stream(p.stream);
+  if (ints > 0 && p.workspace != nullptr && p.workspace_ints >= ints &&
+      p.y_rows * ((p.dim + kThreads - 1) / kThreads) <= int64_t{0x7FFFFFFF} &&
+      p.count <= int64_t{0x7FFFFFFF}) {
+    FLASHD_LAUNCH(ZeroIntsKernel, Blocks(p.y_rows), kThreads, 0, stream, p.workspace, p.y_rows);
+    FLASHD_LAUNCH(BinKernel, Blocks(p.count), kThreads, 0, stream, p.rows, p.count, p.y_rows,
+                  p.workspace);
+    FLASHD_LAUNCH(CombineRowsKernel,
+                  static_cast<unsigned>(p.y_rows * ((p.dim + kThreads - 1) / kThreads)), kThreads,
+                  0, stream, p.expert_out, p.rows, p.count, p.dim, p.y_rows, p.workspace, p.y);
+    return Launched();
+  }
+  FLASHD_LAUNCH(CombineKernel, Blocks(p.dim), kThreads, 0, stream, p.expert_out, p.rows, p.count,
+                p.dim, p.y);
   return Launched();
 }
 

@@ -54,7 +54,13 @@ OpStatus CopyRows(const CopyRowsParams& p);
 OpStatus Swiglu(const SwigluParams& p);
 OpStatus FakeQuant(const FakeQuantParams& p);
 OpStatus Embed(const EmbedParams& p);
+// With y_rows and the workspace MoeCombineWorkspaceInts(p) asks for: each entry binned to its
+// row (an atomic count), then a thread per row and dimension adding the row's entries in entry
+// order (a row's few entries sorted first), so the adds are the CPU's whatever order the bins
+// filled in. Otherwise (and for a few entries) a thread per dimension through the entries.
 OpStatus MoeCombine(const MoeCombineParams& p);
+// The ints of workspace MoeCombine takes for p (y_rows and count), 0 where it takes none.
+int64_t MoeCombineWorkspaceInts(const MoeCombineParams& p);
 // One thread block (experts <= kMoeGroupMaxExperts): each expert's thread finds its tokens by
 // reading every choice, so the cost grows with tokens * k per expert (a prefill's few thousand
 // tokens: a few hundred thousand reads per thread, next to the experts' GEMMs).

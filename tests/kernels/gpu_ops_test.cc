@@ -1043,6 +1043,49 @@ BOOST_AUTO_TEST_CASE(round_add_and_combine_are_bit_equal) {
                                  .dim = dim,
                                  .y = dacc.get()}) == OpStatus::kOk);
   BOOST_TEST(BitEqual(dacc.Host(), cacc));
+  // Many entries through the bins (the workspace starting as garbage): rows of up to six entries
+  // (a token's experts), rows of none, and rows of more than the bins hold (their whole list
+  // taken in order), over a row wider than a thread block. The same adds in the same order.
+  {
+    const int64_t y_rows = 100, count = 300, wide = 300;
+    std::vector<int64_t> many(count);
+    std::uniform_int_distribution<int64_t> row(0, 89);  // Rows 90-99 get none.
+    for (int64_t i = 0; i < count; ++i) many[i] = i % 10 == 0 ? 7 : row(rng);  // Row 7: 30 or more.
+    // Values of full precision (BF16 values' sums of a few would be exact in any order).
+    std::normal_distribution<float> full(0.0f, 1.0f);
+    std::vector<float> meo(count * wide), my(y_rows * wide);
+    for (float& v : meo) v = full(rng);
+    for (float& v : my) v = full(rng);
+    const std::vector<float> y0 = my;
+    std::vector<float> cy = my;
+    cpu::MoeCombine({.expert_out = meo.data(),
+                     .rows = many.data(),
+                     .count = count,
+                     .dim = wide,
+                     .y = cy.data(),
+                     .y_rows = y_rows});
+    Dev<float> dmeo(meo), dmy(my);
+    Dev<int64_t> dmany(many);
+    MoeCombineParams mp{.expert_out = dmeo.get(),
+                        .rows = dmany.get(),
+                        .count = count,
+                        .dim = wide,
+                        .y = dmy.get(),
+                        .y_rows = y_rows};
+    const int64_t ints = gpu::MoeCombineWorkspaceInts(mp);
+    BOOST_TEST(ints > 0);
+    Dev<int32_t> dwork(std::vector<int32_t>(ints, 12345));
+    mp.workspace = dwork.get();
+    mp.workspace_ints = ints;
+    BOOST_REQUIRE(gpu::MoeCombine(mp) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dmy.Host(), cy));
+    // The order shows: the entries added last to first give other bits.
+    std::vector<float> reversed = y0;
+    for (int64_t i = count - 1; i >= 0; --i) {
+      for (int64_t d = 0; d < wide; ++d) reversed[many[i] * wide + d] += meo[i * wide + d];
+    }
+    BOOST_TEST(!BitEqual(reversed, cy));
+  }
 }
 
 // Row copies: a strided block and a gather of repeated, unordered rows, bit for bit the CPU's,
