@@ -241,6 +241,10 @@ class Layer {
     row_weights_ = Floats(grouped), xg_ = Floats(grouped * d.hidden, 1.0f);
     gg_ = Floats(grouped * d.inter), ug_ = Floats(grouped * d.inter);
     hg_ = Floats(grouped * d.inter), og_routed_ = Floats(grouped * d.hidden);
+    // The combine's bins, for the most rows a step has (fewer rows use a part of them).
+    combine_work_ints_ =
+        g::MoeCombineWorkspaceInts({.count = grouped, .dim = d.hidden, .y_rows = n});
+    combine_work_ = Alloc<int32_t>(combine_work_ints_);
     xq_grouped_ = Alloc<uint8_t>(grouped * std::max(d.hidden, d.inter));
     xs_grouped_ = Alloc<uint8_t>(grouped * std::max(d.hidden, d.inter) / 32);
     // One sequence's attention state at position 65,536: a full window ring and `selected`
@@ -452,7 +456,9 @@ class Layer {
                              .dim = d.hidden,
                              .y = y_,
                              .stream = stream_,
-                             .y_rows = batch}),
+                             .y_rows = batch,
+                             .workspace = combine_work_,
+                             .workspace_ints = combine_work_ints_}),
               "MoeCombine");
       CheckOp(
           g::AddRound({.a = y_, .b = sub_, .n = batch * d.hidden, .out = sub_, .stream = stream_}),
@@ -654,6 +660,8 @@ class Layer {
   k::PagedRows kv_rows_, kv_scales_;
   float* attention_work_ = nullptr;
   int64_t attention_work_floats_ = 0;
+  int32_t* combine_work_ = nullptr;
+  int64_t combine_work_ints_ = 0;
 };
 
 // The free-order GEMM's best time over splits 1, 2, 4, ... max_split (each thread block keeping
