@@ -1,11 +1,12 @@
 // mHC on the device: the mixes' long sums by a thread block of kHcMixLanes threads each, in the
 // lanes-and-tree order HcMixParams fixes (so equal to the CPU's bit for bit); the collapse and
 // expansion one thread per output value, the copies summed in the CPU reference's order (the
-// collapse's optional norm is RmsNorm's).
+// collapse's optional norm is RmsNorm's, in the same kernel).
 #include <cmath>
 
 #include "kernels/codecs.h"
 #include "kernels/fmath.h"
+#include "kernels/gpu/norm_row.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -24,6 +25,21 @@ __global__ void CollapseKernel(const float* X, const float* weights, int64_t row
   float acc = 0;
   for (int64_t h = 0; h < hc; ++h) acc += weights[t * hc + h] * X[(t * hc + h) * dim + d];
   x[i] = c::RoundBf16(acc);
+}
+
+// The collapse and its norm, a thread block a row: each thread makes the outputs that are its
+// lane of the norm's sum (NormRow), so the row is made and normalized in one kernel.
+__global__ void __launch_bounds__(kNormThreads)
+    CollapseNormKernel(const float* X, const float* weights, int64_t hc, int64_t dim,
+                       const float* norm_weight, float eps, float* x) {
+  __shared__ double partial[kNormThreads];
+  const int64_t t = blockIdx.x;
+  const auto value = [&](int64_t d) {
+    float acc = 0;
+    for (int64_t h = 0; h < hc; ++h) acc += weights[t * hc + h] * X[(t * hc + h) * dim + d];
+    return c::RoundBf16(acc);
+  };
+  NormRow(x + t * dim, dim, norm_weight, eps, value, partial);
 }
 
 __global__ void ExpandKernel(const float* X, const float* sub, const float* post, const float* comb,
@@ -213,17 +229,16 @@ OpStatus HcCollapse(const HcCollapseParams& p) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;
   const int64_t n = p.rows * p.dim;
   if (n == 0) return OpStatus::kOk;
-  FLASHD_LAUNCH(CollapseKernel, static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0,
-                static_cast<gpuStream_t>(p.stream), p.X, p.weights, p.rows, p.hc, p.dim, p.x);
-  if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
-  if (p.norm_weight == nullptr) return OpStatus::kOk;
-  return RmsNorm({.x = p.x,
-                  .rows = p.rows,
-                  .dim = p.dim,
-                  .stride = p.dim,
-                  .weight = p.norm_weight,
-                  .eps = p.eps,
-                  .stream = p.stream});
+  const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
+  if (p.norm_weight != nullptr) {
+    if (p.rows > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+    FLASHD_LAUNCH(CollapseNormKernel, static_cast<unsigned>(p.rows), kNormThreads, 0, stream, p.X,
+                  p.weights, p.hc, p.dim, p.norm_weight, p.eps, p.x);
+  } else {
+    FLASHD_LAUNCH(CollapseKernel, static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0,
+                  stream, p.X, p.weights, p.rows, p.hc, p.dim, p.x);
+  }
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
 OpStatus HcExpand(const HcExpandParams& p) {

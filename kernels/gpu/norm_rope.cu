@@ -6,6 +6,7 @@
 
 #include "kernels/codecs.h"
 #include "kernels/fmath.h"
+#include "kernels/gpu/norm_row.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -14,28 +15,14 @@ namespace {
 
 namespace c = flashd::kernels::codecs;
 namespace fm = flashd::kernels::fmath;
-// The sum of squares in LaneSum's order (kernels/cpu/scalar.h): a lane per thread, the fixed tree.
-constexpr unsigned kNormThreads = static_cast<unsigned>(kHcMixLanes);
-
-__global__ void RmsNormKernel(float* x, int64_t dim, int64_t stride, const float* weight, float eps,
-                              bool round_input) {
+__global__ void __launch_bounds__(kNormThreads)
+    RmsNormKernel(float* x, int64_t dim, int64_t stride, const float* weight, float eps,
+                  bool round_input) {
   __shared__ double partial[kNormThreads];
   float* row = x + static_cast<int64_t>(blockIdx.x) * stride;
-  double sum = 0;
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-    if (round_input) row[i] = c::RoundBf16(row[i]);
-    sum += static_cast<double>(row[i]) * row[i];
-  }
-  partial[threadIdx.x] = sum;
-  __syncthreads();
-  for (unsigned half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
-    __syncthreads();
-  }
-  const float scale = 1.0f / sqrtf(static_cast<float>(partial[0] / dim) + eps);
-  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-    row[i] = c::RoundBf16(weight[i] * (row[i] * scale));
-  }
+  NormRow(
+      row, dim, weight, eps, [&](int64_t i) { return round_input ? c::RoundBf16(row[i]) : row[i]; },
+      partial);
 }
 
 __global__ void RopeKernel(float* x, int64_t rows, int64_t heads, int64_t head_dim,

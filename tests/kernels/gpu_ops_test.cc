@@ -1487,9 +1487,19 @@ BOOST_AUTO_TEST_CASE(indexer_scores_and_candidates_bit_equal) {
 
 BOOST_AUTO_TEST_CASE(hc_collapse_and_expand) {
   std::mt19937 rng(5);
-  const int64_t hc = 4, dim = 40;
-  for (int64_t rows : kRows) {
+  const int64_t hc = 4;
+  // Copies of full precision at 600 (a thread's several values of the norm's lanes; the copies'
+  // order shows) and of BF16 values at 40.
+  std::normal_distribution<float> full(0.0f, 1.0f);
+  for (const auto& [dim, rows] :
+       {std::pair{int64_t{40}, int64_t{1}}, std::pair{int64_t{40}, int64_t{3}},
+        std::pair{int64_t{40}, int64_t{257}}, std::pair{int64_t{600}, int64_t{1}},
+        std::pair{int64_t{600}, int64_t{5}}}) {
     std::vector<float> X = Normal(rng, rows * hc * dim), w = Normal(rng, rows * hc);
+    if (dim > 256) {
+      for (float& v : X) v = full(rng);
+      for (float& v : w) v = full(rng);
+    }
     std::vector<float> norm = Normal(rng, dim);
     for (bool with_norm : {false, true}) {
       std::vector<float> want(rows * dim);
@@ -1511,7 +1521,7 @@ BOOST_AUTO_TEST_CASE(hc_collapse_and_expand) {
                                      .eps = 1e-6f,
                                      .x = dx.get()}) == OpStatus::kOk);
       const std::vector<float> got = dx.Host();
-      BOOST_TEST(BitEqual(got, want), "rows " << rows << " norm " << with_norm);
+      BOOST_TEST(BitEqual(got, want), "rows " << rows << " dim " << dim << " norm " << with_norm);
     }
     std::vector<float> sub = Normal(rng, rows * dim), post = Normal(rng, rows * hc);
     std::vector<float> comb = Normal(rng, rows * hc * hc), want(X.size());
