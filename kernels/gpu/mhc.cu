@@ -118,23 +118,20 @@ __device__ void HcSplitByThreads(const float* m, const float* scale, const float
   }
   __syncthreads();
   int now = 0;  // The buffer holding the comb.
-  for (int it = 0; it < iters; ++it) {
-    if (it > 0) {
-      if (mine) {
-        float sum = 0;
-        for (int64_t k = 0; k < hc; ++k) sum += buf[now][i * hc + k];
-        buf[now ^ 1][tid] = v /= sum + eps;
-      }
-      __syncthreads();
-      now ^= 1;
-    }
+  // A pass: each value divided by its row's sum (from element i * hc, step 1) or its column's
+  // (from j, step hc) + eps, the sum taken in order.
+  const auto pass = [&](int64_t first, int64_t step) {
     if (mine) {
       float sum = 0;
-      for (int64_t k = 0; k < hc; ++k) sum += buf[now][k * hc + j];
+      for (int64_t k = 0; k < hc; ++k) sum += buf[now][first + k * step];
       buf[now ^ 1][tid] = v /= sum + eps;
     }
     __syncthreads();
     now ^= 1;
+  };
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) pass(i * hc, 1);
+    pass(j, hc);
   }
   if (mine) comb[tid] = v;
 }
