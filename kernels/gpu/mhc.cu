@@ -143,9 +143,11 @@ __device__ T LaneSum(int64_t n, Term term, T* lanes) {
   const int64_t l = threadIdx.x;
   T acc = 0;
   int64_t i = l;
-  // Sixteen terms' loads in flight (a thread block per sum: its loads are all the memory
-  // traffic an SM has), added in order.
-  constexpr int kAhead = 16;
+  // Forty terms' loads in flight (a thread block per sum: its loads are all the memory traffic
+  // an SM has; the model's 20,480 terms are 80 a lane, two rounds), added in order. The kernels
+  // ask for one thread block an SM (__launch_bounds__), so ptxas issues all forty before the
+  // first add (asked for more, it kept about nine in flight).
+  constexpr int kAhead = 40;
   for (; i + (kAhead - 1) * kHcMixLanes < n; i += kAhead * kHcMixLanes) {
     T v[kAhead];
     FLASHD_UNROLL
@@ -166,7 +168,7 @@ __device__ T LaneSum(int64_t n, Term term, T* lanes) {
 }
 
 // Thread block (token t, mix j): the unscaled mix, flatten(X[t]) . fn[j].
-__global__ void __launch_bounds__(kHcMixLanes)
+__global__ void __launch_bounds__(kHcMixLanes, 1)
     HcDotKernel(const float* X, const float* fn, int64_t width, int64_t mix, float* mixes) {
   __shared__ float lanes[kHcMixLanes];
   const int64_t t = blockIdx.x / mix, j = blockIdx.x % mix;
@@ -180,7 +182,7 @@ __global__ void __launch_bounds__(kHcMixLanes)
 // Thread block per token: the norm of the flattened stream (a double sum of squares), the
 // mixes scaled by it, then the split (by the thread block where its threads cover the values, as
 // for the model's 4 copies; else by one thread).
-__global__ void __launch_bounds__(kHcMixLanes)
+__global__ void __launch_bounds__(kHcMixLanes, 1)
     MixSplitKernel(const float* X, int64_t hc, int64_t dim, const float* scale, const float* base,
                    int iters, float hc_eps, float norm_eps, float* mixes, float* pre, float* post,
                    float* comb) {
