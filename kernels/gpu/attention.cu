@@ -115,26 +115,50 @@ __device__ inline void DecodeKeyChunk(const KeyRow& k, int64_t d0, const KeyChun
 }
 
 // A key's values at dimensions d and d + 1 (d even: one byte of FP4 codes, one scale), the same
-// products as DecodeKeyChunk's.
-__device__ __host__ inline void KeyValues2(const KeyRow& k, int64_t d, float* v) {
+// products as DecodeKeyChunk's, in two steps so that a thread can issue several keys' loads
+// before it uses any: LoadKey2 reads the raw bytes (a fresh row's two floats as their bits),
+// DecodeKey2 makes the values.
+struct Key2 {
+  uint32_t a = 0, b = 0;  // Two floats' bits, two FP8 codes, or one byte of two FP4 codes.
+  uint8_t scale = 0;
+};
+
+__device__ __host__ inline Key2 LoadKey2(const KeyRow& k, int64_t d) {
   switch (k.source) {
     case KeySource::kFresh: {
       const float* row = static_cast<const float*>(k.codes);
-      v[0] = row[d], v[1] = row[d + 1];
-      break;
+      return {c::Bits(row[d]), c::Bits(row[d + 1]), 0};
     }
     case KeySource::kRing: {
       const uint8_t* row = static_cast<const uint8_t*>(k.codes);
-      const float s = c::E8M0ToFloat(k.scales[d / 32]);
-      v[0] = c::E4M3ToFloat(row[d]) * s, v[1] = c::E4M3ToFloat(row[d + 1]) * s;
+      return {row[d], row[d + 1], k.scales[d / 32]};
+    }
+    default:
+      return {static_cast<const uint8_t*>(k.codes)[d / 2], 0, k.scales[d / 16]};
+  }
+}
+
+__device__ __host__ inline void DecodeKey2(KeySource source, const Key2& r, float* v) {
+  switch (source) {
+    case KeySource::kFresh:
+      v[0] = c::FromBits(r.a), v[1] = c::FromBits(r.b);
+      break;
+    case KeySource::kRing: {
+      const float s = c::E8M0ToFloat(r.scale);
+      v[0] = c::E4M3ToFloat(static_cast<uint8_t>(r.a)) * s;
+      v[1] = c::E4M3ToFloat(static_cast<uint8_t>(r.b)) * s;
       break;
     }
     default: {
-      const uint8_t byte = static_cast<const uint8_t*>(k.codes)[d / 2];
-      const float s = c::E4M3ToFloat(k.scales[d / 16]);
-      v[0] = c::E2M1ToFloat(byte & 0xF) * s, v[1] = c::E2M1ToFloat(byte >> 4) * s;
+      const float s = c::E4M3ToFloat(r.scale);
+      v[0] = c::E2M1ToFloat(static_cast<uint8_t>(r.a & 0xF)) * s;
+      v[1] = c::E2M1ToFloat(static_cast<uint8_t>(r.a >> 4 & 0xF)) * s;
     }
   }
+}
+
+__device__ __host__ inline void KeyValues2(const KeyRow& k, int64_t d, float* v) {
+  DecodeKey2(k.source, LoadKey2(k, d), v);
 }
 
 constexpr unsigned kAttendThreads = 256;
@@ -418,6 +442,7 @@ template <int H>
 constexpr int kOnceSumAhead = H == 1 ? 32 : 16;
 constexpr size_t kOnceSharedMax = 48 * 1024;
 static_assert(kOnceDecodeKeys <= kAttendThreads, "a thread resolves each entry's row");
+static_assert(2 * kAttendThreads >= kMaxHeadDim, "DecodeKeysKernel: a pair of dimensions a thread");
 
 struct OnceLayout {
   int64_t capacity = 0, pass = 0;           // Slots a query; queries a pass.
@@ -502,14 +527,22 @@ __global__ void __launch_bounds__(kAttendThreads)
   const int64_t end = sb + rank0;
   if (L == 0 && tid == 0) p.workspace[tl] = static_cast<float>(end);
   __syncthreads();
-  float* keys = p.workspace + l.keys + tl * l.capacity * hd;
-  for (int64_t s = 0; s < kOnceDecodeKeys; ++s) {
-    const int64_t li = L + s;
-    if (li < w0 || li >= end) continue;
-    for (int64_t d = 2 * tid; d < hd; d += 2 * kAttendThreads) {
+  // Thread tid's two dimensions (hd <= 2 x kAttendThreads) of every key of the chunk: all the
+  // keys' loads issued before the first value is stored.
+  const int64_t d = 2 * tid;
+  if (d >= hd) return;
+  float* keys = p.workspace + l.keys + tl * l.capacity * hd + d;
+  Key2 raw[kOnceDecodeKeys];
+  FLASHD_UNROLL
+  for (int s = 0; s < kOnceDecodeKeys; ++s) {
+    if (L + s >= w0 && L + s < end) raw[s] = LoadKey2(key[s], d);
+  }
+  FLASHD_UNROLL
+  for (int s = 0; s < kOnceDecodeKeys; ++s) {
+    if (L + s >= w0 && L + s < end) {
       float v[2];
-      KeyValues2(key[s], d, v);
-      keys[li * hd + d] = v[0], keys[li * hd + d + 1] = v[1];
+      DecodeKey2(key[s].source, raw[s], v);
+      keys[(L + s) * hd] = v[0], keys[(L + s) * hd + 1] = v[1];
     }
   }
 }
