@@ -209,6 +209,45 @@ __device__ int ExclusiveScan(int flag, int* scan, int* total) {
   return inclusive - flag;
 }
 
+// Where query t's list starts: the first window entry, else the selected entries' base.
+__device__ inline int64_t ListStart(const AttentionKeys& window) {
+  return window.count() > 0 ? window.ListIndex(0) : window.selected_base();
+}
+
+// The rows of query t's list entries [lo, hi) into key[li - lo], their addresses resolved once, by
+// the whole thread block: the window's entries by position (fresh rows or ring slots), the
+// selected entries by their ranks among the selection row's entries that are not -1 (a prefix sum
+// kAttendThreads entries at a time, through the whole row with `whole_row`, else until the ranks
+// pass hi). Returns the ranks counted: with `whole_row`, the selected entries of the list.
+__device__ int64_t ListKeys(const SparseAttentionParams& p, const AttentionKeys& window, int64_t t,
+                            int64_t lo, int64_t hi, bool whole_row, KeyRow* key, int* scan) {
+  const int64_t hd = p.head_dim, sb = window.selected_base(), w0 = ListStart(window);
+  for (int64_t li = (lo > w0 ? lo : w0) + threadIdx.x; li < hi && li < sb; li += kAttendThreads) {
+    const int64_t q = window.Position(li - w0);
+    if (q >= p.fresh_first) {
+      key[li - lo] = {p.fresh + (q - p.fresh_first) * hd, nullptr, KeySource::kFresh};
+    } else {
+      const int64_t slot = q % p.window;
+      key[li - lo] = {p.ring_codes + slot * hd, p.ring_scales + slot * hd / 32, KeySource::kRing};
+    }
+  }
+  const int64_t* selected = p.selected + t * p.selected_stride;
+  int64_t rank0 = 0;  // Ranks of the selection row's entries before the current chunk.
+  for (int64_t c0 = 0; c0 < p.selected_stride && (whole_row || sb + rank0 < hi);
+       c0 += kAttendThreads) {
+    const int64_t i = c0 + threadIdx.x;
+    const int64_t entry = i < p.selected_stride ? selected[i] : -1;
+    int total;
+    const int64_t li = sb + rank0 + ExclusiveScan(entry >= 0 ? 1 : 0, scan, &total);
+    if (entry >= 0 && li >= lo && li < hi) {
+      const int64_t row = BlockRow(p.block_table, p.kv_codes.rows_per_block, entry);
+      key[li - lo] = {p.kv_codes.Row(row), p.kv_scales.Row(row), KeySource::kCompressed};
+    }
+    rank0 += total;
+  }
+  return rank0;
+}
+
 // A thread block per query and group of G heads. The key list in list order: the window's keys
 // (list entries [w0, sb): AttentionKeys), then the selected rows that are not -1 (entries sb,
 // sb + 1, ... in the selection row's order). Each pass takes the keys of list entries [L0, L0 +
@@ -239,17 +278,9 @@ __global__ void __launch_bounds__(kAttendThreads)
     qs[g][d] = h0 + g < p.heads ? p.q[(t * p.heads + h0 + g) * hd + d] : 0.0f;
   }
   const AttentionKeys window = AttentionKeys::Of(p, t);
-  const int64_t wcount = window.count(), sb = window.selected_base();
-  const int64_t w0 = wcount > 0 ? window.ListIndex(0) : sb;
-  const int64_t* selected = p.selected + t * p.selected_stride;
-  int64_t nsel = 0;  // The selection row's entries that are not -1.
-  for (int64_t c0 = 0; c0 < p.selected_stride; c0 += kAttendThreads) {
-    int total;
-    const int64_t i = c0 + tid;
-    ExclusiveScan(i < p.selected_stride && selected[i] >= 0 ? 1 : 0, scan, &total);
-    nsel += total;
-  }
-  const int64_t list_end = sb + nsel;
+  const int64_t sb = window.selected_base(), w0 = ListStart(window);
+  // The list's end: the selection row's entries that are not -1 counted (no entry resolved).
+  const int64_t list_end = sb + ListKeys(p, window, t, 0, 0, true, key, scan);
   if (tid < G) run_m[tid] = -1e30f, denom[tid] = 0;
   float acc[G][kDimsPerThread], part[G][kDimsPerThread];
   FLASHD_UNROLL
@@ -263,27 +294,7 @@ __global__ void __launch_bounds__(kAttendThreads)
     const int64_t hi = L0 + kPassKeys < list_end ? L0 + kPassKeys : list_end;
     const int64_t n = hi - lo;
     __syncthreads();  // The last pass's readers of the key list are done.
-    for (int64_t s = tid; s < n && lo + s < sb; s += kAttendThreads) {
-      const int64_t q = window.Position(lo + s - w0);
-      if (q >= p.fresh_first) {
-        key[s] = {p.fresh + (q - p.fresh_first) * hd, nullptr, KeySource::kFresh};
-      } else {
-        const int64_t slot = q % p.window;
-        key[s] = {p.ring_codes + slot * hd, p.ring_scales + slot * hd / 32, KeySource::kRing};
-      }
-    }
-    int64_t rank0 = 0;  // Ranks of the selection row's entries before the current chunk.
-    for (int64_t c0 = 0; c0 < p.selected_stride && sb + rank0 < hi; c0 += kAttendThreads) {
-      const int64_t i = c0 + tid;
-      const int64_t entry = i < p.selected_stride ? selected[i] : -1;
-      int total;
-      const int64_t li = sb + rank0 + ExclusiveScan(entry >= 0 ? 1 : 0, scan, &total);
-      if (entry >= 0 && li >= lo && li < hi) {
-        const int64_t row = BlockRow(p.block_table, p.kv_codes.rows_per_block, entry);
-        key[li - lo] = {p.kv_codes.Row(row), p.kv_scales.Row(row), KeySource::kCompressed};
-      }
-      rank0 += total;
-    }
+    ListKeys(p, window, t, lo, hi, false, key, scan);
     // Attention block b of the pass: keys [begin(b), begin(b + 1)).
     auto begin = [&](int64_t b) {
       const int64_t e = L0 + b * kAttentionBlock - lo;
@@ -477,11 +488,6 @@ int OnceHeads(const SparseAttentionParams& p) {
   return OnceSumShared(capacity, 1) <= kOnceSharedMax ? 1 : 0;
 }
 
-// Where query t's list starts: the first window entry, else the selected entries' base.
-__device__ inline int64_t ListStart(const AttentionKeys& window) {
-  return window.count() > 0 ? window.ListIndex(0) : window.selected_base();
-}
-
 // Block (t, chunk c): list entries [c * kOnceDecodeKeys, + kOnceDecodeKeys) of the pass's query
 // t, each key's values by a thread per pair of dimensions; chunk 0 also writes the list's end.
 __global__ void __launch_bounds__(kAttendThreads)
@@ -494,34 +500,8 @@ __global__ void __launch_bounds__(kAttendThreads)
   const unsigned tid = threadIdx.x;
   const AttentionKeys window = AttentionKeys::Of(p, t);
   const int64_t sb = window.selected_base(), w0 = ListStart(window);
-  if (tid < kOnceDecodeKeys) {
-    const int64_t li = L + tid;
-    if (li >= w0 && li < sb) {
-      const int64_t q = window.Position(li - w0);
-      if (q >= p.fresh_first) {
-        key[tid] = {p.fresh + (q - p.fresh_first) * hd, nullptr, KeySource::kFresh};
-      } else {
-        const int64_t slot = q % p.window;
-        key[tid] = {p.ring_codes + slot * hd, p.ring_scales + slot * hd / 32, KeySource::kRing};
-      }
-    }
-  }
-  // The selected entries' ranks: all of the row for chunk 0 (the list's end), else up to the
-  // chunk's last entry.
-  const int64_t* selected = p.selected + t * p.selected_stride;
-  int64_t rank0 = 0;
-  for (int64_t c0 = 0; c0 < p.selected_stride && (L == 0 || sb + rank0 < L + kOnceDecodeKeys);
-       c0 += kAttendThreads) {
-    const int64_t i = c0 + tid;
-    const int64_t entry = i < p.selected_stride ? selected[i] : -1;
-    int total;
-    const int64_t li = sb + rank0 + ExclusiveScan(entry >= 0 ? 1 : 0, scan, &total);
-    if (entry >= 0 && li >= L && li < L + kOnceDecodeKeys) {
-      const int64_t row = BlockRow(p.block_table, p.kv_codes.rows_per_block, entry);
-      key[li - L] = {p.kv_codes.Row(row), p.kv_scales.Row(row), KeySource::kCompressed};
-    }
-    rank0 += total;
-  }
+  // Chunk 0 counts the whole selection row (the list's end); another, until its last entry.
+  const int64_t rank0 = ListKeys(p, window, t, L, L + kOnceDecodeKeys, L == 0, key, scan);
   // The list's end for chunk 0; for another, past the chunk's last listed entry (the ranks were
   // counted until they passed it, or through the row).
   const int64_t end = sb + rank0;
