@@ -945,9 +945,8 @@ __global__ void __launch_bounds__(kValueTileThreads)
   const int64_t g = blockIdx.x / col_tiles % groups;
   const int64_t m0 = blockIdx.x / (col_tiles * groups) * kValueTileRows;
   const unsigned t = threadIdx.x;
-  const int j = static_cast<int>(t / 64);  // The lane: k % 4.
-  const int64_t mg = t % 64 / 8, ng = t % 8;
-  // This thread's rows and columns: 4 mg + a and 32 + 4 mg + a (a < 4), and the same of ng.
+  const int j = static_cast<int>(t / 64);     // The lane: k % 4.
+  const int64_t mg = t % 64 / 8, ng = t % 8;  // This thread's rows and columns (row_of below).
   const int64_t x_stride = groups * K, blocks = K / kBlock;
   // Staging: x as 1,024 float4 (row f / 16, values 4 (f % 16) ...), four a thread; the weights as
   // 256 16-byte words (column t / 4, values 16 (t % 4) ...), one a thread.
@@ -1021,11 +1020,12 @@ __global__ void __launch_bounds__(kValueTileThreads)
   }
   // The lanes met as (p0 + p1) + (p2 + p3): lanes 1 and 3 hand their sums over, lanes 0 and 2
   // add them, lane 2 hands its pair's over, lane 0 adds and writes.
+  // This thread's a-th row and b-th column of the tile (the two float4s it read a step).
+  const auto row_of = [&](int a) { return a < 4 ? 4 * mg + a : 32 + 4 * mg + a - 4; };
+  const auto col_of = [&](int b) { return b < 4 ? 4 * ng + b : 32 + 4 * ng + b - 4; };
   float* part = xs;  // [2][64 rows][64 columns]
   const auto at = [&](int which, int a, int b) {
-    const int64_t r = a < 4 ? 4 * mg + a : 32 + 4 * mg + a - 4;
-    const int64_t n = b < 4 ? 4 * ng + b : 32 + 4 * ng + b - 4;
-    return part + (which * kValueTileRows + r) * kValueTileCols + n;
+    return part + (which * kValueTileRows + row_of(a)) * kValueTileCols + col_of(b);
   };
   __syncthreads();
   if (j == 1 || j == 3) {
@@ -1055,11 +1055,11 @@ __global__ void __launch_bounds__(kValueTileThreads)
   if (j != 0) return;
   FLASHD_UNROLL
   for (int a = 0; a < 8; ++a) {
-    const int64_t m = m0 + (a < 4 ? 4 * mg + a : 32 + 4 * mg + a - 4);
+    const int64_t m = m0 + row_of(a);
     if (m >= M) continue;
     FLASHD_UNROLL
     for (int b = 0; b < 8; ++b) {
-      const int64_t n = n0 + (b < 4 ? 4 * ng + b : 32 + 4 * ng + b - 4);
+      const int64_t n = n0 + col_of(b);
       if (n < N) y[m * groups * N + g * N + n] = p[a][b] + *at(0, a, b);
     }
   }
