@@ -121,8 +121,8 @@ int64_t block_sums_count = 0;
 
 // The shipped GEMM (Linear: the fixed order, at one row the GEMV), the fixed order's GEMM tile
 // at any row count (LinearSplit at split 1), the free-order one split `split` ways over K, or the
-// matrix-core one (LinearMatrix).
-enum class Order { kShipped, kTile, kFree, kMatrix };
+// matrix-core one (LinearMatrix) through mma.sync or the warpgroup instruction.
+enum class Order { kShipped, kTile, kFree, kMatrix, kWgmma };
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
               void* stream, Order order = Order::kShipped, int split = 1) {
   const k::LinearParams p = {.x = x,
@@ -141,8 +141,10 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .block_sums = block_sums,
                              .block_sums_count = block_sums_count};
   // kMatrix: weights LinearMatrix does not take run as the backend runs them then (Linear).
-  const bool matrix = order == Order::kMatrix && g::LinearMatrixTakes(p);
-  CheckOp(matrix                  ? g::LinearMatrix(p)
+  const bool matrix =
+      (order == Order::kMatrix || order == Order::kWgmma) && g::LinearMatrixTakes(p);
+  CheckOp(matrix ? g::LinearMatrix(p, order == Order::kWgmma ? g::MatrixInstruction::kWgmma
+                                                             : g::MatrixInstruction::kMma)
           : order == Order::kTile ? g::LinearSplit(p, 1)
           : order == Order::kFree ? g::LinearFreeOrder(p, split)
                                   : g::Linear(p),
@@ -492,7 +494,10 @@ class Layer {
 
   // The FP8 and FP4 linears (the experts' too) on matrix cores from now on, as the backend
   // runs them with engine.gpu_gemms: matrix.
-  void UseMatrixGemms(bool on) { matrix_ = on; }
+  void UseMatrixGemms(bool on, g::MatrixInstruction instruction) {
+    matrix_ = on;
+    instruction_ = instruction;
+  }
 
   const Weight& wq_a() const { return wq_a_; }
   const Weight& wq_b() const { return wq_b_; }
@@ -558,7 +563,10 @@ class Layer {
   }
 
   void Apply(const Weight& w, const float* x, int64_t rows, float* y) {
-    LinearOn(w, x, rows, xq_, xs_, y, stream_, matrix_ ? Order::kMatrix : Order::kShipped);
+    LinearOn(w, x, rows, xq_, xs_, y, stream_,
+             !matrix_                                       ? Order::kShipped
+             : instruction_ == g::MatrixInstruction::kWgmma ? Order::kWgmma
+                                                            : Order::kMatrix);
   }
 
   void Expert(const std::vector<Weight>& e, int64_t rows) {
@@ -608,23 +616,24 @@ class Layer {
             "CopyRows");
     auto linear = [&](int which, const float* x, float* y) {
       const Weight& w = experts_[0][which];
-      CheckOp((matrix_ ? g::ExpertLinearMatrix : g::ExpertLinear)({.x = x,
-                                                                   .rows = total,
-                                                                   .in = w.in,
-                                                                   .out = w.out,
-                                                                   .slot_expert = slot_expert_,
-                                                                   .slot_offset = slot_offset_,
-                                                                   .slot_tiles = slot_tiles_,
-                                                                   .slots = slots,
-                                                                   .experts = d_.experts,
-                                                                   .format = w.format,
-                                                                   .w = tables_[which][0],
-                                                                   .w_scales = tables_[which][1],
-                                                                   .x_codes = xq_grouped_,
-                                                                   .x_scales = xs_grouped_,
-                                                                   .y = y,
-                                                                   .stream = stream_,
-                                                                   .slot_rows = rows}),
+      const k::ExpertLinearParams p = {.x = x,
+                                       .rows = total,
+                                       .in = w.in,
+                                       .out = w.out,
+                                       .slot_expert = slot_expert_,
+                                       .slot_offset = slot_offset_,
+                                       .slot_tiles = slot_tiles_,
+                                       .slots = slots,
+                                       .experts = d_.experts,
+                                       .format = w.format,
+                                       .w = tables_[which][0],
+                                       .w_scales = tables_[which][1],
+                                       .x_codes = xq_grouped_,
+                                       .x_scales = xs_grouped_,
+                                       .y = y,
+                                       .stream = stream_,
+                                       .slot_rows = rows};
+      CheckOp(matrix_ ? g::ExpertLinearMatrix(p, instruction_) : g::ExpertLinear(p),
               "ExpertLinear");
     };
     linear(0, xg_, gg_);
@@ -636,7 +645,8 @@ class Layer {
   }
 
   Dims d_;
-  bool matrix_ = false;     // UseMatrixGemms.
+  bool matrix_ = false;  // UseMatrixGemms.
+  g::MatrixInstruction instruction_ = g::MatrixInstruction::kMma;
   void* stream_ = nullptr;  // The ops' stream (one of the bench's own, so graphs can record it).
   std::map<int64_t, int64_t> tokens_of_;  // The picked experts and their tokens.
   const uint8_t** tables_[3][2] = {};     // w1, w3, w2: codes, scales
@@ -826,11 +836,14 @@ int main(int argc, char** argv) {
       layer.TimeAttention(g::AttentionSchedule::kKeysOnce, prefill_reps, true) * 1e3);
 
   // The same prefill with the linears on matrix cores, op by op beside the exact GEMMs'.
-  layer.UseMatrixGemms(true);
+  // The instruction the backend takes: the warpgroup one where the device's code has it.
+  const bool wgmma = g::MatrixWgmmaNative();
+  layer.UseMatrixGemms(true, wgmma ? g::MatrixInstruction::kWgmma : g::MatrixInstruction::kMma);
   const std::vector<Row> matrix_rows = layer.Decode(tokens, std::max(1, reps / 10), rng, true);
-  layer.UseMatrixGemms(false);
-  const char* matrix_cores =
-      g::MatrixCoresNative() ? "the device's instruction" : "the stand-in (no instruction)";
+  layer.UseMatrixGemms(false, g::MatrixInstruction::kMma);
+  const char* matrix_cores = wgmma                    ? "the warpgroup instruction (wgmma)"
+                             : g::MatrixCoresNative() ? "the device's mma.sync"
+                                                      : "the stand-in (no instruction)";
   std::printf("\nprefill, %lld tokens, op by op: exact GEMMs against matrix cores, %s\n",
               static_cast<long long>(tokens), matrix_cores);
   std::printf("%-44s %12s %12s %8s\n", "op", "exact us", "matrix us", "ratio");
@@ -852,8 +865,9 @@ int main(int argc, char** argv) {
   std::printf("\nprefill GEMMs (%lld tokens)%s; matrix cores: %s\n", static_cast<long long>(tokens),
               hopper ? "; peak: 1979 TFLOP/s dense FP8 (NVIDIA's H100/H200 SXM datasheet)" : "",
               matrix_cores);
-  std::printf("%-28s %6s %6s %6s %10s %10s %8s %12s %10s %10s %8s\n", "GEMM", "M", "N", "K", "us",
-              "TFLOP/s", "of peak", "free-order us", "matrix us", "TFLOP/s", "of peak");
+  std::printf("%-28s %6s %6s %6s %10s %10s %8s %12s %10s %10s %8s %10s %10s %8s\n", "GEMM", "M",
+              "N", "K", "us", "TFLOP/s", "of peak", "free-order us", "mma us", "TFLOP/s", "of peak",
+              "wgmma us", "TFLOP/s", "of peak");
   struct Gemm {
     std::string name;
     const Weight* w;
@@ -874,11 +888,16 @@ int main(int argc, char** argv) {
     // The matrix-core GEMM (the stand-in where the device lacks the instruction: see the header).
     const double m = layer.TimeLinear(*gm.w, gm.rows, std::max(1, reps / 4), Order::kMatrix);
     const double m_tflops = 2.0 * gm.rows * gm.w->out * gm.w->in / m / 1e12;
-    std::printf("%-28s %6lld %6lld %6lld %10.1f %10.2f %7.2f%% %12.1f %10.1f %10.2f %7.2f%%\n",
-                gm.name.c_str(), static_cast<long long>(gm.rows), static_cast<long long>(gm.w->out),
-                static_cast<long long>(gm.w->in), s * 1e6, tflops,
-                hopper ? 100.0 * tflops / 1979.0 : 0.0, free * 1e6, m * 1e6, m_tflops,
-                hopper ? 100.0 * m_tflops / 1979.0 : 0.0);
+    // The warpgroup instruction's (its stand-in where the device's code lacks it).
+    const double wg = layer.TimeLinear(*gm.w, gm.rows, std::max(1, reps / 4), Order::kWgmma);
+    const double wg_tflops = 2.0 * gm.rows * gm.w->out * gm.w->in / wg / 1e12;
+    std::printf(
+        "%-28s %6lld %6lld %6lld %10.1f %10.2f %7.2f%% %12.1f %10.1f %10.2f %7.2f%% %10.1f %10.2f "
+        "%7.2f%%\n",
+        gm.name.c_str(), static_cast<long long>(gm.rows), static_cast<long long>(gm.w->out),
+        static_cast<long long>(gm.w->in), s * 1e6, tflops, hopper ? 100.0 * tflops / 1979.0 : 0.0,
+        free * 1e6, m * 1e6, m_tflops, hopper ? 100.0 * m_tflops / 1979.0 : 0.0, wg * 1e6,
+        wg_tflops, hopper ? 100.0 * wg_tflops / 1979.0 : 0.0);
   }
   return 0;
 }

@@ -101,7 +101,10 @@ StatusOr<Placement> PlaceModel(const EngineOptions& options, const Model& model)
     why += "; engine.gpu_gemms: matrix has no effect on the CPU";
   } else if (gemms != "exact") {
     why += "; FP8/FP4 GEMMs on matrix cores";
-    if (gemms != "matrix") why += " (a stand-in: this device lacks the instruction, slow)";
+    if (gemms == "matrix wgmma") why += " (Hopper's warpgroup instruction)";
+    if (gemms == "matrix stand-in") {
+      why += " (a stand-in: this device lacks the instruction, slow)";
+    }
   }
   spdlog::info("engine: {}", why);
   if (options.gpus > 1 && kind == "cpu") {

@@ -860,10 +860,15 @@ std::vector<int64_t> TableRows(const int32_t* table, int64_t blocks, int64_t per
 
 class GpuBackend final : public Backend {
  public:
-  GpuBackend(int device, const GpuOptions& options)
+  // `wgmma`: the matrix-core GEMMs through the warpgroup instruction (the device's code has it).
+  GpuBackend(int device, const GpuOptions& options, bool wgmma)
       : device_(device),
         matrix_(options.matrix_gemms),
-        numerics_(std::string(FLASHD_GPU_STR(FLASHD_GPU_BACKEND)) + (matrix_ ? "-matrix" : "") +
+        instruction_(wgmma ? g::MatrixInstruction::kWgmma : g::MatrixInstruction::kMma),
+        numerics_(std::string(FLASHD_GPU_STR(FLASHD_GPU_BACKEND)) +
+                  (!matrix_ ? ""
+                   : wgmma  ? "-matrix-wgmma"
+                            : "-matrix") +
                   "/4") {}
   std::string_view name() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND); }
   // The kernels give the CPU's bits (kernels/gpu/ops.h), but for the matrix-core GEMMs, and on
@@ -878,7 +883,9 @@ class GpuBackend final : public Backend {
     if (matrix_) {
       // Asked of the device once (a kernel and a copy back), the first time: at start-up.
       if (native_ < 0) native_ = g::MatrixCoresNative() ? 1 : 0;
-      r.gemms = native_ == 1 ? "matrix" : "matrix stand-in";
+      r.gemms = instruction_ == g::MatrixInstruction::kWgmma ? "matrix wgmma"
+                : native_ == 1                               ? "matrix"
+                                                             : "matrix stand-in";
     }
     if (device_ > 0) r.device += " #" + std::to_string(device_);
     size_t free_bytes = 0, total = 0;
@@ -932,7 +939,7 @@ class GpuBackend final : public Backend {
       // rows were batched.
       const bool matrix = matrix_ && g::LinearMatrixTakes(d);
       d.y = c.Out(p.y, p.rows * groups * p.out);
-      return Launch(c, [&] { return matrix ? g::LinearMatrix(d) : g::Linear(d); });
+      return Launch(c, [&] { return matrix ? g::LinearMatrix(d, instruction_) : g::Linear(d); });
     });
   }
 
@@ -1268,7 +1275,8 @@ class GpuBackend final : public Backend {
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
       d.y = c.Out(p.y, p.rows * p.out);
-      return Launch(c, [&] { return matrix_ ? g::ExpertLinearMatrix(d) : g::ExpertLinear(d); });
+      return Launch(
+          c, [&] { return matrix_ ? g::ExpertLinearMatrix(d, instruction_) : g::ExpertLinear(d); });
     });
   }
 
@@ -1440,8 +1448,9 @@ class GpuBackend final : public Backend {
   }
 
   const int device_;
-  const bool matrix_;        // GpuOptions::matrix_gemms.
-  mutable int native_ = -1;  // MatrixCoresNative(), once asked (under mu_).
+  const bool matrix_;                       // GpuOptions::matrix_gemms.
+  const g::MatrixInstruction instruction_;  // Of the matrix-core GEMMs.
+  mutable int native_ = -1;                 // MatrixCoresNative(), once asked (under mu_).
   const std::string numerics_;
   mutable std::mutex mu_;
   mutable DeviceMemory memory_;
@@ -1459,7 +1468,14 @@ StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device, const GpuOptions& 
     return Unavailable(kind + ": no device " + std::to_string(device) + " (" +
                        std::to_string(count) + " found)");
   }
-  return std::unique_ptr<Backend>(std::make_unique<GpuBackend>(device, options));
+  // Hopper's warpgroup instruction where the device's code has it (sm_90a), for every matrix
+  // GEMM: one instruction for all rows, so that a row's sums do not depend on its batch.
+  bool wgmma = false;
+  if (options.matrix_gemms) {
+    if (const std::string e = g::SetDevice(device); !e.empty()) return Unavailable(kind + ": " + e);
+    wgmma = g::MatrixWgmmaNative();
+  }
+  return std::unique_ptr<Backend>(std::make_unique<GpuBackend>(device, options, wgmma));
 }
 
 }  // namespace flashd::engine::FLASHD_GPU_BACKEND

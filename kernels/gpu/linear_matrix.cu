@@ -21,6 +21,7 @@
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 #include "kernels/gpu/quantized.h"
+#include "kernels/gpu/wgmma.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
@@ -276,6 +277,263 @@ __global__ void __launch_bounds__(kThreads)
   MatrixTile<kFormat, S>(xq, xs, m0, left < S::kToks ? left : S::kToks, K, w[e], ws[e], N, n0, y);
 }
 
+// ---- The warpgroup instruction (wgmma.h) ------------------------------------------------------
+// The same sums (per K-block one instruction's sum of the 32 products from zero, times the
+// block's weight and activation scales, added to the running sum by a fused multiply-add, blocks
+// in order) with Hopper's warpgroup instruction, which reads both operands from shared memory:
+// a thread block of two warpgroups takes 128 weight rows (64 each) by kToks tokens (8, 64 or
+// 128: one instruction a K-block and warpgroup), K four blocks a chunk through a ring of
+// kWgStages chunks that cp.async fills while earlier chunks are summed. FP4 codes are copied
+// as they are stored and widened to E4M3 in shared memory before their chunk's instructions.
+// Each warpgroup issues block kb + 1's instruction before it adds block kb's outputs, so the
+// matrix unit and the adds overlap.
+constexpr unsigned kWgThreads = 2 * kWgmmaThreads;
+constexpr int kWgStages = 4;
+// An FP4 row's 64 staged bytes a chunk, padded to 80: the widening's 8-byte reads of eight
+// neighbouring rows fall in different banks.
+constexpr int kRawStride = 80;
+static_assert(kChunkBlocks * kBlock == kWgmmaChunkBytes, "a chunk is a staged row group's K");
+
+// One stage of the ring, in bytes: weight codes as E4M3 (staged), FP4's raw codes, the tokens'
+// codes (staged), then floats: the weights' scales ([tile or row][block]) and the tokens'
+// ([block][token]).
+template <int kFormat, int kToks>
+struct WgStage {
+  static constexpr int kA = kTileRows * kWgmmaChunkBytes;
+  static constexpr int kRaw = kFormat == 1 ? kTileRows * kRawStride : 0;
+  static constexpr int kB = kToks * kWgmmaChunkBytes;
+  static constexpr int kAScales = (kFormat == 0 ? kTileRows / kBlock : kTileRows) * kChunkBlocks;
+  static constexpr int kScales = kAScales + kChunkBlocks * kToks;
+  static constexpr int kBytes = kA + kRaw + kB + 4 * kScales;
+  static constexpr int kScaleLoads = (kScales + kWgThreads - 1) / kWgThreads;
+  static_assert(kToks % 8 == 0 && kBytes % 16 == 0, "whole row groups, aligned stages");
+};
+template <int kFormat, int kToks>
+constexpr int kWgSharedBytes = kWgStages* WgStage<kFormat, kToks>::kBytes;
+
+// y[m0 + i, n0 + j] for i < rows (tokens), j < min(128, N - n0), over all of K; `smem` holds
+// kWgSharedBytes.
+template <int kFormat, int kToks>
+__device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int64_t rows, int64_t K,
+                          const uint8_t* w, const uint8_t* ws, int64_t N, int64_t n0, float* y,
+                          uint8_t* smem) {
+  using St = WgStage<kFormat, kToks>;
+  constexpr int kH = kToks / 2;  // Outputs a thread.
+  const int64_t blocks = K / kBlock, chunks = (blocks + kChunkBlocks - 1) / kChunkBlocks;
+  const int t = static_cast<int>(threadIdx.x);
+  auto stage = [&](int64_t c) { return smem + (c % kWgStages) * St::kBytes; };
+
+  // Chunk c's codes copied into its stage (rows past N, tokens past `rows` and blocks past K as
+  // zeros), as one group of this thread's copies. A warp's copies fill four core matrices: eight
+  // rows' 16-byte pieces of a K-block pair, 64 bytes of each row read.
+  auto copy = [&](int64_t c) {
+    uint8_t* s = stage(c);
+    const int64_t b0 = c * kChunkBlocks;
+    if constexpr (kFormat == 0) {
+      FLASHD_UNROLL
+      for (int j = 0; j < kTileRows * 8 / static_cast<int>(kWgThreads); ++j) {
+        const int i = t + j * static_cast<int>(kWgThreads);
+        const int r = (i / 64) * 8 + i % 8, piece = (i / 8) % 8;
+        const bool ok = n0 + r < N && b0 + piece / 2 < blocks;
+        CopyAsync16(s + WgmmaStaged(r, 16 * piece),
+                    ok ? w + (n0 + r) * K + b0 * kBlock + piece * 16 : w, ok);
+      }
+    } else {
+      FLASHD_UNROLL
+      for (int j = 0; j < kTileRows * 4 / static_cast<int>(kWgThreads); ++j) {
+        const int i = t + j * static_cast<int>(kWgThreads);
+        const int r = i / 4, blk = i % 4;
+        const bool ok = n0 + r < N && b0 + blk < blocks;
+        CopyAsync16(s + St::kA + r * kRawStride + blk * 16,
+                    ok ? w + (n0 + r) * (K / 2) + (b0 + blk) * (kBlock / 2) : w, ok);
+      }
+    }
+    for (int i = t; i < kToks * 8; i += static_cast<int>(kWgThreads)) {
+      const int tok = (i / 64) * 8 + i % 8, piece = (i / 8) % 8;
+      const bool ok = tok < rows && b0 + piece / 2 < blocks;
+      CopyAsync16(s + St::kA + St::kRaw + WgmmaStaged(tok, 16 * piece),
+                  ok ? xq + (m0 + tok) * K + b0 * kBlock + piece * 16 : xq, ok);
+    }
+    CopyAsyncCommit();
+  };
+  // Chunk c's scale codes into registers (-1: none, a zero scale), and later as floats into its
+  // stage, so that their loads are in flight while a chunk is summed.
+  int16_t scale_codes[St::kScaleLoads];
+  auto load_scales = [&](int64_t c) {
+    const int64_t b0 = c * kChunkBlocks;
+    FLASHD_UNROLL
+    for (int j = 0; j < St::kScaleLoads; ++j) {
+      const int e = t + j * static_cast<int>(kWgThreads);
+      int16_t code = -1;
+      if (e < St::kAScales) {
+        const int64_t blk = b0 + e % kChunkBlocks, r = e / kChunkBlocks;
+        if (kFormat == 0 && n0 + r * kBlock < N && blk < blocks) {
+          code = ws[(n0 / kBlock + r) * blocks + blk];
+        } else if (kFormat == 1 && n0 + r < N && blk < blocks) {
+          code = ws[(n0 + r) * blocks + blk];
+        }
+      } else if (e < St::kScales) {
+        const int64_t blk = b0 + (e - St::kAScales) / kToks, tok = (e - St::kAScales) % kToks;
+        if (tok < rows && blk < blocks) code = xs[(m0 + tok) * blocks + blk];
+      }
+      scale_codes[j] = code;
+    }
+  };
+  auto store_scales = [&](int64_t c) {
+    float* scales = reinterpret_cast<float*>(stage(c) + St::kA + St::kRaw + St::kB);
+    FLASHD_UNROLL
+    for (int j = 0; j < St::kScaleLoads; ++j) {
+      const int e = t + j * static_cast<int>(kWgThreads);
+      if (e >= St::kScales) continue;
+      const int16_t code = scale_codes[j];
+      float v = code < 0 ? 0.0f : c::E8M0ToFloat(static_cast<uint8_t>(code));
+      if (kFormat == 1 && e < St::kAScales) v *= 0x1p6f;  // The widened codes' 2^-6.
+      scales[e] = v;
+    }
+  };
+  // FP4: chunk c's raw codes widened into the staged layout, a thread per (row, 16 K-bytes).
+  auto widen = [&](int64_t c) {
+    uint8_t* s = stage(c);
+    FLASHD_UNROLL
+    for (int j = 0; j < kTileRows * 8 / static_cast<int>(kWgThreads); ++j) {
+      const int i = t + j * static_cast<int>(kWgThreads);
+      const int r = (i / 64) * 8 + i % 8, piece = (i / 8) % 8;
+      const uint2 v = *reinterpret_cast<const uint2*>(s + St::kA + r * kRawStride + 8 * piece);
+      *reinterpret_cast<uint4*>(s + WgmmaStaged(r, 16 * piece)) = uint4{
+          E2M1x4ToE4M3(v.x), E2M1x4ToE4M3(v.x >> 16), E2M1x4ToE4M3(v.y), E2M1x4ToE4M3(v.y >> 16)};
+    }
+  };
+
+  const int wg = t / kWgmmaThreads, lane = t % 32, q = lane % 4;
+  const int r0 = wg * 64 + ((t % kWgmmaThreads) / 32) * 16 + lane / 4;  // And r0 + 8.
+  float acc[kH], d0[kH], d1[kH];
+  FLASHD_UNROLL
+  for (int i = 0; i < kH; ++i) acc[i] = d0[i] = d1[i] = 0.0f;
+
+  for (int64_t c = 0; c < kWgStages - 1; ++c) {
+    if (c < chunks) {
+      copy(c);
+      load_scales(c);
+      store_scales(c);
+    } else {
+      CopyAsyncCommit();  // Empty, so that each wait below counts chunks.
+    }
+  }
+  for (int64_t c = 0; c < chunks; ++c) {
+    CopyAsyncWait<kWgStages - 2>();  // This thread's copies of chunk c are in.
+    if constexpr (kFormat == 1) {
+      __syncthreads();
+      widen(c);
+    }
+    WgmmaSharedFence();
+    __syncthreads();  // Everyone's are in, and chunk c - 1's stage is no longer read.
+    const int64_t ahead = c + kWgStages - 1;
+    if (ahead < chunks) {
+      copy(ahead);
+      load_scales(ahead);
+    } else {
+      CopyAsyncCommit();
+    }
+
+    const uint8_t* s = stage(c);
+    const uint8_t* a = s + wg * 8 * kWgmmaGroupBytes;  // This warpgroup's 64 rows.
+    const uint8_t* b = s + St::kA + St::kRaw;
+    const float* a_scales = reinterpret_cast<const float*>(b + St::kB);
+    const float* b_scales = a_scales + St::kAScales;
+    const int64_t nb =
+        blocks - c * kChunkBlocks < kChunkBlocks ? blocks - c * kChunkBlocks : kChunkBlocks;
+    auto issue = [&](int kb, float(&d)[kH]) {
+      WgmmaFence();
+      WgmmaE4M3<kToks>(a + 2 * kb * kWgmmaPieceBytes, b + 2 * kb * kWgmmaPieceBytes, d);
+      WgmmaCommit();
+    };
+    // Block kb's sums (in d) added to the outputs' chains.
+    auto add = [&](int kb, float(&d)[kH]) {
+      WgmmaDone(d);
+      const float w0 = kFormat == 0 ? a_scales[(r0 / kBlock) * kChunkBlocks + kb]
+                                    : a_scales[r0 * kChunkBlocks + kb];
+      const float w1 = kFormat == 0 ? w0 : a_scales[(r0 + 8) * kChunkBlocks + kb];
+      FLASHD_UNROLL
+      for (int j = 0; j < kToks / 8; ++j) {
+        const float2 x = *reinterpret_cast<const float2*>(b_scales + kb * kToks + 8 * j + 2 * q);
+        acc[4 * j + 0] = FLASHD_EXACT_FMA(d[4 * j + 0], w0 * x.x, acc[4 * j + 0]);
+        acc[4 * j + 1] = FLASHD_EXACT_FMA(d[4 * j + 1], w0 * x.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = FLASHD_EXACT_FMA(d[4 * j + 2], w1 * x.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = FLASHD_EXACT_FMA(d[4 * j + 3], w1 * x.y, acc[4 * j + 3]);
+      }
+    };
+    if (nb == kChunkBlocks) {
+      // Straight-line, so that the compiler sees which instruction each wait leaves running:
+      // block kb + 1's instruction issued before block kb's sums are added.
+      issue(0, d0);
+      issue(1, d1);
+      WgmmaWait<1>();
+      add(0, d0);
+      issue(2, d0);
+      WgmmaWait<1>();
+      add(1, d1);
+      issue(3, d1);
+      WgmmaWait<1>();
+      add(2, d0);
+      WgmmaWait<0>();
+      add(3, d1);
+    } else {
+      for (int kb = 0; kb < nb; ++kb) {
+        issue(kb, d0);
+        WgmmaWait<0>();
+        add(kb, d0);
+      }
+    }
+
+    if (ahead < chunks) store_scales(ahead);
+  }
+  FLASHD_UNROLL
+  for (int j = 0; j < kToks / 8; ++j) {
+    FLASHD_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int64_t n = n0 + r0 + 8 * (i / 2), tok = 8 * j + 2 * q + i % 2;
+      if (n < N && tok < rows) y[(m0 + tok) * N + n] = acc[4 * j + i];
+    }
+  }
+}
+
+template <int kFormat, int kToks>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    WgmmaGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
+                    const uint8_t* ws, int64_t N, float* y) {
+  FLASHD_DYNAMIC_SHARED(uint8_t, smem);
+  const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows;
+  const int64_t m0 = (blockIdx.x / RowTiles(N)) * kToks;
+  WgmmaTile<kFormat, kToks>(xq, xs, m0, M - m0 < kToks ? M - m0 : kToks, K, w, ws, N, n0, y, smem);
+}
+
+// MatrixExpertKernel's mapping with the warpgroup tile.
+template <int kFormat, int kToks>
+__global__ void __launch_bounds__(kWgThreads, 1)
+    WgmmaExpertKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
+                      const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
+                      const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
+  FLASHD_DYNAMIC_SHARED(uint8_t, smem);
+  constexpr int64_t kPer = kToks / kExpertTileRows;
+  const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows, tile = blockIdx.x / RowTiles(N);
+  if (tile >= slot_tiles[slots]) return;
+  const int64_t lo = SlotOfTile(slot_tiles, slots, tile);
+  if ((tile - slot_tiles[lo]) % kPer != 0) return;
+  const int64_t m0 = slot_offset[lo] + (tile - slot_tiles[lo]) * kExpertTileRows;
+  const int64_t left = slot_offset[lo + 1] - m0;
+  const int64_t e = slot_expert[lo];
+  WgmmaTile<kFormat, kToks>(xq, xs, m0, left < kToks ? left : kToks, K, w[e], ws[e], N, n0, y,
+                            smem);
+}
+
+__global__ void WgmmaNativeKernel(int* native) {
+#if defined(FLASHD_WGMMA_NATIVE)
+  *native = 1;
+#else
+  *native = 0;
+#endif
+}
+
 __global__ void NativeKernel(int* native) {
 #if defined(FLASHD_MMA_E4M3_NATIVE)
   *native = 1;
@@ -303,11 +561,56 @@ bool MatrixCoresNative() {
   return ok && native == 1;
 }
 
+bool MatrixWgmmaNative() {
+  int* flag = nullptr;
+  if (gpuMalloc(reinterpret_cast<void**>(&flag), sizeof(int)) != gpuSuccess) return false;
+  int native = 0;
+  FLASHD_LAUNCH(WgmmaNativeKernel, 1, 1, 0, nullptr, flag);
+  const bool ok = gpuGetLastError() == gpuSuccess &&
+                  gpuMemcpy(&native, flag, sizeof(int), gpuMemcpyDeviceToHost) == gpuSuccess;
+  gpuFree(flag);
+  return ok && native == 1;
+}
+
+namespace {
+
+// The warpgroup kernels' launch: a kernel's shared memory allowed the first time (the attribute
+// is the kernel's, whatever the device), then the grid.
+template <auto kKernel, class... Args>
+OpStatus LaunchWgmma(int bytes, int64_t grid, gpuStream_t stream, Args... args) {
+#if defined(__HIPCC__) && !defined(FLASHD_HIP_CPU)
+  // AMD's 64 KB of shared memory a block hold no ring of these stages.
+  (void)bytes, (void)grid, (void)stream, ((void)args, ...);
+  return OpStatus::kBadArgument;
+#else
+  static const gpuError_t allowed = FLASHD_ALLOW_SHARED(kKernel, bytes);
+  if (allowed != gpuSuccess) return OpStatus::kDeviceError;
+  FLASHD_LAUNCH(kKernel, static_cast<unsigned>(grid), kWgThreads, bytes, stream, args...);
+  return Launched();
+#endif
+}
+
+template <int kFormat, int kToks>
+OpStatus WgmmaLinear(const LinearParams& p, int64_t grid, gpuStream_t stream) {
+  return LaunchWgmma<&WgmmaGemmKernel<kFormat, kToks>>(kWgSharedBytes<kFormat, kToks>, grid, stream,
+                                                       p.x_codes, p.x_scales, p.rows, p.in, p.w,
+                                                       p.w_scales, p.out, p.y);
+}
+
+template <int kFormat, int kToks>
+OpStatus WgmmaExperts(const ExpertLinearParams& p, int64_t grid, gpuStream_t stream) {
+  return LaunchWgmma<&WgmmaExpertKernel<kFormat, kToks>>(
+      kWgSharedBytes<kFormat, kToks>, grid, stream, p.x_codes, p.x_scales, p.in, p.slot_expert,
+      p.slot_offset, p.slot_tiles, p.slots, p.w, p.w_scales, p.out, p.y);
+}
+
+}  // namespace
+
 bool LinearMatrixTakes(const LinearParams& p) {
   return p.groups == 1 && (p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4);
 }
 
-OpStatus LinearMatrix(const LinearParams& p) {
+OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
@@ -321,6 +624,18 @@ OpStatus LinearMatrix(const LinearParams& p) {
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   QuantizeActivations(p.x, p.rows * (p.in / kBlock), p.x_codes, p.x_scales, stream);
   const bool fp8 = p.format == WeightFormat::kFp8;
+  if (instruction == MatrixInstruction::kWgmma) {
+    if (shape == 0) {
+      return fp8 ? WgmmaLinear<0, Narrow::kToks>(p, grid, stream)
+                 : WgmmaLinear<1, Narrow::kToks>(p, grid, stream);
+    }
+    if (shape == 1) {
+      return fp8 ? WgmmaLinear<0, Medium::kToks>(p, grid, stream)
+                 : WgmmaLinear<1, Medium::kToks>(p, grid, stream);
+    }
+    return fp8 ? WgmmaLinear<0, Wide::kToks>(p, grid, stream)
+               : WgmmaLinear<1, Wide::kToks>(p, grid, stream);
+  }
   using Kernel = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, const uint8_t*,
                           const uint8_t*, int64_t, float*);
   const Kernel kernels[2][3] = {
@@ -332,7 +647,7 @@ OpStatus LinearMatrix(const LinearParams& p) {
   return Launched();
 }
 
-OpStatus ExpertLinearMatrix(const ExpertLinearParams& p) {
+OpStatus ExpertLinearMatrix(const ExpertLinearParams& p, MatrixInstruction instruction) {
   bool none = false;
   if (const OpStatus s = CheckExpertLinear(p, 16, &none); s != OpStatus::kOk || none) return s;
   const int64_t grid =
@@ -344,6 +659,14 @@ OpStatus ExpertLinearMatrix(const ExpertLinearParams& p) {
   // Narrow (a decode step's few rows an expert); each output's sums are the same either way.
   const bool medium = p.rows > p.slots * kExpertTileRows;
   const bool fp8 = p.format == WeightFormat::kFp8;
+  if (instruction == MatrixInstruction::kWgmma) {
+    if (medium) {
+      return fp8 ? WgmmaExperts<0, Medium::kToks>(p, grid, stream)
+                 : WgmmaExperts<1, Medium::kToks>(p, grid, stream);
+    }
+    return fp8 ? WgmmaExperts<0, Narrow::kToks>(p, grid, stream)
+               : WgmmaExperts<1, Narrow::kToks>(p, grid, stream);
+  }
   const auto kernel = medium
                           ? (fp8 ? &MatrixExpertKernel<0, Medium> : &MatrixExpertKernel<1, Medium>)
                           : (fp8 ? &MatrixExpertKernel<0, Narrow> : &MatrixExpertKernel<1, Narrow>);

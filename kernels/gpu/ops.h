@@ -39,15 +39,28 @@ OpStatus LinearSplit(const LinearParams& p, int split);
 // Linear's by the instruction's rounding of each block's sum. Takes Linear's params (one group,
 // weights and x_codes 16-byte aligned). Runs everywhere: where the device has no such
 // instruction (MatrixCoresNative() false) a stand-in with the same data layout computes it.
-OpStatus LinearMatrix(const LinearParams& p);
+//
+// Two instructions, each with its stand-in: kMma, the 16 x 8 x 32 mma.sync (mma.h; a thread block
+// stages K from registers, two chunks in flight), and kWgmma, Hopper's warpgroup instruction
+// (wgmma.h; operands read from shared memory, a ring of four chunks filled by cp.async, the next
+// block's instruction issued before the last one's sums are added). The same chain of block sums
+// either way; whether the two instructions round a block's sum alike is the device's to say, so
+// a backend uses one for every row. kWgmma is NVIDIA's and the HIP CPU runtime's (kBadArgument on
+// AMD, whose shared memory holds no such ring).
+enum class MatrixInstruction { kMma, kWgmma };
+OpStatus LinearMatrix(const LinearParams& p,
+                      MatrixInstruction instruction = MatrixInstruction::kMma);
 // Whether LinearMatrix takes p's weights: FP8 or FP4, one group.
 bool LinearMatrixTakes(const LinearParams& p);
 // ExpertLinear's grouped rows on matrix cores, each row's sums LinearMatrix's.
-OpStatus ExpertLinearMatrix(const ExpertLinearParams& p);
+OpStatus ExpertLinearMatrix(const ExpertLinearParams& p,
+                            MatrixInstruction instruction = MatrixInstruction::kMma);
 // Whether the code the current device runs has the matrix-core instruction (built for NVIDIA
 // sm_89 or newer) rather than the stand-in: asked of the device with a kernel, so not while the
 // device is busy with work one must not wait for.
 bool MatrixCoresNative();
+// Likewise for the warpgroup instruction (NVIDIA code built for sm_90a).
+bool MatrixWgmmaNative();
 OpStatus RoundBf16(const RoundBf16Params& p);
 OpStatus AddRound(const AddRoundParams& p);
 OpStatus CopyRows(const CopyRowsParams& p);

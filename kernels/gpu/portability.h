@@ -120,6 +120,17 @@ using gpuGraphExec_t = cudaGraphExec_t;
   type* name = reinterpret_cast<type*>(flashd_dynamic_shared_)
 #endif
 
+// Lets `kernel` take `bytes` (over 48 KB) of dynamic shared memory: a gpuError_t.
+#if defined(FLASHD_HIP_CPU)
+#define FLASHD_ALLOW_SHARED(kernel, bytes) gpuSuccess
+#elif defined(__HIPCC__)
+#define FLASHD_ALLOW_SHARED(kernel, bytes)                   \
+  hipFuncSetAttribute(reinterpret_cast<const void*>(kernel), \
+                      hipFuncAttributeMaxDynamicSharedMemorySize, (bytes))
+#else
+#define FLASHD_ALLOW_SHARED(kernel, bytes) \
+  cudaFuncSetAttribute((kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, (bytes))
+#endif
 // a * b + c where the product a * b is exact (it needs no rounding): one fused instruction on a
 // GPU (the builds turn off contraction elsewhere), which then rounds as the CPU's separate
 // multiply and add do; the CPU runtime writes them apart.

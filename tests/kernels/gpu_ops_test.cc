@@ -156,6 +156,11 @@ struct GemmCase {
 
 const int64_t kRows[] = {1, 3, 257};
 
+#define FLASHD_TEST_STR2(x) #x
+#define FLASHD_TEST_STR(x) FLASHD_TEST_STR2(x)
+// The backend these tests run: cuda, hip or hipcpu.
+constexpr std::string_view kBackend = FLASHD_TEST_STR(FLASHD_GPU_BACKEND);
+
 BOOST_AUTO_TEST_SUITE(gpu_ops)
 
 // Two kernels launched on one stream run in launch order, also when the host is slow between the
@@ -588,13 +593,37 @@ BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
                                    1) == OpStatus::kBadArgument));
 }
 
-// The matrix-core GEMM (LinearMatrix): each output within rounding of the CPU's Linear (its
-// error at most 1e-3 of the sum of the products' magnitudes: the instruction rounds each block's
-// sum its own way), a NaN weight code or scale giving NaN where the CPU's does, and every row's
-// results the same bits whatever the rows beside it (1, 3, 70 or 257 rows: Narrow and Wide
-// tiles, several token tiles); the grouped experts' rows equal LinearMatrix per expert. K-chunks
-// whole and partial, output tiles whole and partial.
+// The matrix-core GEMM (LinearMatrix), with each instruction: each output within rounding of
+// the CPU's Linear (its error at most 1e-3 of the sum of the products' magnitudes: the
+// instruction rounds each block's sum its own way), a NaN weight code or scale giving NaN where
+// the CPU's does, and every row's results the same bits whatever the rows beside it (1, 3, 70 or
+// 257 rows: Narrow and Wide tiles, several token tiles); the grouped experts' rows equal
+// LinearMatrix per expert. K-chunks whole and partial (K of 1376: 10 whole chunks and a block
+// over; of 544, 4 and a part of one), output tiles whole and partial. Where both instructions
+// are stand-ins, FP4's results (whose block sums never round there) are the same bits with
+// either: their staging, operand offsets and output layouts pair every product as the other's
+// do. FP8's may differ: mma's stand-in sums a block in its instruction's column order, which
+// the staging permutes within the block, the warpgroup's in the order of K.
+void LinearMatrixCases(gpu::MatrixInstruction ins, std::vector<std::vector<float>>* first);
+
 BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
+  std::vector<std::vector<float>>
+      first_results;  // Each case's, rows `most`, the first instruction.
+  for (const gpu::MatrixInstruction ins :
+       {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kWgmma}) {
+    BOOST_TEST_CONTEXT("instruction " << (ins == gpu::MatrixInstruction::kMma ? "mma" : "wgmma")) {
+      LinearMatrixCases(ins, &first_results);
+    }
+  }
+}
+
+void LinearMatrixCases(gpu::MatrixInstruction ins, std::vector<std::vector<float>>* first) {
+  if (ins == gpu::MatrixInstruction::kWgmma && kBackend == "hip") {
+    BOOST_TEST_MESSAGE("the warpgroup instruction's path is NVIDIA's and the CPU runtime's");
+    return;
+  }
+  const bool both_stand_ins = !gpu::MatrixCoresNative() && !gpu::MatrixWgmmaNative();
+  size_t case_index = 0;
   std::mt19937 rng(61);
   const GemmCase cases[] = {{WeightFormat::kFp8, 64, 33},
                             {WeightFormat::kFp8, 1376, 130},
@@ -623,8 +652,8 @@ BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
       const LinearShape shape{c.format, rows, c.in, c.out};
       Dev<float> dy(std::vector<float>(want.size(), 7.0f));
       BOOST_REQUIRE(gpu::LinearMatrix(shape.Params(dx.get(), dwq.get(), dws.get(), nullptr,
-                                                   dxq.get(), dxs.get(), dy.get())) ==
-                    OpStatus::kOk);
+                                                   dxq.get(), dxs.get(), dy.get()),
+                                      ins) == OpStatus::kOk);
       got.push_back(dy.Host());
       const std::vector<float>& y = got.back();
       int64_t off = 0, nan_mismatch = 0;
@@ -660,6 +689,14 @@ BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
       BOOST_TEST(BitEqual(got[i], head), "format " << static_cast<int>(c.format) << ": rows "
                                                    << got[i].size() / c.out << " against " << most);
     }
+    if (first->size() <= case_index) {
+      first->push_back(got.back());
+    } else if (both_stand_ins && c.format == WeightFormat::kFp4) {
+      BOOST_TEST(BitEqual(got.back(), (*first)[case_index]),
+                 "format " << static_cast<int>(c.format) << " in " << c.in
+                           << ": the instructions' stand-ins apart");
+    }
+    ++case_index;
   }
   // The grouped experts' rows: LinearMatrix's over each expert's rows, in Narrow tiles (5
   // tokens: 15 rows over 6 slots), one Medium tile a slot (29) and several with a part (150).
@@ -688,7 +725,8 @@ BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
                                              .w_scales = dstable.get(),
                                              .x_codes = dxq.get(),
                                              .x_scales = dxs.get(),
-                                             .y = dy.get()}) == OpStatus::kOk);
+                                             .y = dy.get()},
+                                            ins) == OpStatus::kOk);
       const std::vector<float> grouped = dy.Host();
       for (int64_t s = 0; s < slots; ++s) {
         const int64_t r0 = g.offset[s], rows = g.offset[s + 1] - r0, e = g.expert[s];
@@ -697,8 +735,8 @@ BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
         Dev<float> dye(std::vector<float>(rows * out, -2.0f));
         const LinearShape shape{format, rows, in, out};
         BOOST_REQUIRE(gpu::LinearMatrix(shape.Params(dxe.get(), ew.dw[e], ew.dws[e], nullptr,
-                                                     dxq.get(), dxs.get(), dye.get())) ==
-                      OpStatus::kOk);
+                                                     dxq.get(), dxs.get(), dye.get()),
+                                        ins) == OpStatus::kOk);
         const std::vector<float> one(grouped.begin() + r0 * out,
                                      grouped.begin() + (r0 + rows) * out);
         BOOST_TEST(BitEqual(dye.Host(), one), "format " << static_cast<int>(format) << " slot " << s
@@ -713,15 +751,15 @@ BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
   LinearShape shape{WeightFormat::kFp8, 1, 64, 2};
   LinearParams p =
       shape.Params(dx.get(), dw.get(), ds.get(), nullptr, dxq.get(), dxs.get(), dy.get());
-  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kOk));
+  BOOST_TEST((gpu::LinearMatrix(p, ins) == OpStatus::kOk));
   p.x_codes = dxq.get() + 4;
-  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadArgument));
+  BOOST_TEST((gpu::LinearMatrix(p, ins) == OpStatus::kBadArgument));
   p.x_codes = dxq.get();
   p.groups = 2;
-  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadArgument));
+  BOOST_TEST((gpu::LinearMatrix(p, ins) == OpStatus::kBadArgument));
   p.groups = 1;
   p.format = WeightFormat::kDense;
-  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadArgument));
+  BOOST_TEST((gpu::LinearMatrix(p, ins) == OpStatus::kBadArgument));
 }
 
 // An FP8 matrix run as its exact values (kFp8Dense, how wo_a is held) gives kDense's results over
