@@ -295,15 +295,18 @@ constexpr int kRawStride = 80;
 static_assert(kChunkBlocks * kBlock == kWgmmaChunkBytes, "a chunk is a staged row group's K");
 
 // One stage of the ring, in bytes: weight codes as E4M3 (staged), FP4's raw codes, the tokens'
-// codes (staged), then floats: the weights' scales ([tile or row][block]) and the tokens'
+// codes (staged), then floats. FP8: the products of weight and token scales, [32-row tile][block]
+// [token] (a tile's rows share a scale, so the products are few and each output's block takes
+// one from shared memory, no multiply); FP4: the rows' scales ([row][block]), then the tokens'
 // ([block][token]).
 template <int kFormat, int kToks>
 struct WgStage {
   static constexpr int kA = kTileRows * kWgmmaChunkBytes;
   static constexpr int kRaw = kFormat == 1 ? kTileRows * kRawStride : 0;
   static constexpr int kB = kToks * kWgmmaChunkBytes;
-  static constexpr int kAScales = (kFormat == 0 ? kTileRows / kBlock : kTileRows) * kChunkBlocks;
-  static constexpr int kScales = kAScales + kChunkBlocks * kToks;
+  static constexpr int kAScales = kFormat == 0 ? 0 : kTileRows * kChunkBlocks;
+  static constexpr int kScales =
+      kFormat == 0 ? kTileRows / kBlock * kChunkBlocks * kToks : kAScales + kChunkBlocks * kToks;
   static constexpr int kBytes = kA + kRaw + kB + 4 * kScales;
   static constexpr int kScaleLoads = (kScales + kWgThreads - 1) / kWgThreads;
   static_assert(kToks % 8 == 0 && kBytes % 16 == 0, "whole row groups, aligned stages");
@@ -356,22 +359,25 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
     }
     CopyAsyncCommit();
   };
-  // Chunk c's scale codes into registers (-1: none, a zero scale), and later as floats into its
-  // stage, so that their loads are in flight while a chunk is summed.
-  int16_t scale_codes[St::kScaleLoads];
+  // Chunk c's scale codes into registers (-1: none, a zero scale; FP8: the weight's code, the
+  // token's above it), and later as floats into its stage, so that their loads are in flight
+  // while a chunk is summed.
+  int32_t scale_codes[St::kScaleLoads];
   auto load_scales = [&](int64_t c) {
     const int64_t b0 = c * kChunkBlocks;
     FLASHD_UNROLL
     for (int j = 0; j < St::kScaleLoads; ++j) {
       const int e = t + j * static_cast<int>(kWgThreads);
-      int16_t code = -1;
-      if (e < St::kAScales) {
-        const int64_t blk = b0 + e % kChunkBlocks, r = e / kChunkBlocks;
-        if (kFormat == 0 && n0 + r * kBlock < N && blk < blocks) {
-          code = ws[(n0 / kBlock + r) * blocks + blk];
-        } else if (kFormat == 1 && n0 + r < N && blk < blocks) {
-          code = ws[(n0 + r) * blocks + blk];
+      int32_t code = -1;
+      if (kFormat == 0) {
+        const int64_t tok = e % kToks, blk = b0 + (e / kToks) % kChunkBlocks;
+        const int64_t tile = e / (kToks * kChunkBlocks);
+        if (e < St::kScales && n0 + tile * kBlock < N && tok < rows && blk < blocks) {
+          code = ws[(n0 / kBlock + tile) * blocks + blk] | xs[(m0 + tok) * blocks + blk] << 8;
         }
+      } else if (e < St::kAScales) {
+        const int64_t blk = b0 + e % kChunkBlocks, r = e / kChunkBlocks;
+        if (n0 + r < N && blk < blocks) code = ws[(n0 + r) * blocks + blk];
       } else if (e < St::kScales) {
         const int64_t blk = b0 + (e - St::kAScales) / kToks, tok = (e - St::kAScales) % kToks;
         if (tok < rows && blk < blocks) code = xs[(m0 + tok) * blocks + blk];
@@ -385,8 +391,9 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
     for (int j = 0; j < St::kScaleLoads; ++j) {
       const int e = t + j * static_cast<int>(kWgThreads);
       if (e >= St::kScales) continue;
-      const int16_t code = scale_codes[j];
+      const int32_t code = scale_codes[j];
       float v = code < 0 ? 0.0f : c::E8M0ToFloat(static_cast<uint8_t>(code));
+      if (kFormat == 0 && code >= 0) v *= c::E8M0ToFloat(static_cast<uint8_t>(code >> 8));
       if (kFormat == 1 && e < St::kAScales) v *= 0x1p6f;  // The widened codes' 2^-6.
       scales[e] = v;
     }
@@ -450,9 +457,21 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
     // Block kb's sums (in d) added to the outputs' chains.
     auto add = [&](int kb, float(&d)[kH]) {
       WgmmaDone(d);
-      const float w0 = kFormat == 0 ? a_scales[(r0 / kBlock) * kChunkBlocks + kb]
-                                    : a_scales[r0 * kChunkBlocks + kb];
-      const float w1 = kFormat == 0 ? w0 : a_scales[(r0 + 8) * kChunkBlocks + kb];
+      if constexpr (kFormat == 0) {
+        // Rows r0 and r0 + 8 share a 32-row tile, so the products serve both.
+        const float* products = a_scales + ((r0 / kBlock) * kChunkBlocks + kb) * kToks;
+        FLASHD_UNROLL
+        for (int j = 0; j < kToks / 8; ++j) {
+          const float2 p = *reinterpret_cast<const float2*>(products + 8 * j + 2 * q);
+          acc[4 * j + 0] = FLASHD_EXACT_FMA(d[4 * j + 0], p.x, acc[4 * j + 0]);
+          acc[4 * j + 1] = FLASHD_EXACT_FMA(d[4 * j + 1], p.y, acc[4 * j + 1]);
+          acc[4 * j + 2] = FLASHD_EXACT_FMA(d[4 * j + 2], p.x, acc[4 * j + 2]);
+          acc[4 * j + 3] = FLASHD_EXACT_FMA(d[4 * j + 3], p.y, acc[4 * j + 3]);
+        }
+        return;
+      }
+      const float w0 = a_scales[r0 * kChunkBlocks + kb];
+      const float w1 = a_scales[(r0 + 8) * kChunkBlocks + kb];
       FLASHD_UNROLL
       for (int j = 0; j < kToks / 8; ++j) {
         const float2 x = *reinterpret_cast<const float2*>(b_scales + kb * kToks + 8 * j + 2 * q);
