@@ -565,31 +565,24 @@ OpStatus Launched() {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
+// What `probe` (one thread) writes: asked of the code the device runs (the machine code or PTX
+// it loaded for this build's architectures), not of its compute capability.
+bool AskDevice(void (*probe)(int*)) {
+  int* flag = nullptr;
+  if (gpuMalloc(reinterpret_cast<void**>(&flag), sizeof(int)) != gpuSuccess) return false;
+  int native = 0;
+  FLASHD_LAUNCH(probe, 1, 1, 0, nullptr, flag);
+  const bool ok = gpuGetLastError() == gpuSuccess &&
+                  gpuMemcpy(&native, flag, sizeof(int), gpuMemcpyDeviceToHost) == gpuSuccess;
+  gpuFree(flag);
+  return ok && native == 1;
+}
+
 }  // namespace
 
-bool MatrixCoresNative() {
-  // Asked of the code the device runs (the machine code or PTX it loaded for this build's
-  // architectures), not of its compute capability: 1 where that code has the instruction.
-  int* flag = nullptr;
-  if (gpuMalloc(reinterpret_cast<void**>(&flag), sizeof(int)) != gpuSuccess) return false;
-  int native = 0;
-  FLASHD_LAUNCH(NativeKernel, 1, 1, 0, nullptr, flag);
-  const bool ok = gpuGetLastError() == gpuSuccess &&
-                  gpuMemcpy(&native, flag, sizeof(int), gpuMemcpyDeviceToHost) == gpuSuccess;
-  gpuFree(flag);
-  return ok && native == 1;
-}
+bool MatrixCoresNative() { return AskDevice(NativeKernel); }
 
-bool MatrixWgmmaNative() {
-  int* flag = nullptr;
-  if (gpuMalloc(reinterpret_cast<void**>(&flag), sizeof(int)) != gpuSuccess) return false;
-  int native = 0;
-  FLASHD_LAUNCH(WgmmaNativeKernel, 1, 1, 0, nullptr, flag);
-  const bool ok = gpuGetLastError() == gpuSuccess &&
-                  gpuMemcpy(&native, flag, sizeof(int), gpuMemcpyDeviceToHost) == gpuSuccess;
-  gpuFree(flag);
-  return ok && native == 1;
-}
+bool MatrixWgmmaNative() { return AskDevice(WgmmaNativeKernel); }
 
 namespace {
 
