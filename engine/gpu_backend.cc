@@ -882,10 +882,13 @@ class GpuBackend final : public Backend {
     if (!g::SetDevice(device_).empty() || !g::DeviceName(&r.device).empty()) r.device = "unknown";
     if (matrix_) {
       // Asked of the device once (a kernel and a copy back), the first time: at start-up.
-      if (native_ < 0) native_ = g::MatrixCoresNative() ? 1 : 0;
-      r.gemms = instruction_ == g::MatrixInstruction::kWgmma ? "matrix wgmma"
-                : native_ == 1                               ? "matrix"
-                                                             : "matrix stand-in";
+      // (The warpgroup instruction was asked for at start-up, by MakeGpuBackend.)
+      if (instruction_ == g::MatrixInstruction::kWgmma) {
+        r.gemms = "matrix wgmma";
+      } else {
+        if (native_ < 0) native_ = g::MatrixCoresNative() ? 1 : 0;
+        r.gemms = native_ == 1 ? "matrix" : "matrix stand-in";
+      }
     }
     if (device_ > 0) r.device += " #" + std::to_string(device_);
     size_t free_bytes = 0, total = 0;

@@ -290,13 +290,12 @@ __global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
     ExpertGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                      const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
                      const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
-  const int64_t n0 = (blockIdx.x % ColumnGroups(N)) * kTileCols, g = blockIdx.x / ColumnGroups(N);
-  if (g >= slot_tiles[slots]) return;
-  const int64_t lo = SlotOfTile(slot_tiles, slots, g);
-  const int64_t m0 = slot_offset[lo] + (g - slot_tiles[lo]) * kGemmRows;
-  const int64_t left = slot_offset[lo + 1] - m0;
-  const int64_t rows = left < kGemmRows ? left : kGemmRows;
-  const int64_t e = slot_expert[lo];
+  const int64_t n0 = (blockIdx.x % ColumnGroups(N)) * kTileCols;
+  int64_t m0 = 0, rows = 0, e = 0;
+  if (!ExpertTileOf(kGemmRows, blockIdx.x / ColumnGroups(N), slot_expert, slot_offset, slot_tiles,
+                    slots, &m0, &rows, &e)) {
+    return;
+  }
   for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     GemmTile<kFormat, kRows>(xq, xs, m0 + r0, rows - r0 < kRows ? rows - r0 : kRows, K, w[e], ws[e],
                              N, n0, 0, K / kBlock, false, y);

@@ -266,15 +266,13 @@ __global__ void __launch_bounds__(kThreads)
     MatrixExpertKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                        const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
                        const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
-  constexpr int64_t kPer = S::kToks / kExpertTileRows;  // Slot tiles a thread block takes.
-  const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows, tile = blockIdx.x / RowTiles(N);
-  if (tile >= slot_tiles[slots]) return;  // The whole thread block: no barrier is left waiting.
-  const int64_t lo = SlotOfTile(slot_tiles, slots, tile);
-  if ((tile - slot_tiles[lo]) % kPer != 0) return;  // Taken by the slot's tile before it.
-  const int64_t m0 = slot_offset[lo] + (tile - slot_tiles[lo]) * kExpertTileRows;
-  const int64_t left = slot_offset[lo + 1] - m0;
-  const int64_t e = slot_expert[lo];
-  MatrixTile<kFormat, S>(xq, xs, m0, left < S::kToks ? left : S::kToks, K, w[e], ws[e], N, n0, y);
+  int64_t m0 = 0, rows = 0, e = 0;
+  if (!ExpertTileOf(S::kToks, blockIdx.x / RowTiles(N), slot_expert, slot_offset, slot_tiles, slots,
+                    &m0, &rows, &e)) {
+    return;  // The whole thread block: no barrier is left waiting.
+  }
+  MatrixTile<kFormat, S>(xq, xs, m0, rows, K, w[e], ws[e], N,
+                         (blockIdx.x % RowTiles(N)) * kTileRows, y);
 }
 
 // ---- The warpgroup instruction (wgmma.h) ------------------------------------------------------
@@ -327,8 +325,7 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
   auto stage = [&](int64_t c) { return smem + (c % kWgStages) * St::kBytes; };
 
   // Chunk c's codes copied into its stage (rows past N, tokens past `rows` and blocks past K as
-  // zeros), as one group of this thread's copies. A warp's copies fill four core matrices: eight
-  // rows' 16-byte pieces of a K-block pair, 64 bytes of each row read.
+  // zeros), as one group of this thread's copies, in WgmmaPiece's order.
   auto copy = [&](int64_t c) {
     uint8_t* s = stage(c);
     const int64_t b0 = c * kChunkBlocks;
@@ -336,7 +333,7 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
       FLASHD_UNROLL
       for (int j = 0; j < kTileRows * 8 / static_cast<int>(kWgThreads); ++j) {
         const int i = t + j * static_cast<int>(kWgThreads);
-        const int r = (i / 64) * 8 + i % 8, piece = (i / 8) % 8;
+        const int r = WgmmaPieceRow(i), piece = WgmmaPiece(i);
         const bool ok = n0 + r < N && b0 + piece / 2 < blocks;
         CopyAsync16(s + WgmmaStaged(r, 16 * piece),
                     ok ? w + (n0 + r) * K + b0 * kBlock + piece * 16 : w, ok);
@@ -352,7 +349,7 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
       }
     }
     for (int i = t; i < kToks * 8; i += static_cast<int>(kWgThreads)) {
-      const int tok = (i / 64) * 8 + i % 8, piece = (i / 8) % 8;
+      const int tok = WgmmaPieceRow(i), piece = WgmmaPiece(i);
       const bool ok = tok < rows && b0 + piece / 2 < blocks;
       CopyAsync16(s + St::kA + St::kRaw + WgmmaStaged(tok, 16 * piece),
                   ok ? xq + (m0 + tok) * K + b0 * kBlock + piece * 16 : xq, ok);
@@ -404,7 +401,7 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
     FLASHD_UNROLL
     for (int j = 0; j < kTileRows * 8 / static_cast<int>(kWgThreads); ++j) {
       const int i = t + j * static_cast<int>(kWgThreads);
-      const int r = (i / 64) * 8 + i % 8, piece = (i / 8) % 8;
+      const int r = WgmmaPieceRow(i), piece = WgmmaPiece(i);
       const uint2 v = *reinterpret_cast<const uint2*>(s + St::kA + r * kRawStride + 8 * piece);
       *reinterpret_cast<uint4*>(s + WgmmaStaged(r, 16 * piece)) = uint4{
           E2M1x4ToE4M3(v.x), E2M1x4ToE4M3(v.x >> 16), E2M1x4ToE4M3(v.y), E2M1x4ToE4M3(v.y >> 16)};
@@ -533,16 +530,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
                       const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
                       const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
   FLASHD_DYNAMIC_SHARED(uint8_t, smem);
-  constexpr int64_t kPer = kToks / kExpertTileRows;
-  const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows, tile = blockIdx.x / RowTiles(N);
-  if (tile >= slot_tiles[slots]) return;
-  const int64_t lo = SlotOfTile(slot_tiles, slots, tile);
-  if ((tile - slot_tiles[lo]) % kPer != 0) return;
-  const int64_t m0 = slot_offset[lo] + (tile - slot_tiles[lo]) * kExpertTileRows;
-  const int64_t left = slot_offset[lo + 1] - m0;
-  const int64_t e = slot_expert[lo];
-  WgmmaTile<kFormat, kToks>(xq, xs, m0, left < kToks ? left : kToks, K, w[e], ws[e], N, n0, y,
-                            smem);
+  int64_t m0 = 0, rows = 0, e = 0;
+  if (!ExpertTileOf(kToks, blockIdx.x / RowTiles(N), slot_expert, slot_offset, slot_tiles, slots,
+                    &m0, &rows, &e)) {
+    return;
+  }
+  WgmmaTile<kFormat, kToks>(xq, xs, m0, rows, K, w[e], ws[e], N,
+                            (blockIdx.x % RowTiles(N)) * kTileRows, y, smem);
 }
 
 __global__ void WgmmaNativeKernel(int* native) {

@@ -60,4 +60,21 @@ __device__ inline int64_t SlotOfTile(const int64_t* slot_tiles, int64_t slots, i
   return lo;
 }
 
+// The rows slot tile `tile` starts for a thread block of `toks` tokens (a multiple of
+// kExpertTileRows): its first row m0, its rows (at most toks) and its slot's expert; false where
+// the thread block has nothing to do (past the last slot's tiles, or a tile that the slot's tile
+// before it takes).
+__device__ inline bool ExpertTileOf(int64_t toks, int64_t tile, const int64_t* slot_expert,
+                                    const int64_t* slot_offset, const int64_t* slot_tiles,
+                                    int64_t slots, int64_t* m0, int64_t* rows, int64_t* e) {
+  if (tile >= slot_tiles[slots]) return false;
+  const int64_t lo = SlotOfTile(slot_tiles, slots, tile);
+  if ((tile - slot_tiles[lo]) % (toks / kExpertTileRows) != 0) return false;
+  *m0 = slot_offset[lo] + (tile - slot_tiles[lo]) * kExpertTileRows;
+  const int64_t left = slot_offset[lo + 1] - *m0;
+  *rows = left < toks ? left : toks;
+  *e = slot_expert[lo];
+  return true;
+}
+
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -46,6 +46,13 @@ FLASHD_OPS_HD inline int WgmmaStaged(int row, int k) {
   return (row / 8) * kWgmmaGroupBytes + (k / 16) * kWgmmaPieceBytes + (row % 8) * 16 + k % 16;
 }
 
+// The i-th 16-byte piece of a staged chunk, in the order that fills core matrices one after
+// another: a row group's eight rows of piece 0, of piece 1, ..., then the next row group. So
+// eight neighbouring threads write one core matrix's 128 contiguous bytes, and a warp reads 64
+// contiguous bytes of each of its eight rows.
+FLASHD_OPS_HD inline int WgmmaPieceRow(int i) { return (i / 64) * 8 + i % 8; }
+FLASHD_OPS_HD inline int WgmmaPiece(int i) { return (i / 8) % 8; }
+
 // 16 bytes from global memory into shared memory, zeros where !valid (gmem is then not read,
 // but must be a valid address). Both 16-byte aligned.
 __device__ inline void CopyAsync16(void* smem, const void* gmem, bool valid) {

@@ -598,8 +598,9 @@ BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
 // instruction rounds each block's sum its own way), a NaN weight code or scale giving NaN where
 // the CPU's does, and every row's results the same bits whatever the rows beside it (1, 3, 70 or
 // 257 rows: Narrow and Wide tiles, several token tiles); the grouped experts' rows equal
-// LinearMatrix per expert. K-chunks whole and partial (K of 1376: 10 whole chunks and a block
-// over; of 544, 4 and a part of one), output tiles whole and partial. Where both instructions
+// LinearMatrix per expert. K-chunks of four blocks whole and partial (K of 1376: 43 blocks, 10
+// whole chunks and 3 blocks; of 544: 4 chunks and 1 block; of 64 and 96: one partial chunk),
+// output tiles whole and partial. Where both instructions
 // are stand-ins, FP4's results (whose block sums never round there) are the same bits with
 // either: their staging, operand offsets and output layouts pair every product as the other's
 // do. FP8's may differ: mma's stand-in sums a block in its instruction's column order, which
