@@ -169,9 +169,11 @@ __device__ inline void BlockProducts(const uint4* raw,
 // `sums` ([rows of y][N][K / 32]) each block's sum is written there instead, for BlockSumsKernel
 // to add in order (the fixed-order split).
 template <int kFormat, int kRows>
-__device__ void GemmTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int64_t rows, int64_t K,
-                         const uint8_t* w, const uint8_t* ws, int64_t N, int64_t n0, int64_t b_lo,
-                         int64_t b_hi, bool atomic, float* y, float* sums = nullptr) {
+FLASHD_SHARED_TILE __device__ void GemmTile(const uint8_t* xq, const uint8_t* xs, int64_t m0,
+                                            int64_t rows, int64_t K, const uint8_t* w,
+                                            const uint8_t* ws, int64_t N, int64_t n0, int64_t b_lo,
+                                            int64_t b_hi, bool atomic, float* y,
+                                            float* sums = nullptr) {
   constexpr int kChains =
       kRows * kTileCols / kTileThreads > 0 ? kRows * kTileCols / kTileThreads : 1;
   __shared__ float4 xf[kRows][kChunkBlocks][kXStride / 4];

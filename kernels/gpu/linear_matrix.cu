@@ -63,9 +63,9 @@ __device__ inline int Swizzled(int piece, int64_t row) {
 
 // y[m0 + i, n0 + j] for i < rows (tokens), j < min(128, N - n0), over all of K.
 template <int kFormat, class S>
-__device__ void MatrixTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int64_t rows,
-                           int64_t K, const uint8_t* w, const uint8_t* ws, int64_t N, int64_t n0,
-                           float* y) {
+FLASHD_SHARED_TILE __device__ void MatrixTile(const uint8_t* xq, const uint8_t* xs, int64_t m0,
+                                              int64_t rows, int64_t K, const uint8_t* w,
+                                              const uint8_t* ws, int64_t N, int64_t n0, float* y) {
   __shared__ uint4 a_s[kTileRows][kRowPieces];
   __shared__ uint4 b_s[S::kToks][kRowPieces];
   __shared__ float a_scale[kTileRows][kChunkBlocks];
@@ -568,7 +568,7 @@ bool AskDevice(void (*probe)(int*)) {
   FLASHD_LAUNCH(probe, 1, 1, 0, nullptr, flag);
   const bool ok = gpuGetLastError() == gpuSuccess &&
                   gpuMemcpy(&native, flag, sizeof(int), gpuMemcpyDeviceToHost) == gpuSuccess;
-  gpuFree(flag);
+  (void)gpuFree(flag);
   return ok && native == 1;
 }
 

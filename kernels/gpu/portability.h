@@ -140,6 +140,15 @@ using gpuGraphExec_t = cudaGraphExec_t;
 #define FLASHD_EXACT_FMA(a, b, c) fmaf((a), (b), (c))
 #endif
 
+// Before a device function that declares __shared__ arrays and is called from more than one
+// kernel: inlined into each on AMD, where clang (LLVM 15) otherwise gives every kernel that calls
+// such a function the shared memory of all of them in the file together (over the 64 KB a block).
+#if defined(__HIPCC__) && !defined(FLASHD_HIP_CPU)
+#define FLASHD_SHARED_TILE __forceinline__
+#else
+#define FLASHD_SHARED_TILE
+#endif
+
 // Before a loop of a known trip count: unrolled, so that register arrays it indexes stay in
 // registers (a run-time index puts them in local memory).
 #if defined(FLASHD_HIP_CPU) && defined(__GNUC__) && !defined(__clang__)
