@@ -15,8 +15,10 @@
 // bank conflicts. Inside a 32-block the instruction's columns 4t..4t+3 and 16 + 4t.. are the
 // staged bytes 8t..8t+7 (for weights and activations alike: the products are the block's).
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/codecs.h"
+#include "kernels/gpu/mfma.h"
 #include "kernels/gpu/mma.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
@@ -61,20 +63,39 @@ __device__ inline int Swizzled(int piece, int64_t row) {
   return piece ^ static_cast<int>(2 * (row % 4));
 }
 
-// y[m0 + i, n0 + j] for i < rows (tokens), j < min(128, N - n0), over all of K.
-template <int kFormat, class S>
+// AMD's instruction (mfma.h) in the same tiles: wave w (64 threads) takes weight rows
+// 32w .. 32w + 31 of the tile by its tokens in 32s (Narrow's 8 padded with zeros), each lane one
+// weight row's 16 outputs of a 32-token tile; a K-block's operands are one staged 16-byte piece
+// of a weight row and of a token's row a lane.
+static_assert(kThreads / kMfmaLanes * 32 == kTileRows, "a wave's 32 rows of the tile");
+template <class S>
+constexpr int kMfmaTokTiles = (S::kToks + 31) / 32;
+
+#if defined(FLASHD_MMA_E4M3_NATIVE)
+constexpr bool kMmaNative = true;
+#else
+constexpr bool kMmaNative = false;
+#endif
+#if defined(FLASHD_MFMA_NATIVE)
+constexpr bool kMfmaNative = true;
+#else
+constexpr bool kMfmaNative = false;
+#endif
+
+// y[m0 + i, n0 + j] for i < rows (tokens), j < min(128, N - n0), over all of K, by kIns (kMma or
+// kMfma).
+template <int kFormat, class S, MatrixInstruction kIns>
 FLASHD_SHARED_TILE __device__ void MatrixTile(const uint8_t* xq, const uint8_t* xs, int64_t m0,
                                               int64_t rows, int64_t K, const uint8_t* w,
                                               const uint8_t* ws, int64_t N, int64_t n0, float* y) {
+  constexpr bool kMfma = kIns == MatrixInstruction::kMfma;
+  using Scratch = std::conditional_t<kMfma, MfmaScratch, MmaScratch>;
   __shared__ uint4 a_s[kTileRows][kRowPieces];
   __shared__ uint4 b_s[S::kToks][kRowPieces];
   __shared__ float a_scale[kTileRows][kChunkBlocks];
   __shared__ float b_scale[S::kToks][kChunkBlocks];
-#if defined(FLASHD_MMA_E4M3_NATIVE)
-  MmaScratch* scratch = nullptr;
-#else
-  __shared__ MmaScratch scratch[kThreads];
-#endif
+  // The stand-in's (one unused entry where the device has the instruction).
+  __shared__ Scratch scratch[(kMfma ? kMfmaNative : kMmaNative) ? 1 : kThreads];
   constexpr int kAPieces = kFormat == 0 ? kTileRows * kRowPieces : kTileRows * kChunkBlocks;
   constexpr int kALoads = kAPieces / static_cast<int>(kThreads);
   constexpr int kBPieces = S::kToks * kRowPieces;
@@ -158,15 +179,23 @@ FLASHD_SHARED_TILE __device__ void MatrixTile(const uint8_t* xq, const uint8_t* 
     }
   };
 
-  float acc[S::kRowTiles][S::kTokTiles][4];
+  // mma: [row tile][token tile][output]; mfma: [0][token tile][output].
+  constexpr int kAccRows = kMfma ? 1 : S::kRowTiles;
+  constexpr int kAccToks = kMfma ? kMfmaTokTiles<S> : S::kTokTiles, kAccOut = kMfma ? 16 : 4;
+  float acc[kAccRows][kAccToks][kAccOut];
   FLASHD_UNROLL
-  for (int i = 0; i < S::kRowTiles; ++i) {
+  for (int i = 0; i < kAccRows; ++i) {
     FLASHD_UNROLL
-    for (int j = 0; j < S::kTokTiles; ++j) {
+    for (int j = 0; j < kAccToks; ++j) {
       FLASHD_UNROLL
-      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+      for (int e = 0; e < kAccOut; ++e) acc[i][j][e] = 0.0f;
     }
   }
+  // mfma: this lane's weight row of the tile and half of a block's codes.
+  const int mf_row = static_cast<int>(t / kMfmaLanes) * 32 + static_cast<int>(t % 32);
+  const int mf_half = static_cast<int>(t % kMfmaLanes) / 32;
+  // Token of output v of mfma token tile j.
+  auto mf_tok = [&](int j, int v) { return 32 * j + 8 * (v / 4) + 4 * mf_half + v % 4; };
   const int row_base = group_rows * kInsRows * S::kRowTiles;
   const int tok_base = group_toks * kInsToks * S::kTokTiles;
   if (blocks > 0) load(0, blocks < kChunkBlocks ? blocks : kChunkBlocks);
@@ -177,69 +206,104 @@ FLASHD_SHARED_TILE __device__ void MatrixTile(const uint8_t* xq, const uint8_t* 
     __syncthreads();
     const int64_t next = c0 + kChunkBlocks;
     if (next < blocks) load(next, blocks - next < kChunkBlocks ? blocks - next : kChunkBlocks);
-    for (int kb = 0; kb < nb; ++kb) {
-      const int chunk8 = kb * 4 + static_cast<int>(q);  // This thread's 8 bytes of the block.
-      uint32_t af[S::kRowTiles][4];
-      float as[S::kRowTiles][2];
-      FLASHD_UNROLL
-      for (int i = 0; i < S::kRowTiles; ++i) {
-        const int r = row_base + i * kInsRows + static_cast<int>(g);
-        const uint2 lo = reinterpret_cast<const uint2*>(a_s[r])[chunk8 ^ 4 * (r % 4)];
-        const uint2 hi = reinterpret_cast<const uint2*>(a_s[r + 8])[chunk8 ^ 4 * (r % 4)];
-        af[i][0] = lo.x, af[i][1] = hi.x, af[i][2] = lo.y, af[i][3] = hi.y;
-        as[i][0] = a_scale[r][kb], as[i][1] = a_scale[r + 8][kb];
-      }
-      uint32_t bf[S::kTokTiles][2];
-      float bs[S::kTokTiles][2];
-      FLASHD_UNROLL
-      for (int j = 0; j < S::kTokTiles; ++j) {
-        const int tok = tok_base + j * kInsToks + static_cast<int>(g);
-        const uint2 v = reinterpret_cast<const uint2*>(b_s[tok])[chunk8 ^ 4 * (tok % 4)];
-        bf[j][0] = v.x, bf[j][1] = v.y;
-        const int tok2 = tok_base + j * kInsToks + 2 * static_cast<int>(q);
-        bs[j][0] = b_scale[tok2][kb], bs[j][1] = b_scale[tok2 + 1][kb];
-      }
-      // The products of weight and activation scales, before the instructions. FP8 weights have
-      // one scale a 32-row tile (the rows of instructions 2h and 2h + 1, whose first row is a
-      // multiple of 32 from the tile's start), so one product serves both instructions' rows
-      // (a quarter of the multiplies); FP4 weights have one a row.
-      constexpr int kScaleRows = kFormat == 0 ? (S::kRowTiles + 1) / 2 : S::kRowTiles;
-      float ps[kScaleRows][2][S::kTokTiles][2];
-      FLASHD_UNROLL
-      for (int i = 0; i < kScaleRows; ++i) {
+    if constexpr (kMfma) {
+      for (int kb = 0; kb < nb; ++kb) {
+        const int piece = 2 * kb + mf_half;
+        const uint4 wv = a_s[mf_row][Swizzled(piece, mf_row)];
+        // The product's scaling by the instruction's codes undone in the weight's scale (exact).
+        const float w_scale = a_scale[mf_row][kb] * kMfmaProductScale;
         FLASHD_UNROLL
-        for (int h = 0; h < 2; ++h) {
-          const float a = kFormat == 0 ? as[2 * i][0] : as[i][h];
+        for (int j = 0; j < kMfmaTokTiles<S>; ++j) {
+          const int tok = 32 * j + static_cast<int>(t % 32);
+          const uint4 xv = tok < S::kToks ? b_s[tok][Swizzled(piece, tok)] : zero;
+          float d[16];
           FLASHD_UNROLL
-          for (int j = 0; j < S::kTokTiles; ++j) {
-            ps[i][h][j][0] = a * bs[j][0], ps[i][h][j][1] = a * bs[j][1];
+          for (int v = 0; v < 16; ++v) d[v] = 0.0f;
+          MfmaE4M3Block(xv, wv, d, scratch);
+          FLASHD_UNROLL
+          for (int v = 0; v < 16; ++v) {
+            const int tv = mf_tok(j, v);
+            const float scale = w_scale * (tv < S::kToks ? b_scale[tv][kb] : 0.0f);
+            acc[0][j][v] = FLASHD_EXACT_FMA(d[v], scale, acc[0][j][v]);
           }
         }
       }
-      FLASHD_UNROLL
-      for (int i = 0; i < S::kRowTiles; ++i) {
+    } else {
+      for (int kb = 0; kb < nb; ++kb) {
+        const int chunk8 = kb * 4 + static_cast<int>(q);  // This thread's 8 bytes of the block.
+        uint32_t af[S::kRowTiles][4];
+        float as[S::kRowTiles][2];
+        FLASHD_UNROLL
+        for (int i = 0; i < S::kRowTiles; ++i) {
+          const int r = row_base + i * kInsRows + static_cast<int>(g);
+          const uint2 lo = reinterpret_cast<const uint2*>(a_s[r])[chunk8 ^ 4 * (r % 4)];
+          const uint2 hi = reinterpret_cast<const uint2*>(a_s[r + 8])[chunk8 ^ 4 * (r % 4)];
+          af[i][0] = lo.x, af[i][1] = hi.x, af[i][2] = lo.y, af[i][3] = hi.y;
+          as[i][0] = a_scale[r][kb], as[i][1] = a_scale[r + 8][kb];
+        }
+        uint32_t bf[S::kTokTiles][2];
+        float bs[S::kTokTiles][2];
         FLASHD_UNROLL
         for (int j = 0; j < S::kTokTiles; ++j) {
-          float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          MmaE4M3(af[i], bf[j], d, scratch);
+          const int tok = tok_base + j * kInsToks + static_cast<int>(g);
+          const uint2 v = reinterpret_cast<const uint2*>(b_s[tok])[chunk8 ^ 4 * (tok % 4)];
+          bf[j][0] = v.x, bf[j][1] = v.y;
+          const int tok2 = tok_base + j * kInsToks + 2 * static_cast<int>(q);
+          bs[j][0] = b_scale[tok2][kb], bs[j][1] = b_scale[tok2 + 1][kb];
+        }
+        // The products of weight and activation scales, before the instructions. FP8 weights have
+        // one scale a 32-row tile (the rows of instructions 2h and 2h + 1, whose first row is a
+        // multiple of 32 from the tile's start), so one product serves both instructions' rows
+        // (a quarter of the multiplies); FP4 weights have one a row.
+        constexpr int kScaleRows = kFormat == 0 ? (S::kRowTiles + 1) / 2 : S::kRowTiles;
+        float ps[kScaleRows][2][S::kTokTiles][2];
+        FLASHD_UNROLL
+        for (int i = 0; i < kScaleRows; ++i) {
           FLASHD_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            const float scale = kFormat == 0 ? ps[i / 2][0][j][e % 2] : ps[i][e / 2][j][e % 2];
-            acc[i][j][e] = FLASHD_EXACT_FMA(d[e], scale, acc[i][j][e]);
+          for (int h = 0; h < 2; ++h) {
+            const float a = kFormat == 0 ? as[2 * i][0] : as[i][h];
+            FLASHD_UNROLL
+            for (int j = 0; j < S::kTokTiles; ++j) {
+              ps[i][h][j][0] = a * bs[j][0], ps[i][h][j][1] = a * bs[j][1];
+            }
+          }
+        }
+        FLASHD_UNROLL
+        for (int i = 0; i < S::kRowTiles; ++i) {
+          FLASHD_UNROLL
+          for (int j = 0; j < S::kTokTiles; ++j) {
+            float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            MmaE4M3(af[i], bf[j], d, scratch);
+            FLASHD_UNROLL
+            for (int e = 0; e < 4; ++e) {
+              const float scale = kFormat == 0 ? ps[i / 2][0][j][e % 2] : ps[i][e / 2][j][e % 2];
+              acc[i][j][e] = FLASHD_EXACT_FMA(d[e], scale, acc[i][j][e]);
+            }
           }
         }
       }
     }
   }
-  FLASHD_UNROLL
-  for (int i = 0; i < S::kRowTiles; ++i) {
+  if constexpr (kMfma) {
     FLASHD_UNROLL
-    for (int j = 0; j < S::kTokTiles; ++j) {
+    for (int j = 0; j < kAccToks; ++j) {
       FLASHD_UNROLL
-      for (int e = 0; e < 4; ++e) {
-        const int64_t n = n0 + row_base + i * kInsRows + g + 8 * (e / 2);
-        const int64_t tok = tok_base + j * kInsToks + 2 * q + e % 2;
-        if (n < N && tok < rows) y[(m0 + tok) * N + n] = acc[i][j][e];
+      for (int v = 0; v < 16; ++v) {
+        const int64_t n = n0 + mf_row, tok = mf_tok(j, v);
+        if (n < N && tok < rows) y[(m0 + tok) * N + n] = acc[0][j][v];
+      }
+    }
+  } else {
+    FLASHD_UNROLL
+    for (int i = 0; i < S::kRowTiles; ++i) {
+      FLASHD_UNROLL
+      for (int j = 0; j < S::kTokTiles; ++j) {
+        FLASHD_UNROLL
+        for (int e = 0; e < 4; ++e) {
+          const int64_t n = n0 + row_base + i * kInsRows + g + 8 * (e / 2);
+          const int64_t tok = tok_base + j * kInsToks + 2 * q + e % 2;
+          if (n < N && tok < rows) y[(m0 + tok) * N + n] = acc[i][j][e];
+        }
       }
     }
   }
@@ -247,13 +311,14 @@ FLASHD_SHARED_TILE __device__ void MatrixTile(const uint8_t* xq, const uint8_t* 
 
 FLASHD_OPS_HD inline int64_t RowTiles(int64_t N) { return (N + kTileRows - 1) / kTileRows; }
 
-template <int kFormat, class S>
+template <int kFormat, class S, MatrixInstruction kIns>
 __global__ void __launch_bounds__(kThreads)
     MatrixGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
                      const uint8_t* ws, int64_t N, float* y) {
   const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows;
   const int64_t m0 = (blockIdx.x / RowTiles(N)) * S::kToks;
-  MatrixTile<kFormat, S>(xq, xs, m0, M - m0 < S::kToks ? M - m0 : S::kToks, K, w, ws, N, n0, y);
+  MatrixTile<kFormat, S, kIns>(xq, xs, m0, M - m0 < S::kToks ? M - m0 : S::kToks, K, w, ws, N, n0,
+                               y);
 }
 
 // The experts' rows (MoeGroup's slots) in tiles of S's tokens: thread block (tile, row tile),
@@ -261,7 +326,7 @@ __global__ void __launch_bounds__(kThreads)
 // kernels/gpu/linear.cu). With S wider than a slot tile, the thread block of a slot's first tile
 // of every S::kToks rows takes them all and the others have nothing to do (a thread block that
 // returns at once; the grid needs no count of the wider tiles, which only the device knows).
-template <int kFormat, class S>
+template <int kFormat, class S, MatrixInstruction kIns>
 __global__ void __launch_bounds__(kThreads)
     MatrixExpertKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                        const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
@@ -271,8 +336,8 @@ __global__ void __launch_bounds__(kThreads)
                     &m0, &rows, &e)) {
     return;  // The whole thread block: no barrier is left waiting.
   }
-  MatrixTile<kFormat, S>(xq, xs, m0, rows, K, w[e], ws[e], N,
-                         (blockIdx.x % RowTiles(N)) * kTileRows, y);
+  MatrixTile<kFormat, S, kIns>(xq, xs, m0, rows, K, w[e], ws[e], N,
+                               (blockIdx.x % RowTiles(N)) * kTileRows, y);
 }
 
 // ---- The warpgroup instruction (wgmma.h) ------------------------------------------------------
@@ -547,6 +612,18 @@ __global__ void WgmmaNativeKernel(int* native) {
 #endif
 }
 
+__global__ void MfmaNativeKernel(int* native) { *native = kMfmaNative ? 1 : 0; }
+
+// Whether this build has kMfma's kernels: AMD's and the HIP CPU runtime's (NVIDIA's answer
+// kBadArgument, as AMD's do for kWgmma).
+constexpr bool MfmaBuilt() {
+#if defined(__HIPCC__) || defined(FLASHD_HIP_CPU)
+  return true;
+#else
+  return false;
+#endif
+}
+
 __global__ void NativeKernel(int* native) {
 #if defined(FLASHD_MMA_E4M3_NATIVE)
   *native = 1;
@@ -577,6 +654,8 @@ bool AskDevice(void (*probe)(int*)) {
 bool MatrixCoresNative() { return AskDevice(NativeKernel); }
 
 bool MatrixWgmmaNative() { return AskDevice(WgmmaNativeKernel); }
+
+bool MatrixMfmaNative() { return AskDevice(MfmaNativeKernel); }
 
 namespace {
 
@@ -642,12 +721,23 @@ OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
     return fp8 ? WgmmaLinear<0, Wide::kToks>(p, grid, stream)
                : WgmmaLinear<1, Wide::kToks>(p, grid, stream);
   }
+  if (instruction == MatrixInstruction::kMfma && !MfmaBuilt()) return OpStatus::kBadArgument;
   using Kernel = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, const uint8_t*,
                           const uint8_t*, int64_t, float*);
-  const Kernel kernels[2][3] = {
-      {&MatrixGemmKernel<0, Narrow>, &MatrixGemmKernel<0, Medium>, &MatrixGemmKernel<0, Wide>},
-      {&MatrixGemmKernel<1, Narrow>, &MatrixGemmKernel<1, Medium>, &MatrixGemmKernel<1, Wide>}};
-  const Kernel kernel = kernels[fp8 ? 0 : 1][shape];
+  // (NVIDIA's table holds the mma kernels twice, never the unused mfma ones.)
+  constexpr auto kMma = MatrixInstruction::kMma;
+  constexpr auto kMf = MfmaBuilt() ? MatrixInstruction::kMfma : kMma;
+  const Kernel kernels[2][2][3] = {
+      {{&MatrixGemmKernel<0, Narrow, kMma>, &MatrixGemmKernel<0, Medium, kMma>,
+        &MatrixGemmKernel<0, Wide, kMma>},
+       {&MatrixGemmKernel<1, Narrow, kMma>, &MatrixGemmKernel<1, Medium, kMma>,
+        &MatrixGemmKernel<1, Wide, kMma>}},
+      {{&MatrixGemmKernel<0, Narrow, kMf>, &MatrixGemmKernel<0, Medium, kMf>,
+        &MatrixGemmKernel<0, Wide, kMf>},
+       {&MatrixGemmKernel<1, Narrow, kMf>, &MatrixGemmKernel<1, Medium, kMf>,
+        &MatrixGemmKernel<1, Wide, kMf>}}};
+  const Kernel kernel =
+      kernels[instruction == MatrixInstruction::kMfma ? 1 : 0][fp8 ? 0 : 1][shape];
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kThreads, 0, stream, p.x_codes, p.x_scales,
                 p.rows, p.in, p.w, p.w_scales, p.out, p.y);
   return Launched();
@@ -673,9 +763,20 @@ OpStatus ExpertLinearMatrix(const ExpertLinearParams& p, MatrixInstruction instr
     return fp8 ? WgmmaExperts<0, Narrow::kToks>(p, grid, stream)
                : WgmmaExperts<1, Narrow::kToks>(p, grid, stream);
   }
-  const auto kernel = medium
-                          ? (fp8 ? &MatrixExpertKernel<0, Medium> : &MatrixExpertKernel<1, Medium>)
-                          : (fp8 ? &MatrixExpertKernel<0, Narrow> : &MatrixExpertKernel<1, Narrow>);
+  if (instruction == MatrixInstruction::kMfma && !MfmaBuilt()) return OpStatus::kBadArgument;
+  using Kernel = void (*)(const uint8_t*, const uint8_t*, int64_t, const int64_t*, const int64_t*,
+                          const int64_t*, int64_t, const uint8_t* const*, const uint8_t* const*,
+                          int64_t, float*);
+  // (NVIDIA's table holds the mma kernels twice, never the unused mfma ones.)
+  constexpr auto kMma = MatrixInstruction::kMma;
+  constexpr auto kMf = MfmaBuilt() ? MatrixInstruction::kMfma : kMma;
+  const Kernel kernels[2][2][2] = {
+      {{&MatrixExpertKernel<0, Narrow, kMma>, &MatrixExpertKernel<0, Medium, kMma>},
+       {&MatrixExpertKernel<1, Narrow, kMma>, &MatrixExpertKernel<1, Medium, kMma>}},
+      {{&MatrixExpertKernel<0, Narrow, kMf>, &MatrixExpertKernel<0, Medium, kMf>},
+       {&MatrixExpertKernel<1, Narrow, kMf>, &MatrixExpertKernel<1, Medium, kMf>}}};
+  const Kernel kernel =
+      kernels[instruction == MatrixInstruction::kMfma ? 1 : 0][fp8 ? 0 : 1][medium ? 1 : 0];
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kThreads, 0, stream, p.x_codes, p.x_scales,
                 p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w, p.w_scales, p.out,
                 p.y);

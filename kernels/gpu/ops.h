@@ -46,8 +46,10 @@ OpStatus LinearSplit(const LinearParams& p, int split);
 // block's instruction issued before the last one's sums are added). The same chain of block sums
 // either way; whether the two instructions round a block's sum alike is the device's to say, so
 // a backend uses one for every row. kWgmma is NVIDIA's and the HIP CPU runtime's (kBadArgument on
-// AMD, whose shared memory holds no such ring).
-enum class MatrixInstruction { kMma, kWgmma };
+// AMD, whose shared memory holds no such ring). kMfma, AMD's 32 x 32 matrix instructions (mfma.h;
+// the mma tiles' staging, a wave of 64 threads taking 32 weight rows by 32 tokens an instruction),
+// is AMD's and the HIP CPU runtime's (kBadArgument on NVIDIA).
+enum class MatrixInstruction { kMma, kWgmma, kMfma };
 OpStatus LinearMatrix(const LinearParams& p,
                       MatrixInstruction instruction = MatrixInstruction::kMma);
 // Whether LinearMatrix takes p's weights: FP8 or FP4, one group.
@@ -61,6 +63,8 @@ OpStatus ExpertLinearMatrix(const ExpertLinearParams& p,
 bool MatrixCoresNative();
 // Likewise for the warpgroup instruction (NVIDIA code built for sm_90a).
 bool MatrixWgmmaNative();
+// Likewise for AMD's (code built for gfx908, gfx90a or gfx940-gfx942).
+bool MatrixMfmaNative();
 OpStatus RoundBf16(const RoundBf16Params& p);
 OpStatus AddRound(const AddRoundParams& p);
 OpStatus CopyRows(const CopyRowsParams& p);

@@ -600,19 +600,22 @@ BOOST_AUTO_TEST_CASE(linear_free_order_agrees_within_rounding) {
 // 257 rows: Narrow and Wide tiles, several token tiles); the grouped experts' rows equal
 // LinearMatrix per expert. K-chunks of four blocks whole and partial (K of 1376: 43 blocks, 10
 // whole chunks and 3 blocks; of 544: 4 chunks and 1 block; of 64 and 96: one partial chunk),
-// output tiles whole and partial. Where both instructions
+// output tiles whole and partial. Where all three instructions
 // are stand-ins, FP4's results (whose block sums never round there) are the same bits with
-// either: their staging, operand offsets and output layouts pair every product as the other's
+// each: their staging, operand offsets and output layouts pair every product as the others'
 // do. FP8's may differ: mma's stand-in sums a block in its instruction's column order, which
-// the staging permutes within the block, the warpgroup's in the order of K.
+// the staging permutes within the block, the warpgroup's and AMD's in the order of K.
 void LinearMatrixCases(gpu::MatrixInstruction ins, std::vector<std::vector<float>>* first);
 
 BOOST_AUTO_TEST_CASE(linear_matrix_within_rounding_and_the_same_for_any_rows) {
   std::vector<std::vector<float>>
       first_results;  // Each case's, rows `most`, the first instruction.
   for (const gpu::MatrixInstruction ins :
-       {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kWgmma}) {
-    BOOST_TEST_CONTEXT("instruction " << (ins == gpu::MatrixInstruction::kMma ? "mma" : "wgmma")) {
+       {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kWgmma,
+        gpu::MatrixInstruction::kMfma}) {
+    BOOST_TEST_CONTEXT("instruction " << (ins == gpu::MatrixInstruction::kMma     ? "mma"
+                                          : ins == gpu::MatrixInstruction::kWgmma ? "wgmma"
+                                                                                  : "mfma")) {
       LinearMatrixCases(ins, &first_results);
     }
   }
@@ -623,7 +626,15 @@ void LinearMatrixCases(gpu::MatrixInstruction ins, std::vector<std::vector<float
     BOOST_TEST_MESSAGE("the warpgroup instruction's path is NVIDIA's and the CPU runtime's");
     return;
   }
-  const bool both_stand_ins = !gpu::MatrixCoresNative() && !gpu::MatrixWgmmaNative();
+  if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") {
+    BOOST_TEST_MESSAGE("AMD's instruction's path is AMD's and the CPU runtime's");
+    return;
+  }
+  const bool native = ins == gpu::MatrixInstruction::kMma     ? gpu::MatrixCoresNative()
+                      : ins == gpu::MatrixInstruction::kWgmma ? gpu::MatrixWgmmaNative()
+                                                              : gpu::MatrixMfmaNative();
+  const bool all_stand_ins =
+      !gpu::MatrixCoresNative() && !gpu::MatrixWgmmaNative() && !gpu::MatrixMfmaNative();
   size_t case_index = 0;
   std::mt19937 rng(61);
   const GemmCase cases[] = {{WeightFormat::kFp8, 64, 33},
@@ -683,7 +694,7 @@ void LinearMatrixCases(gpu::MatrixInstruction ins, std::vector<std::vector<float
                                  << " outputs differ from the CPU's bits");
     // The stand-in sums each block in a tree, the CPU in four lanes: FP8 products have the bits
     // to round differently, so the tolerance above is exercised (FP4's are too short to round).
-    if (!gpu::MatrixCoresNative() && c.format == WeightFormat::kFp8) BOOST_TEST(differ > 0);
+    if (!native && c.format == WeightFormat::kFp8) BOOST_TEST(differ > 0);
     // Every row's bits the same in each call (a call's rows are the first of the largest's).
     for (size_t i = 0; i + 1 < got.size(); ++i) {
       const std::vector<float> head(got.back().begin(), got.back().begin() + got[i].size());
@@ -692,7 +703,7 @@ void LinearMatrixCases(gpu::MatrixInstruction ins, std::vector<std::vector<float
     }
     if (first->size() <= case_index) {
       first->push_back(got.back());
-    } else if (both_stand_ins && c.format == WeightFormat::kFp4) {
+    } else if (all_stand_ins && c.format == WeightFormat::kFp4) {
       BOOST_TEST(BitEqual(got.back(), (*first)[case_index]),
                  "format " << static_cast<int>(c.format) << " in " << c.in
                            << ": the instructions' stand-ins apart");
