@@ -121,8 +121,20 @@ int64_t block_sums_count = 0;
 
 // The shipped GEMM (Linear: the fixed order, at one row the GEMV), the fixed order's GEMM tile
 // at any row count (LinearSplit at split 1), the free-order one split `split` ways over K, or the
-// matrix-core one (LinearMatrix) through mma.sync or the warpgroup instruction.
-enum class Order { kShipped, kTile, kFree, kMatrix, kWgmma };
+// matrix-core one (LinearMatrix) through mma.sync, the warpgroup instruction or AMD's.
+enum class Order { kShipped, kTile, kFree, kMatrix, kWgmma, kMfma };
+
+g::MatrixInstruction InstructionOf(Order order) {
+  return order == Order::kWgmma  ? g::MatrixInstruction::kWgmma
+         : order == Order::kMfma ? g::MatrixInstruction::kMfma
+                                 : g::MatrixInstruction::kMma;
+}
+
+#define FLASHD_BENCH_STR2(x) #x
+#define FLASHD_BENCH_STR(x) FLASHD_BENCH_STR2(x)
+// The vendor's own matrix instruction this build has: AMD's on HIP, the warpgroup one elsewhere
+// (NVIDIA's, and the HIP CPU runtime's stand-in).
+const bool kAmdBuild = std::string(FLASHD_BENCH_STR(FLASHD_GPU_BACKEND)) == "hip";
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
               void* stream, Order order = Order::kShipped, int split = 1) {
   const k::LinearParams p = {.x = x,
@@ -142,9 +154,9 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .block_sums_count = block_sums_count};
   // kMatrix: weights LinearMatrix does not take run as the backend runs them then (Linear).
   const bool matrix =
-      (order == Order::kMatrix || order == Order::kWgmma) && g::LinearMatrixTakes(p);
-  CheckOp(matrix ? g::LinearMatrix(p, order == Order::kWgmma ? g::MatrixInstruction::kWgmma
-                                                             : g::MatrixInstruction::kMma)
+      (order == Order::kMatrix || order == Order::kWgmma || order == Order::kMfma) &&
+      g::LinearMatrixTakes(p);
+  CheckOp(matrix                  ? g::LinearMatrix(p, InstructionOf(order))
           : order == Order::kTile ? g::LinearSplit(p, 1)
           : order == Order::kFree ? g::LinearFreeOrder(p, split)
                                   : g::Linear(p),
@@ -566,6 +578,7 @@ class Layer {
     LinearOn(w, x, rows, xq_, xs_, y, stream_,
              !matrix_                                       ? Order::kShipped
              : instruction_ == g::MatrixInstruction::kWgmma ? Order::kWgmma
+             : instruction_ == g::MatrixInstruction::kMfma  ? Order::kMfma
                                                             : Order::kMatrix);
   }
 
@@ -836,12 +849,17 @@ int main(int argc, char** argv) {
       layer.TimeAttention(g::AttentionSchedule::kKeysOnce, prefill_reps, true) * 1e3);
 
   // The same prefill with the linears on matrix cores, op by op beside the exact GEMMs'.
-  // The instruction the backend takes: the warpgroup one where the device's code has it.
+  // The instruction the backend takes: the warpgroup one where the device's code has it, AMD's
+  // where that device's code has it, else mma.sync (or its stand-in).
   const bool wgmma = g::MatrixWgmmaNative();
-  layer.UseMatrixGemms(true, wgmma ? g::MatrixInstruction::kWgmma : g::MatrixInstruction::kMma);
+  const bool mfma = !wgmma && g::MatrixMfmaNative();
+  layer.UseMatrixGemms(true, wgmma  ? g::MatrixInstruction::kWgmma
+                             : mfma ? g::MatrixInstruction::kMfma
+                                    : g::MatrixInstruction::kMma);
   const std::vector<Row> matrix_rows = layer.Decode(tokens, std::max(1, reps / 10), rng, true);
   layer.UseMatrixGemms(false, g::MatrixInstruction::kMma);
   const char* matrix_cores = wgmma                    ? "the warpgroup instruction (wgmma)"
+                             : mfma                   ? "AMD's matrix instruction (mfma)"
                              : g::MatrixCoresNative() ? "the device's mma.sync"
                                                       : "the stand-in (no instruction)";
   std::printf("\nprefill, %lld tokens, op by op: exact GEMMs against matrix cores, %s\n",
@@ -867,7 +885,7 @@ int main(int argc, char** argv) {
               matrix_cores);
   std::printf("%-28s %6s %6s %6s %10s %10s %8s %12s %10s %10s %8s %10s %10s %8s\n", "GEMM", "M",
               "N", "K", "us", "TFLOP/s", "of peak", "free-order us", "mma us", "TFLOP/s", "of peak",
-              "wgmma us", "TFLOP/s", "of peak");
+              kAmdBuild ? "mfma us" : "wgmma us", "TFLOP/s", "of peak");
   struct Gemm {
     std::string name;
     const Weight* w;
@@ -888,8 +906,10 @@ int main(int argc, char** argv) {
     // The matrix-core GEMM (the stand-in where the device lacks the instruction: see the header).
     const double m = layer.TimeLinear(*gm.w, gm.rows, std::max(1, reps / 4), Order::kMatrix);
     const double m_tflops = 2.0 * gm.rows * gm.w->out * gm.w->in / m / 1e12;
-    // The warpgroup instruction's (its stand-in where the device's code lacks it).
-    const double wg = layer.TimeLinear(*gm.w, gm.rows, std::max(1, reps / 4), Order::kWgmma);
+    // The vendor's instruction: the warpgroup one (its stand-in where the device's code lacks
+    // it), AMD's on HIP.
+    const double wg = layer.TimeLinear(*gm.w, gm.rows, std::max(1, reps / 4),
+                                       kAmdBuild ? Order::kMfma : Order::kWgmma);
     const double wg_tflops = 2.0 * gm.rows * gm.w->out * gm.w->in / wg / 1e12;
     std::printf(
         "%-28s %6lld %6lld %6lld %10.1f %10.2f %7.2f%% %12.1f %10.1f %10.2f %7.2f%% %10.1f %10.2f "

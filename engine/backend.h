@@ -32,8 +32,8 @@ struct BackendReport {
   uint64_t memory_in_use = 0;  // Device bytes the backend holds (weights, KV and workspace).
   uint64_t memory_total = 0;   // The device's memory; 0 for the CPU.
   // How the FP8 and FP4 linears are computed: "exact" (the CPU's sums), "matrix" (on matrix
-  // cores, engine.gpu_gemms), "matrix wgmma" (the same through Hopper's warpgroup instruction)
-  // or "matrix stand-in" (the same layout without the instruction).
+  // cores, engine.gpu_gemms), "matrix wgmma" (the same through Hopper's warpgroup instruction),
+  // "matrix mfma" (through AMD's) or "matrix stand-in" (the same layout without the instruction).
   std::string gemms = "exact";
   // The KV pool's blocks kept on the device (a GPU backend's KV arena): its bytes, and how many
   // times a block was copied there (once when first read, again after its host bytes changed).

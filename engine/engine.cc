@@ -102,6 +102,7 @@ StatusOr<Placement> PlaceModel(const EngineOptions& options, const Model& model)
   } else if (gemms != "exact") {
     why += "; FP8/FP4 GEMMs on matrix cores";
     if (gemms == "matrix wgmma") why += " (Hopper's warpgroup instruction)";
+    if (gemms == "matrix mfma") why += " (AMD's 32 x 32 matrix instruction)";
     if (gemms == "matrix stand-in") {
       why += " (a stand-in: this device lacks the instruction, slow)";
     }

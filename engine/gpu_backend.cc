@@ -858,17 +858,28 @@ std::vector<int64_t> TableRows(const int32_t* table, int64_t blocks, int64_t per
   return rows;
 }
 
+// The numerics string's mark of a matrix instruction (mma.sync or its stand-in: none).
+std::string_view InstructionSuffix(g::MatrixInstruction instruction) {
+  switch (instruction) {
+    case g::MatrixInstruction::kWgmma:
+      return "-wgmma";
+    case g::MatrixInstruction::kMfma:
+      return "-mfma";
+    case g::MatrixInstruction::kMma:
+      break;
+  }
+  return "";
+}
+
 class GpuBackend final : public Backend {
  public:
-  // `wgmma`: the matrix-core GEMMs through the warpgroup instruction (the device's code has it).
-  GpuBackend(int device, const GpuOptions& options, bool wgmma)
+  // `instruction`: of the matrix-core GEMMs (MakeGpuBackend's choice for the device's code).
+  GpuBackend(int device, const GpuOptions& options, g::MatrixInstruction instruction)
       : device_(device),
         matrix_(options.matrix_gemms),
-        instruction_(wgmma ? g::MatrixInstruction::kWgmma : g::MatrixInstruction::kMma),
+        instruction_(instruction),
         numerics_(std::string(FLASHD_GPU_STR(FLASHD_GPU_BACKEND)) +
-                  (!matrix_ ? ""
-                   : wgmma  ? "-matrix-wgmma"
-                            : "-matrix") +
+                  (!matrix_ ? "" : "-matrix" + std::string(InstructionSuffix(instruction))) +
                   "/4") {}
   std::string_view name() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND); }
   // The kernels give the CPU's bits (kernels/gpu/ops.h), but for the matrix-core GEMMs, and on
@@ -882,9 +893,11 @@ class GpuBackend final : public Backend {
     if (!g::SetDevice(device_).empty() || !g::DeviceName(&r.device).empty()) r.device = "unknown";
     if (matrix_) {
       // Asked of the device once (a kernel and a copy back), the first time: at start-up.
-      // (The warpgroup instruction was asked for at start-up, by MakeGpuBackend.)
+      // (The warpgroup and AMD's instructions were asked for at start-up, by MakeGpuBackend.)
       if (instruction_ == g::MatrixInstruction::kWgmma) {
         r.gemms = "matrix wgmma";
+      } else if (instruction_ == g::MatrixInstruction::kMfma) {
+        r.gemms = "matrix mfma";
       } else {
         if (native_ < 0) native_ = g::MatrixCoresNative() ? 1 : 0;
         r.gemms = native_ == 1 ? "matrix" : "matrix stand-in";
@@ -1471,14 +1484,19 @@ StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device, const GpuOptions& 
     return Unavailable(kind + ": no device " + std::to_string(device) + " (" +
                        std::to_string(count) + " found)");
   }
-  // Hopper's warpgroup instruction where the device's code has it (sm_90a), for every matrix
+  // Hopper's warpgroup instruction where the device's code has it (sm_90a), AMD's where its code
+  // has that (gfx908, gfx90a, gfx940-gfx942), else mma.sync or its stand-in, for every matrix
   // GEMM: one instruction for all rows, so that a row's sums do not depend on its batch.
-  bool wgmma = false;
+  auto instruction = g::MatrixInstruction::kMma;
   if (options.matrix_gemms) {
     if (const std::string e = g::SetDevice(device); !e.empty()) return Unavailable(kind + ": " + e);
-    wgmma = g::MatrixWgmmaNative();
+    if (g::MatrixWgmmaNative()) {
+      instruction = g::MatrixInstruction::kWgmma;
+    } else if (g::MatrixMfmaNative()) {
+      instruction = g::MatrixInstruction::kMfma;
+    }
   }
-  return std::unique_ptr<Backend>(std::make_unique<GpuBackend>(device, options, wgmma));
+  return std::unique_ptr<Backend>(std::make_unique<GpuBackend>(device, options, instruction));
 }
 
 }  // namespace flashd::engine::FLASHD_GPU_BACKEND
