@@ -130,11 +130,9 @@ g::MatrixInstruction InstructionOf(Order order) {
                                  : g::MatrixInstruction::kMma;
 }
 
-#define FLASHD_BENCH_STR2(x) #x
-#define FLASHD_BENCH_STR(x) FLASHD_BENCH_STR2(x)
 // The vendor's own matrix instruction this build has: AMD's on HIP, the warpgroup one elsewhere
 // (NVIDIA's, and the HIP CPU runtime's stand-in).
-const bool kAmdBuild = std::string(FLASHD_BENCH_STR(FLASHD_GPU_BACKEND)) == "hip";
+constexpr bool kAmdBuild = g::kBackendName == "hip";
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
               void* stream, Order order = Order::kShipped, int split = 1) {
   const k::LinearParams p = {.x = x,

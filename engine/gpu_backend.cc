@@ -44,9 +44,6 @@
 #include "kernels/gpu/device.h"
 #include "kernels/gpu/ops.h"
 
-#define FLASHD_GPU_STR2(x) #x
-#define FLASHD_GPU_STR(x) FLASHD_GPU_STR2(x)
-
 namespace flashd::engine::FLASHD_GPU_BACKEND {
 namespace {
 
@@ -878,10 +875,10 @@ class GpuBackend final : public Backend {
       : device_(device),
         matrix_(options.matrix_gemms),
         instruction_(instruction),
-        numerics_(std::string(FLASHD_GPU_STR(FLASHD_GPU_BACKEND)) +
+        numerics_(std::string(g::kBackendName) +
                   (!matrix_ ? "" : "-matrix" + std::string(InstructionSuffix(instruction))) +
                   "/4") {}
-  std::string_view name() const override { return FLASHD_GPU_STR(FLASHD_GPU_BACKEND); }
+  std::string_view name() const override { return g::kBackendName; }
   // The kernels give the CPU's bits (kernels/gpu/ops.h), but for the matrix-core GEMMs, and on
   // an H200 the whole forward pass did (backend_equivalence_test); the cache still keys each
   // backend apart: sharing the CPU's string wants HIP shown on a device too.
@@ -1478,7 +1475,7 @@ class GpuBackend final : public Backend {
 StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device, const GpuOptions& options) {
   std::string reason;
   const int count = g::DeviceCount(&reason);
-  const std::string kind = FLASHD_GPU_STR(FLASHD_GPU_BACKEND);
+  const std::string kind(g::kBackendName);
   if (count == 0) return Unavailable(kind + ": " + reason);
   if (device < 0 || device >= count) {
     return Unavailable(kind + ": no device " + std::to_string(device) + " (" +

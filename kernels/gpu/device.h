@@ -6,8 +6,15 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
+
+#define FLASHD_GPU_STR2(x) #x
+#define FLASHD_GPU_STR(x) FLASHD_GPU_STR2(x)
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
+
+// This build's backend by name: "cuda", "hip" or "hipcpu".
+inline constexpr std::string_view kBackendName = FLASHD_GPU_STR(FLASHD_GPU_BACKEND);
 
 // Number of usable devices; 0 with `*reason` set when there are none or no driver.
 int DeviceCount(std::string* reason);

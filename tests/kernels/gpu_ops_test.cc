@@ -156,10 +156,8 @@ struct GemmCase {
 
 const int64_t kRows[] = {1, 3, 257};
 
-#define FLASHD_TEST_STR2(x) #x
-#define FLASHD_TEST_STR(x) FLASHD_TEST_STR2(x)
 // The backend these tests run: cuda, hip or hipcpu.
-constexpr std::string_view kBackend = FLASHD_TEST_STR(FLASHD_GPU_BACKEND);
+constexpr std::string_view kBackend = gpu::kBackendName;
 
 BOOST_AUTO_TEST_SUITE(gpu_ops)
 
