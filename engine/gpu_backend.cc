@@ -855,17 +855,30 @@ std::vector<int64_t> TableRows(const int32_t* table, int64_t blocks, int64_t per
   return rows;
 }
 
-// The numerics string's mark of a matrix instruction (mma.sync or its stand-in: none).
-std::string_view InstructionSuffix(g::MatrixInstruction instruction) {
+// A matrix instruction's name in the numerics string and the report (mma.sync or its stand-in:
+// none, which those strings predate).
+std::string_view InstructionName(g::MatrixInstruction instruction) {
   switch (instruction) {
     case g::MatrixInstruction::kWgmma:
-      return "-wgmma";
+      return "wgmma";
     case g::MatrixInstruction::kMfma:
-      return "-mfma";
+      return "mfma";
     case g::MatrixInstruction::kMma:
       break;
   }
   return "";
+}
+
+// The backend's numerics string: `<backend>/4`, `<backend>-matrix/4` or
+// `<backend>-matrix-<instruction>/4`.
+std::string Numerics(bool matrix, g::MatrixInstruction instruction) {
+  std::string numerics(g::kBackendName);
+  if (matrix) {
+    numerics += "-matrix";
+    const std::string_view name = InstructionName(instruction);
+    if (!name.empty()) numerics += "-" + std::string(name);
+  }
+  return numerics + "/4";
 }
 
 class GpuBackend final : public Backend {
@@ -875,9 +888,7 @@ class GpuBackend final : public Backend {
       : device_(device),
         matrix_(options.matrix_gemms),
         instruction_(instruction),
-        numerics_(std::string(g::kBackendName) +
-                  (!matrix_ ? "" : "-matrix" + std::string(InstructionSuffix(instruction))) +
-                  "/4") {}
+        numerics_(Numerics(options.matrix_gemms, instruction)) {}
   std::string_view name() const override { return g::kBackendName; }
   // The kernels give the CPU's bits (kernels/gpu/ops.h), but for the matrix-core GEMMs, and on
   // an H200 the whole forward pass did (backend_equivalence_test); the cache still keys each
@@ -891,10 +902,9 @@ class GpuBackend final : public Backend {
     if (matrix_) {
       // Asked of the device once (a kernel and a copy back), the first time: at start-up.
       // (The warpgroup and AMD's instructions were asked for at start-up, by MakeGpuBackend.)
-      if (instruction_ == g::MatrixInstruction::kWgmma) {
-        r.gemms = "matrix wgmma";
-      } else if (instruction_ == g::MatrixInstruction::kMfma) {
-        r.gemms = "matrix mfma";
+      if (const std::string_view instruction = InstructionName(instruction_);
+          !instruction.empty()) {
+        r.gemms = "matrix " + std::string(instruction);
       } else {
         if (native_ < 0) native_ = g::MatrixCoresNative() ? 1 : 0;
         r.gemms = native_ == 1 ? "matrix" : "matrix stand-in";
