@@ -350,6 +350,17 @@ __global__ void __launch_bounds__(kThreads)
 // as they are stored and widened to E4M3 in shared memory before their chunk's instructions.
 // Each warpgroup issues block kb + 1's instruction before it adds block kb's outputs, so the
 // matrix unit and the adds overlap.
+//
+// FP4 weights have a scale a row and K-block, so each output's block would take a multiply of
+// the two scales besides its fused multiply-add. Where a warpgroup's 64 rows' scale codes of a
+// K-block lie within kFp4MaxShift of their least (the anchor), each row's codes are widened
+// times 2^(its code - the anchor) instead (E2M1x4ToE4M3Shifted: exact), so the instruction's sum
+// of a row's block is the unfolded sum times that power of two, rounded alike (each product is
+// scaled the same); the block's sums then take the anchor's scale times the token's, one product
+// a (warpgroup, block, token), as FP8's tiles do. Where a chunk's four blocks all fold, its
+// warpgroup adds that way; else (a NaN scale, codes further apart) the two scales are multiplied
+// for each output, as before. The same value either way wherever the scales' products are normal
+// floats, so which way a chunk goes, a property of the weights alone, changes no bits.
 constexpr unsigned kWgThreads = 2 * kWgmmaThreads;
 constexpr int kWgStages = 4;
 // An FP4 row's 64 staged bytes a chunk, padded to 80: the widening's 8-byte reads of eight
@@ -360,8 +371,8 @@ static_assert(kChunkBlocks * kBlock == kWgmmaChunkBytes, "a chunk is a staged ro
 // One stage of the ring, in bytes: weight codes as E4M3 (staged), FP4's raw codes, the tokens'
 // codes (staged), then floats. FP8: the products of weight and token scales, [32-row tile][block]
 // [token] (a tile's rows share a scale, so the products are few and each output's block takes
-// one from shared memory, no multiply); FP4: the rows' scales ([row][block]), then the tokens'
-// ([block][token]).
+// one from shared memory, no multiply); FP4: the rows' scales ([row][block]), the tokens'
+// ([block][token]), then what the fold below takes.
 template <int kFormat, int kToks>
 struct WgStage {
   static constexpr int kA = kTileRows * kWgmmaChunkBytes;
@@ -370,12 +381,31 @@ struct WgStage {
   static constexpr int kAScales = kFormat == 0 ? 0 : kTileRows * kChunkBlocks;
   static constexpr int kScales =
       kFormat == 0 ? kTileRows / kBlock * kChunkBlocks * kToks : kAScales + kChunkBlocks * kToks;
-  static constexpr int kBytes = kA + kRaw + kB + 4 * kScales;
+  // FP4's fold (WgmmaTile): the folded products, the anchors' scales and codes, a first and a
+  // second round of the anchors' partial sums (ints), and the rows' codes (bytes).
+  static constexpr int kProducts = kFormat == 1 ? 2 * kChunkBlocks * kToks : 0;
+  static constexpr int kAnchors = kFormat == 1 ? 2 * kChunkBlocks : 0;
+  static constexpr int kPartials = kFormat == 1 ? static_cast<int>(kWgThreads) : 0;
+  static constexpr int kPartials2 = kPartials / 4;
+  static constexpr int kCodes = kFormat == 1 ? kTileRows * kChunkBlocks : 0;
+  static constexpr int kBytes =
+      kA + kRaw + kB + 4 * (kScales + kProducts + 2 * kAnchors + kPartials + kPartials2) + kCodes;
   static constexpr int kScaleLoads = (kScales + kWgThreads - 1) / kWgThreads;
   static_assert(kToks % 8 == 0 && kBytes % 16 == 0, "whole row groups, aligned stages");
+  // FP4: load j < 2 of thread t is row (t / 128) * 64 + t % 32 + 32 j, block (t / 32) % 4, so
+  // each 32 threads hold one warpgroup's 64 rows of one block.
+  static_assert(kFormat == 0 || (kAScales == 2 * static_cast<int>(kWgThreads) &&
+                                 kWgThreads == 2 * 32 * kChunkBlocks && kTileRows == 128),
+                "FP4 rows' scale loads: one (warpgroup, block) each 32 threads");
 };
 template <int kFormat, int kToks>
 constexpr int kWgSharedBytes = kWgStages* WgStage<kFormat, kToks>::kBytes;
+static_assert(kWgSharedBytes<1, 128> <= 227 * 1024, "the widest ring in an H100/H200 block");
+
+// FP4: the row and the block of a thread's row scale load j (< 2), as WgStage lays them out:
+// threads 32g..32g + 31 hold group g's rows, warpgroup g / 4 and block g % 4.
+FLASHD_OPS_HD inline int FoldBlock(int t) { return (t / 32) % kChunkBlocks; }
+FLASHD_OPS_HD inline int FoldRow(int t, int j) { return (t / 128) * 64 + t % 32 + 32 * j; }
 
 // y[m0 + i, n0 + j] for i < rows (tokens), j < min(128, N - n0), over all of K; `smem` holds
 // kWgSharedBytes.
@@ -388,6 +418,21 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
   const int64_t blocks = K / kBlock, chunks = (blocks + kChunkBlocks - 1) / kChunkBlocks;
   const int t = static_cast<int>(threadIdx.x);
   auto stage = [&](int64_t c) { return smem + (c % kWgStages) * St::kBytes; };
+  auto floats = [&](int64_t c) {
+    return reinterpret_cast<float*>(stage(c) + St::kA + St::kRaw + St::kB);
+  };
+  // FP4: the stage's folded products ([warpgroup][block][token]), the anchors' scales times
+  // 2^5 and codes ([warpgroup][block]; -1 where the group does not fold), the partial least and
+  // largest codes, and the rows' codes ([row][block]; 255 for none).
+  auto products_of = [&](int64_t c) { return floats(c) + St::kScales; };
+  auto anchors_of = [&](int64_t c) { return products_of(c) + St::kProducts; };
+  auto anchor_codes_of = [&](int64_t c) {
+    return reinterpret_cast<int32_t*>(anchors_of(c) + St::kAnchors);
+  };
+  auto partials_of = [&](int64_t c) { return anchor_codes_of(c) + St::kAnchors; };
+  auto codes_of = [&](int64_t c) {
+    return reinterpret_cast<uint8_t*>(partials_of(c) + St::kPartials + St::kPartials2);
+  };
 
   // Chunk c's codes copied into its stage (rows past N, tokens past `rows` and blocks past K as
   // zeros), as one group of this thread's copies, in WgmmaPiece's order.
@@ -438,7 +483,7 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
           code = ws[(n0 / kBlock + tile) * blocks + blk] | xs[(m0 + tok) * blocks + blk] << 8;
         }
       } else if (e < St::kAScales) {
-        const int64_t blk = b0 + e % kChunkBlocks, r = e / kChunkBlocks;
+        const int64_t blk = b0 + FoldBlock(t), r = FoldRow(t, j);
         if (n0 + r < N && blk < blocks) code = ws[(n0 + r) * blocks + blk];
       } else if (e < St::kScales) {
         const int64_t blk = b0 + (e - St::kAScales) / kToks, tok = (e - St::kAScales) % kToks;
@@ -448,7 +493,7 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
     }
   };
   auto store_scales = [&](int64_t c) {
-    float* scales = reinterpret_cast<float*>(stage(c) + St::kA + St::kRaw + St::kB);
+    float* scales = floats(c);
     FLASHD_UNROLL
     for (int j = 0; j < St::kScaleLoads; ++j) {
       const int e = t + j * static_cast<int>(kWgThreads);
@@ -456,20 +501,97 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
       const int32_t code = scale_codes[j];
       float v = code < 0 ? 0.0f : c::E8M0ToFloat(static_cast<uint8_t>(code));
       if (kFormat == 0 && code >= 0) v *= c::E8M0ToFloat(static_cast<uint8_t>(code >> 8));
-      if (kFormat == 1 && e < St::kAScales) v *= 0x1p6f;  // The widened codes' 2^-6.
-      scales[e] = v;
+      if (kFormat == 1 && e < St::kAScales) {
+        v *= 0x1p5f;  // The widened codes' 2^-5.
+        scales[FoldRow(t, j) * kChunkBlocks + FoldBlock(t)] = v;
+      } else {
+        scales[e] = v;
+      }
+    }
+    if constexpr (kFormat == 1) {
+      // The rows' codes for widen, and this thread's least and largest (+ 1) of them, packed,
+      // for the anchors (fold_partials, fold_anchors). Codes -1 (rows past N, blocks past K,
+      // whose codes are zeros) take no part.
+      uint8_t* codes = codes_of(c);
+      int32_t least = 256, most = 0;
+      FLASHD_UNROLL
+      for (int j = 0; j < 2; ++j) {
+        const int32_t code = scale_codes[j];
+        codes[FoldRow(t, j) * kChunkBlocks + FoldBlock(t)] =
+            static_cast<uint8_t>(code < 0 ? 255 : code);
+        if (code >= 0) {
+          least = code < least ? code : least;
+          most = code + 1 > most ? code + 1 : most;
+        }
+      }
+      partials_of(c)[t] = least | most << 16;
     }
   };
-  // FP4: chunk c's raw codes widened into the staged layout, a thread per (row, 16 K-bytes).
+  // FP4: the least and largest codes of each (warpgroup, block), in two rounds a barrier apart
+  // (each after store_scales has stored the chunk and everyone has passed a barrier): the first
+  // combines each group's 32 partials four at a time (64 threads), the second the eight that
+  // gives (8 threads, one a group). A group folds where its largest code is no NaN (255) and
+  // within kFp4MaxShift of its least, the anchor; a group of no rows folds trivially.
+  auto combine = [](int32_t a, int32_t b) {
+    const int32_t least = (a & 0xFFFF) < (b & 0xFFFF) ? (a & 0xFFFF) : (b & 0xFFFF);
+    const int32_t most = (a >> 16) > (b >> 16) ? (a >> 16) : (b >> 16);
+    return least | most << 16;
+  };
+  auto fold_partials = [&](int64_t c) {
+    if (t >= St::kPartials2) return;
+    const int4 v = *reinterpret_cast<const int4*>(partials_of(c) + 4 * t);
+    partials_of(c)[St::kPartials + t] = combine(combine(v.x, v.y), combine(v.z, v.w));
+  };
+  auto fold_anchors = [&](int64_t c) {
+    if (t >= St::kAnchors) return;
+    const int4* p = reinterpret_cast<const int4*>(partials_of(c) + St::kPartials + 8 * t);
+    const int4 a = p[0], b = p[1];
+    const int32_t v = combine(combine(combine(a.x, a.y), combine(a.z, a.w)),
+                              combine(combine(b.x, b.y), combine(b.z, b.w)));
+    const int32_t least = v & 0xFFFF, largest = (v >> 16) - 1;
+    const bool none = largest < 0;
+    const bool folds =
+        none || (largest < 255 && largest - least <= static_cast<int32_t>(kFp4MaxShift));
+    const int32_t anchor = none ? 127 : least;
+    anchor_codes_of(c)[t] = folds ? anchor : -1;
+    anchors_of(c)[t] = folds ? c::E8M0ToFloat(static_cast<uint8_t>(anchor)) * 0x1p5f : -1.0f;
+  };
+  // FP4: chunk c's raw codes widened into the staged layout, a thread per (row, 16 K-bytes),
+  // each row's block shifted by its code less the anchor where its warpgroup folds; then the
+  // folded products.
   auto widen = [&](int64_t c) {
     uint8_t* s = stage(c);
+    const uint8_t* codes = codes_of(c);
+    // Each thread's pieces are of one block (WgmmaPiece(t) / 2) and rows of both warpgroups; a
+    // warpgroup's rows are shifted where all four of its blocks fold, as its adds then assume.
+    const int4* anchors4 = reinterpret_cast<const int4*>(anchor_codes_of(c));
+    const int4 a0 = anchors4[0], a1 = anchors4[1];
+    const bool folds0 = a0.x >= 0 && a0.y >= 0 && a0.z >= 0 && a0.w >= 0;
+    const bool folds1 = a1.x >= 0 && a1.y >= 0 && a1.z >= 0 && a1.w >= 0;
     FLASHD_UNROLL
     for (int j = 0; j < kTileRows * 8 / static_cast<int>(kWgThreads); ++j) {
       const int i = t + j * static_cast<int>(kWgThreads);
       const int r = WgmmaPieceRow(i), piece = WgmmaPiece(i);
+      const int32_t code = codes[r * kChunkBlocks + piece / 2];
+      const int32_t anchor = anchor_codes_of(c)[(r / 64) * kChunkBlocks + piece / 2];
+      const uint32_t shift =
+          (r < 64 ? folds0 : folds1) && code != 255 ? static_cast<uint32_t>(code - anchor) : 0;
       const uint2 v = *reinterpret_cast<const uint2*>(s + St::kA + r * kRawStride + 8 * piece);
-      *reinterpret_cast<uint4*>(s + WgmmaStaged(r, 16 * piece)) = uint4{
-          E2M1x4ToE4M3(v.x), E2M1x4ToE4M3(v.x >> 16), E2M1x4ToE4M3(v.y), E2M1x4ToE4M3(v.y >> 16)};
+      *reinterpret_cast<uint4*>(s + WgmmaStaged(r, 16 * piece)) =
+          uint4{E2M1x4ToE4M3Shifted(v.x, shift), E2M1x4ToE4M3Shifted(v.x >> 16, shift),
+                E2M1x4ToE4M3Shifted(v.y, shift), E2M1x4ToE4M3Shifted(v.y >> 16, shift)};
+    }
+    const float* tokens = floats(c) + St::kAScales;
+    const float* anchors = anchors_of(c);
+    float* products = products_of(c);
+    FLASHD_UNROLL
+    for (int j = 0; j < (St::kProducts + kWgThreads - 1) / static_cast<int>(kWgThreads); ++j) {
+      // [warpgroup][block][token]; unfolded blocks' products are not read. (Unsigned: the
+      // divisions are shifts.)
+      const unsigned e = threadIdx.x % kWgThreads + static_cast<unsigned>(j) * kWgThreads;
+      if (St::kProducts % kWgThreads == 0 || e < St::kProducts) {
+        products[e] = anchors[e / kToks] * tokens[e % (kChunkBlocks * kToks)];
+      }
     }
   };
 
@@ -488,14 +610,26 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
       CopyAsyncCommit();  // Empty, so that each wait below counts chunks.
     }
   }
+  // FP4: the anchors of chunk k are found two iterations ahead of its widening (its two rounds
+  // after the barriers of iteration k - 2), those of chunks 0 and 1 here.
+  if constexpr (kFormat == 1) {
+    __syncthreads();
+    for (int64_t c = 0; c < 2 && c < chunks; ++c) fold_partials(c);
+    __syncthreads();
+    for (int64_t c = 0; c < 2 && c < chunks; ++c) fold_anchors(c);
+  }
   for (int64_t c = 0; c < chunks; ++c) {
     CopyAsyncWait<kWgStages - 2>();  // This thread's copies of chunk c are in.
     if constexpr (kFormat == 1) {
       __syncthreads();
+      if (c + 2 < chunks) fold_partials(c + 2);
       widen(c);
     }
     WgmmaSharedFence();
     __syncthreads();  // Everyone's are in, and chunk c - 1's stage is no longer read.
+    if constexpr (kFormat == 1) {
+      if (c + 2 < chunks) fold_anchors(c + 2);
+    }
     const int64_t ahead = c + kWgStages - 1;
     if (ahead < chunks) {
       copy(ahead);
@@ -507,8 +641,17 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
     const uint8_t* s = stage(c);
     const uint8_t* a = s + wg * 8 * kWgmmaGroupBytes;  // This warpgroup's 64 rows.
     const uint8_t* b = s + St::kA + St::kRaw;
-    const float* a_scales = reinterpret_cast<const float*>(b + St::kB);
+    const float* a_scales = floats(c);
     const float* b_scales = a_scales + St::kAScales;
+    // A block's products of scales, [block][token]: FP8's for rows r0 and r0 + 8 (which share a
+    // 32-row tile), FP4's folded ones for this warpgroup.
+    const float* products = kFormat == 0 ? a_scales + (r0 / kBlock) * kChunkBlocks * kToks
+                                         : products_of(c) + wg * kChunkBlocks * kToks;
+    bool folded = true;  // FP4: whether all of the chunk's blocks fold for this warpgroup.
+    if constexpr (kFormat == 1) {
+      const float4 anchors = *reinterpret_cast<const float4*>(anchors_of(c) + wg * kChunkBlocks);
+      folded = anchors.x > 0.0f && anchors.y > 0.0f && anchors.z > 0.0f && anchors.w > 0.0f;
+    }
     const int64_t nb =
         blocks - c * kChunkBlocks < kChunkBlocks ? blocks - c * kChunkBlocks : kChunkBlocks;
     auto issue = [&](int kb, float(&d)[kH]) {
@@ -516,22 +659,22 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
       WgmmaE4M3<kToks>(a + 2 * kb * kWgmmaPieceBytes, b + 2 * kb * kWgmmaPieceBytes, d);
       WgmmaCommit();
     };
-    // Block kb's sums (in d) added to the outputs' chains.
-    auto add = [&](int kb, float(&d)[kH]) {
+    // Block kb's sums (in d) added to the outputs' chains, one product of scales a (block,
+    // token).
+    auto add_products = [&](int kb, float(&d)[kH]) {
       WgmmaDone(d);
-      if constexpr (kFormat == 0) {
-        // Rows r0 and r0 + 8 share a 32-row tile, so the products serve both.
-        const float* products = a_scales + ((r0 / kBlock) * kChunkBlocks + kb) * kToks;
-        FLASHD_UNROLL
-        for (int j = 0; j < kToks / 8; ++j) {
-          const float2 p = *reinterpret_cast<const float2*>(products + 8 * j + 2 * q);
-          acc[4 * j + 0] = FLASHD_EXACT_FMA(d[4 * j + 0], p.x, acc[4 * j + 0]);
-          acc[4 * j + 1] = FLASHD_EXACT_FMA(d[4 * j + 1], p.y, acc[4 * j + 1]);
-          acc[4 * j + 2] = FLASHD_EXACT_FMA(d[4 * j + 2], p.x, acc[4 * j + 2]);
-          acc[4 * j + 3] = FLASHD_EXACT_FMA(d[4 * j + 3], p.y, acc[4 * j + 3]);
-        }
-        return;
+      FLASHD_UNROLL
+      for (int j = 0; j < kToks / 8; ++j) {
+        const float2 p = *reinterpret_cast<const float2*>(products + kb * kToks + 8 * j + 2 * q);
+        acc[4 * j + 0] = FLASHD_EXACT_FMA(d[4 * j + 0], p.x, acc[4 * j + 0]);
+        acc[4 * j + 1] = FLASHD_EXACT_FMA(d[4 * j + 1], p.y, acc[4 * j + 1]);
+        acc[4 * j + 2] = FLASHD_EXACT_FMA(d[4 * j + 2], p.x, acc[4 * j + 2]);
+        acc[4 * j + 3] = FLASHD_EXACT_FMA(d[4 * j + 3], p.y, acc[4 * j + 3]);
       }
+    };
+    // FP4 unfolded: the row's scale times the token's, a multiply an output.
+    auto add_rows = [&](int kb, float(&d)[kH]) {
+      WgmmaDone(d);
       const float w0 = a_scales[r0 * kChunkBlocks + kb];
       const float w1 = a_scales[(r0 + 8) * kChunkBlocks + kb];
       FLASHD_UNROLL
@@ -543,7 +686,7 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
         acc[4 * j + 3] = FLASHD_EXACT_FMA(d[4 * j + 3], w1 * x.y, acc[4 * j + 3]);
       }
     };
-    if (nb == kChunkBlocks) {
+    auto whole_chunk = [&](auto add) {
       // Straight-line, so that the compiler sees which instruction each wait leaves running:
       // block kb + 1's instruction issued before block kb's sums are added.
       issue(0, d0);
@@ -558,11 +701,22 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
       add(2, d0);
       WgmmaWait<0>();
       add(3, d1);
+    };
+    if (nb == kChunkBlocks) {
+      if (folded) {
+        whole_chunk(add_products);
+      } else {
+        whole_chunk(add_rows);
+      }
     } else {
       for (int kb = 0; kb < nb; ++kb) {
         issue(kb, d0);
         WgmmaWait<0>();
-        add(kb, d0);
+        if (folded) {
+          add_products(kb, d0);
+        } else {
+          add_rows(kb, d0);
+        }
       }
     }
 
@@ -624,6 +778,16 @@ constexpr bool MfmaBuilt() {
 #endif
 }
 
+// Whether this build launches kWgmma's kernels: NVIDIA's and the HIP CPU runtime's (AMD's 64 KB
+// of shared memory a block hold no ring of their stages).
+constexpr bool WgmmaBuilt() {
+#if defined(__HIPCC__) && !defined(FLASHD_HIP_CPU)
+  return false;
+#else
+  return true;
+#endif
+}
+
 __global__ void NativeKernel(int* native) {
 #if defined(FLASHD_MMA_E4M3_NATIVE)
   *native = 1;
@@ -663,16 +827,15 @@ namespace {
 // is the kernel's, whatever the device), then the grid.
 template <auto kKernel, class... Args>
 OpStatus LaunchWgmma(int bytes, int64_t grid, gpuStream_t stream, Args... args) {
-#if defined(__HIPCC__) && !defined(FLASHD_HIP_CPU)
-  // AMD's 64 KB of shared memory a block hold no ring of these stages.
-  (void)bytes, (void)grid, (void)stream, ((void)args, ...);
-  return OpStatus::kBadArgument;
-#else
-  static const gpuError_t allowed = FLASHD_ALLOW_SHARED(kKernel, bytes);
-  if (allowed != gpuSuccess) return OpStatus::kDeviceError;
-  FLASHD_LAUNCH(kKernel, static_cast<unsigned>(grid), kWgThreads, bytes, stream, args...);
-  return Launched();
-#endif
+  if constexpr (!WgmmaBuilt()) {
+    (void)bytes, (void)grid, (void)stream, ((void)args, ...);
+    return OpStatus::kBadArgument;
+  } else {
+    static const gpuError_t allowed = FLASHD_ALLOW_SHARED(kKernel, bytes);
+    if (allowed != gpuSuccess) return OpStatus::kDeviceError;
+    FLASHD_LAUNCH(kKernel, static_cast<unsigned>(grid), kWgThreads, bytes, stream, args...);
+    return Launched();
+  }
 }
 
 template <int kFormat, int kToks>

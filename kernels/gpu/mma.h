@@ -80,4 +80,38 @@ FLASHD_OPS_HD inline uint32_t E2M1x4ToE4M3(uint32_t nibbles) {
   return ((x & 0x08080808u) << 4) | ((x & 0x07070707u) << 2);
 }
 
+// Byte n of the result is byte (s >> 4n) & 7 of the eight bytes x (0-3) then y (4-7): CUDA's
+// __byte_perm, one instruction on NVIDIA.
+FLASHD_OPS_HD inline uint32_t BytePerm(uint32_t x, uint32_t y, uint32_t s) {
+#if defined(__CUDA_ARCH__)
+  return __byte_perm(x, y, s);
+#else
+  const uint64_t bytes = x | static_cast<uint64_t>(y) << 32;
+  uint32_t r = 0;
+  for (int n = 0; n < 4; ++n)
+    r |= static_cast<uint32_t>(bytes >> 8 * ((s >> 4 * n) & 7) & 0xFF) << 8 * n;
+  return r;
+#endif
+}
+
+// The largest shift E2M1x4ToE4M3Shifted takes: FP4's largest value, 6, times 2^(11 - 5) is
+// E4M3's 1.5 x 2^8 (exponent field 15, not NaN).
+constexpr uint32_t kFp4MaxShift = 11;
+
+// Four FP4 codes as E2M1x4ToE4M3 takes them, as four E4M3 codes whose values are the FP4 values
+// times 2^(shift - 5), exactly, for shift 0..kFp4MaxShift: every nonzero value is then a normal
+// E4M3 number (FP4's 0.5 at shift 0 is E4M3's smallest normal, 2^-6), so a shift is an add to
+// the exponent field. The eight magnitudes' codes are a table of two words that one byte
+// permutation indexes with the codes' low three bits; another moves each code's sign bit to its
+// byte's top bit.
+FLASHD_OPS_HD inline uint32_t E2M1x4ToE4M3Shifted(uint32_t nibbles, uint32_t shift) {
+  // Magnitudes 0, 0.5, 1, 1.5 | 2, 3, 4, 6 at shift 0: exponent fields 0, 1, 2, 2 | 3, 3, 4, 4.
+  const uint32_t step = shift * 0x08080808u;
+  const uint32_t low = 0x14100800u + (step & 0xFFFFFF00u), high = 0x24201C18u + step;
+  const uint32_t magnitudes = BytePerm(low, high, nibbles & 0x7777u);
+  // Code i's sign (bit 4i + 3) is the top bit of byte 0 of nibbles << 4 (i = 0), byte 0 of
+  // nibbles (1), byte 1 of nibbles << 4 (2), byte 1 of nibbles (3).
+  return magnitudes | (BytePerm(nibbles << 4, nibbles, 0x5140u) & 0x80808080u);
+}
+
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND
