@@ -71,10 +71,10 @@ T* Alloc(size_t count) {
   return static_cast<T*>(p);
 }
 
-// FP8/FP4 codes and UE8M0/E4M3 scales all in 0x30-0x3F: finite values, scales near 1.
-uint8_t* Codes(size_t bytes) {
+// FP8/FP4 codes and UE8M0/E4M3 scales in 0x30-0x3F (or up to `last`): finite values.
+uint8_t* Codes(size_t bytes, uint8_t last = 0x3F) {
   uint8_t* p = Alloc<uint8_t>(bytes);
-  Check(g::FillBytes(p, bytes, seed++, 0x30, 0x3F), "fill");
+  Check(g::FillBytes(p, bytes, seed++, 0x30, last), "fill");
   return p;
 }
 float* Floats(size_t n, float scale = 1.0f) {
@@ -97,9 +97,10 @@ struct Weight {
   }
 };
 
-Weight Quantized(k::WeightFormat format, int64_t out, int64_t in) {
+// `last_scale`: the largest scale code (0x30 the least).
+Weight Quantized(k::WeightFormat format, int64_t out, int64_t in, uint8_t last_scale = 0x3F) {
   const k::StoredBytes stored = k::QuantizedWeightBytes(format, out, in);
-  return {format, Codes(stored.codes), Codes(stored.scales), nullptr, in, out};
+  return {format, Codes(stored.codes), Codes(stored.scales, last_scale), nullptr, in, out};
 }
 Weight Fp8(int64_t out, int64_t in) { return Quantized(k::WeightFormat::kFp8, out, in); }
 // wo_a: `groups` FP8 matrices [out, in] run as their values, in one op.
@@ -109,7 +110,10 @@ Weight Fp8ValueGroups(int64_t groups, int64_t out, int64_t in) {
   w.groups = groups;
   return w;
 }
-Weight Fp4(int64_t out, int64_t in) { return Quantized(k::WeightFormat::kFp4, out, in); }
+// FP4 rows' scale codes at most 7 apart, so that the warpgroup tiles fold them into the codes
+// (they do where a block's 64 rows lie within 11); Fp4Spread's 15 apart, so that they do not.
+Weight Fp4(int64_t out, int64_t in) { return Quantized(k::WeightFormat::kFp4, out, in, 0x37); }
+Weight Fp4Spread(int64_t out, int64_t in) { return Quantized(k::WeightFormat::kFp4, out, in); }
 Weight Dense(int64_t out, int64_t in) {
   return {k::WeightFormat::kDense, nullptr, nullptr, Floats(out * in, 0.05f), in, out};
 }
@@ -889,11 +893,16 @@ int main(int argc, char** argv) {
     const Weight* w;
     int64_t rows;
   };
+  // The last row: an expert gate whose rows' scales are too far apart for the warpgroup tiles
+  // to fold (the other columns: the same work as the gate's row).
+  const Weight& gate = layer.expert(0)[0];
+  const Weight spread = Fp4Spread(gate.out, gate.in);
   const std::vector<Gemm> gemms = {{"wq_a (FP8)", &layer.wq_a(), tokens},
                                    {"wo_b (FP8)", &layer.wo_b(), tokens},
                                    {"shared gate (FP8)", &layer.shared()[0], tokens},
-                                   {"expert gate (FP4)", &layer.expert(0)[0], per_expert},
-                                   {"expert down (FP4)", &layer.expert(0)[2], per_expert}};
+                                   {"expert gate (FP4)", &gate, per_expert},
+                                   {"expert down (FP4)", &layer.expert(0)[2], per_expert},
+                                   {"expert gate (FP4, unfolded)", &spread, per_expert}};
   for (const Gemm& gm : gemms) {
     const double s = layer.TimeLinear(*gm.w, gm.rows, std::max(1, reps / 4));
     const double tflops = 2.0 * gm.rows * gm.w->out * gm.w->in / s / 1e12;
