@@ -422,8 +422,8 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
     return reinterpret_cast<float*>(stage(c) + St::kA + St::kRaw + St::kB);
   };
   // FP4: the stage's folded products ([warpgroup][block][token]), the anchors' scales times
-  // 2^5 and codes ([warpgroup][block]; -1 where the group does not fold), the partial least and
-  // largest codes, and the rows' codes ([row][block]; 255 for none).
+  // 2^5 and codes ([warpgroup][block]; code -1 where the group does not fold), the partial least
+  // and largest codes, and the rows' codes ([row][block]; 255 for none).
   auto products_of = [&](int64_t c) { return floats(c) + St::kScales; };
   auto anchors_of = [&](int64_t c) { return products_of(c) + St::kProducts; };
   auto anchor_codes_of = [&](int64_t c) {
@@ -432,6 +432,12 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
   auto partials_of = [&](int64_t c) { return anchor_codes_of(c) + St::kAnchors; };
   auto codes_of = [&](int64_t c) {
     return reinterpret_cast<uint8_t*>(partials_of(c) + St::kPartials + St::kPartials2);
+  };
+  // FP4: whether warpgroup `wg`'s rows fold in chunk c, all four of its blocks (its adds take
+  // one way for a whole chunk).
+  auto warpgroup_folds = [&](int64_t c, int wg) {
+    const int4 a = reinterpret_cast<const int4*>(anchor_codes_of(c))[wg];
+    return a.x >= 0 && a.y >= 0 && a.z >= 0 && a.w >= 0;
   };
 
   // Chunk c's codes copied into its stage (rows past N, tokens past `rows` and blocks past K as
@@ -554,7 +560,7 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
         none || (largest < 255 && largest - least <= static_cast<int32_t>(kFp4MaxShift));
     const int32_t anchor = none ? 127 : least;
     anchor_codes_of(c)[t] = folds ? anchor : -1;
-    anchors_of(c)[t] = folds ? c::E8M0ToFloat(static_cast<uint8_t>(anchor)) * 0x1p5f : -1.0f;
+    anchors_of(c)[t] = c::E8M0ToFloat(static_cast<uint8_t>(anchor)) * 0x1p5f;
   };
   // FP4: chunk c's raw codes widened into the staged layout, a thread per (row, 16 K-bytes),
   // each row's block shifted by its code less the anchor where its warpgroup folds; then the
@@ -562,18 +568,17 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
   auto widen = [&](int64_t c) {
     uint8_t* s = stage(c);
     const uint8_t* codes = codes_of(c);
-    // Each thread's pieces are of one block (WgmmaPiece(t) / 2) and rows of both warpgroups; a
-    // warpgroup's rows are shifted where all four of its blocks fold, as its adds then assume.
-    const int4* anchors4 = reinterpret_cast<const int4*>(anchor_codes_of(c));
-    const int4 a0 = anchors4[0], a1 = anchors4[1];
-    const bool folds0 = a0.x >= 0 && a0.y >= 0 && a0.z >= 0 && a0.w >= 0;
-    const bool folds1 = a1.x >= 0 && a1.y >= 0 && a1.z >= 0 && a1.w >= 0;
+    // Each thread's pieces are of one block and rows of both warpgroups; a warpgroup's rows are
+    // shifted where it folds.
+    static_assert(kWgThreads % 64 == 0, "WgmmaPiece(t + j * kWgThreads) is WgmmaPiece(t)");
+    const int kb = WgmmaPiece(t) / 2;
+    const bool folds0 = warpgroup_folds(c, 0), folds1 = warpgroup_folds(c, 1);
     FLASHD_UNROLL
     for (int j = 0; j < kTileRows * 8 / static_cast<int>(kWgThreads); ++j) {
       const int i = t + j * static_cast<int>(kWgThreads);
       const int r = WgmmaPieceRow(i), piece = WgmmaPiece(i);
-      const int32_t code = codes[r * kChunkBlocks + piece / 2];
-      const int32_t anchor = anchor_codes_of(c)[(r / 64) * kChunkBlocks + piece / 2];
+      const int32_t code = codes[r * kChunkBlocks + kb];
+      const int32_t anchor = anchor_codes_of(c)[(r < 64 ? 0 : kChunkBlocks) + kb];
       const uint32_t shift =
           (r < 64 ? folds0 : folds1) && code != 255 ? static_cast<uint32_t>(code - anchor) : 0;
       const uint2 v = *reinterpret_cast<const uint2*>(s + St::kA + r * kRawStride + 8 * piece);
@@ -647,11 +652,9 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
     // 32-row tile), FP4's folded ones for this warpgroup.
     const float* products = kFormat == 0 ? a_scales + (r0 / kBlock) * kChunkBlocks * kToks
                                          : products_of(c) + wg * kChunkBlocks * kToks;
-    bool folded = true;  // FP4: whether all of the chunk's blocks fold for this warpgroup.
-    if constexpr (kFormat == 1) {
-      const float4 anchors = *reinterpret_cast<const float4*>(anchors_of(c) + wg * kChunkBlocks);
-      folded = anchors.x > 0.0f && anchors.y > 0.0f && anchors.z > 0.0f && anchors.w > 0.0f;
-    }
+    // FP4: whether this warpgroup's rows fold in chunk c.
+    bool folded = true;
+    if constexpr (kFormat == 1) folded = warpgroup_folds(c, wg);
     const int64_t nb =
         blocks - c * kChunkBlocks < kChunkBlocks ? blocks - c * kChunkBlocks : kChunkBlocks;
     auto issue = [&](int kb, float(&d)[kH]) {
