@@ -24,6 +24,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/gpu/device.h"
@@ -486,6 +487,20 @@ class Layer {
  public:
   // One sequence's decode-step attention (or with `prefill`, the prefill chunk's) in the given
   // layout: seconds per call.
+  // The routed experts of a step of `batch` tokens (one set of picks), or the shared expert,
+  // with w1 and w3 as one gated op, as the engine runs them (first), and apart with a Swiglu op
+  // (second): seconds.
+  std::pair<double, double> TimeGatedPair(int64_t batch, int reps, std::mt19937_64& rng,
+                                          bool routed) {
+    PickExperts(batch, rng);
+    auto run = [&] { routed ? RoutedExperts(batch) : Expert(shared_, batch); };
+    const double gated = Time(run, reps);
+    gated_experts_ = false;
+    const double apart = Time(run, reps);
+    gated_experts_ = true;
+    return {gated, apart};
+  }
+
   double TimeAttention(g::AttentionSchedule schedule, int reps, bool prefill = false) {
     const k::SparseAttentionParams p = prefill ? ChunkAttention() : Attention(0);
     return Time([&] { CheckOp(g::SparseAttentionScheduled(p, schedule), "Attention"); }, reps);
@@ -585,9 +600,30 @@ class Layer {
   }
 
   void Expert(const std::vector<Weight>& e, int64_t rows) {
-    Apply(e[0], x_, rows, gate_);
-    Apply(e[1], x_, rows, up_);
-    Activate(gate_, up_, rows, nullptr, h_);
+    if (gated_experts_) {  // w1 and w3 under SwiGLU in one op, as the engine runs them.
+      const Weight& w = e[0];
+      k::LinearParams p = {.x = x_,
+                           .rows = rows,
+                           .in = w.in,
+                           .out = w.out,
+                           .format = w.format,
+                           .w = w.w,
+                           .w_scales = w.scales,
+                           .x_codes = xq_,
+                           .x_scales = xs_,
+                           .y = h_,
+                           .stream = stream_,
+                           .up = e[1].w,
+                           .up_scales = e[1].scales,
+                           .limit = 10.0f,
+                           .gate = gate_,
+                           .up_out = up_};
+      CheckOp(matrix_ ? g::LinearMatrix(p, instruction_) : g::Linear(p), "Linear (gated)");
+    } else {
+      Apply(e[0], x_, rows, gate_);
+      Apply(e[1], x_, rows, up_);
+      Activate(gate_, up_, rows, nullptr, h_);
+    }
     Apply(e[2], h_, rows, expert_out_);
   }
 
@@ -629,7 +665,7 @@ class Layer {
                          .stream = stream_,
                          .src_rows = rows}),
             "CopyRows");
-    auto linear = [&](int which, const float* x, float* y) {
+    auto linear = [&](int which, const float* x, float* y, bool gated = false) {
       const Weight& w = experts_[0][which];
       const k::ExpertLinearParams p = {.x = x,
                                        .rows = total,
@@ -647,20 +683,31 @@ class Layer {
                                        .x_scales = xs_grouped_,
                                        .y = y,
                                        .stream = stream_,
-                                       .slot_rows = rows};
+                                       .slot_rows = rows,
+                                       .up = gated ? tables_[1][0] : nullptr,
+                                       .up_scales = gated ? tables_[1][1] : nullptr,
+                                       .row_weights = gated ? row_weights_ : nullptr,
+                                       .limit = 10.0f,
+                                       .gate = gg_,
+                                       .up_out = ug_};
       CheckOp(matrix_ ? g::ExpertLinearMatrix(p, instruction_) : g::ExpertLinear(p),
               "ExpertLinear");
     };
-    linear(0, xg_, gg_);
-    linear(1, xg_, ug_);
-    Activate(gg_, ug_, total, row_weights_, hg_);
+    if (gated_experts_) {  // w1 and w3 under SwiGLU in one op, as Step::GroupedExperts.
+      linear(0, xg_, hg_, true);
+    } else {
+      linear(0, xg_, gg_);
+      linear(1, xg_, ug_);
+      Activate(gg_, ug_, total, row_weights_, hg_);
+    }
     linear(2, hg_, og_routed_);
     CheckOp(g::RoundBf16({.x = og_routed_, .n = total * d_.hidden, .stream = stream_}),
             "RoundBf16");
   }
 
   Dims d_;
-  bool matrix_ = false;  // UseMatrixGemms.
+  bool gated_experts_ = true;  // The experts' w1 and w3 as one gated op (else apart).
+  bool matrix_ = false;        // UseMatrixGemms.
   g::MatrixInstruction instruction_ = g::MatrixInstruction::kMma;
   void* stream_ = nullptr;  // The ops' stream (one of the bench's own, so graphs can record it).
   std::map<int64_t, int64_t> tokens_of_;  // The picked experts and their tokens.
@@ -791,6 +838,15 @@ int main(int argc, char** argv) {
     if (as_graph) std::snprintf(graph_us, sizeof graph_us, "%.1f", graph * 1e6);
     std::printf("%5lld %14.1f %14s %18.0f %26.1f\n", static_cast<long long>(batch), s * 1e6,
                 graph_us, batch / best, batch / (best * d.layers));
+  }
+  // The experts' w1 and w3 as one gated op (the engine's) against two ops and a Swiglu.
+  for (const bool routed : {true, false}) {
+    for (int64_t batch : {1, 8}) {
+      const auto [gated, apart] = layer.TimeGatedPair(batch, reps, rng, routed);
+      std::printf("%s at batch %lld: w1 and w3 as one gated op %.1f us; apart %.1f us\n",
+                  routed ? "routed experts" : "shared expert", static_cast<long long>(batch),
+                  gated * 1e6, apart * 1e6);
+    }
   }
 
   // What the fixed order costs: the shipped GEMMs (the CPU's order, the same whatever the batch:

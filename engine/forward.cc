@@ -1578,15 +1578,39 @@ Status Step::Moe(int l) {
     const int64_t inter = e.w1.out;
     std::vector<float> g(static_cast<size_t>(m * inter)), u(g.size()), h(g.size());
     const Kept kept_gate(this, {&g, &u, &h});
-    FLASHD_RETURN_IF_ERROR(Apply(e.w1, x, m, g.data()));
-    FLASHD_RETURN_IF_ERROR(Apply(e.w3, x, m, u.data()));
-    FLASHD_OP(Swiglu, {.gate = g.data(),
-                       .up = u.data(),
-                       .rows = m,
-                       .inter = inter,
-                       .row_weights = w,
-                       .limit = static_cast<float>(c_.swiglu_limit),
-                       .h = h.data()});
+    const kernels::WeightFormat f = e.w1.format;
+    if ((f == kernels::WeightFormat::kFp8 || f == kernels::WeightFormat::kFp4) &&
+        e.w3.format == f && e.w3.in == e.w1.in && e.w3.out == inter) {
+      // w1 and w3 under SwiGLU as one op (g and u its workspace).
+      QuantScratch(m * e.w1.in);
+      FLASHD_OP(Linear, {.x = x,
+                         .rows = m,
+                         .in = e.w1.in,
+                         .out = inter,
+                         .format = f,
+                         .w = e.w1.w,
+                         .w_scales = e.w1.s,
+                         .x_codes = xq_.data(),
+                         .x_scales = xs_.data(),
+                         .y = h.data(),
+                         .stream = &stream_,
+                         .up = e.w3.w,
+                         .up_scales = e.w3.s,
+                         .row_weights = w,
+                         .limit = static_cast<float>(c_.swiglu_limit),
+                         .gate = g.data(),
+                         .up_out = u.data()});
+    } else {
+      FLASHD_RETURN_IF_ERROR(Apply(e.w1, x, m, g.data()));
+      FLASHD_RETURN_IF_ERROR(Apply(e.w3, x, m, u.data()));
+      FLASHD_OP(Swiglu, {.gate = g.data(),
+                         .up = u.data(),
+                         .rows = m,
+                         .inter = inter,
+                         .row_weights = w,
+                         .limit = static_cast<float>(c_.swiglu_limit),
+                         .h = h.data()});
+    }
     FLASHD_RETURN_IF_ERROR(Apply(e.w2, h.data(), m, out));
     FLASHD_OP(RoundBf16, {.x = out, .n = m * dim});
     return Status::Ok();
@@ -1684,7 +1708,8 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                        .dst = xg.data(),
                        .dst_stride = dim,
                        .src_rows = rows});
-  auto linear = [&](const ExpertTables& t, const float* x, float* out) {
+  auto linear = [&](const ExpertTables& t, const float* x, float* out,
+                    const ExpertTables* up = nullptr) {
     QuantScratch(total * t.in);
     FLASHD_OP(ExpertLinear, {.x = x,
                              .rows = total,
@@ -1702,18 +1727,17 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                              .x_scales = xs_.data(),
                              .y = out,
                              .stream = &stream_,
-                             .slot_rows = rows});  // A token chooses an expert once.
+                             .slot_rows = rows,  // A token chooses an expert once.
+                             .up = up != nullptr ? up->w.data() : nullptr,
+                             .up_scales = up != nullptr ? up->s.data() : nullptr,
+                             .row_weights = up != nullptr ? row_weights.data() : nullptr,
+                             .limit = static_cast<float>(c_.swiglu_limit),
+                             .gate = up != nullptr ? g.data() : nullptr,
+                             .up_out = up != nullptr ? u.data() : nullptr});
     return Status::Ok();
   };
-  FLASHD_RETURN_IF_ERROR(linear(gw.w1, xg.data(), g.data()));
-  FLASHD_RETURN_IF_ERROR(linear(gw.w3, xg.data(), u.data()));
-  FLASHD_OP(Swiglu, {.gate = g.data(),
-                     .up = u.data(),
-                     .rows = total,
-                     .inter = inter,
-                     .row_weights = row_weights.data(),
-                     .limit = static_cast<float>(c_.swiglu_limit),
-                     .h = h.data()});
+  // w1 and w3 under SwiGLU as one op (g and u its workspace), then w2.
+  FLASHD_RETURN_IF_ERROR(linear(gw.w1, xg.data(), h.data(), &gw.w3));
   FLASHD_RETURN_IF_ERROR(linear(gw.w2, h.data(), og.data()));
   FLASHD_OP(RoundBf16, {.x = og.data(), .n = total * dim});
   FLASHD_OP(MoeCombine, {.expert_out = og.data(),

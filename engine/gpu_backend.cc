@@ -938,6 +938,13 @@ class GpuBackend final : public Backend {
         const k::StoredBytes stored = k::QuantizedWeightBytes(p.format, p.out, p.in);
         d.w = c.Weight(p.w, stored.codes);
         d.w_scales = c.Weight(p.w_scales, stored.scales);
+        if (p.up != nullptr) {  // The gated pair (workspace: the caller's, kept or not).
+          d.up = c.Weight(p.up, stored.codes);
+          d.up_scales = c.Weight(p.up_scales, stored.scales);
+          d.row_weights = c.In(p.row_weights, p.rows);
+          d.gate = c.Out(p.gate, p.rows * p.out);
+          d.up_out = c.Out(p.up_out, p.rows * p.out);
+        }
       } else if (p.format == k::WeightFormat::kDense) {
         bool bf16 = false;
         const void* w = c.DenseWeight(p.dense, p.out * p.in, &bf16);
@@ -1298,6 +1305,14 @@ class GpuBackend final : public Backend {
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
       d.y = c.Out(p.y, p.rows * p.out);
+      if (p.up != nullptr) {  // The gated pair (its two products, where made apart, in the
+                              // caller's workspace: kept buffers stay on the device).
+        d.up = c.WeightTable(p.up, p.experts, stored.codes);
+        d.up_scales = c.WeightTable(p.up_scales, p.experts, stored.scales);
+        d.row_weights = c.In(p.row_weights, p.rows);
+        d.gate = c.Out(p.gate, p.rows * p.out);
+        d.up_out = c.Out(p.up_out, p.rows * p.out);
+      }
       return Launch(
           c, [&] { return matrix_ ? g::ExpertLinearMatrix(d, instruction_) : g::ExpertLinear(d); });
     });

@@ -105,6 +105,22 @@ FLASHD_OPS_HD inline float Exp(float x) {
 // The logistic function, 1 / (1 + e^-x), in float as the reference computes it.
 FLASHD_OPS_HD inline float Sigmoid(float x) { return 1.0f / (1.0f + Exp(-x)); }
 
+// One value of the experts' SwiGLU (SwigluParams), the same steps on every backend: gate and up
+// rounded to BF16; where limit > 0, up clamped to [-limit, limit] and gate to at most limit (a
+// NaN stays NaN, as the reference's clamp keeps it); gate x sigmoid(gate) x up, times the row's
+// weight where there is one, rounded to BF16.
+FLASHD_OPS_HD inline float SwigluValue(float gate, float up, float limit, const float* weight) {
+  gate = codecs::RoundBf16(gate);
+  up = codecs::RoundBf16(up);
+  if (limit > 0) {
+    up = codecs::Clamp(up, -limit, limit);
+    gate = limit < gate ? limit : gate;
+  }
+  float v = gate * Sigmoid(gate) * up;
+  if (weight != nullptr) v = *weight * v;
+  return codecs::RoundBf16(v);
+}
+
 // ln(1 + e^x), rounded to float; x itself above 88 (e^-88 is below x's last place).
 FLASHD_OPS_HD inline float Softplus(float x) {
   if (!(x == x) || x > 88.0f) return x;

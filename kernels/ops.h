@@ -115,6 +115,15 @@ struct LinearParams {
   // results whatever the split; kept for measuring). Linear and the CPUs ignore it.
   float* block_sums = nullptr;
   int64_t block_sums_count = 0;
+  // Optional, kFp8/kFp4: a gated pair (an expert's w1 and w3 under SwiGLU) in one op, as
+  // ExpertLinearParams' (`up`, `up_scales` the up projection's weights as w's; y gets the
+  // SwiGLU; `gate` and `up_out` workspace for a backend that makes the two apart).
+  const uint8_t* up = nullptr;
+  const uint8_t* up_scales = nullptr;
+  const float* row_weights = nullptr;
+  float limit = 0;
+  float* gate = nullptr;
+  float* up_out = nullptr;
 };
 
 // --- Element-wise and row ops -----------------------------------------------------------------
@@ -481,7 +490,46 @@ struct ExpertLinearParams {
   // Optional: no slot has more rows than this (0: unknown). A step of n tokens has at most n rows
   // a slot; a GPU backend takes a row at a time where that is few.
   int64_t slot_rows = 0;
+  // Optional, the experts' gated pair (w1 and w3 under SwiGLU) in one op: `up` and `up_scales`
+  // are the up projections' weights, as w's for the gates', and y [rows, out] gets SwigluParams'
+  // h of the two (row_weights [rows] or null, limit): the values of two ExpertLinear ops and a
+  // Swiglu op, bit for bit. `gate` and `up_out` ([rows, out] each) are workspace for a backend
+  // that computes the two apart (GatedApart); a GPU's one-row path does not touch them.
+  const uint8_t* const* up = nullptr;
+  const uint8_t* const* up_scales = nullptr;
+  const float* row_weights = nullptr;
+  float limit = 0;
+  float* gate = nullptr;
+  float* up_out = nullptr;
 };
+
+// A gated pair (LinearParams' or ExpertLinearParams') as two ops (`one`, given p without the
+// pair) into the workspace and a Swiglu op (`swiglu`): the definition every backend's fused path
+// is held to.
+template <class P, class One, class SwigluOp>
+OpStatus GatedApart(const P& p, One one, SwigluOp swiglu) {
+  if (p.up == nullptr || p.up_scales == nullptr || p.gate == nullptr || p.up_out == nullptr) {
+    return OpStatus::kBadArgument;
+  }
+  P q = p;
+  q.up = q.up_scales = nullptr;
+  q.row_weights = nullptr;
+  q.gate = q.up_out = nullptr;
+  q.y = p.gate;
+  if (const OpStatus s = one(q); s != OpStatus::kOk) return s;
+  q.w = p.up;
+  q.w_scales = p.up_scales;
+  q.y = p.up_out;
+  if (const OpStatus s = one(q); s != OpStatus::kOk) return s;
+  return swiglu(SwigluParams{.gate = p.gate,
+                             .up = p.up_out,
+                             .rows = p.rows,
+                             .inter = p.out,
+                             .row_weights = p.row_weights,
+                             .limit = p.limit,
+                             .h = p.y,
+                             .stream = p.stream});
+}
 
 // out = BF16(a + b), element-wise (out may alias a or b).
 struct AddRoundParams {

@@ -557,6 +557,14 @@ OpStatus Linear(const LinearParams& p) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
+  if (p.up != nullptr) {  // The gated pair: two products, then the SwiGLU.
+    if (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4) {
+      return OpStatus::kBadArgument;
+    }
+    return GatedApart(
+        p, [](const LinearParams& q) { return Linear(q); },
+        [](const SwigluParams& q) { return Swiglu(q); });
+  }
   if (p.groups < 1) return OpStatus::kBadShape;
   if (p.groups > 1 && p.format != WeightFormat::kFp8Dense) return OpStatus::kBadArgument;
   if (p.rows == 0) return OpStatus::kOk;

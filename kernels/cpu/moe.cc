@@ -55,17 +55,10 @@ OpStatus MoeRoute(const MoeRouteParams& p) {
 
 OpStatus Swiglu(const SwigluParams& p) {
   if (p.rows < 0 || p.inter <= 0) return OpStatus::kBadShape;
-  const float limit = p.limit;
   for (int64_t r = 0; r < p.rows; ++r) {
+    const float* weight = p.row_weights != nullptr ? p.row_weights + r : nullptr;
     for (int64_t i = r * p.inter; i < (r + 1) * p.inter; ++i) {
-      float gate = Bf(p.gate[i]), up = Bf(p.up[i]);
-      if (limit > 0) {
-        up = std::clamp(up, -limit, limit);
-        gate = std::min(gate, limit);
-      }
-      float v = gate * Sigmoid(gate) * up;
-      if (p.row_weights != nullptr) v = p.row_weights[r] * v;
-      p.h[i] = Bf(v);
+      p.h[i] = fmath::SwigluValue(p.gate[i], p.up[i], p.limit, weight);
     }
   }
   return OpStatus::kOk;
@@ -122,6 +115,11 @@ OpStatus MoeGroup(const MoeGroupParams& p) {
 }
 
 OpStatus ExpertLinear(const ExpertLinearParams& p) {
+  if (p.up != nullptr) {  // The gated pair: two products, then the SwiGLU.
+    return GatedApart(
+        p, [](const ExpertLinearParams& q) { return ExpertLinear(q); },
+        [](const SwigluParams& q) { return Swiglu(q); });
+  }
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.slots < 0 || p.experts <= 0) {
     return OpStatus::kBadShape;
   }

@@ -33,18 +33,12 @@ __global__ void AddRoundKernel(const float* a, const float* b, float* out, int64
   if (i < n) out[i] = c::RoundBf16(a[i] + b[i]);
 }
 
-__global__ void SwigluKernel(const float* gate_in, const float* up_in, int64_t n, int64_t inter,
+__global__ void SwigluKernel(const float* gate, const float* up, int64_t n, int64_t inter,
                              const float* row_weights, float limit, float* h) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
-  float gate = c::RoundBf16(gate_in[i]), up = c::RoundBf16(up_in[i]);
-  if (limit > 0) {
-    up = c::Clamp(up, -limit, limit);
-    gate = gate < limit ? gate : limit;
-  }
-  float v = gate * fm::Sigmoid(gate) * up;
-  if (row_weights != nullptr) v = row_weights[i / inter] * v;
-  h[i] = c::RoundBf16(v);
+  h[i] = fm::SwigluValue(gate[i], up[i], limit,
+                         row_weights != nullptr ? row_weights + i / inter : nullptr);
 }
 
 // One thread per block of `block` values: the block's scale from its largest magnitude, then

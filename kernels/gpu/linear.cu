@@ -7,6 +7,7 @@
 // for bit. Matrix-core GEMMs come beside them, checked against them.
 
 #include "kernels/codecs.h"
+#include "kernels/fmath.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 #include "kernels/gpu/quantized.h"
@@ -15,6 +16,7 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
+namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 256;
 constexpr int64_t kBlock = 32;
 
@@ -440,27 +442,42 @@ __device__ inline void GemvLoad(const uint8_t* xq, const uint8_t* xs, const uint
   }
 }
 
+// The gated pair's second matrix and its SwiGLU (ExpertLinearParams' up, row_weights, limit)
+// for a GEMV tile; w null where the tile is not gated.
+struct GemvPair {
+  const uint8_t* w = nullptr;
+  const uint8_t* ws = nullptr;
+  const float* row_weight = nullptr;
+  float limit = 0;
+};
+
 // Columns [n0, n0 + kGemvCols x groups) of one row (codes xq, scale codes xs) into y (the row's
 // outputs), by the whole thread block; `sums` holds kGemvCols x groups x GemvStride(blocks)
-// floats.
-template <int kFormat>
+// floats a matrix. kGated: the same columns of pair.w too (each group of the weights w taken
+// beside the same group of pair.w, so items 2g and 2g + 1 of a K-block are a group's two), and y
+// gets SwigluValue of each column's two sums.
+template <int kFormat, bool kGated = false>
 __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w,
                          const uint8_t* ws, int64_t N, int64_t n0, int64_t groups, float* y,
-                         float* sums) {
+                         float* sums, const GemvPair& pair = {}) {
+  constexpr int64_t kMatrices = kGated ? 2 : 1;
   const int64_t blocks = K / kBlock, stride = GemvStride(blocks);
-  const int64_t items = groups * blocks;
+  const int64_t items = kMatrices * groups * blocks;
   const int64_t t = threadIdx.x;
+  // Item i: group g = i / blocks of the pair's (matrix g % 2, column group g / 2) when gated.
+  auto load = [&](int64_t i, GemvLoads<kFormat>& l) {
+    const int64_t g = i / blocks, q = kGated ? g / 2 : g;
+    const bool second = kGated && g % 2 == 1;
+    GemvLoad<kFormat>(xq, xs, second ? pair.w : w, second ? pair.ws : ws, K, N,
+                      n0 + q * kGemvCols<kFormat>, i % blocks, l);
+  };
   GemvLoads<kFormat> next;
-  if (t < items)
-    GemvLoad<kFormat>(xq, xs, w, ws, K, N, n0 + t / blocks * kGemvCols<kFormat>, t % blocks, next);
+  if (t < items) load(t, next);
   for (int64_t i = t; i < items; i += kGemvThreads) {
     const GemvLoads<kFormat> cur = next;
-    const int64_t q = i / blocks, b = i % blocks, n = n0 + q * kGemvCols<kFormat>;
-    const int64_t after = i + kGemvThreads;
-    if (after < items) {
-      GemvLoad<kFormat>(xq, xs, w, ws, K, N, n0 + after / blocks * kGemvCols<kFormat>,
-                        after % blocks, next);
-    }
+    const int64_t g = i / blocks, b = i % blocks;
+    const int64_t n = n0 + (kGated ? g / 2 : g) * kGemvCols<kFormat>;
+    if (i + kGemvThreads < items) load(i + kGemvThreads, next);
     float xv[kBlock];
     GemvActivations(cur.x, cur.x_scale, xv);
     FLASHD_UNROLL
@@ -469,30 +486,43 @@ __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const 
       const float sum = kFormat == 0 && HasNanCode(cur.w[c])
                             ? GemvBlockSum<kFormat, true>(cur.w[c], xv)
                             : GemvBlockSum<kFormat, false>(cur.w[c], xv);
-      sums[(q * kGemvCols<kFormat> + c) * stride + b] = sum * c::E8M0ToFloat(cur.w_scale[c]);
+      sums[(g * kGemvCols<kFormat> + c) * stride + b] = sum * c::E8M0ToFloat(cur.w_scale[c]);
     }
   }
   __syncthreads();
   if (t >= groups * kGemvCols<kFormat> || n0 + t >= N) return;
-  y[n0 + t] = SumInOrder(sums + t * stride, blocks);
+  if constexpr (kGated) {
+    // Column t's gate sums are group 2q's, its up sums group 2q + 1's (q = t / kGemvCols).
+    const int64_t q = t / kGemvCols<kFormat>, c = t % kGemvCols<kFormat>;
+    const float gate = SumInOrder(sums + (2 * q * kGemvCols<kFormat> + c) * stride, blocks);
+    const float up = SumInOrder(sums + ((2 * q + 1) * kGemvCols<kFormat> + c) * stride, blocks);
+    y[n0 + t] = fm::SwigluValue(gate, up, pair.limit, pair.row_weight);
+  } else {
+    y[n0 + t] = SumInOrder(sums + t * stride, blocks);
+  }
 }
 
-// Linear's row: thread block j takes `groups` groups of columns from the j-th.
-template <int kFormat>
+// Linear's row: thread block j takes `groups` groups of columns from the j-th (kGated: of the
+// gated pair, `pair` its up projection and SwiGLU).
+template <int kFormat, bool kGated>
 __global__ void __launch_bounds__(kGemvThreads)
     GemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w, const uint8_t* ws,
-               int64_t N, int64_t groups, float* y) {
+               int64_t N, int64_t groups, float* y, GemvPair pair) {
   FLASHD_DYNAMIC_SHARED(float, sums);
-  GemvTile<kFormat>(xq, xs, K, w, ws, N, blockIdx.x * groups * kGemvCols<kFormat>, groups, y, sums);
+  GemvTile<kFormat, kGated>(xq, xs, K, w, ws, N, blockIdx.x * groups * kGemvCols<kFormat>, groups,
+                            y, sums, pair);
 }
 
 // The experts' rows each on its own (a step of few tokens): thread block (row r, column tile
-// j), r's slot the one whose rows hold it.
-template <int kFormat>
+// j), r's slot the one whose rows hold it. kGated: the gated pair's SwiGLU of the rows' gate
+// (w) and up (up) projections, row r weighted by row_weights[r] where given.
+template <int kFormat, bool kGated>
 __global__ void __launch_bounds__(kGemvThreads)
     ExpertGemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                      const int64_t* slot_offset, int64_t slots, const uint8_t* const* w,
-                     const uint8_t* const* ws, int64_t N, int64_t groups, int64_t tiles, float* y) {
+                     const uint8_t* const* ws, int64_t N, int64_t groups, int64_t tiles, float* y,
+                     const uint8_t* const* up, const uint8_t* const* up_scales,
+                     const float* row_weights, float limit) {
   FLASHD_DYNAMIC_SHARED(float, sums);
   __shared__ int64_t row_slot;
   const int64_t r = blockIdx.x / tiles, j = blockIdx.x % tiles;
@@ -503,20 +533,25 @@ __global__ void __launch_bounds__(kGemvThreads)
   }
   __syncthreads();
   const int64_t e = slot_expert[row_slot];
-  GemvTile<kFormat>(xq + r * K, xs + r * (K / kBlock), K, w[e], ws[e], N,
-                    j * groups * kGemvCols<kFormat>, groups, y + r * N, sums);
+  GemvPair pair;
+  if constexpr (kGated) {
+    pair = {up[e], up_scales[e], row_weights != nullptr ? row_weights + r : nullptr, limit};
+  }
+  GemvTile<kFormat, kGated>(xq + r * K, xs + r * (K / kBlock), K, w[e], ws[e], N,
+                            j * groups * kGemvCols<kFormat>, groups, y + r * N, sums, pair);
 }
 
 // Column groups a thread block takes for K-blocks `blocks` and N columns (about two items a
-// thread), or 0 when the block sums would not fit (the GEMM tile then takes the row).
+// thread over its `matrices`: 2 for the gated pair), or 0 when the block sums would not fit (the
+// GEMM tile then takes the row).
 template <int kFormat>
-int64_t GemvGroups(int64_t blocks, int64_t N) {
-  int64_t groups = kGemvItemsPerThread * kGemvThreads / blocks;
+int64_t GemvGroups(int64_t blocks, int64_t N, int64_t matrices = 1) {
+  int64_t groups = kGemvItemsPerThread * kGemvThreads / (blocks * matrices);
   constexpr int64_t kMax = kGemvThreads / kGemvCols<kFormat>;  // A thread per column.
   groups = groups < 1 ? 1 : groups > kMax ? kMax : groups;
   const int64_t all = (N + kGemvCols<kFormat> - 1) / kGemvCols<kFormat>;
   if (groups > all) groups = all;
-  return groups * kGemvCols<kFormat> * GemvStride(blocks) <= kGemvMaxSums ? groups : 0;
+  return matrices * groups * kGemvCols<kFormat> * GemvStride(blocks) <= kGemvMaxSums ? groups : 0;
 }
 
 // The instance for a format (0 FP8, 1 FP4) and a bound of one row a tile or more.
@@ -1127,26 +1162,31 @@ struct GemvShape {
   int64_t groups = 0, tiles = 0;
   size_t shared = 0;
 };
-GemvShape GemvShapeFor(WeightFormat format, int64_t in, int64_t out) {
+GemvShape GemvShapeFor(WeightFormat format, int64_t in, int64_t out, int64_t matrices = 1) {
   const bool fp8 = format == WeightFormat::kFp8;
   const int64_t blocks = in / kBlock, cols = fp8 ? kGemvCols<0> : kGemvCols<1>;
-  const int64_t groups = fp8 ? GemvGroups<0>(blocks, out) : GemvGroups<1>(blocks, out);
+  const int64_t groups =
+      fp8 ? GemvGroups<0>(blocks, out, matrices) : GemvGroups<1>(blocks, out, matrices);
   if (groups == 0) return {};
   return {groups, ((out + cols - 1) / cols + groups - 1) / groups,
-          static_cast<size_t>(groups * cols * GemvStride(blocks)) * sizeof(float)};
+          static_cast<size_t>(matrices * groups * cols * GemvStride(blocks)) * sizeof(float)};
 }
 
 // ExpertLinear takes the GEMV up to this many rows a slot (a step of up to 8 tokens).
 constexpr int64_t kExpertGemvRows = 8;
 
-// Linear's one row through the GEMV (p checked; g.groups > 0).
+// Linear's one row through the GEMV (p checked; g.groups > 0; the gated pair's shape when p has
+// one).
 OpStatus GemvLinear(const LinearParams& p, const GemvShape& g) {
   if (g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   QuantizeActivations(p.x, p.in / kBlock, p.x_codes, p.x_scales, stream);
-  const auto kernel = p.format == WeightFormat::kFp8 ? &GemvKernel<0> : &GemvKernel<1>;
+  const bool fp8 = p.format == WeightFormat::kFp8, gated = p.up != nullptr;
+  const auto kernel = gated ? (fp8 ? &GemvKernel<0, true> : &GemvKernel<1, true>)
+                            : (fp8 ? &GemvKernel<0, false> : &GemvKernel<1, false>);
+  const GemvPair pair = {p.up, p.up_scales, p.row_weights, p.limit};
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(g.tiles), kGemvThreads, g.shared, stream, p.x_codes,
-                p.x_scales, p.in, p.w, p.w_scales, p.out, g.groups, p.y);
+                p.x_scales, p.in, p.w, p.w_scales, p.out, g.groups, p.y, pair);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
@@ -1169,17 +1209,28 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
   // on its own: an expert chosen by several of the tokens is read once a row, which at a step of
   // a few sequences is about what the tile reads (their choices mostly differ), without the
   // tile's wait at every chunk of K.
+  // The gated pair (w1 and w3 under SwiGLU) in one GEMV, the rows' activations quantized once
+  // for both and the SwiGLU applied to the sums as they are made; else two products and a
+  // Swiglu op.
+  const bool gated = p.up != nullptr;
   const bool few = p.slot_rows >= 1 && p.slot_rows <= kExpertGemvRows;
-  const GemvShape g = few ? GemvShapeFor(p.format, p.in, p.out) : GemvShape{};
+  const GemvShape g = few ? GemvShapeFor(p.format, p.in, p.out, gated ? 2 : 1) : GemvShape{};
   const bool gemv = g.groups > 0 && Aligned(p.x_codes, 16);
   if (gemv && p.rows * g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  if (gated && (!gemv || p.up_scales == nullptr)) {
+    return GatedApart(
+        p, [](const ExpertLinearParams& q) { return ExpertLinear(q); },
+        [](const SwigluParams& q) { return Swiglu(q); });
+  }
   QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
   if (gemv) {
-    const auto kernel =
-        p.format == WeightFormat::kFp8 ? &ExpertGemvKernel<0> : &ExpertGemvKernel<1>;
+    const bool fp8 = p.format == WeightFormat::kFp8;
+    const auto kernel = gated ? (fp8 ? &ExpertGemvKernel<0, true> : &ExpertGemvKernel<1, true>)
+                              : (fp8 ? &ExpertGemvKernel<0, false> : &ExpertGemvKernel<1, false>);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(p.rows * g.tiles), kGemvThreads, g.shared, stream,
                   p.x_codes, p.x_scales, p.in, p.slot_expert, p.slot_offset, p.slots, p.w,
-                  p.w_scales, p.out, g.groups, g.tiles, p.y);
+                  p.w_scales, p.out, g.groups, g.tiles, p.y, p.up, p.up_scales, p.row_weights,
+                  p.limit);
   } else {
     const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
@@ -1195,6 +1246,9 @@ OpStatus Linear(const LinearParams& p) {
   }
   if (p.groups < 1) return OpStatus::kBadShape;
   if (p.groups > 1 && p.format != WeightFormat::kFp8Dense) return OpStatus::kBadArgument;
+  if (p.up != nullptr && p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4) {
+    return OpStatus::kBadArgument;  // The gated pair is of quantized weights.
+  }
   if (p.rows == 0) return OpStatus::kOk;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   if (p.format == WeightFormat::kDense) {
@@ -1216,10 +1270,21 @@ OpStatus Linear(const LinearParams& p) {
   // sums' round trip and the second kernel costing more than the parts gained (gpu_bench: wq_a
   // 39.9 against 30.8 us, wo_b 69.8 against 51.2; docs/benchmarks.md). LinearSplit keeps the
   // split for measuring, and at split 1 the GEMM tile at one row as well.
+  // The gated pair (w1 and w3 under SwiGLU): at one row one GEMV makes both and the SwiGLU, else
+  // two products and a Swiglu op.
+  const bool gated = p.up != nullptr;
+  if (gated && (p.up_scales == nullptr || p.groups != 1)) return OpStatus::kBadArgument;
   if (p.rows == 1) {
     if (const OpStatus s = CheckQuantizedLinear(p, 4); s != OpStatus::kOk) return s;
-    const GemvShape g = GemvShapeFor(p.format, p.in, p.out);
-    if (g.groups > 0 && Aligned(p.x_codes, 16)) return GemvLinear(p, g);
+    const GemvShape g = GemvShapeFor(p.format, p.in, p.out, gated ? 2 : 1);
+    if (g.groups > 0 && Aligned(p.x_codes, 16) && (!gated || Aligned(p.up, 16))) {
+      return GemvLinear(p, g);
+    }
+  }
+  if (gated) {
+    return GatedApart(
+        p, [](const LinearParams& q) { return Linear(q); },
+        [](const SwigluParams& q) { return Swiglu(q); });
   }
   return QuantizedLinear(p, 1, false);
 }

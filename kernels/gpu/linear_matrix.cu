@@ -868,6 +868,11 @@ OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
   if (!LinearMatrixTakes(p)) return OpStatus::kBadArgument;
   if (const OpStatus s = CheckQuantizedLinear(p, 16); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;
+  if (p.up != nullptr) {  // The gated pair: each product as the ungated op makes it.
+    return GatedApart(
+        p, [&](const LinearParams& q) { return LinearMatrix(q, instruction); },
+        [](const SwigluParams& q) { return Swiglu(q); });
+  }
   const int shape = p.rows <= kNarrowTo ? 0 : p.rows <= kMediumTo ? 1 : 2;
   const int64_t toks = shape == 0 ? Narrow::kToks : shape == 1 ? Medium::kToks : Wide::kToks;
   const int64_t grid = (p.rows + toks - 1) / toks * RowTiles(p.out);
@@ -912,6 +917,11 @@ OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
 OpStatus ExpertLinearMatrix(const ExpertLinearParams& p, MatrixInstruction instruction) {
   bool none = false;
   if (const OpStatus s = CheckExpertLinear(p, 16, &none); s != OpStatus::kOk || none) return s;
+  if (p.up != nullptr) {  // The gated pair: each product as the ungated op makes it.
+    return GatedApart(
+        p, [&](const ExpertLinearParams& q) { return ExpertLinearMatrix(q, instruction); },
+        [](const SwigluParams& q) { return Swiglu(q); });
+  }
   const int64_t grid =
       ((p.rows + kExpertTileRows - 1) / kExpertTileRows + p.slots) * RowTiles(p.out);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
