@@ -138,8 +138,14 @@ g::MatrixInstruction InstructionOf(Order order) {
 // The vendor's own matrix instruction this build has: AMD's on HIP, the warpgroup one elsewhere
 // (NVIDIA's, and the HIP CPU runtime's stand-in).
 constexpr bool kAmdBuild = g::kBackendName == "hip";
+// With `pair` (the up projection, the gated pair's workspace): w and it under SwiGLU as one op.
+struct GatedPair {
+  const Weight* up = nullptr;
+  float *gate = nullptr, *up_out = nullptr;
+};
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
-              void* stream, Order order = Order::kShipped, int split = 1) {
+              void* stream, Order order = Order::kShipped, int split = 1,
+              const GatedPair& pair = {}) {
   const k::LinearParams p = {.x = x,
                              .rows = rows,
                              .in = w.in,
@@ -154,7 +160,12 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .stream = stream,
                              .groups = w.groups,
                              .block_sums = block_sums,
-                             .block_sums_count = block_sums_count};
+                             .block_sums_count = block_sums_count,
+                             .up = pair.up != nullptr ? pair.up->w : nullptr,
+                             .up_scales = pair.up != nullptr ? pair.up->scales : nullptr,
+                             .limit = 10.0f,
+                             .gate = pair.gate,
+                             .up_out = pair.up_out};
   // kMatrix: weights LinearMatrix does not take run as the backend runs them then (Linear).
   const bool matrix =
       (order == Order::kMatrix || order == Order::kWgmma || order == Order::kMfma) &&
@@ -591,34 +602,18 @@ class Layer {
     return p;
   }
 
-  void Apply(const Weight& w, const float* x, int64_t rows, float* y) {
+  void Apply(const Weight& w, const float* x, int64_t rows, float* y, const GatedPair& pair = {}) {
     LinearOn(w, x, rows, xq_, xs_, y, stream_,
              !matrix_                                       ? Order::kShipped
              : instruction_ == g::MatrixInstruction::kWgmma ? Order::kWgmma
              : instruction_ == g::MatrixInstruction::kMfma  ? Order::kMfma
-                                                            : Order::kMatrix);
+                                                            : Order::kMatrix,
+             1, pair);
   }
 
   void Expert(const std::vector<Weight>& e, int64_t rows) {
     if (gated_experts_) {  // w1 and w3 under SwiGLU in one op, as the engine runs them.
-      const Weight& w = e[0];
-      k::LinearParams p = {.x = x_,
-                           .rows = rows,
-                           .in = w.in,
-                           .out = w.out,
-                           .format = w.format,
-                           .w = w.w,
-                           .w_scales = w.scales,
-                           .x_codes = xq_,
-                           .x_scales = xs_,
-                           .y = h_,
-                           .stream = stream_,
-                           .up = e[1].w,
-                           .up_scales = e[1].scales,
-                           .limit = 10.0f,
-                           .gate = gate_,
-                           .up_out = up_};
-      CheckOp(matrix_ ? g::LinearMatrix(p, instruction_) : g::Linear(p), "Linear (gated)");
+      Apply(e[0], x_, rows, h_, {&e[1], gate_, up_});
     } else {
       Apply(e[0], x_, rows, gate_);
       Apply(e[1], x_, rows, up_);

@@ -497,6 +497,30 @@ BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
   }
 }
 
+// A gated pair's definition, computed here: `one` (the CPU's ungated op) for the gates' weights
+// and for the ups', then the CPU's Swiglu of the two.
+template <class P, class One>
+std::vector<float> TwoOpsAndSwiglu(const P& p, One one) {
+  const size_t n = static_cast<size_t>(p.rows * p.out);
+  std::vector<float> g(n), u(n), h(n);
+  P q = p;
+  q.up = q.up_scales = nullptr;
+  q.y = g.data();
+  BOOST_REQUIRE(one(q) == OpStatus::kOk);
+  q.w = p.up;
+  q.w_scales = p.up_scales;
+  q.y = u.data();
+  BOOST_REQUIRE(one(q) == OpStatus::kOk);
+  BOOST_REQUIRE(cpu::Swiglu({.gate = g.data(),
+                             .up = u.data(),
+                             .rows = p.rows,
+                             .inter = p.out,
+                             .row_weights = p.row_weights,
+                             .limit = p.limit,
+                             .h = h.data()}) == OpStatus::kOk);
+  return h;
+}
+
 // The experts' gated pair (w1 and w3 under SwiGLU) in one op: the CPU's is two ExpertLinear ops
 // and a Swiglu op; the device's, whether its one-row GEMV makes both sums and the SwiGLU in one
 // kernel or the tile makes them apart, gives the same values bit for bit (NaN where the CPU's is
@@ -549,26 +573,9 @@ BOOST_AUTO_TEST_CASE(expert_gated_pair_is_two_linears_and_swiglu) {
                              .gate = wg.data(),
                              .up_out = wu.data()};
         BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
-        // The definition: two ungated ops and a Swiglu op.
-        {
-          std::vector<float> g1(want.size()), u1(want.size()), h1(want.size());
-          ExpertLinearParams q = p;
-          q.up = q.up_scales = nullptr;
-          q.y = g1.data();
-          BOOST_REQUIRE(cpu::ExpertLinear(q) == OpStatus::kOk);
-          q.w = up.w.data();
-          q.w_scales = up.ws.data();
-          q.y = u1.data();
-          BOOST_REQUIRE(cpu::ExpertLinear(q) == OpStatus::kOk);
-          BOOST_REQUIRE(cpu::Swiglu({.gate = g1.data(),
-                                     .up = u1.data(),
-                                     .rows = total,
-                                     .inter = out,
-                                     .row_weights = p.row_weights,
-                                     .limit = limit,
-                                     .h = h1.data()}) == OpStatus::kOk);
-          BOOST_TEST(BitEqual(h1, want));
-        }
+        BOOST_TEST(BitEqual(
+            TwoOpsAndSwiglu(p, [](const ExpertLinearParams& q) { return cpu::ExpertLinear(q); }),
+            want));
         const int64_t nans =
             std::count_if(want.begin(), want.end(), [](float v) { return std::isnan(v); });
         BOOST_TEST((format == WeightFormat::kFp8) == (nans > 0));
@@ -669,23 +676,8 @@ BOOST_AUTO_TEST_CASE(linear_gated_pair_is_two_linears_and_swiglu) {
                        .gate = g.data(),
                        .up_out = u.data()};
         BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
-        std::vector<float> g1(want.size()), u1(want.size()), h1(want.size());
-        LinearParams q = p;
-        q.up = q.up_scales = nullptr;
-        q.y = g1.data();
-        BOOST_REQUIRE(cpu::Linear(q) == OpStatus::kOk);
-        q.w = up.codes.data();
-        q.w_scales = up.scales.data();
-        q.y = u1.data();
-        BOOST_REQUIRE(cpu::Linear(q) == OpStatus::kOk);
-        BOOST_REQUIRE(cpu::Swiglu({.gate = g1.data(),
-                                   .up = u1.data(),
-                                   .rows = rows,
-                                   .inter = out,
-                                   .row_weights = rw.data(),
-                                   .limit = limit,
-                                   .h = h1.data()}) == OpStatus::kOk);
-        BOOST_TEST(BitEqual(h1, want));
+        BOOST_TEST(BitEqual(
+            TwoOpsAndSwiglu(p, [](const LinearParams& q) { return cpu::Linear(q); }), want));
         Dev<float> dx(x), drw(rw), dy(std::vector<float>(want.size(), -1.0f));
         Dev<float> dg(std::vector<float>(want.size())), du(std::vector<float>(want.size()));
         Dev<uint8_t> dgw(gate.codes), dgs(gate.scales), duw(up.codes), dus(up.scales);
