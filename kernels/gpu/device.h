@@ -39,6 +39,19 @@ std::string CopyToHost(void* dst, const void* src, size_t bytes);
 std::string CopyOnDevice(void* dst, const void* src, size_t bytes);
 std::string ZeroOnDevice(void* dst, size_t bytes);  // Ordered after the kernels launched before.
 std::string Synchronize();
+// Pinned (page-locked) host memory, usable with every device: a copy from it can be queued.
+std::string HostAlloc(void** ptr, size_t bytes);
+std::string HostFree(void* ptr);
+// A copy to the device queued on the stream the kernels run on, the host not waiting for it:
+// it runs after the kernels launched before it and before those launched after. `src` must be
+// pinned (HostAlloc) and stay as it is until the copy is done, which a Synchronize or a
+// CopyToHost after it says. (The CPU runtime, whose stream does not keep its order, copies
+// before it returns.)
+std::string CopyToDeviceQueued(void* dst, const void* src, size_t bytes);
+// Stream order of queued copies: `rounds` times, a kernel reads a buffer, a queued copy
+// overwrites it from pinned memory, a second kernel reads it; `*wrong` gets the rounds where
+// the first kernel did not see the old bytes or the second the new ones.
+std::string QueuedCopyCheck(int rounds, int* wrong);
 // Fill device memory without a host copy (benchmarks): bytes uniform in [lo, hi], or floats
 // uniform in [-scale, scale] rounded to BF16; the same seed gives the same contents.
 std::string FillBytes(void* dst, size_t bytes, uint64_t seed, uint8_t lo, uint8_t hi);

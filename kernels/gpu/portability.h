@@ -43,6 +43,9 @@ using gpuStream_t = hipStream_t;
 #define gpuMemGetInfo hipMemGetInfo
 #define gpuStreamCreate hipStreamCreate
 #define gpuStreamDestroy hipStreamDestroy
+#define gpuMemcpyAsync hipMemcpyAsync
+#define gpuHostAllocPortable(ptr, bytes) hipHostMalloc(ptr, bytes, hipHostMallocPortable)
+#define gpuFreeHost hipHostFree
 using gpuDeviceProp_t = hipDeviceProp_t;
 #if !defined(FLASHD_HIP_CPU)
 using gpuGraph_t = hipGraph_t;
@@ -94,6 +97,9 @@ using gpuStream_t = cudaStream_t;
 #define gpuMemGetInfo cudaMemGetInfo
 #define gpuStreamCreate cudaStreamCreate
 #define gpuStreamDestroy cudaStreamDestroy
+#define gpuMemcpyAsync cudaMemcpyAsync
+#define gpuHostAllocPortable(ptr, bytes) cudaHostAlloc(ptr, bytes, cudaHostAllocPortable)
+#define gpuFreeHost cudaFreeHost
 using gpuDeviceProp_t = cudaDeviceProp;
 using gpuGraph_t = cudaGraph_t;
 using gpuGraphExec_t = cudaGraphExec_t;

@@ -147,6 +147,54 @@ std::string StreamOrderCheck(int rounds, int max_pause_us, int* wrong) {
   return error;
 }
 
+std::string QueuedCopyCheck(int rounds, int* wrong) {
+  *wrong = 0;
+  constexpr size_t n = size_t{1} << 16;
+  constexpr unsigned threads = 256, blocks = n / threads;
+  std::vector<float> before(n), after(n), z(n);
+  float* d[3] = {nullptr, nullptr, nullptr};
+  float* pinned = nullptr;
+  std::string error = HostAlloc(reinterpret_cast<void**>(&pinned), n * sizeof(float));
+  for (float*& p : d) {
+    if (error.empty()) error = DeviceAlloc(reinterpret_cast<void**>(&p), n * sizeof(float));
+  }
+  auto expect = [](float v) {
+    for (int k = 0; k < 64; ++k) v = v * 0.5f + 1.0f;
+    return v;
+  };
+  for (int r = 0; r < rounds && error.empty(); ++r) {
+    for (size_t i = 0; i < n; ++i) {
+      before[i] = static_cast<float>((i + static_cast<size_t>(r)) % 1000);
+      after[i] = static_cast<float>((i * 7 + static_cast<size_t>(r)) % 1000 + 1000);
+    }
+    std::copy(after.begin(), after.end(), pinned);
+    error = CopyToDevice(d[0], before.data(), n * sizeof(float));
+    if (!error.empty()) break;
+    FLASHD_LAUNCH(SlowStepKernel, blocks, threads, 0, nullptr, d[0], d[1], n);
+    error = CopyToDeviceQueued(d[0], pinned, n * sizeof(float));
+    if (!error.empty()) break;
+    FLASHD_LAUNCH(SlowStepKernel, blocks, threads, 0, nullptr, d[0], d[2], n);
+    const gpuError_t err = gpuGetLastError();
+    if (err != gpuSuccess) error = Describe("launch", err);
+    if (error.empty()) error = Synchronize();
+    for (int which = 1; which <= 2 && error.empty(); ++which) {
+      error = CopyToHost(z.data(), d[which], n * sizeof(float));
+      const std::vector<float>& x = which == 1 ? before : after;
+      for (size_t i = 0; i < n && error.empty(); ++i) {
+        if (z[i] != expect(x[i])) {
+          ++*wrong;
+          break;
+        }
+      }
+    }
+  }
+  for (float* p : d) {
+    if (p != nullptr) (void)DeviceFree(p);
+  }
+  if (pinned != nullptr) (void)HostFree(pinned);
+  return error;
+}
+
 std::string DeviceAlloc(void** ptr, size_t bytes) {
   const gpuError_t err = gpuMalloc(ptr, bytes);
   return err == gpuSuccess ? "" : Describe("malloc", err);
@@ -165,6 +213,26 @@ std::string CopyToDevice(void* dst, const void* src, size_t bytes) {
 std::string CopyToHost(void* dst, const void* src, size_t bytes) {
   const gpuError_t err = gpuMemcpy(dst, src, bytes, gpuMemcpyDeviceToHost);
   return err == gpuSuccess ? "" : Describe("copy to host", err);
+}
+
+std::string HostAlloc(void** ptr, size_t bytes) {
+  const gpuError_t err = gpuHostAllocPortable(ptr, bytes);
+  return err == gpuSuccess ? "" : Describe("pinned host alloc", err);
+}
+
+std::string HostFree(void* ptr) {
+  const gpuError_t err = gpuFreeHost(ptr);
+  return err == gpuSuccess ? "" : Describe("pinned host free", err);
+}
+
+std::string CopyToDeviceQueued(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return "";
+#if defined(FLASHD_HIP_CPU)
+  const gpuError_t err = gpuMemcpy(dst, src, bytes, gpuMemcpyHostToDevice);
+#else
+  const gpuError_t err = gpuMemcpyAsync(dst, src, bytes, gpuMemcpyHostToDevice, nullptr);
+#endif
+  return err == gpuSuccess ? "" : Describe("queued copy to device", err);
 }
 
 std::string CopyOnDevice(void* dst, const void* src, size_t bytes) {

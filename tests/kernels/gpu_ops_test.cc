@@ -172,6 +172,15 @@ BOOST_AUTO_TEST_CASE(kernels_on_one_stream_run_in_order) {
   BOOST_TEST(wrong == 0, wrong << " of 200 rounds read the first kernel's output early");
 }
 
+// A copy queued from pinned memory between two kernels lands after the first has read the
+// buffer and before the second does (the backend queues a step's small uploads this way).
+BOOST_AUTO_TEST_CASE(a_queued_copy_runs_between_the_kernels_around_it) {
+  int wrong = -1;
+  const std::string err = gpu::QueuedCopyCheck(50, &wrong);
+  BOOST_REQUIRE_MESSAGE(err.empty(), err);
+  BOOST_TEST(wrong == 0, wrong << " of 100 kernel outputs read the buffer out of order");
+}
+
 // The portable GEMMs sum in the CPU fast path's order: equal bit for bit, all three formats.
 BOOST_AUTO_TEST_CASE(linear_all_formats_bit_equal) {
   std::mt19937 rng(6);
