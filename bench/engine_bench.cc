@@ -59,10 +59,14 @@ double ReadBandwidth() {
 // A GPU backend's traffic per step between two reports (nothing for the CPU).
 void PrintTraffic(const BackendReport& before, const BackendReport& after, int steps) {
   if (after.backend == "cpu") return;
-  std::printf("       per step: %.1f KB to the device, %.1f KB to the host, %.1f waits\n",
-              (after.bytes_to_device - before.bytes_to_device) / 1e3 / steps,
-              (after.bytes_to_host - before.bytes_to_host) / 1e3 / steps,
-              double(after.waits - before.waits) / steps);
+  std::printf(
+      "       per step: %.1f KB to the device (%.1f copies queued, %.1f waited for), %.1f KB to "
+      "the host, %.1f waits\n",
+      (after.bytes_to_device - before.bytes_to_device) / 1e3 / steps,
+      double(after.uploads_queued - before.uploads_queued) / steps,
+      double(after.uploads_waited - before.uploads_waited) / steps,
+      (after.bytes_to_host - before.bytes_to_host) / 1e3 / steps,
+      double(after.waits - before.waits) / steps);
 }
 
 }  // namespace

@@ -47,6 +47,9 @@ struct BackendReport {
   // Bytes copied to the device and back since start, and how many times the host waited for
   // the device (a synchronisation, or a read of activations it kept).
   uint64_t bytes_to_device = 0, bytes_to_host = 0, waits = 0;
+  // Copies to the device queued behind the kernels (the host going on), and copies the host
+  // waited for (those of more than 1 MiB, which wait for the kernels before them too).
+  uint64_t uploads_queued = 0, uploads_waited = 0;
   // Kept buffers that start as zeros, cleared on the device instead of copied (KeepAs::kZeros).
   uint64_t bytes_zeroed = 0;
 };

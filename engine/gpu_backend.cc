@@ -20,7 +20,8 @@
 // sequences' window rings stay on the device from step to step (RingCache below): a decode step
 // copies the ring slots the step before wrote, named by their versions. Everything else an op
 // touches (buffers nobody kept, a ring without versions) is copied to device workspace for the
-// op and its outputs copied back.
+// op and its outputs copied back. Copies to the device of up to 1 MiB (most of a step's) are
+// staged in pinned memory and queued behind the kernels (Traffic below), the host not waiting.
 //
 // Two ops stay on the host: the Engram gather (its tables live in host memory by design; the
 // rows a step needs are known from its tokens) and, for the reference's own top-k order (the
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include "engine/backend.h"
+#include "engine/upload_staging.h"
 #include "kernels/codecs.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/gpu/device.h"
@@ -56,25 +58,48 @@ constexpr size_t kMinChunk = size_t{64} << 20;
 
 size_t Count(int64_t n) { return n > 0 ? static_cast<size_t>(n) : 0; }
 
+// The runtime's calls UploadStaging makes.
+struct StagingDevice {
+  std::string HostAlloc(void** ptr, size_t bytes) { return g::HostAlloc(ptr, bytes); }
+  void HostFree(void* ptr) { (void)g::HostFree(ptr); }
+  std::string Queue(void* dst, const void* pinned, size_t bytes) {
+    return g::CopyToDeviceQueued(dst, pinned, bytes);
+  }
+  std::string Copy(void* dst, const void* src, size_t bytes) {
+    return g::CopyToDevice(dst, src, bytes);
+  }
+  std::string Wait() { return g::Synchronize(); }
+};
+
+// Uploads of up to 1 MiB (a step's small operands) are queued from 16 MiB of pinned staging.
+constexpr size_t kStagingBytes = size_t{16} << 20, kStagedLargest = size_t{1} << 20;
+
 // What crossed between host and device, and how often the host waited for the device (a
-// synchronisation, or a read of kept activations, which waits for the ops before it).
+// synchronisation, a read of kept activations, which waits for the ops before it, or a full
+// staging). Small uploads are queued behind the kernels (UploadStaging); a wait or a copy to
+// the host, which the device does after everything queued before it, frees their staging.
 struct Traffic {
   uint64_t to_device = 0, to_host = 0, waits = 0, zeroed = 0;
+  UploadStaging<StagingDevice> staging{StagingDevice{}, kStagingBytes, kStagedLargest};
   std::string Zero(void* dst, size_t bytes) {
     zeroed += bytes;
     return g::ZeroOnDevice(dst, bytes);
   }
   std::string Up(void* dst, const void* src, size_t bytes) {
     to_device += bytes;
-    return g::CopyToDevice(dst, src, bytes);
+    return staging.Up(dst, src, bytes);
   }
   std::string Down(void* dst, const void* src, size_t bytes) {
     to_host += bytes;
-    return g::CopyToHost(dst, src, bytes);
+    std::string e = g::CopyToHost(dst, src, bytes);
+    if (e.empty()) staging.Drained();
+    return e;
   }
   std::string Wait() {
     ++waits;
-    return g::Synchronize();
+    std::string e = g::Synchronize();
+    if (e.empty()) staging.Drained();
+    return e;
   }
 };
 
@@ -922,7 +947,9 @@ class GpuBackend final : public Backend {
     r.bytes_to_device = memory_.traffic.to_device;
     r.bytes_zeroed = memory_.traffic.zeroed;
     r.bytes_to_host = memory_.traffic.to_host;
-    r.waits = memory_.traffic.waits;
+    r.waits = memory_.traffic.waits + memory_.traffic.staging.waits();
+    r.uploads_queued = memory_.traffic.staging.queued();
+    r.uploads_waited = memory_.traffic.staging.copied();
     return r;
   }
 

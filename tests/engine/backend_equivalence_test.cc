@@ -704,7 +704,8 @@ BOOST_AUTO_TEST_CASE(the_experts_output_is_cleared_on_the_device) {
 // Nothing a layer makes is waited for in every layer: the experts' choices are grouped on the
 // device, the window rows come back with the step's last Settle and the candidate mask stays on
 // the device for the layers that use it, so a decode step waits for the indexer's picks (once a
-// layer that selects), the logits and that Settle only.
+// layer that selects), the logits and that Settle only. Its uploads (positions, tables, ring
+// slots, picks) are all queued behind the kernels from pinned staging: none is waited for.
 BOOST_AUTO_TEST_CASE(a_decode_step_waits_less_than_once_a_layer) {
   const Pair& p = Load();
   SequenceState st = p.gpu->NewSequence();
@@ -721,6 +722,9 @@ BOOST_AUTO_TEST_CASE(a_decode_step_waits_less_than_once_a_layer) {
     const uint64_t waits = p.gpu->backend().Report().waits - before.waits;
     BOOST_TEST(waits < layers);
     BOOST_TEST(waits <= static_cast<uint64_t>(selecting) + 2);
+    const BackendReport after = p.gpu->backend().Report();
+    BOOST_TEST(after.uploads_queued - before.uploads_queued >= layers);
+    BOOST_TEST(after.uploads_waited == before.uploads_waited);
   }
 }
 
