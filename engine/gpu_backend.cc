@@ -584,6 +584,9 @@ class DeviceMemory {
   }
 
  public:
+  // The host side of an op's pack of small inputs (Call::Upload), its allocation reused.
+  std::vector<uint8_t> pack;
+
   // Workspace for one op, valid until Reset().
   void* Scratch(size_t bytes, std::string* error) {
     bytes = (std::max<size_t>(bytes, 1) + kAlign - 1) / kAlign * kAlign;
@@ -641,10 +644,12 @@ class DeviceMemory {
 
 // One op's transfers: host buffers mapped to device workspace (the same host buffer twice maps to
 // one device buffer, so aliasing outputs stay aliased), outputs copied back when the kernels
-// succeeded.
+// succeeded. Inputs of up to 4 KiB (positions, tables, key lists) are packed into one region of
+// the workspace and uploaded as one copy just before the launch (Flush): a decode step's op has
+// several, each of which was a copy of its own.
 class Call {
  public:
-  explicit Call(DeviceMemory* memory) : memory_(memory) {}
+  explicit Call(DeviceMemory* memory) : memory_(memory) { memory_->pack.clear(); }
   ~Call() { memory_->Reset(); }
 
   template <class T>
@@ -723,19 +728,15 @@ class Call {
         gathered.host.push_back(host_table[ids[i]] + lo);
         std::memcpy(&gathered.staging[i * span], gathered.host.back(), hi - lo);
       }
-      uint8_t* device = Work<uint8_t>(static_cast<int64_t>(gathered.staging.size()));
-      if (device == nullptr ||
-          !Check(memory_->traffic.Up(device, gathered.staging.data(), gathered.staging.size()))) {
-        return;
-      }
+      uint8_t* device =
+          static_cast<uint8_t*>(Upload(gathered.staging.data(), gathered.staging.size()));
+      if (device == nullptr) return;
       for (size_t i = 0; i < ids.size(); ++i) table[Count(ids[i])] = device + i * span;
       gathered.device = device;
       if (write && !ids.empty()) scatter_.push_back(std::move(gathered));
-      uint8_t** device_table = Work<uint8_t*>(static_cast<int64_t>(table.size()));
-      if (device_table == nullptr || !Check(memory_->traffic.Up(device_table, table.data(),
-                                                                table.size() * sizeof(uint8_t*)))) {
-        return;
-      }
+      auto** device_table =
+          static_cast<uint8_t**>(Upload(table.data(), table.size() * sizeof(uint8_t*)));
+      if (device_table == nullptr) return;
       for (k::PagedRows* r : group) {
         if (r->rows_per_block != per_block) {
           error_ = "regions of one pool with different block sizes";
@@ -749,6 +750,20 @@ class Call {
 
   bool ok() const { return error_.empty(); }
   const std::string& error() const { return error_; }
+
+  // Uploads the packed inputs not uploaded yet; before the launch, and before a pack's region
+  // is left for a new one. False on an error.
+  bool Flush() {
+    const std::vector<uint8_t>& pack = memory_->pack;
+    if (error_.empty() && pack.size() > flushed_) {
+      if (!Check(memory_->traffic.Up(pack_device_ + flushed_, pack.data() + flushed_,
+                                     pack.size() - flushed_))) {
+        return false;
+      }
+      flushed_ = pack.size();
+    }
+    return error_.empty();
+  }
 
   // The blocks `ids` of a pool whose regions carry its block versions, read and written in place
   // in the backend's KV arena, the regions pointed at its table. False when there is nothing to
@@ -845,9 +860,8 @@ class Call {
         return static_cast<T*>(const_cast<void*>(c.device));
       }
     }
-    void* device = memory_->Scratch(bytes, &error_);
+    void* device = upload && bytes > 0 ? Upload(host, bytes) : memory_->Scratch(bytes, &error_);
     if (device == nullptr) return nullptr;
-    if (upload && bytes > 0 && !Check(memory_->traffic.Up(device, host, bytes))) return nullptr;
     mapped_.push_back({host, device, bytes});
     if (write) back_.push_back({host, device, bytes});
     return static_cast<T*>(device);
@@ -858,6 +872,30 @@ class Call {
     return e.empty();
   }
 
+  static constexpr size_t kPackLargest = size_t{4} << 10, kPackRegion = size_t{64} << 10;
+
+  // A device copy of `bytes` at `host` for this op: packed when small (uploaded at the next
+  // Flush), else workspace of its own uploaded now. Null on an error.
+  void* Upload(const void* host, size_t bytes) {
+    if (bytes == 0 || bytes > kPackLargest) {
+      void* device = memory_->Scratch(bytes, &error_);
+      if (device == nullptr || !Check(memory_->traffic.Up(device, host, bytes))) return nullptr;
+      return device;
+    }
+    std::vector<uint8_t>& pack = memory_->pack;
+    size_t at = (pack.size() + 15) / 16 * 16;
+    if (pack_device_ == nullptr || at + bytes > kPackRegion) {
+      if (!Flush()) return nullptr;
+      pack_device_ = static_cast<uint8_t*>(memory_->Scratch(kPackRegion, &error_));
+      if (pack_device_ == nullptr) return nullptr;
+      pack.clear();
+      flushed_ = at = 0;
+    }
+    pack.resize(at + bytes);
+    std::memcpy(&pack[at], host, bytes);
+    return pack_device_ + at;
+  }
+
   // Blocks of the KV arena an op writes: the bytes [lo, hi) of each go back to the host pool.
   struct Written {
     std::vector<int64_t> ids;
@@ -866,6 +904,8 @@ class Call {
   };
 
   DeviceMemory* memory_;
+  uint8_t* pack_device_ = nullptr;  // The pack's region (memory_->pack its host bytes).
+  size_t flushed_ = 0;              // The pack's bytes uploaded so far.
   std::vector<Copy> mapped_, back_;
   std::vector<Gathered> scatter_;
   std::vector<Written> written_;
@@ -1508,7 +1548,7 @@ class GpuBackend final : public Backend {
 
   template <class L>
   static OpStatus Launch(Call& c, L launch) {
-    if (!c.ok()) return c.Finish(OpStatus::kDeviceError);
+    if (!c.Flush()) return c.Finish(OpStatus::kDeviceError);
     return c.Finish(launch());
   }
 
