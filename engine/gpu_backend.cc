@@ -417,7 +417,8 @@ class KeptBuffers {
 // and only those are copied, in runs of neighbouring slots: a decode step copies the one slot it
 // wrote, not the window. A version names one slot content, so an address another ring used
 // before holds versions the new ring does not have, and those slots are copied. The least
-// recently used copies go when the copies pass their budget.
+// recently used copies go when the copies pass their budget. On the device a slot's scales
+// follow its codes (SlotBytes a slot), so a run of slots is one copy, gathered on the host.
 class RingCache {
  public:
   RingCache() = default;
@@ -427,14 +428,19 @@ class RingCache {
     for (auto& [host, r] : rings_) g::DeviceFree(r.device);
   }
 
-  // The device copy of a ring of `window` slots (codes [window, head_dim], then scales
-  // [window, head_dim / 32]), made current from the host. Null with *error set when a copy
-  // failed, or with *error empty when device memory ran out (the caller then copies the ring
-  // for its op alone).
+  // A device slot's bytes: its head_dim codes, its head_dim / 32 scales, to 16 bytes.
+  static size_t SlotBytes(int64_t head_dim) {
+    return (Count(head_dim) + Count(head_dim / 32) + 15) / 16 * 16;
+  }
+
+  // The device copy of a ring of `window` slots (host codes [window, head_dim] and scales
+  // [window, head_dim / 32]; on the device SlotBytes a slot, its codes then its scales), made
+  // current from the host. Null with *error set when a copy failed, or with *error empty when
+  // device memory ran out (the caller then copies the ring for its op alone).
   uint8_t* Prepare(const uint8_t* codes, const uint8_t* scales, const uint64_t* versions,
                    int64_t window, int64_t head_dim, std::string* error) {
     const size_t slot_codes = Count(head_dim), slot_scales = Count(head_dim / 32);
-    const size_t slots = Count(window), bytes = slots * (slot_codes + slot_scales);
+    const size_t slot = SlotBytes(head_dim), slots = Count(window), bytes = slots * slot;
     auto it = rings_.find(codes);
     if (it != rings_.end() && it->second.bytes != bytes) {
       Drop(it);
@@ -461,13 +467,15 @@ class RingCache {
       }
       size_t b = a + 1;
       while (b < slots && r.versions[b] != versions[b]) ++b;
-      std::string e =
-          traffic->Up(r.device + a * slot_codes, codes + a * slot_codes, (b - a) * slot_codes);
-      if (e.empty()) {
-        e = traffic->Up(r.device + slots * slot_codes + a * slot_scales, scales + a * slot_scales,
-                        (b - a) * slot_scales);
+      // The run's slots as the device holds them (the last without its padding).
+      const size_t run = (b - a - 1) * slot + slot_codes + slot_scales;
+      gathered_.assign(run, 0);
+      for (size_t i = a; i < b; ++i) {
+        uint8_t* at = &gathered_[(i - a) * slot];
+        std::memcpy(at, codes + i * slot_codes, slot_codes);
+        std::memcpy(at + slot_codes, scales + i * slot_scales, slot_scales);
       }
-      if (!e.empty()) {
+      if (std::string e = traffic->Up(r.device + a * slot, gathered_.data(), run); !e.empty()) {
         *error = e;
         Drop(it);
         return nullptr;
@@ -501,6 +509,7 @@ class RingCache {
 
   std::map<const void*, Ring> rings_;  // By host codes address.
   std::list<const void*> lru_;         // Most recently used first.
+  std::vector<uint8_t> gathered_;      // A run of slots on its way up.
   uint64_t bytes_ = 0, slots_copied_ = 0;
   uint64_t budget_ = uint64_t{512} << 20;
 };
@@ -787,14 +796,19 @@ class Call {
   // The device copy of an op's window ring from the backend's ring cache (when the ring carries
   // its slots' versions): false when it has none or device memory ran out (the caller copies
   // the ring for this op alone) or a copy failed (with the error set).
-  bool Ring(const k::SparseAttentionParams& p, const uint8_t** codes, const uint8_t** scales) {
-    if (p.ring_versions == nullptr || p.ring_codes == nullptr || p.window <= 0) return false;
+  bool Ring(const k::SparseAttentionParams& p, const uint8_t** codes, const uint8_t** scales,
+            int64_t* slot_bytes) {
+    if (p.ring_versions == nullptr || p.ring_codes == nullptr || p.window <= 0 ||
+        p.ring_slot_bytes != 0) {
+      return false;
+    }
     std::string e;
     uint8_t* device = memory_->rings.Prepare(p.ring_codes, p.ring_scales, p.ring_versions, p.window,
                                              p.head_dim, &e);
     if (device == nullptr) return !Check(e);
     *codes = device;
-    *scales = device + p.window * p.head_dim;
+    *scales = device + p.head_dim;
+    *slot_bytes = static_cast<int64_t>(RingCache::SlotBytes(p.head_dim));
     return true;
   }
 
@@ -1251,9 +1265,12 @@ class GpuBackend final : public Backend {
       d.q = c.In(p.q, p.tokens * p.heads * p.head_dim);
       d.positions = c.In(p.positions, p.tokens);
       d.ring_versions = nullptr;
-      if (!c.Ring(p, &d.ring_codes, &d.ring_scales)) {
-        d.ring_codes = c.In(p.ring_codes, p.window * p.head_dim);
-        d.ring_scales = c.In(p.ring_scales, p.window * p.head_dim / 32);
+      if (!c.Ring(p, &d.ring_codes, &d.ring_scales, &d.ring_slot_bytes)) {
+        const int64_t slots = std::max<int64_t>(p.window, 1) - 1, stride = p.ring_slot_bytes;
+        d.ring_codes =
+            c.In(p.ring_codes, stride > 0 ? slots * stride + p.head_dim : p.window * p.head_dim);
+        d.ring_scales = c.In(p.ring_scales, stride > 0 ? slots * stride + p.head_dim / 32
+                                                       : p.window * p.head_dim / 32);
       }
       d.fresh = c.In(p.fresh, (last - p.fresh_first + 1) * p.head_dim);
       d.window_first = c.In(p.window_first, p.tokens);

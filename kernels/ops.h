@@ -338,6 +338,10 @@ struct SparseAttentionParams {
   // Window.
   const uint8_t* ring_codes = nullptr;   // [window, head_dim]
   const uint8_t* ring_scales = nullptr;  // [window, head_dim / 32]
+  // Bytes from a ring slot's codes (and scales) to the next slot's; 0: head_dim for the codes
+  // and head_dim / 32 for the scales, the two arrays above. A backend that interleaves them
+  // (each slot's scales after its codes, one copy a run of slots) gives its slot's size here.
+  int64_t ring_slot_bytes = 0;
   // Optional [window]: the ring slots' versions (SequenceState::Ring::versions). Kernels ignore
   // them; a backend that keeps the ring on its device copies only the slots whose version moved.
   const uint64_t* ring_versions = nullptr;

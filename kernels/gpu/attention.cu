@@ -228,7 +228,9 @@ __device__ int64_t ListKeys(const SparseAttentionParams& p, const AttentionKeys&
       key[li - lo] = {p.fresh + (q - p.fresh_first) * hd, nullptr, KeySource::kFresh};
     } else {
       const int64_t slot = q % p.window;
-      key[li - lo] = {p.ring_codes + slot * hd, p.ring_scales + slot * hd / 32, KeySource::kRing};
+      const int64_t codes = p.ring_slot_bytes > 0 ? p.ring_slot_bytes : hd;
+      const int64_t scales = p.ring_slot_bytes > 0 ? p.ring_slot_bytes : hd / 32;
+      key[li - lo] = {p.ring_codes + slot * codes, p.ring_scales + slot * scales, KeySource::kRing};
     }
   }
   const int64_t* selected = p.selected + t * p.selected_stride;

@@ -756,7 +756,8 @@ BOOST_AUTO_TEST_CASE(moe_group_beyond_the_kernels_experts_runs_on_the_host) {
 }
 
 // An op reads a ring's device copy, made current slot by slot from the slots' versions: bytes
-// changed without a new version are not seen, and a slot's new version copies that slot alone.
+// changed without a new version are not seen, and a slot's new version copies that slot alone,
+// its codes and scales as one copy.
 // The reference is the same kernel given the whole ring for the call (no versions).
 BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
   Load();
@@ -802,10 +803,14 @@ BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
   BOOST_TEST(gpu->Report().ring_slots_copied == 0u);
   BOOST_TEST(attend(true) == whole, boost::test_tools::per_element());
   BOOST_TEST(gpu->Report().ring_slots_copied == static_cast<uint64_t>(window));
-  BOOST_TEST(gpu->Report().ring_device_bytes == static_cast<uint64_t>(window * (hd + hd / 32)));
-  const uint64_t up = gpu->Report().bytes_to_device;
+  // A slot's codes and scales, to 16 bytes a slot.
+  BOOST_TEST(gpu->Report().ring_device_bytes >= static_cast<uint64_t>(window * (hd + hd / 32)));
+  BOOST_TEST(gpu->Report().ring_device_bytes < static_cast<uint64_t>(window * (hd + hd / 32 + 16)));
+  const BackendReport up = gpu->Report();
   BOOST_TEST(attend(true) == whole, boost::test_tools::per_element());
-  const uint64_t op_bytes = gpu->Report().bytes_to_device - up;  // The op's other operands.
+  // The op's other operands.
+  const uint64_t op_bytes = gpu->Report().bytes_to_device - up.bytes_to_device;
+  const uint64_t op_copies = gpu->Report().uploads_queued - up.uploads_queued;
   BOOST_TEST(gpu->Report().ring_slots_copied == static_cast<uint64_t>(window));
 
   // A slot rewritten on the host without a new version: the device copy is what the op reads.
@@ -819,9 +824,11 @@ BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
   // Its new version: that slot alone is copied, and the op sees it.
   versions[slot] = 1000;
   const uint64_t before = gpu->Report().bytes_to_device;
+  const uint64_t queued_before = gpu->Report().uploads_queued;
   BOOST_TEST(attend(true) == changed, boost::test_tools::per_element());
   BOOST_TEST(gpu->Report().ring_slots_copied == static_cast<uint64_t>(window + 1));
   BOOST_TEST(gpu->Report().bytes_to_device - before == op_bytes + hd + hd / 32);
+  BOOST_TEST(gpu->Report().uploads_queued - queued_before == op_copies + 1);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
