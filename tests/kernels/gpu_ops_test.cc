@@ -2073,6 +2073,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
         std::vector<float> want(tokens * heads * hd);
         params.out = want.data();
         BOOST_REQUIRE(cpu::SparseAttention(params) == OpStatus::kOk);
+        const SparseAttentionParams on_host = params;
         Dev<float> dq(q), dfresh(fresh), dsink(sink), dfreqs(freqs), dout(want);
         Dev<uint8_t> drc(ring_codes), drs(ring_scales);
         Dev<int64_t> dpos(pos), dwf(wfirst), dwl(wlast), dsel(sel);
@@ -2110,16 +2111,20 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
         params.workspace = dwork.get();
         params.workspace_floats = floats;
         using gpu::AttentionSchedule;
-        for (const AttentionSchedule schedule :
-             {AttentionSchedule::kAuto, AttentionSchedule::kHeadBlocks,
-              AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
-          Dev<float> dout2(std::vector<float>(want.size(), -1.0f));
-          params.out = dout2.get();
-          BOOST_REQUIRE(gpu::SparseAttentionScheduled(params, schedule) == OpStatus::kOk);
-          BOOST_TEST(BitEqual(dout2.Host(), want),
-                     "schedule " << static_cast<int>(schedule) << ", head_dim " << hd << " tokens "
-                                 << tokens << " window " << window << " width " << width);
-        }
+        auto every_schedule = [&](const char* ring) {
+          for (const AttentionSchedule schedule :
+               {AttentionSchedule::kAuto, AttentionSchedule::kHeadBlocks,
+                AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
+            Dev<float> dout2(std::vector<float>(want.size(), -1.0f));
+            params.out = dout2.get();
+            BOOST_REQUIRE(gpu::SparseAttentionScheduled(params, schedule) == OpStatus::kOk);
+            BOOST_TEST(BitEqual(dout2.Host(), want),
+                       ring << " ring, schedule " << static_cast<int>(schedule) << ", head_dim "
+                            << hd << " tokens " << tokens << " window " << window << " width "
+                            << width);
+          }
+        };
+        every_schedule("separate");
         // The ring interleaved as the backend's ring cache holds it (each slot's scales after
         // its codes, unpadded here: unaligned slots but at head_dim 512), on the CPU and in
         // every layout: the same bits.
@@ -2130,22 +2135,11 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
             std::memcpy(&ring[shift + i * slot], &ring_codes[shift + i * hd], hd);
             std::memcpy(&ring[shift + i * slot + hd], &ring_scales[i * hd / 32], hd / 32);
           }
-          SparseAttentionParams host = params;
+          SparseAttentionParams host = on_host;
           std::vector<float> got(want.size(), -1.0f);
-          host.q = q.data();
-          host.positions = pos.data();
           host.ring_codes = ring.data() + shift;
           host.ring_scales = ring.data() + shift + hd;
           host.ring_slot_bytes = slot;
-          host.fresh = fresh.data();
-          host.window_first = wfirst.data();
-          host.window_last = whole ? wlast.data() : nullptr;
-          host.selected = width > 0 ? sel.data() : nullptr;
-          host.block_table = table.data();
-          host.kv_codes.blocks = host_table;
-          host.kv_scales.blocks = host_table;
-          host.sink = sink.data();
-          host.freqs = freqs.data();
           host.out = got.data();
           BOOST_REQUIRE(cpu::SparseAttention(host) == OpStatus::kOk);
           BOOST_TEST(BitEqual(got, want), "interleaved ring on the CPU, head_dim " << hd);
@@ -2153,16 +2147,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
           params.ring_codes = dring.get() + shift;
           params.ring_scales = dring.get() + shift + hd;
           params.ring_slot_bytes = slot;
-          for (const AttentionSchedule schedule :
-               {AttentionSchedule::kAuto, AttentionSchedule::kHeadBlocks,
-                AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
-            Dev<float> dout2(std::vector<float>(want.size(), -1.0f));
-            params.out = dout2.get();
-            BOOST_REQUIRE(gpu::SparseAttentionScheduled(params, schedule) == OpStatus::kOk);
-            BOOST_TEST(BitEqual(dout2.Host(), want),
-                       "interleaved ring, schedule " << static_cast<int>(schedule) << ", head_dim "
-                                                     << hd << " window " << window);
-          }
+          every_schedule("interleaved");
           params.ring_codes = drc.get() + shift;
           params.ring_scales = drs.get();
           params.ring_slot_bytes = 0;
