@@ -3,11 +3,14 @@
 //
 //   build/bench/engine_bench MODEL_DIR [PREFILL_CONTEXT...] [--decode-at CONTEXT]...
 //                            [--backend auto|cpu|cuda|hip|hipcpu] [--gpu-gemms exact|matrix]
+//                            [--uploads queued|waited]
 //
 // --backend runs every op on that backend (default cpu); the bandwidth figure is the host's.
 // --gpu-gemms matrix puts a GPU backend's FP8/FP4 linears on matrix cores (engine.gpu_gemms). A
 // GPU backend's decode rows (--decode-at's too) are followed by what one step moved between host
-// and device and how many times the host waited for the device (BackendReport).
+// and device and how many times the host waited for the device (BackendReport). --uploads waited
+// makes every copy to the device a plain one, which waits for the kernels before it (the
+// backend's way before its small copies were queued: GpuOptions::queued_uploads).
 // Weights are uploaded first, as the engine does (the time is printed for a GPU backend).
 // --decode-at measures decode at batch 1 behind a context of CONTEXT tokens without prefilling
 // it: the sequence resumes from KV blocks filled with valid random codes (every byte in
@@ -89,6 +92,12 @@ int main(int argc, char** argv) {
         return (std::fprintf(stderr, "--gpu-gemms is exact or matrix\n"), 2);
       }
       gpu.matrix_gemms = kind == "matrix";
+    } else if (std::strcmp(argv[i], "--uploads") == 0 && i + 1 < argc) {
+      const std::string kind = argv[++i];
+      if (kind != "queued" && kind != "waited") {
+        return (std::fprintf(stderr, "--uploads is queued or waited\n"), 2);
+      }
+      gpu.queued_uploads = kind == "queued";
     } else if (std::strcmp(argv[i], "--decode-at") == 0 && i + 1 < argc) {
       decode_at.push_back(std::stoul(argv[++i]));
     } else {

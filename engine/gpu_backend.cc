@@ -967,7 +967,9 @@ class GpuBackend final : public Backend {
       : device_(device),
         matrix_(options.matrix_gemms),
         instruction_(instruction),
-        numerics_(Numerics(options.matrix_gemms, instruction)) {}
+        numerics_(Numerics(options.matrix_gemms, instruction)) {
+    if (!options.queued_uploads) memory_.traffic.staging.set_largest(0);
+  }
   std::string_view name() const override { return g::kBackendName; }
   // The kernels give the CPU's bits (kernels/gpu/ops.h), but for the matrix-core GEMMs, and on
   // an H200 the whole forward pass did (backend_equivalence_test); the cache still keys each

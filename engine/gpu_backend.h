@@ -18,6 +18,9 @@ struct GpuOptions {
   // instead of the exact GEMMs whose sums are the CPU's. A row's results still do not depend on
   // the rows beside it, so a prompt gives the same tokens however it is batched or chunked.
   bool matrix_gemms = false;
+  // Copies of up to 1 MiB to the device staged in pinned memory and queued behind the kernels.
+  // False: every copy a plain one, which waits for the kernels before it (to measure the two).
+  bool queued_uploads = true;
 };
 
 namespace cuda {

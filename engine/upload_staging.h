@@ -59,6 +59,9 @@ class UploadStaging {
     return device_.Queue(dst, staged, bytes);
   }
 
+  // Uploads of more than `largest` bytes are plain copies from now on (0: all of them).
+  void set_largest(size_t largest) { largest_ = largest; }
+
   // The device has done every copy queued so far (the caller waited for it, or read from it
   // with a copy that waits): all of the staging may be written again.
   void Drained() { used_ = 0; }

@@ -373,6 +373,43 @@ BOOST_AUTO_TEST_CASE(kept_activations_give_the_same_logits_with_less_traffic) {
   BOOST_TEST(kept.to_device < copied.to_device);
 }
 
+// Small copies queued behind the kernels (GpuOptions::queued_uploads) give the bits of copies
+// the host waits for: on a device the stream's order is what makes them equal. Each way does
+// what it says: queued, a decode step waits for no upload; waited, it queues none.
+BOOST_AUTO_TEST_CASE(queued_uploads_give_the_logits_of_waited_ones) {
+  const Pair& p = Load();
+  auto run = [&](bool queued) {
+    std::string reason;
+    auto backend =
+        SelectBackend(testing::TestBackendName(), &reason, 0,
+                      {.matrix_gemms = testing::TestMatrixGemms(), .queued_uploads = queued});
+    BOOST_REQUIRE_MESSAGE(backend.ok(), backend.status().ToString());
+    const Backend* gpu = backend->get();
+    auto f = CpuForward::Create(*p.model, "", 64, std::move(*backend));
+    BOOST_REQUIRE_MESSAGE(f.ok(), f.status().ToString());
+    SequenceState st = (*f)->NewSequence();
+    std::vector<float> logits, all;
+    BOOST_REQUIRE((*f)->Forward(&st, Prompt(2), &logits).ok());
+    all = logits;
+    const BackendReport before = gpu->Report();
+    for (int step = 0; step < 4; ++step) {
+      const int32_t next =
+          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      BOOST_REQUIRE((*f)->Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+      all.insert(all.end(), logits.begin(), logits.end());
+    }
+    const BackendReport after = gpu->Report();
+    const uint64_t queued_ups = after.uploads_queued - before.uploads_queued;
+    const uint64_t waited_ups = after.uploads_waited - before.uploads_waited;
+    BOOST_TEST((queued ? queued_ups : waited_ups) > 0u);
+    BOOST_TEST((queued ? waited_ups : queued_ups) == 0u);
+    return all;
+  };
+  const std::vector<float> queued = run(true), waited = run(false);
+  BOOST_REQUIRE(queued.size() == waited.size());
+  BOOST_TEST(std::memcmp(queued.data(), waited.data(), queued.size() * 4) == 0);
+}
+
 // Greedy tokens of every golden prompt (16 steps) and the prompt's last logits.
 std::vector<int32_t> Greedy(const CpuForward& f, size_t run, std::vector<float>* prompt_logits) {
   SequenceState st = f.NewSequence();
