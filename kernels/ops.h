@@ -368,6 +368,15 @@ struct SparseAttentionParams {
   float* workspace = nullptr;
   int64_t workspace_floats = 0;
   void* stream = nullptr;
+
+  // Ring slot `slot`'s head_dim codes and head_dim / 32 scales, in the layout ring_slot_bytes
+  // names.
+  FLASHD_OPS_HD const uint8_t* RingCodes(int64_t slot) const {
+    return ring_codes + slot * (ring_slot_bytes > 0 ? ring_slot_bytes : head_dim);
+  }
+  FLASHD_OPS_HD const uint8_t* RingScales(int64_t slot) const {
+    return ring_scales + slot * (ring_slot_bytes > 0 ? ring_slot_bytes : head_dim / 32);
+  }
 };
 
 // Query t's window keys in list order (SparseAttentionParams): key j's position and its index

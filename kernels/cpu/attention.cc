@@ -69,12 +69,8 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
       if (q >= p.fresh_first) {
         std::memcpy(dst, p.fresh + (q - p.fresh_first) * p.head_dim, hd * sizeof(float));
       } else {
-        const size_t slot = static_cast<size_t>(q % p.window);
-        const size_t codes = p.ring_slot_bytes > 0 ? static_cast<size_t>(p.ring_slot_bytes) : hd;
-        const size_t scales =
-            p.ring_slot_bytes > 0 ? static_cast<size_t>(p.ring_slot_bytes) : hd / 32;
-        DequantizeFp8PerBlock(p.ring_codes + slot * codes, p.ring_scales + slot * scales, hd, 32,
-                              dst);
+        const int64_t slot = q % p.window;
+        DequantizeFp8PerBlock(p.RingCodes(slot), p.RingScales(slot), hd, 32, dst);
       }
       w.list.push_back(ak.ListIndex(j));
     }

@@ -228,9 +228,7 @@ __device__ int64_t ListKeys(const SparseAttentionParams& p, const AttentionKeys&
       key[li - lo] = {p.fresh + (q - p.fresh_first) * hd, nullptr, KeySource::kFresh};
     } else {
       const int64_t slot = q % p.window;
-      const int64_t codes = p.ring_slot_bytes > 0 ? p.ring_slot_bytes : hd;
-      const int64_t scales = p.ring_slot_bytes > 0 ? p.ring_slot_bytes : hd / 32;
-      key[li - lo] = {p.ring_codes + slot * codes, p.ring_scales + slot * scales, KeySource::kRing};
+      key[li - lo] = {p.RingCodes(slot), p.RingScales(slot), KeySource::kRing};
     }
   }
   const int64_t* selected = p.selected + t * p.selected_stride;
