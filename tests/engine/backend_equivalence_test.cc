@@ -329,6 +329,27 @@ BOOST_AUTO_TEST_CASE(weights_are_on_the_device_before_the_first_step) {
   }
 }
 
+// Golden prompt `run`, then four greedy decode steps on `f`, whose backend is `b`: every logit
+// in order, and b's reports around the decode steps.
+struct Decoded {
+  std::vector<float> logits;
+  BackendReport before, after;
+};
+Decoded PromptAndFourSteps(const CpuForward& f, const Backend& b, size_t run) {
+  SequenceState st = f.NewSequence();
+  std::vector<float> logits;
+  BOOST_REQUIRE(f.Forward(&st, Prompt(run), &logits).ok());
+  Decoded d{logits, b.Report(), {}};
+  for (int step = 0; step < 4; ++step) {
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    BOOST_REQUIRE(f.Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
+    d.logits.insert(d.logits.end(), logits.begin(), logits.end());
+  }
+  d.after = b.Report();
+  return d;
+}
+
 // Activations stay on the device between ops: a prompt and decode steps with them kept give the
 // logits of copying every op's operands for it, bit for bit, while the decode steps move a
 // fraction of the bytes back to the host and wait for the device a fraction of the times.
@@ -344,22 +365,12 @@ BOOST_AUTO_TEST_CASE(kept_activations_give_the_same_logits_with_less_traffic) {
     const Backend* gpu = backend.get();
     auto f = CpuForward::Create(*p.model, "", 64, std::move(backend));
     BOOST_REQUIRE_MESSAGE(f.ok(), f.status().ToString());
-    SequenceState st = (*f)->NewSequence();
+    const Decoded d = PromptAndFourSteps(**f, *gpu, 1);
     Result r;
-    std::vector<float> logits;
-    BOOST_REQUIRE((*f)->Forward(&st, Prompt(1), &logits).ok());
-    r.logits = logits;
-    const BackendReport before = gpu->Report();
-    for (int step = 0; step < 4; ++step) {
-      const int32_t next =
-          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-      BOOST_REQUIRE((*f)->Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
-      r.logits.insert(r.logits.end(), logits.begin(), logits.end());
-    }
-    const BackendReport after = gpu->Report();
-    r.to_device = after.bytes_to_device - before.bytes_to_device;
-    r.to_host = after.bytes_to_host - before.bytes_to_host;
-    r.waits = after.waits - before.waits;
+    r.logits = d.logits;
+    r.to_device = d.after.bytes_to_device - d.before.bytes_to_device;
+    r.to_host = d.after.bytes_to_host - d.before.bytes_to_host;
+    r.waits = d.after.waits - d.before.waits;
     BOOST_TEST_MESSAGE((keep ? "kept" : "copied per op")
                        << ": 4 decode steps moved " << r.to_device << " bytes to the device, "
                        << r.to_host << " to the host, and waited " << r.waits << " times");
@@ -387,23 +398,12 @@ BOOST_AUTO_TEST_CASE(queued_uploads_give_the_logits_of_waited_ones) {
     const Backend* gpu = backend->get();
     auto f = CpuForward::Create(*p.model, "", 64, std::move(*backend));
     BOOST_REQUIRE_MESSAGE(f.ok(), f.status().ToString());
-    SequenceState st = (*f)->NewSequence();
-    std::vector<float> logits, all;
-    BOOST_REQUIRE((*f)->Forward(&st, Prompt(2), &logits).ok());
-    all = logits;
-    const BackendReport before = gpu->Report();
-    for (int step = 0; step < 4; ++step) {
-      const int32_t next =
-          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-      BOOST_REQUIRE((*f)->Forward(&st, std::span<const int32_t>(&next, 1), &logits).ok());
-      all.insert(all.end(), logits.begin(), logits.end());
-    }
-    const BackendReport after = gpu->Report();
-    const uint64_t queued_ups = after.uploads_queued - before.uploads_queued;
-    const uint64_t waited_ups = after.uploads_waited - before.uploads_waited;
+    const Decoded d = PromptAndFourSteps(**f, *gpu, 2);
+    const uint64_t queued_ups = d.after.uploads_queued - d.before.uploads_queued;
+    const uint64_t waited_ups = d.after.uploads_waited - d.before.uploads_waited;
     BOOST_TEST((queued ? queued_ups : waited_ups) > 0u);
     BOOST_TEST((queued ? waited_ups : queued_ups) == 0u);
-    return all;
+    return d.logits;
   };
   const std::vector<float> queued = run(true), waited = run(false);
   BOOST_REQUIRE(queued.size() == waited.size());
@@ -860,12 +860,11 @@ BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
   BOOST_TEST(attend(true) == whole, boost::test_tools::per_element());
   // Its new version: that slot alone is copied, and the op sees it.
   versions[slot] = 1000;
-  const uint64_t before = gpu->Report().bytes_to_device;
-  const uint64_t queued_before = gpu->Report().uploads_queued;
+  const BackendReport before = gpu->Report();
   BOOST_TEST(attend(true) == changed, boost::test_tools::per_element());
   BOOST_TEST(gpu->Report().ring_slots_copied == static_cast<uint64_t>(window + 1));
-  BOOST_TEST(gpu->Report().bytes_to_device - before == op_bytes + hd + hd / 32);
-  BOOST_TEST(gpu->Report().uploads_queued - queued_before == op_copies + 1);
+  BOOST_TEST(gpu->Report().bytes_to_device - before.bytes_to_device == op_bytes + hd + hd / 32);
+  BOOST_TEST(gpu->Report().uploads_queued - before.uploads_queued == op_copies + 1);
 }
 
 BOOST_AUTO_TEST_SUITE_END()
