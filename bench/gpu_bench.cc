@@ -318,12 +318,29 @@ class Layer {
     chunk_window_first_ = upload(chunk_first);
     chunk_selected_ = upload(chunk_selected);
     max_rows_ = max_rows;
+    // A decode step's sequences in one call (as the engine makes it): sequence s its own fresh
+    // row, the ring and block table shared (the bytes read are those of separate sequences).
+    std::vector<k::AttentionSequence> sequences(max_rows);
+    std::vector<int32_t> token_sequence(max_rows);
+    for (int64_t s = 0; s < max_rows; ++s) {
+      sequences[s] = {.ring_codes = ring_codes_,
+                      .ring_scales = ring_scales_,
+                      .fresh = kv_ + s * d.head_dim,
+                      .fresh_first = position_,
+                      .block_table = block_table_};
+      token_sequence[s] = static_cast<int32_t>(s);
+    }
+    sequences_ = Alloc<k::AttentionSequence>(max_rows);
+    Check(g::CopyToDevice(sequences_, sequences.data(), max_rows * sizeof(sequences[0])), "copy");
+    token_sequence_ = Alloc<int32_t>(max_rows);
+    Check(g::CopyToDevice(token_sequence_, token_sequence.data(), max_rows * 4), "copy");
     kv_rows_ = {blocks_, d.rows_per_block, 0, kv_row};
     kv_scales_ = {blocks_, d.rows_per_block, size_t(d.rows_per_block) * kv_row, scale_row};
     // The attention's workspace (one call at a time, so one serves the decode step's sequences
     // and the prefill chunk).
-    attention_work_floats_ = std::max(g::SparseAttentionWorkspaceFloats(Attention(0)),
-                                      g::SparseAttentionWorkspaceFloats(ChunkAttention()));
+    attention_work_floats_ = std::max({g::SparseAttentionWorkspaceFloats(Attention(0)),
+                                       g::SparseAttentionWorkspaceFloats(ChunkAttention()),
+                                       g::SparseAttentionWorkspaceFloats(StepAttention(max_rows))});
     attention_work_ = Alloc<float>(attention_work_floats_);
   }
 
@@ -430,7 +447,7 @@ class Layer {
         CheckOp(g::SparseAttention(ChunkAttention()), "Attention");
         return;
       }
-      for (int64_t s = 0; s < batch; ++s) CheckOp(g::SparseAttention(Attention(s)), "Attention");
+      CheckOp(g::SparseAttention(batch == 1 ? Attention(0) : StepAttention(batch)), "Attention");
     });
     add("wo_a (FP8 as values, its groups in one op)", wo_a_.bytes(),
         [&] { Apply(wo_a_, o_, batch, og_); });
@@ -517,6 +534,20 @@ class Layer {
     return Time([&] { CheckOp(g::SparseAttentionScheduled(p, schedule), "Attention"); }, reps);
   }
 
+  // A decode step's attention for `batch` sequences: one call for all (first), and a call a
+  // sequence (second), as the engine made it before: seconds.
+  std::pair<double, double> TimeStepAttention(int64_t batch, int reps) {
+    const k::SparseAttentionParams all = StepAttention(batch);
+    const double one = Time([&] { CheckOp(g::SparseAttention(all), "Attention"); }, reps);
+    const double each = Time(
+        [&] {
+          for (int64_t s = 0; s < batch; ++s)
+            CheckOp(g::SparseAttention(Attention(s)), "Attention");
+        },
+        reps);
+    return {one, each};
+  }
+
   // A linear layer at `rows` tokens: seconds per call (order and split as LinearOn's).
   double TimeLinear(const Weight& w, int64_t rows, int reps, Order order = Order::kShipped,
                     int split = 1) {
@@ -589,6 +620,20 @@ class Layer {
             .workspace = attention_work_,
             .workspace_floats = attention_work_floats_,
             .stream = stream_};
+  }
+
+  // A decode step of `batch` sequences in one call.
+  k::SparseAttentionParams StepAttention(int64_t batch) const {
+    k::SparseAttentionParams p = Attention(0);
+    p.tokens = batch;
+    p.selected = chunk_selected_;  // `selected` entries a row, the same in each.
+    p.ring_codes = p.ring_scales = nullptr;
+    p.fresh = nullptr;
+    p.block_table = nullptr;
+    p.token_sequence = token_sequence_;
+    p.sequences = sequences_;
+    p.sequence_count = batch;
+    return p;
   }
 
   // Prefill: all max_rows tokens of one sequence in one call.
@@ -720,6 +765,8 @@ class Layer {
   int64_t *chosen_, *selected_, *positions_, *window_first_;
   int64_t *chunk_positions_, *chunk_window_first_, *chunk_selected_;
   int64_t max_rows_ = 0;
+  k::AttentionSequence* sequences_ = nullptr;
+  int32_t* token_sequence_ = nullptr;
   uint8_t** blocks_;
   int32_t* block_table_;
   size_t block_bytes_ = 0;
@@ -816,10 +863,18 @@ int main(int argc, char** argv) {
   // once where it has the workspace, as here and in the backend).
   std::printf(
       "decode attention, one thread block a head: %.1f us; two: %.1f us; keys decoded once: "
-      "%.1f us\n\n",
+      "%.1f us\n",
       layer.TimeAttention(g::AttentionSchedule::kHeadBlocks, reps) * 1e6,
       layer.TimeAttention(g::AttentionSchedule::kHeadBlocksSplit, reps) * 1e6,
       layer.TimeAttention(g::AttentionSchedule::kKeysOnce, reps) * 1e6);
+  // A step's sequences in one attention call, against a call a sequence.
+  for (int64_t batch : {8, 64}) {
+    const auto [one, each] = layer.TimeStepAttention(batch, reps);
+    std::printf(
+        "decode attention at batch %lld: one call %.1f us, a call a sequence %.1f us (%.2fx)\n",
+        static_cast<long long>(batch), one * 1e6, each * 1e6, each / one);
+  }
+  std::printf("\n");
 
   std::printf("%5s %14s %14s %18s %26s\n", "batch", "layer us", "as a graph us",
               "tokens/s per layer", "tokens/s, 40 layers (est.)");

@@ -417,8 +417,8 @@ class Step {
   Status Attention(int l);
   Status QueriesAndWindow(int l, std::vector<float>* qr, std::vector<float>* q,
                           std::vector<float>* kv);
-  Status AttendSegment(int l, size_t i, const std::vector<float>& q, const std::vector<float>& kv,
-                       std::vector<float>* o);
+  Status Attend(int l, const std::vector<float>& q, const std::vector<float>& kv,
+                std::vector<float>* o);
   Status Output(int l, const std::vector<float>& o);
   Status Compress(int l, size_t seg, const float* kvp, const float* score);
   Status Index(int l, const float* qr, const float* weights);
@@ -1150,26 +1150,25 @@ Status Step::SeedDrafts() {
   return Status::Ok();
 }
 
-// Sparse attention of one sequence's rows over its window and selected entries; stages the
-// window rows its ring keeps.
-Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
-                           const std::vector<float>& kv, std::vector<float>* o) {
+// Sparse attention of every sequence's rows over its window and selected entries, in one op (each
+// query reads its own sequence's ring and blocks, and gets the bits a call of its sequence alone
+// gives); stages the window rows each ring keeps.
+Status Step::Attend(int l, const std::vector<float>& q, const std::vector<float>& kv,
+                    std::vector<float>* o) {
   const Layer& L = m_.layers[l];
   const LayerPlan& lp = m_.Plan(l);
-  const ForwardPlan::Segment& sg = plan_.segments[i];
   const int64_t H = c_.num_attention_heads, hd = c_.head_dim, rd = c_.qk_rope_head_dim;
-  SequenceState& st = *items_[i].state;
+  const size_t rows = n(), count = plan_.segments.size();
   // Selections as rows of a fixed width, -1 padded.
   int64_t width = 0;
   if (lp.compress_ratio > 0) {
-    for (size_t t = sg.offset; t < sg.offset + sg.count; ++t) {
+    for (size_t t = 0; t < rows; ++t) {
       width = std::max<int64_t>(width, static_cast<int64_t>(selection_[t].size()));
     }
   }
-  std::vector<int64_t> selected(sg.count * static_cast<size_t>(width), -1);
-  for (size_t t = 0; t < sg.count && width > 0; ++t) {
-    std::copy(selection_[sg.offset + t].begin(), selection_[sg.offset + t].end(),
-              selected.begin() + t * width);
+  std::vector<int64_t> selected(rows * static_cast<size_t>(width), -1);
+  for (size_t t = 0; t < rows && width > 0; ++t) {
+    std::copy(selection_[t].begin(), selection_[t].end(), selected.begin() + t * width);
   }
   kernels::PagedRows kv_codes, kv_scales;
   if (width > 0) {
@@ -1177,51 +1176,84 @@ Status Step::AttendSegment(int l, size_t i, const std::vector<float>& q,
     kv_codes = m_.Rows(src, src.kv_codes);
     kv_scales = m_.Rows(src, src.kv_scales);
   }
-  const SequenceState::Ring& ring = st.rings[l];
-  FLASHD_OP(SparseAttention,
-            {.q = &q[sg.offset * H * hd],
-             .tokens = static_cast<int64_t>(sg.count),
-             .heads = H,
-             .head_dim = hd,
-             .rope_dim = rd,
-             .positions = &plan_.positions[sg.offset],
-             .ring_codes = ring.codes.data(),
-             .ring_scales = ring.scales.data(),
-             .ring_versions = ring.versions.size() == static_cast<size_t>(c_.sliding_window)
-                                  ? ring.versions.data()
-                                  : nullptr,
-             .window = c_.sliding_window,
-             .fresh = &kv[sg.offset * hd],
-             .fresh_first = sg.start,
-             .window_first = &plan_.window_first[sg.offset],
-             .window_last = draft_ ? &window_last_[sg.offset] : nullptr,
-             .selected = selected.data(),
-             .selected_stride = width,
-             .block_table = st.blocks.data(),
-             .kv_codes = kv_codes,
-             .kv_scales = kv_scales,
-             .sink = L.attn_sink.data(),
-             .freqs = L.freqs.data(),
-             .out = &(*o)[sg.offset * H * hd],
-             .stream = &stream_});
-  // The window ring keeps the last `window` rows; written when the step commits. They are
-  // staged where the layer runs and reach the host with the step's last Settle (Run).
-  if (draft_) return Status::Ok();
-  const size_t keep = ring_keep_[i];
-  // A truncation (a replay) keeps at least a window of every sequence's rows.
-  if (keep != std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window))) {
-    return Internal("window rows: a sequence's rows changed under the step");
+  // Each sequence's ring, fresh rows and block table, and each row's sequence.
+  std::vector<kernels::AttentionSequence> sequences(count);
+  std::vector<int32_t> token_sequence(rows);
+  for (size_t i = 0; i < count; ++i) {
+    const ForwardPlan::Segment& sg = plan_.segments[i];
+    const SequenceState& st = *items_[i].state;
+    const SequenceState::Ring& ring = st.rings[l];
+    sequences[i] = {.ring_codes = ring.codes.data(),
+                    .ring_scales = ring.scales.data(),
+                    .ring_versions = ring.versions.size() == static_cast<size_t>(c_.sliding_window)
+                                         ? ring.versions.data()
+                                         : nullptr,
+                    .fresh = &kv[sg.offset * hd],
+                    .fresh_first = sg.start,
+                    .block_table = st.blocks.data()};
+    std::fill(token_sequence.begin() + sg.offset, token_sequence.begin() + sg.offset + sg.count,
+              static_cast<int32_t>(i));
   }
-  RingRows& rr = ring_rows_[i][l];
-  rr.first_position = sg.start + static_cast<int64_t>(sg.count - keep);
-  FLASHD_OP(CopyRows,
-            {.src = &kv[(sg.offset + sg.count - keep) * hd],
-             .src_stride = hd,
-             .rows = static_cast<int64_t>(keep),
-             .cols = hd,
-             .dst = &ring_stage_[(static_cast<size_t>(l) * ring_stage_rows_ + ring_stage_at_[i]) *
-                                 static_cast<size_t>(hd)],
-             .dst_stride = hd});
+  kernels::SparseAttentionParams p{.q = q.data(),
+                                   .tokens = static_cast<int64_t>(rows),
+                                   .heads = H,
+                                   .head_dim = hd,
+                                   .rope_dim = rd,
+                                   .positions = plan_.positions.data(),
+                                   .window = c_.sliding_window,
+                                   .window_first = plan_.window_first.data(),
+                                   .window_last = draft_ ? window_last_.data() : nullptr,
+                                   .selected = selected.data(),
+                                   .selected_stride = width,
+                                   .kv_codes = kv_codes,
+                                   .kv_scales = kv_scales,
+                                   .sink = L.attn_sink.data(),
+                                   .freqs = L.freqs.data(),
+                                   .out = o->data(),
+                                   .stream = &stream_};
+  if (count == 1) {  // One sequence: its fields in the op's own.
+    const kernels::AttentionSequence& s = sequences[0];
+    p.ring_codes = s.ring_codes, p.ring_scales = s.ring_scales, p.ring_versions = s.ring_versions;
+    p.fresh = s.fresh, p.fresh_first = s.fresh_first, p.block_table = s.block_table;
+  } else {
+    p.token_sequence = token_sequence.data();
+    p.sequences = sequences.data();
+    p.sequence_count = static_cast<int64_t>(count);
+  }
+  FLASHD_OP(SparseAttention, p);
+  // The window ring keeps the last `window` rows; written when the step commits. They are
+  // staged where the layer runs and reach the host with the step's last Settle (Run): a run of
+  // sequences whose kept rows follow each other (a decode step's, one row each) in one copy.
+  if (draft_) return Status::Ok();
+  for (size_t i = 0; i < count; ++i) {
+    const ForwardPlan::Segment& sg = plan_.segments[i];
+    // A truncation (a replay) keeps at least a window of every sequence's rows.
+    if (ring_keep_[i] != std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window))) {
+      return Internal("window rows: a sequence's rows changed under the step");
+    }
+    ring_rows_[i][l].first_position = sg.start + static_cast<int64_t>(sg.count - ring_keep_[i]);
+  }
+  const auto kept_first = [&](size_t i) {
+    const ForwardPlan::Segment& sg = plan_.segments[i];
+    return sg.offset + sg.count - ring_keep_[i];
+  };
+  for (size_t i = 0, j = 0; i < count; i = j) {
+    // Sequence j joins the run when its kept rows follow the run's, in kv and in the staging.
+    size_t run = 0;
+    for (j = i; j < count && kept_first(j) == kept_first(i) + run &&
+                ring_stage_at_[j] == ring_stage_at_[i] + run;
+         ++j) {
+      run += ring_keep_[j];
+    }
+    FLASHD_OP(CopyRows,
+              {.src = &kv[kept_first(i) * hd],
+               .src_stride = hd,
+               .rows = static_cast<int64_t>(run),
+               .cols = hd,
+               .dst = &ring_stage_[(static_cast<size_t>(l) * ring_stage_rows_ + ring_stage_at_[i]) *
+                                   static_cast<size_t>(hd)],
+               .dst_stride = hd});
+  }
   return Status::Ok();
 }
 
@@ -1298,9 +1330,7 @@ Status Step::Attention(int l) {
   // The selections of every sequence at once (a sequence's compressed entries are written above,
   // each into its own blocks), then each sequence's attention.
   if (lp.is_index_source) FLASHD_RETURN_IF_ERROR(Index(l, qr.data(), iw.data()));
-  for (size_t i = 0; i < plan_.segments.size(); ++i) {
-    FLASHD_RETURN_IF_ERROR(AttendSegment(l, i, q, kv, &o));
-  }
+  FLASHD_RETURN_IF_ERROR(Attend(l, q, kv, &o));
   return Output(l, o);
 }
 

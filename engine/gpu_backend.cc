@@ -417,8 +417,10 @@ class KeptBuffers {
 // and only those are copied, in runs of neighbouring slots: a decode step copies the one slot it
 // wrote, not the window. A version names one slot content, so an address another ring used
 // before holds versions the new ring does not have, and those slots are copied. The least
-// recently used copies go when the copies pass their budget. On the device a slot's scales
-// follow its codes (SlotBytes a slot), so a run of slots is one copy, gathered on the host.
+// recently used copies go when the copies pass their budget, but never one an op still to be
+// launched reads (one op reads the rings of all its sequences: NewOp marks where an op starts).
+// On the device a slot's scales follow its codes (SlotBytes a slot), so a run of slots is one
+// copy, gathered on the host.
 class RingCache {
  public:
   RingCache() = default;
@@ -433,10 +435,14 @@ class RingCache {
     return (Count(head_dim) + Count(head_dim / 32) + 15) / 16 * 16;
   }
 
+  // The rings prepared from now on are one op's, kept until the next NewOp.
+  void NewOp() { ++op_; }
+
   // The device copy of a ring of `window` slots (host codes [window, head_dim] and scales
   // [window, head_dim / 32]; on the device SlotBytes a slot, its codes then its scales), made
   // current from the host. Null with *error set when a copy failed, or with *error empty when
-  // device memory ran out (the caller then copies the ring for its op alone).
+  // device memory ran out or the budget holds only this op's rings (the caller then copies the
+  // ring for its op alone).
   uint8_t* Prepare(const uint8_t* codes, const uint8_t* scales, const uint64_t* versions,
                    int64_t window, int64_t head_dim, std::string* error) {
     const size_t slot_codes = Count(head_dim), slot_scales = Count(head_dim / 32);
@@ -448,18 +454,24 @@ class RingCache {
     }
     if (it == rings_.end()) {
       void* device = nullptr;
-      while (!lru_.empty() && bytes_ + bytes > budget_) Drop(rings_.find(lru_.back()));
+      // This op's rings are the most recently used: when the last is one, all are.
+      while (!lru_.empty() && bytes_ + bytes > budget_) {
+        auto last = rings_.find(lru_.back());
+        if (last->second.op == op_) return nullptr;
+        Drop(last);
+      }
       if (!g::DeviceAlloc(&device, bytes).empty()) return nullptr;
       lru_.push_front(codes);
       it = rings_
                .emplace(codes, Ring{static_cast<uint8_t*>(device), bytes,
-                                    std::vector<uint64_t>(slots, 0), lru_.begin()})
+                                    std::vector<uint64_t>(slots, 0), lru_.begin(), op_})
                .first;
       bytes_ += bytes;
     } else {
       lru_.splice(lru_.begin(), lru_, it->second.used);
     }
     Ring& r = it->second;
+    r.op = op_;
     for (size_t a = 0; a < slots;) {
       if (r.versions[a] == versions[a]) {
         ++a;
@@ -489,6 +501,7 @@ class RingCache {
 
   uint64_t bytes() const { return bytes_; }
   uint64_t slots_copied() const { return slots_copied_; }
+  void set_budget(uint64_t bytes) { budget_ = bytes; }
 
   Traffic* traffic = nullptr;
 
@@ -498,6 +511,7 @@ class RingCache {
     size_t bytes;
     std::vector<uint64_t> versions;  // Of the slots the device copy holds; 0: none.
     std::list<const void*>::iterator used;
+    uint64_t op;  // The last op that read it.
   };
 
   void Drop(std::map<const void*, Ring>::iterator it) {
@@ -510,8 +524,8 @@ class RingCache {
   std::map<const void*, Ring> rings_;  // By host codes address.
   std::list<const void*> lru_;         // Most recently used first.
   std::vector<uint8_t> gathered_;      // A run of slots on its way up.
-  uint64_t bytes_ = 0, slots_copied_ = 0;
-  uint64_t budget_ = uint64_t{512} << 20;
+  uint64_t bytes_ = 0, slots_copied_ = 0, op_ = 0;
+  uint64_t budget_ = 0;
 };
 
 // The device memory a backend holds: resident weights, the KV arena, and workspace reused by
@@ -658,7 +672,10 @@ class DeviceMemory {
 // several, each of which was a copy of its own.
 class Call {
  public:
-  explicit Call(DeviceMemory* memory) : memory_(memory) { memory_->pack.clear(); }
+  explicit Call(DeviceMemory* memory) : memory_(memory) {
+    memory_->pack.clear();
+    memory_->rings.NewOp();
+  }
   ~Call() { memory_->Reset(); }
 
   template <class T>
@@ -796,14 +813,14 @@ class Call {
   // The device copy of an op's window ring from the backend's ring cache (when the ring carries
   // its slots' versions): false when it has none or device memory ran out (the caller copies
   // the ring for this op alone) or a copy failed (with the error set).
-  bool Ring(const k::SparseAttentionParams& p, const uint8_t** codes, const uint8_t** scales,
-            int64_t* slot_bytes) {
-    if (p.ring_versions == nullptr || p.ring_codes == nullptr || p.window <= 0 ||
-        p.ring_slot_bytes != 0) {
+  bool Ring(const k::SparseAttentionParams& p, const k::AttentionSequence& s, const uint8_t** codes,
+            const uint8_t** scales, int64_t* slot_bytes) {
+    if (s.ring_versions == nullptr || s.ring_codes == nullptr || p.window <= 0 ||
+        s.ring_slot_bytes != 0) {
       return false;
     }
     std::string e;
-    uint8_t* device = memory_->rings.Prepare(p.ring_codes, p.ring_scales, p.ring_versions, p.window,
+    uint8_t* device = memory_->rings.Prepare(s.ring_codes, s.ring_scales, s.ring_versions, p.window,
                                              p.head_dim, &e);
     if (device == nullptr) return !Check(e);
     *codes = device;
@@ -969,6 +986,7 @@ class GpuBackend final : public Backend {
         instruction_(instruction),
         numerics_(Numerics(options.matrix_gemms, instruction)) {
     if (!options.queued_uploads) memory_.traffic.staging.set_largest(0);
+    memory_.rings.set_budget(options.ring_cache_bytes);
   }
   std::string_view name() const override { return g::kBackendName; }
   // The kernels give the CPU's bits (kernels/gpu/ops.h), but for the matrix-core GEMMs, and on
@@ -1251,14 +1269,24 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus SparseAttention(const k::SparseAttentionParams& p) const override {
-    int64_t last = p.fresh_first - 1, table_blocks = 0;
     const int64_t per_block = std::max<int64_t>(p.kv_codes.rows_per_block, 1);
-    std::vector<int64_t> entries;
+    const bool several = p.token_sequence != nullptr;
+    const int64_t count = several ? p.sequence_count : 1;
+    if (several && (p.sequences == nullptr || count <= 0)) return OpStatus::kBadShape;
+    // Per sequence: its last window position and the blocks its selected entries reach.
+    std::vector<k::AttentionSequence> host(static_cast<size_t>(count));
+    std::vector<int64_t> last(static_cast<size_t>(count)), table_blocks(host.size(), 0);
+    for (int64_t s = 0; s < count; ++s) {
+      host[s] = several ? p.sequences[s] : p.SequenceOf(0);
+      last[s] = host[s].fresh_first - 1;
+    }
     for (int64_t t = 0; t < p.tokens; ++t) {
-      last = std::max(last, p.window_last != nullptr ? p.window_last[t] : p.positions[t]);
-      for (int64_t s = 0; s < p.selected_stride; ++s) {
-        const int64_t j = p.selected[t * p.selected_stride + s];
-        if (j >= 0) table_blocks = std::max(table_blocks, j / per_block + 1);
+      const int64_t s = several ? p.token_sequence[t] : 0;
+      if (s < 0 || s >= count) return OpStatus::kBadShape;
+      last[s] = std::max(last[s], p.window_last != nullptr ? p.window_last[t] : p.positions[t]);
+      for (int64_t j = 0; j < p.selected_stride; ++j) {
+        const int64_t e = p.selected[t * p.selected_stride + j];
+        if (e >= 0) table_blocks[s] = std::max(table_blocks[s], e / per_block + 1);
       }
     }
     return Run([&](Call& c) {
@@ -1266,21 +1294,42 @@ class GpuBackend final : public Backend {
       d.stream = nullptr;
       d.q = c.In(p.q, p.tokens * p.heads * p.head_dim);
       d.positions = c.In(p.positions, p.tokens);
-      d.ring_versions = nullptr;
-      if (!c.Ring(p, &d.ring_codes, &d.ring_scales, &d.ring_slot_bytes)) {
-        const int64_t slots = std::max<int64_t>(p.window, 1) - 1, stride = p.ring_slot_bytes;
-        d.ring_codes =
-            c.In(p.ring_codes, stride > 0 ? slots * stride + p.head_dim : p.window * p.head_dim);
-        d.ring_scales = c.In(p.ring_scales, stride > 0 ? slots * stride + p.head_dim / 32
-                                                       : p.window * p.head_dim / 32);
+      // Each sequence's ring (from the ring cache, else copied for this op), fresh rows and block
+      // table on the device; the pool rows of all the tables mapped at once.
+      std::vector<k::AttentionSequence> device(host.size());
+      std::vector<int64_t> rows;
+      for (size_t s = 0; s < host.size(); ++s) {
+        const k::AttentionSequence& h = host[s];
+        k::AttentionSequence& v = device[s];
+        v.ring_slot_bytes = h.ring_slot_bytes;
+        if (!c.Ring(p, h, &v.ring_codes, &v.ring_scales, &v.ring_slot_bytes)) {
+          const int64_t slots = std::max<int64_t>(p.window, 1) - 1, stride = h.ring_slot_bytes;
+          v.ring_codes =
+              c.In(h.ring_codes, stride > 0 ? slots * stride + p.head_dim : p.window * p.head_dim);
+          v.ring_scales = c.In(h.ring_scales, stride > 0 ? slots * stride + p.head_dim / 32
+                                                         : p.window * p.head_dim / 32);
+        }
+        v.fresh_first = h.fresh_first;
+        v.fresh = c.In(h.fresh, (last[s] - h.fresh_first + 1) * p.head_dim);
+        v.block_table = c.In(h.block_table, table_blocks[s]);
+        const std::vector<int64_t> r = TableRows(h.block_table, table_blocks[s], per_block);
+        rows.insert(rows.end(), r.begin(), r.end());
       }
-      d.fresh = c.In(p.fresh, (last - p.fresh_first + 1) * p.head_dim);
+      if (several) {
+        d.token_sequence = c.In(p.token_sequence, p.tokens);
+        d.sequences = c.In(device.data(), count);
+      } else {
+        d.ring_codes = device[0].ring_codes;
+        d.ring_scales = device[0].ring_scales;
+        d.ring_slot_bytes = device[0].ring_slot_bytes;
+        d.fresh = device[0].fresh;
+        d.block_table = device[0].block_table;
+      }
+      d.ring_versions = nullptr;
       d.window_first = c.In(p.window_first, p.tokens);
       if (p.window_last != nullptr) d.window_last = c.In(p.window_last, p.tokens);
       d.selected = c.In(p.selected, p.tokens * p.selected_stride);
-      d.block_table = c.In(p.block_table, table_blocks);
-      c.Blocks(TableRows(p.block_table, table_blocks, per_block), {&d.kv_codes, &d.kv_scales},
-               false);
+      c.Blocks(rows, {&d.kv_codes, &d.kv_scales}, false);
       d.sink = c.Weight(p.sink, p.heads);
       d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
       d.out = c.Out(p.out, p.tokens * p.heads * p.head_dim);

@@ -21,6 +21,9 @@ struct GpuOptions {
   // Copies of up to 1 MiB to the device staged in pinned memory and queued behind the kernels.
   // False: every copy a plain one, which waits for the kernels before it (to measure the two).
   bool queued_uploads = true;
+  // Device memory for the copies of the sequences' window rings kept from step to step; past it
+  // the least recently used go, and a ring that finds no room is copied for its op alone.
+  uint64_t ring_cache_bytes = uint64_t{512} << 20;
 };
 
 namespace cuda {

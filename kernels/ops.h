@@ -330,7 +330,25 @@ struct CandidateFilterParams {
 // before window_first), then the selected entries that are not -1, in their order. A draft block
 // (window_last given) lists its ring rows (positions before fresh_first) by ring slot, p %
 // window, then the block's fresh rows in position order, then the selected entries.
+//
+// One call may hold the queries of several sequences (token_sequence and sequences): each query
+// then reads its own sequence's ring, fresh rows and block table, and gets the bits it gets in a
+// call of its sequence alone.
 constexpr int64_t kAttentionBlock = 64;
+
+// What a query reads of its own sequence: its window ring (ring_slot_bytes as
+// SparseAttentionParams'), this call's fresh rows of it (fresh[0] at position fresh_first) and its
+// block table.
+struct AttentionSequence {
+  const uint8_t* ring_codes = nullptr;
+  const uint8_t* ring_scales = nullptr;
+  int64_t ring_slot_bytes = 0;
+  const uint64_t* ring_versions = nullptr;  // As SparseAttentionParams::ring_versions.
+  const float* fresh = nullptr;
+  int64_t fresh_first = 0;
+  const int32_t* block_table = nullptr;
+};
+
 struct SparseAttentionParams {
   const float* q = nullptr;  // [tokens, heads, head_dim], BF16 values, rotated
   int64_t tokens = 0, heads = 0, head_dim = 0, rope_dim = 0;
@@ -368,14 +386,28 @@ struct SparseAttentionParams {
   float* workspace = nullptr;
   int64_t workspace_floats = 0;
   void* stream = nullptr;
+  // Optional: the queries of several sequences in one call. [tokens] each query's sequence, an
+  // index into sequences [sequence_count], whose rings, fresh rows and block tables replace the
+  // fields above (ring_codes .. fresh_first and block_table, then unused). The fresh rows of a
+  // sequence are its queries' rows, as for a call of its own. Null: one sequence, the fields
+  // above.
+  const int32_t* token_sequence = nullptr;
+  const AttentionSequence* sequences = nullptr;
+  int64_t sequence_count = 0;
 
-  // Ring slot `slot`'s head_dim codes and head_dim / 32 scales, in the layout ring_slot_bytes
-  // names.
-  FLASHD_OPS_HD const uint8_t* RingCodes(int64_t slot) const {
-    return ring_codes + slot * (ring_slot_bytes > 0 ? ring_slot_bytes : head_dim);
+  // Query t's sequence.
+  FLASHD_OPS_HD AttentionSequence SequenceOf(int64_t t) const {
+    if (token_sequence != nullptr) return sequences[token_sequence[t]];
+    return {ring_codes, ring_scales, ring_slot_bytes, ring_versions,
+            fresh,      fresh_first, block_table};
   }
-  FLASHD_OPS_HD const uint8_t* RingScales(int64_t slot) const {
-    return ring_scales + slot * (ring_slot_bytes > 0 ? ring_slot_bytes : head_dim / 32);
+  // Ring slot `slot`'s head_dim codes and head_dim / 32 scales of sequence s, in the layout its
+  // ring_slot_bytes names.
+  FLASHD_OPS_HD const uint8_t* RingCodes(const AttentionSequence& s, int64_t slot) const {
+    return s.ring_codes + slot * (s.ring_slot_bytes > 0 ? s.ring_slot_bytes : head_dim);
+  }
+  FLASHD_OPS_HD const uint8_t* RingScales(const AttentionSequence& s, int64_t slot) const {
+    return s.ring_scales + slot * (s.ring_slot_bytes > 0 ? s.ring_slot_bytes : head_dim / 32);
   }
 };
 
@@ -387,13 +419,18 @@ struct AttentionKeys {
   int64_t ring_end = 0, wrapped = 0;  // Draft: ring positions are those < ring_end.
 
   FLASHD_OPS_HD static AttentionKeys Of(const SparseAttentionParams& p, int64_t t) {
+    return Of(p, t, p.SequenceOf(t).fresh_first);
+  }
+  // With query t's sequence's fresh_first known.
+  FLASHD_OPS_HD static AttentionKeys Of(const SparseAttentionParams& p, int64_t t,
+                                        int64_t fresh_first) {
     AttentionKeys k;
     k.first = p.window_first[t];
     k.window = p.window;
     k.draft = p.window_last != nullptr;
     k.last = k.draft ? p.window_last[t] : p.positions[t];
     if (k.draft) {
-      k.ring_end = k.last + 1 < p.fresh_first ? k.last + 1 : p.fresh_first;
+      k.ring_end = k.last + 1 < fresh_first ? k.last + 1 : fresh_first;
       if (k.ring_end < k.first) k.ring_end = k.first;
       // The ring rows by slot: those past the first wrap to slot 0 come first.
       const int64_t w0 = k.first - k.first % k.window + k.window;

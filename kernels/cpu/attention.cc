@@ -48,8 +48,18 @@ FLASHD_VECTOR_CLONES void RescaleAdd(float* acc, float scale, const float* block
 OpStatus SparseAttention(const SparseAttentionParams& p) {
   if (p.tokens < 0 || p.heads <= 0 || p.head_dim <= 0 || p.head_dim % 32 != 0 || p.window <= 0 ||
       p.positions == nullptr || p.window_first == nullptr ||
-      (p.selected_stride > 0 && (p.selected == nullptr || p.block_table == nullptr))) {
+      (p.token_sequence == nullptr && p.selected_stride > 0 &&
+       (p.selected == nullptr || p.block_table == nullptr)) ||
+      (p.token_sequence != nullptr && (p.sequences == nullptr || p.sequence_count <= 0 ||
+                                       (p.selected_stride > 0 && p.selected == nullptr)))) {
     return OpStatus::kBadShape;
+  }
+  for (int64_t t = 0; p.token_sequence != nullptr && t < p.tokens; ++t) {
+    const int32_t s = p.token_sequence[t];
+    if (s < 0 || s >= p.sequence_count ||
+        (p.selected_stride > 0 && p.sequences[s].block_table == nullptr)) {
+      return OpStatus::kBadShape;
+    }
   }
   const size_t hd = static_cast<size_t>(p.head_dim), H = static_cast<size_t>(p.heads);
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
@@ -58,7 +68,8 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
     std::vector<int64_t> list;  // Each key's index in the query's list.
   };
   auto attend = [&](int64_t t, Scratch& w) {
-    const AttentionKeys ak = AttentionKeys::Of(p, t);
+    const AttentionSequence sq = p.SequenceOf(t);
+    const AttentionKeys ak = AttentionKeys::Of(p, t, sq.fresh_first);
     std::vector<float>& keys = w.keys;
     keys.clear();
     w.list.clear();
@@ -66,11 +77,11 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
       const int64_t q = ak.Position(j);
       keys.resize(keys.size() + hd);
       float* dst = &keys[keys.size() - hd];
-      if (q >= p.fresh_first) {
-        std::memcpy(dst, p.fresh + (q - p.fresh_first) * p.head_dim, hd * sizeof(float));
+      if (q >= sq.fresh_first) {
+        std::memcpy(dst, sq.fresh + (q - sq.fresh_first) * p.head_dim, hd * sizeof(float));
       } else {
         const int64_t slot = q % p.window;
-        DequantizeFp8PerBlock(p.RingCodes(slot), p.RingScales(slot), hd, 32, dst);
+        DequantizeFp8PerBlock(p.RingCodes(sq, slot), p.RingScales(sq, slot), hd, 32, dst);
       }
       w.list.push_back(ak.ListIndex(j));
     }
@@ -78,7 +89,7 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
     for (int64_t i = 0; i < p.selected_stride; ++i) {
       const int64_t j = p.selected[t * p.selected_stride + i];
       if (j < 0) continue;
-      const int64_t row = BlockRow(p.block_table, p.kv_codes.rows_per_block, j);
+      const int64_t row = BlockRow(sq.block_table, p.kv_codes.rows_per_block, j);
       keys.resize(keys.size() + hd);
       DequantizeFp4E4M3(p.kv_codes.Row(row), p.kv_scales.Row(row), hd, 16, &keys[keys.size() - hd]);
       w.list.push_back(next++);

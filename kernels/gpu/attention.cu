@@ -222,13 +222,14 @@ __device__ inline int64_t ListStart(const AttentionKeys& window) {
 __device__ int64_t ListKeys(const SparseAttentionParams& p, const AttentionKeys& window, int64_t t,
                             int64_t lo, int64_t hi, bool whole_row, KeyRow* key, int* scan) {
   const int64_t hd = p.head_dim, sb = window.selected_base(), w0 = ListStart(window);
+  const AttentionSequence s = p.SequenceOf(t);
   for (int64_t li = (lo > w0 ? lo : w0) + threadIdx.x; li < hi && li < sb; li += kAttendThreads) {
     const int64_t q = window.Position(li - w0);
-    if (q >= p.fresh_first) {
-      key[li - lo] = {p.fresh + (q - p.fresh_first) * hd, nullptr, KeySource::kFresh};
+    if (q >= s.fresh_first) {
+      key[li - lo] = {s.fresh + (q - s.fresh_first) * hd, nullptr, KeySource::kFresh};
     } else {
       const int64_t slot = q % p.window;
-      key[li - lo] = {p.RingCodes(slot), p.RingScales(slot), KeySource::kRing};
+      key[li - lo] = {p.RingCodes(s, slot), p.RingScales(s, slot), KeySource::kRing};
     }
   }
   const int64_t* selected = p.selected + t * p.selected_stride;
@@ -240,7 +241,7 @@ __device__ int64_t ListKeys(const SparseAttentionParams& p, const AttentionKeys&
     int total;
     const int64_t li = sb + rank0 + ExclusiveScan(entry >= 0 ? 1 : 0, scan, &total);
     if (entry >= 0 && li >= lo && li < hi) {
-      const int64_t row = BlockRow(p.block_table, p.kv_codes.rows_per_block, entry);
+      const int64_t row = BlockRow(s.block_table, p.kv_codes.rows_per_block, entry);
       key[li - lo] = {p.kv_codes.Row(row), p.kv_scales.Row(row), KeySource::kCompressed};
     }
     rank0 += total;
@@ -716,7 +717,9 @@ bool ValidShape(const SparseAttentionParams& p) {
   return p.tokens >= 0 && p.heads > 0 && p.head_dim > 0 && p.head_dim % 32 == 0 &&
          p.head_dim <= kMaxHeadDim && p.window > 0 && p.positions != nullptr &&
          p.window_first != nullptr &&
-         (p.selected_stride == 0 || (p.selected != nullptr && p.block_table != nullptr));
+         (p.selected_stride == 0 ||
+          (p.selected != nullptr && (p.block_table != nullptr || p.token_sequence != nullptr))) &&
+         (p.token_sequence == nullptr || (p.sequences != nullptr && p.sequence_count > 0));
 }
 
 // The output's heads rotated back, each by its query's position.

@@ -867,6 +867,69 @@ BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
   BOOST_TEST(gpu->Report().uploads_queued - before.uploads_queued == op_copies + 1);
 }
 
+// A batched decode step attends once a layer, every sequence's queries in one op, and gives the
+// CPU's logits for every sequence: with the rings kept on the device, and with a ring budget of
+// one ring and a half, where each op finds room for one sequence's ring (the others' copied for
+// it alone, in the host's layout, in the same op) and no ring an op reads is dropped before it.
+BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_out_of_the_cache) {
+  const Pair& p = Load();
+  const ModelConfig& c = p.cpu->config();
+  const uint64_t ring_bytes =
+      static_cast<uint64_t>(c.sliding_window) * ((c.head_dim + c.head_dim / 32 + 15) / 16 * 16);
+  const size_t runs = p.meta["runs"].size(), count = 3;
+  constexpr int kSteps = 3;
+  // Each sequence's prompt alone, then kSteps greedy steps of all of them in one batch: every
+  // step's logits.
+  auto decode = [&](const CpuForward& f, const std::map<std::string, int>* counts = nullptr) {
+    std::vector<SequenceState> st;
+    std::vector<std::vector<float>> logits(count);
+    for (size_t i = 0; i < count; ++i) {
+      st.push_back(f.NewSequence());
+      BOOST_REQUIRE(f.Forward(&st[i], Prompt(i % runs), &logits[i]).ok());
+    }
+    std::vector<float> all;
+    const auto attention_ops = [&] {
+      return counts != nullptr && counts->contains("SparseAttention")
+                 ? counts->at("SparseAttention")
+                 : 0;
+    };
+    const int before = attention_ops();
+    for (int step = 0; step < kSteps; ++step) {
+      std::vector<int32_t> next(count);
+      std::vector<BatchItem> items;
+      for (size_t i = 0; i < count; ++i) {
+        next[i] = static_cast<int32_t>(std::max_element(logits[i].begin(), logits[i].end()) -
+                                       logits[i].begin());
+        items.push_back({&st[i], std::span<const int32_t>(&next[i], 1), &logits[i]});
+      }
+      BOOST_REQUIRE(f.ForwardBatch(items).ok());
+      for (const std::vector<float>& l : logits) all.insert(all.end(), l.begin(), l.end());
+    }
+    if (counts != nullptr) {
+      BOOST_TEST(attention_ops() - before == kSteps * c.num_hidden_layers, "one op a layer");
+    }
+    return all;
+  };
+  const std::vector<float> want = decode(*p.cpu);
+  for (const uint64_t budget : {uint64_t{512} << 20, ring_bytes * 3 / 2}) {
+    std::string reason;
+    auto selected =
+        SelectBackend(testing::TestBackendName(), &reason, 0,
+                      {.matrix_gemms = testing::TestMatrixGemms(), .ring_cache_bytes = budget});
+    BOOST_REQUIRE_MESSAGE(selected.ok(), selected.status().ToString());
+    std::map<std::string, int> counts;
+    auto backend = std::make_unique<Counting>(std::move(*selected), &counts);
+    const Backend* gpu = backend.get();
+    auto f = CpuForward::Create(*p.model, "", 64, std::move(backend));
+    BOOST_REQUIRE_MESSAGE(f.ok(), f.status().ToString());
+    const std::vector<float> got = decode(**f, &counts);
+    BOOST_REQUIRE(got.size() == want.size());
+    BOOST_TEST(std::memcmp(got.data(), want.data(), got.size() * 4) == 0, "ring budget " << budget);
+    BOOST_TEST(gpu->Report().ring_device_bytes <= budget);
+    BOOST_TEST(gpu->Report().ring_device_bytes >= ring_bytes);
+  }
+}
+
 BOOST_AUTO_TEST_SUITE_END()
 
 }  // namespace

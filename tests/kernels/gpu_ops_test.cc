@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <tuple>
@@ -2157,6 +2158,241 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
         BOOST_TEST((gpu::SparseAttentionScheduled(params, AttentionSchedule::kKeysOnce) ==
                     OpStatus::kBadArgument));
       }
+    }
+  }
+}
+
+// The queries of several sequences in one call (token_sequence, sequences): each sequence its own
+// ring (two arrays, or interleaved with padded slots, as the backend's ring cache holds it, side
+// by side in one call), fresh rows, positions and block table, their queries interleaved in the
+// call's order. Each query gets the bits of a call of its sequence alone, on the CPU and in every
+// device layout; decode steps (a query a sequence), prompt chunks and draft blocks.
+BOOST_AUTO_TEST_CASE(sparse_attention_of_several_sequences_bit_equal) {
+  std::mt19937 rng(31);
+  struct Seq {
+    int64_t tokens, first;
+  };
+  struct Case {
+    int64_t heads, hd, window, width;
+    bool whole;
+    std::vector<Seq> seqs;
+  };
+  // A decode step (one query each, a thread block a head), a mix under 16 queries, one of 16 and
+  // more (eight heads a thread block, two passes of the keys decoded once), draft blocks, and the
+  // model's head_dim.
+  const Case cases[] = {
+      {4, 64, 8, 6, false, {{1, 30}, {1, 5}, {1, 200}, {1, 2}}},
+      {4, 64, 40, 6, false, {{3, 30}, {1, 90}, {5, 12}}},
+      {4, 64, 40, 70, false, {{9, 30}, {1, 90}, {12, 150}}},
+      {4, 64, 40, 6, true, {{3, 60}, {4, 41}}},
+      {9, 512, 128, 20, false, {{1, 300}, {2, 140}, {1, 7}}},
+  };
+  const int64_t rd = 16, per = 4, nblocks = 6;
+  std::vector<float> freqs(rd / 2);
+  cpu::RopeFrequencies(rd, 0, 10000.0, 1, 0, 0, freqs.data());
+  std::uniform_int_distribution<int64_t> entry(0, per * 4 - 1);
+  for (const Case& k : cases) {
+    const int64_t heads = k.heads, hd = k.hd, window = k.window, width = k.width;
+    const int64_t S = static_cast<int64_t>(k.seqs.size());
+    const size_t block_bytes = per * (hd / 2 + hd / 16);
+    std::vector<std::vector<uint8_t>> host_blocks(nblocks, std::vector<uint8_t>(block_bytes));
+    for (auto& b : host_blocks) {
+      for (int64_t r = 0; r < per; ++r) {
+        std::vector<float> v = Normal(rng, hd);
+        cpu::QuantizeFp4E4M3(v.data(), hd, 16, b.data() + r * hd / 2,
+                             b.data() + per * hd / 2 + r * hd / 16);
+      }
+    }
+    Blocks blocks;
+    blocks.host = host_blocks;
+    blocks.Upload();
+    const PagedRows kv_codes{blocks.host_table.data(), per, 0, static_cast<size_t>(hd / 2)};
+    const PagedRows kv_scales{blocks.host_table.data(), per, static_cast<size_t>(per * hd / 2),
+                              static_cast<size_t>(hd / 16)};
+    const int64_t slot = (hd + hd / 32 + 15) / 16 * 16;  // An interleaved ring's padded slot.
+    // Per sequence: its ring (odd sequences interleaved), block table, fresh rows, queries.
+    struct Data {
+      std::vector<uint8_t> codes, scales;
+      int64_t slot_bytes = 0;
+      std::vector<int32_t> table;
+      std::vector<float> fresh, q;
+      std::vector<int64_t> pos, wfirst, wlast, sel;
+      std::vector<float> want;
+    };
+    std::vector<Data> d(static_cast<size_t>(S));
+    const std::vector<float> sink = Normal(rng, heads);
+    for (int64_t s = 0; s < S; ++s) {
+      Data& x = d[s];
+      const Seq& sq = k.seqs[s];
+      std::vector<float> rows = Normal(rng, window * hd);
+      std::vector<uint8_t> codes(window * hd), scales(window * hd / 32);
+      cpu::QuantizeFp8PerBlock(rows.data(), rows.size(), 32, codes.data(), scales.data());
+      if (s % 2 == 1) {
+        x.slot_bytes = slot;
+        x.codes.assign(window * slot, 0xEE);
+        for (int64_t i = 0; i < window; ++i) {
+          std::memcpy(&x.codes[i * slot], &codes[i * hd], hd);
+          std::memcpy(&x.codes[i * slot + hd], &scales[i * hd / 32], hd / 32);
+        }
+      } else {
+        x.codes = codes;
+        x.scales = scales;
+      }
+      std::uniform_int_distribution<int32_t> block(0, nblocks - 1);
+      for (int i = 0; i < 4; ++i) x.table.push_back(block(rng));
+      x.fresh = Normal(rng, sq.tokens * hd);
+      cpu::RoundTripFp8(x.fresh.data(), x.fresh.size(), 32);
+      x.q = Normal(rng, sq.tokens * heads * hd, 0.3f);
+      for (int64_t t = 0; t < sq.tokens; ++t) {
+        x.pos.push_back(sq.first + t);
+        x.wfirst.push_back(k.whole ? std::max<int64_t>(0, sq.first - window)
+                                   : std::max<int64_t>(0, sq.first + t - window + 1));
+        x.wlast.push_back(sq.first + sq.tokens - 1);
+        for (int64_t i = 0; i < width; ++i) x.sel.push_back(i % 5 == 2 ? -1 : entry(rng));
+      }
+    }
+    // The call's order: the sequences' queries interleaved, one of each in turn.
+    int64_t longest = 0;
+    for (const Seq& sq : k.seqs) longest = std::max(longest, sq.tokens);
+    std::vector<std::pair<int64_t, int64_t>> order;  // (sequence, its query)
+    for (int64_t t = 0; t < longest; ++t) {
+      for (int64_t s = 0; s < S; ++s) {
+        if (t < k.seqs[s].tokens) order.push_back({s, t});
+      }
+    }
+    const int64_t tokens = static_cast<int64_t>(order.size());
+    // Each sequence alone on the CPU: the bits every other run must give.
+    std::vector<AttentionSequence> host_seqs;
+    for (int64_t s = 0; s < S; ++s) {
+      Data& x = d[s];
+      const int64_t n = k.seqs[s].tokens;
+      x.want.assign(n * heads * hd, -1.0f);
+      SparseAttentionParams one{
+          .q = x.q.data(),
+          .tokens = n,
+          .heads = heads,
+          .head_dim = hd,
+          .rope_dim = rd,
+          .positions = x.pos.data(),
+          .ring_codes = x.codes.data(),
+          .ring_scales = x.slot_bytes > 0 ? x.codes.data() + hd : x.scales.data(),
+          .ring_slot_bytes = x.slot_bytes,
+          .window = window,
+          .fresh = x.fresh.data(),
+          .fresh_first = k.seqs[s].first,
+          .window_first = x.wfirst.data(),
+          .window_last = k.whole ? x.wlast.data() : nullptr,
+          .selected = width > 0 ? x.sel.data() : nullptr,
+          .selected_stride = width,
+          .block_table = x.table.data(),
+          .kv_codes = kv_codes,
+          .kv_scales = kv_scales,
+          .sink = sink.data(),
+          .freqs = freqs.data(),
+          .out = x.want.data()};
+      BOOST_REQUIRE(cpu::SparseAttention(one) == OpStatus::kOk);
+      host_seqs.push_back(one.SequenceOf(0));
+    }
+    // The call's rows, in its order.
+    std::vector<float> q, want;
+    std::vector<int64_t> pos, wfirst, wlast, sel;
+    std::vector<int32_t> token_sequence;
+    for (const auto& [s, t] : order) {
+      const Data& x = d[s];
+      q.insert(q.end(), x.q.begin() + t * heads * hd, x.q.begin() + (t + 1) * heads * hd);
+      want.insert(want.end(), x.want.begin() + t * heads * hd,
+                  x.want.begin() + (t + 1) * heads * hd);
+      pos.push_back(x.pos[t]);
+      wfirst.push_back(x.wfirst[t]);
+      wlast.push_back(x.wlast[t]);
+      sel.insert(sel.end(), x.sel.begin() + t * width, x.sel.begin() + (t + 1) * width);
+      token_sequence.push_back(static_cast<int32_t>(s));
+    }
+    SparseAttentionParams all{.q = q.data(),
+                              .tokens = tokens,
+                              .heads = heads,
+                              .head_dim = hd,
+                              .rope_dim = rd,
+                              .positions = pos.data(),
+                              .window = window,
+                              .window_first = wfirst.data(),
+                              .window_last = k.whole ? wlast.data() : nullptr,
+                              .selected = width > 0 ? sel.data() : nullptr,
+                              .selected_stride = width,
+                              .kv_codes = kv_codes,
+                              .kv_scales = kv_scales,
+                              .sink = sink.data(),
+                              .freqs = freqs.data(),
+                              .token_sequence = token_sequence.data(),
+                              .sequences = host_seqs.data(),
+                              .sequence_count = S};
+    std::vector<float> got(want.size(), -1.0f);
+    all.out = got.data();
+    BOOST_REQUIRE(cpu::SparseAttention(all) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(got, want), "several sequences on the CPU, head_dim " << hd);
+    // A query naming a sequence the call does not have: refused.
+    {
+      SparseAttentionParams bad = all;
+      std::vector<int32_t> wrong = token_sequence;
+      wrong.back() = static_cast<int32_t>(S);
+      bad.token_sequence = wrong.data();
+      BOOST_TEST((cpu::SparseAttention(bad) == OpStatus::kBadShape));
+    }
+    // On the device: the sequences' rings, fresh rows and tables there, and every layout.
+    std::vector<std::unique_ptr<Dev<uint8_t>>> rings, scales;
+    std::vector<std::unique_ptr<Dev<float>>> fresh;
+    std::vector<std::unique_ptr<Dev<int32_t>>> tables;
+    std::vector<AttentionSequence> dev_seqs;
+    for (int64_t s = 0; s < S; ++s) {
+      const Data& x = d[s];
+      rings.push_back(std::make_unique<Dev<uint8_t>>(x.codes));
+      scales.push_back(std::make_unique<Dev<uint8_t>>(x.slot_bytes > 0 ? x.codes : x.scales));
+      fresh.push_back(std::make_unique<Dev<float>>(x.fresh));
+      tables.push_back(std::make_unique<Dev<int32_t>>(x.table));
+      AttentionSequence v = host_seqs[s];
+      v.ring_codes = rings.back()->get();
+      v.ring_scales = x.slot_bytes > 0 ? rings.back()->get() + hd : scales.back()->get();
+      v.ring_versions = nullptr;
+      v.fresh = fresh.back()->get();
+      v.block_table = tables.back()->get();
+      dev_seqs.push_back(v);
+    }
+    Dev<AttentionSequence> dseqs(dev_seqs);
+    Dev<int32_t> dts(token_sequence);
+    Dev<float> dq(q), dsink(sink), dfreqs(freqs);
+    Dev<int64_t> dpos(pos), dwf(wfirst), dwl(wlast), dsel(sel);
+    SparseAttentionParams on = all;
+    on.q = dq.get();
+    on.positions = dpos.get();
+    on.window_first = dwf.get();
+    if (k.whole) on.window_last = dwl.get();
+    if (width > 0) on.selected = dsel.get();
+    on.kv_codes.blocks = blocks.dev_table->get();
+    on.kv_scales.blocks = blocks.dev_table->get();
+    on.sink = dsink.get();
+    on.freqs = dfreqs.get();
+    on.token_sequence = dts.get();
+    on.sequences = dseqs.get();
+    if (k.whole) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        on.draft_keys = std::max(on.draft_keys, wlast[t] - wfirst[t] + 1);
+      }
+    }
+    const int64_t floats = gpu::SparseAttentionWorkspaceFloats(on);
+    BOOST_TEST(floats > 0);
+    Dev<float> dwork(std::vector<float>(std::max<int64_t>(floats, 1), std::nanf("")));
+    on.workspace = dwork.get();
+    on.workspace_floats = floats;
+    using gpu::AttentionSchedule;
+    for (const AttentionSchedule schedule :
+         {AttentionSchedule::kAuto, AttentionSchedule::kHeadBlocks,
+          AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
+      Dev<float> dout(std::vector<float>(want.size(), -1.0f));
+      on.out = dout.get();
+      BOOST_REQUIRE(gpu::SparseAttentionScheduled(on, schedule) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dout.Host(), want),
+                 "several sequences, schedule " << static_cast<int>(schedule) << ", head_dim " << hd
+                                                << " tokens " << tokens << " whole " << k.whole);
     }
   }
 }
