@@ -39,10 +39,11 @@ struct BackendReport {
   // times a block was copied there (once when first read, again after its host bytes changed).
   uint64_t kv_device_bytes = 0;
   uint64_t kv_blocks_copied = 0;
-  // The sequences' window rings kept on the device: their bytes, and how many ring slots were
-  // copied there (each slot when first read and again after the forward pass wrote it).
+  // The sequences' window rings kept on the device: their bytes, how many ring slots were
+  // copied there (each slot when first read and again after the forward pass wrote it), and in
+  // how many copies (an op's slots in one, however many sequences it reads).
   uint64_t ring_device_bytes = 0;
-  uint64_t ring_slots_copied = 0;
+  uint64_t ring_slots_copied = 0, ring_uploads = 0;
   uint64_t weight_bytes = 0;  // Device bytes of weights.
   // Bytes copied to the device and back since start, and how many times the host waited for
   // the device (a synchronisation, or a read of activations it kept).

@@ -438,13 +438,22 @@ class RingCache {
   // The rings prepared from now on are one op's, kept until the next NewOp.
   void NewOp() { ++op_; }
 
+  // Slots on their way to the device copies: the runs' bytes one after another, and each run's
+  // place (`from` an offset into bytes). Sent by the op that prepared them, before it launches:
+  // one run as a copy of its own, more as one copy spread by a kernel (g::ScatterOnDevice).
+  struct Pending {
+    std::vector<uint8_t> bytes;
+    std::vector<g::ByteRun> runs;
+    std::vector<const void*> rings;  // The rings the runs are of, by host codes address.
+  };
+
   // The device copy of a ring of `window` slots (host codes [window, head_dim] and scales
   // [window, head_dim / 32]; on the device SlotBytes a slot, its codes then its scales), made
-  // current from the host. Null with *error set when a copy failed, or with *error empty when
-  // device memory ran out or the budget holds only this op's rings (the caller then copies the
-  // ring for its op alone).
+  // current from the host by the runs of changed slots added to *pending. Null when device
+  // memory ran out or the budget holds only this op's rings (the caller then copies the ring
+  // for its op alone).
   uint8_t* Prepare(const uint8_t* codes, const uint8_t* scales, const uint64_t* versions,
-                   int64_t window, int64_t head_dim, std::string* error) {
+                   int64_t window, int64_t head_dim, Pending* pending) {
     const size_t slot_codes = Count(head_dim), slot_scales = Count(head_dim / 32);
     const size_t slot = SlotBytes(head_dim), slots = Count(window), bytes = slots * slot;
     auto it = rings_.find(codes);
@@ -472,6 +481,7 @@ class RingCache {
     }
     Ring& r = it->second;
     r.op = op_;
+    bool any = false;
     for (size_t a = 0; a < slots;) {
       if (r.versions[a] == versions[a]) {
         ++a;
@@ -481,26 +491,36 @@ class RingCache {
       while (b < slots && r.versions[b] != versions[b]) ++b;
       // The run's slots as the device holds them (the last without its padding).
       const size_t run = (b - a - 1) * slot + slot_codes + slot_scales;
-      gathered_.assign(run, 0);
+      const size_t from = pending->bytes.size();
+      pending->bytes.resize(from + run, 0);
       for (size_t i = a; i < b; ++i) {
-        uint8_t* at = &gathered_[(i - a) * slot];
+        uint8_t* at = &pending->bytes[from + (i - a) * slot];
         std::memcpy(at, codes + i * slot_codes, slot_codes);
         std::memcpy(at + slot_codes, scales + i * slot_scales, slot_scales);
       }
-      if (std::string e = traffic->Up(r.device + a * slot, gathered_.data(), run); !e.empty()) {
-        *error = e;
-        Drop(it);
-        return nullptr;
-      }
+      pending->runs.push_back({r.device + a * slot, from, run});
       std::copy(versions + a, versions + b, r.versions.begin() + a);
       slots_copied_ += b - a;
+      any = true;
       a = b;
     }
+    if (any) pending->rings.push_back(codes);
     return r.device;
+  }
+
+  // The pending runs went up in `copies` copies, or with an error (their rings dropped: the
+  // versions they took are not on the device).
+  void Sent(const Pending& pending, uint64_t copies, bool ok) {
+    uploads_ += copies;
+    if (ok) return;
+    for (const void* codes : pending.rings) {
+      if (auto it = rings_.find(codes); it != rings_.end()) Drop(it);
+    }
   }
 
   uint64_t bytes() const { return bytes_; }
   uint64_t slots_copied() const { return slots_copied_; }
+  uint64_t uploads() const { return uploads_; }
   void set_budget(uint64_t bytes) { budget_ = bytes; }
 
   Traffic* traffic = nullptr;
@@ -523,8 +543,7 @@ class RingCache {
 
   std::map<const void*, Ring> rings_;  // By host codes address.
   std::list<const void*> lru_;         // Most recently used first.
-  std::vector<uint8_t> gathered_;      // A run of slots on its way up.
-  uint64_t bytes_ = 0, slots_copied_ = 0, op_ = 0;
+  uint64_t bytes_ = 0, slots_copied_ = 0, uploads_ = 0, op_ = 0;
   uint64_t budget_ = 0;
 };
 
@@ -819,14 +838,37 @@ class Call {
         s.ring_slot_bytes != 0) {
       return false;
     }
-    std::string e;
     uint8_t* device = memory_->rings.Prepare(s.ring_codes, s.ring_scales, s.ring_versions, p.window,
-                                             p.head_dim, &e);
-    if (device == nullptr) return !Check(e);
+                                             p.head_dim, &rings_);
+    if (device == nullptr) return false;
     *codes = device;
     *scales = device + p.head_dim;
     *slot_bytes = static_cast<int64_t>(RingCache::SlotBytes(p.head_dim));
     return true;
+  }
+
+  // The ring slots the op's Ring calls found changed, to their device copies: one run as a copy,
+  // more as one copy (packed where small) that a kernel spreads. Before the launch; false on an
+  // error.
+  bool SendRings() {
+    RingCache::Pending& pending = rings_;
+    if (pending.runs.empty() || !error_.empty()) return error_.empty();
+    bool ok = false;
+    if (pending.runs.size() == 1) {
+      ok = Check(
+          memory_->traffic.Up(pending.runs[0].to, pending.bytes.data(), pending.bytes.size()));
+    } else {
+      const void* src = Upload(pending.bytes.data(), pending.bytes.size());
+      const void* runs =
+          src == nullptr ? nullptr
+                         : Upload(pending.runs.data(), pending.runs.size() * sizeof(g::ByteRun));
+      ok = runs != nullptr && Flush() &&
+           Check(g::ScatterOnDevice(src, static_cast<const g::ByteRun*>(runs),
+                                    static_cast<int64_t>(pending.runs.size())));
+    }
+    memory_->rings.Sent(pending, ok ? 1 : 0, ok);
+    pending = {};
+    return ok;
   }
 
   // After the launch: waits for the kernels and copies the outputs back.
@@ -935,6 +977,7 @@ class Call {
   };
 
   DeviceMemory* memory_;
+  RingCache::Pending rings_;        // Ring slots to send before the launch (SendRings).
   uint8_t* pack_device_ = nullptr;  // The pack's region (memory_->pack its host bytes).
   size_t flushed_ = 0;              // The pack's bytes uploaded so far.
   std::vector<Copy> mapped_, back_;
@@ -1017,6 +1060,7 @@ class GpuBackend final : public Backend {
     r.kv_blocks_copied = memory_.kv.copied();
     r.ring_device_bytes = memory_.rings.bytes();
     r.ring_slots_copied = memory_.rings.slots_copied();
+    r.ring_uploads = memory_.rings.uploads();
     r.weight_bytes = memory_.weight_bytes();
     r.bytes_to_device = memory_.traffic.to_device;
     r.bytes_zeroed = memory_.traffic.zeroed;
@@ -1344,6 +1388,7 @@ class GpuBackend final : public Backend {
       }
       d.workspace_floats = g::SparseAttentionWorkspaceFloats(d);
       d.workspace = d.workspace_floats > 0 ? c.Work<float>(d.workspace_floats) : nullptr;
+      if (!c.SendRings()) return c.Finish(OpStatus::kDeviceError);
       return Launch(c, [&] { return g::SparseAttention(d); });
     });
   }

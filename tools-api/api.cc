@@ -50,6 +50,7 @@ nlohmann::json BackendJson(const engine::BackendReport& r) {
           {"kv_blocks_copied", r.kv_blocks_copied},
           {"ring_device_bytes", r.ring_device_bytes},
           {"ring_slots_copied", r.ring_slots_copied},
+          {"ring_uploads", r.ring_uploads},
           {"bytes_to_device", r.bytes_to_device},
           {"bytes_to_host", r.bytes_to_host},
           {"bytes_zeroed_on_device", r.bytes_zeroed},

@@ -48,6 +48,15 @@ std::string HostFree(void* ptr);
 // CopyToHost after it says. (The CPU runtime, whose stream does not keep its order, copies
 // before it returns.)
 std::string CopyToDeviceQueued(void* dst, const void* src, size_t bytes);
+// Runs of bytes moved on the device by one kernel, ordered after the kernels launched before it:
+// run i's `bytes` from src + from to `to`. `src` and `runs` [count] are device memory; the
+// runs' targets must not overlap src or each other. What one upload of many small pieces, each
+// for a place of its own, is spread by.
+struct ByteRun {
+  uint8_t* to;
+  uint64_t from, bytes;
+};
+std::string ScatterOnDevice(const void* src, const ByteRun* runs, int64_t count);
 // Stream order of queued copies: `rounds` times, a kernel reads a buffer, a queued copy
 // overwrites it from pinned memory, a second kernel reads it; `*wrong` gets the rounds where
 // the first kernel did not see the old bytes or the second the new ones.

@@ -39,6 +39,12 @@ __global__ void FillFloatsKernel(float* dst, size_t n, uint64_t seed, float scal
   }
 }
 
+// A thread block a run: its bytes, a thread each in turn.
+__global__ void ScatterRunsKernel(const uint8_t* src, const ByteRun* runs) {
+  const ByteRun r = runs[blockIdx.x];
+  for (uint64_t i = threadIdx.x; i < r.bytes; i += blockDim.x) r.to[i] = src[r.from + i];
+}
+
 // Stream order: the first kernel's values take a few hundred operations each, the second doubles
 // them.
 // What SlowStepKernel makes of a value: 64 dependent steps, on the device and for the checks.
@@ -241,6 +247,15 @@ std::string ZeroOnDevice(void* dst, size_t bytes) {
   if (bytes == 0) return "";
   const gpuError_t err = gpuMemset(dst, 0, bytes);
   return err == gpuSuccess ? "" : Describe("clear on device", err);
+}
+
+std::string ScatterOnDevice(const void* src, const ByteRun* runs, int64_t count) {
+  if (count <= 0) return "";
+  if (count > int64_t{0x7FFFFFFF}) return "scatter on device: more runs than a grid holds";
+  FLASHD_LAUNCH(ScatterRunsKernel, static_cast<unsigned>(count), 256, 0, nullptr,
+                static_cast<const uint8_t*>(src), runs);
+  const gpuError_t err = gpuGetLastError();
+  return err == gpuSuccess ? "" : Describe("scatter on device", err);
 }
 
 std::string FillBytes(void* dst, size_t bytes, uint64_t seed, uint8_t lo, uint8_t hi) {

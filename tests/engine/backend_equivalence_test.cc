@@ -880,6 +880,7 @@ BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_ou
   constexpr int kSteps = 3;
   // Each sequence's prompt alone, then kSteps greedy steps of all of them in one batch: every
   // step's logits.
+  BackendReport before, after;  // The GPU backend's, around the batched steps.
   auto decode = [&](const CpuForward& f, const std::map<std::string, int>* counts = nullptr) {
     std::vector<SequenceState> st;
     std::vector<std::vector<float>> logits(count);
@@ -893,8 +894,10 @@ BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_ou
                  ? counts->at("SparseAttention")
                  : 0;
     };
-    const int before = attention_ops();
+    const int ops_before = attention_ops();
     for (int step = 0; step < kSteps; ++step) {
+      // The first step reads each ring whole (the prompt wrote it); the later ones, a slot.
+      if (step == 1) before = f.backend().Report();
       std::vector<int32_t> next(count);
       std::vector<BatchItem> items;
       for (size_t i = 0; i < count; ++i) {
@@ -905,8 +908,9 @@ BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_ou
       BOOST_REQUIRE(f.ForwardBatch(items).ok());
       for (const std::vector<float>& l : logits) all.insert(all.end(), l.begin(), l.end());
     }
+    after = f.backend().Report();
     if (counts != nullptr) {
-      BOOST_TEST(attention_ops() - before == kSteps * c.num_hidden_layers, "one op a layer");
+      BOOST_TEST(attention_ops() - ops_before == kSteps * c.num_hidden_layers, "one op a layer");
     }
     return all;
   };
@@ -927,6 +931,14 @@ BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_ou
     BOOST_TEST(std::memcmp(got.data(), want.data(), got.size() * 4) == 0, "ring budget " << budget);
     BOOST_TEST(gpu->Report().ring_device_bytes <= budget);
     BOOST_TEST(gpu->Report().ring_device_bytes >= ring_bytes);
+    // The rings cached: each step after the first copies every sequence's new slot of each
+    // layer, and each layer's slots in one copy.
+    if (budget > 3 * ring_bytes) {
+      const uint64_t layer_steps =
+          uint64_t{kSteps - 1} * static_cast<uint64_t>(c.num_hidden_layers);
+      BOOST_TEST(after.ring_slots_copied - before.ring_slots_copied == layer_steps * count);
+      BOOST_TEST(after.ring_uploads - before.ring_uploads == layer_steps);
+    }
   }
 }
 

@@ -2162,6 +2162,34 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
   }
 }
 
+// Runs of bytes spread by one kernel (ScatterOnDevice): runs of 1 to 700 bytes, at odd offsets
+// in the source and odd targets, land where each says and nothing else changes.
+BOOST_AUTO_TEST_CASE(scattered_runs_land_where_each_says) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> byte(0, 255);
+  const std::vector<std::pair<uint64_t, uint64_t>> pieces = {
+      // (bytes, target offset)
+      {1, 3}, {17, 40}, {528, 101}, {700, 1000}, {64, 2000}, {3, 1717}};
+  std::vector<uint8_t> src(1400);
+  for (uint8_t& b : src) b = static_cast<uint8_t>(byte(rng));
+  std::vector<uint8_t> target(2100, 0xAB), want = target;
+  Dev<uint8_t> dtarget(target), dsrc(src);
+  std::vector<gpu::ByteRun> runs;
+  uint64_t from = 5;
+  for (const auto& [bytes, at] : pieces) {
+    runs.push_back({dtarget.get() + at, from, bytes});
+    std::memcpy(&want[at], &src[from], bytes);
+    from += bytes % 3 == 0 ? bytes : bytes + 1;
+  }
+  BOOST_REQUIRE(from <= src.size());
+  Dev<gpu::ByteRun> druns(runs);
+  BOOST_REQUIRE(gpu::ScatterOnDevice(dsrc.get(), druns.get(), 0).empty());
+  BOOST_TEST((dtarget.Host() == target));
+  BOOST_REQUIRE(
+      gpu::ScatterOnDevice(dsrc.get(), druns.get(), static_cast<int64_t>(runs.size())).empty());
+  BOOST_TEST((dtarget.Host() == want));
+}
+
 // The queries of several sequences in one call (token_sequence, sequences): each sequence its own
 // ring (two arrays, or interleaved with padded slots, as the backend's ring cache holds it, side
 // by side in one call), fresh rows, positions and block table, their queries interleaved in the
