@@ -1442,11 +1442,14 @@ Status Step::Index(int l, const float* qr, const float* weights) {
     visible[t] = (plan_.positions[t] + 1) / ratio;
     stride = std::max(stride, visible[t]);
   }
-  // Each row's sequence.
-  std::vector<size_t> seg_of(static_cast<size_t>(count));
+  // Each row's sequence, and each sequence's block table.
+  std::vector<int32_t> token_sequence(static_cast<size_t>(count));
+  std::vector<const int32_t*> tables(plan_.segments.size());
   for (size_t i = 0; i < plan_.segments.size(); ++i) {
     const ForwardPlan::Segment& sg = plan_.segments[i];
-    std::fill(seg_of.begin() + sg.offset, seg_of.begin() + sg.offset + sg.count, i);
+    std::fill(token_sequence.begin() + sg.offset, token_sequence.begin() + sg.offset + sg.count,
+              static_cast<int32_t>(i));
+    tables[i] = items_[i].state->blocks.data();
   }
   const KvBlockLayout::Source& src = m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
   const kernels::PagedRows key_codes = m_.Rows(src, src.key_codes);
@@ -1479,27 +1482,27 @@ Status Step::Index(int l, const float* qr, const float* weights) {
         use_mask = mask.data();
       }
     }
-    // One call per sequence (its block table) over its rows in this chunk.
-    for (int64_t a = t0; a < t0 + rows;) {
-      const size_t seg = seg_of[a];
-      const ForwardPlan::Segment& sg = plan_.segments[seg];
-      const int64_t b = std::min<int64_t>(t0 + rows, static_cast<int64_t>(sg.offset + sg.count));
-      FLASHD_OP(IndexerScores,
-                {.q = &iq[a * ih * idd],
-                 .weights = weights + a * ih,
-                 .tokens = b - a,
-                 .heads = ih,
-                 .dim = idd,
-                 .visible = &visible[a],
-                 .block_table = items_[seg].state->blocks.data(),
-                 .key_codes = key_codes,
-                 .key_scales = key_scales,
-                 .mask = use_mask == nullptr ? nullptr : use_mask + (a - t0) * stride,
-                 .stride = stride,
-                 .scores = &scores[(a - t0) * stride],
-                 .stream = &stream_});
-      a = b;
+    // One call over the chunk's rows, each reading its own sequence's block table.
+    kernels::IndexerScoreParams sp{.q = &iq[t0 * ih * idd],
+                                   .weights = weights + t0 * ih,
+                                   .tokens = rows,
+                                   .heads = ih,
+                                   .dim = idd,
+                                   .visible = &visible[t0],
+                                   .key_codes = key_codes,
+                                   .key_scales = key_scales,
+                                   .mask = use_mask,
+                                   .stride = stride,
+                                   .scores = scores.data(),
+                                   .stream = &stream_};
+    if (token_sequence[t0] == token_sequence[t0 + rows - 1]) {  // One sequence's rows.
+      sp.block_table = tables[token_sequence[t0]];
+    } else {
+      sp.token_sequence = &token_sequence[t0];
+      sp.block_tables = tables.data();
+      sp.sequence_count = static_cast<int64_t>(tables.size());
     }
+    FLASHD_OP(IndexerScores, sp);
     if (lp.is_candidate_source) {
       // Level one: the best blocks of candidate_block_size entries; the newest pinned.
       const int64_t blocks = (stride + bs - 1) / bs;

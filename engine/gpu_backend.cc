@@ -1258,8 +1258,16 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus IndexerScores(const k::IndexerScoreParams& p) const override {
-    int64_t visible = 0;
-    for (int64_t t = 0; t < p.tokens; ++t) visible = std::max(visible, p.visible[t]);
+    const bool several = p.token_sequence != nullptr;
+    const int64_t count = several ? p.sequence_count : 1;
+    if (several && (p.block_tables == nullptr || count <= 0)) return OpStatus::kBadShape;
+    // Per sequence: the most entries its queries see.
+    std::vector<int64_t> visible(static_cast<size_t>(count), 0);
+    for (int64_t t = 0; t < p.tokens; ++t) {
+      const int64_t s = several ? p.token_sequence[t] : 0;
+      if (s < 0 || s >= count) return OpStatus::kBadShape;
+      visible[s] = std::max(visible[s], p.visible[t]);
+    }
     return Run([&](Call& c) {
       k::IndexerScoreParams d = p;
       d.stream = nullptr;
@@ -1267,9 +1275,23 @@ class GpuBackend final : public Backend {
       d.weights = c.In(p.weights, p.tokens * p.heads);
       d.visible = c.In(p.visible, p.tokens);
       const int64_t per_block = std::max<int64_t>(p.key_codes.rows_per_block, 1);
-      const int64_t blocks = (visible + per_block - 1) / per_block;
-      d.block_table = c.In(p.block_table, blocks);
-      c.Blocks(TableRows(p.block_table, blocks, per_block), {&d.key_codes, &d.key_scales}, false);
+      // Each sequence's table on the device, the pool rows of all of them mapped at once.
+      std::vector<const int32_t*> tables(visible.size());
+      std::vector<int64_t> rows;
+      for (size_t s = 0; s < visible.size(); ++s) {
+        const int32_t* table = several ? p.block_tables[s] : p.block_table;
+        const int64_t blocks = (visible[s] + per_block - 1) / per_block;
+        tables[s] = c.In(table, blocks);
+        const std::vector<int64_t> r = TableRows(table, blocks, per_block);
+        rows.insert(rows.end(), r.begin(), r.end());
+      }
+      if (several) {
+        d.token_sequence = c.In(p.token_sequence, p.tokens);
+        d.block_tables = c.In(tables.data(), count);
+      } else {
+        d.block_table = tables[0];
+      }
+      c.Blocks(rows, {&d.key_codes, &d.key_scales}, false);
       d.mask = c.In(p.mask, p.tokens * p.stride);
       d.scores = c.Out(p.scores, p.tokens * p.stride);
       return Launch(c, [&] { return g::IndexerScores(d); });

@@ -252,7 +252,8 @@ struct CompressWriteParams {
 // entries j < visible[t] of query t (all of one sequence), key_j decoded exactly from its FP4
 // codes and UE8M0 scales at row BlockRow(block_table, j); the dot product sums in eight lanes
 // (element d in lane d % 8, lanes added pairwise at the end). Entries with mask[t, j] == 0 (when
-// a mask is given) and entries past visible[t] score -inf.
+// a mask is given) and entries past visible[t] score -inf. The queries of several sequences may
+// share a call (token_sequence, block_tables): each reads its own sequence's entries.
 struct IndexerScoreParams {
   const float* q = nullptr;        // [tokens, heads, dim], rotated and FP4 round-tripped
   const float* weights = nullptr;  // [tokens, heads]
@@ -264,6 +265,16 @@ struct IndexerScoreParams {
   int64_t stride = 0;
   float* scores = nullptr;  // [tokens, stride]
   void* stream = nullptr;
+  // Optional: [tokens] each query's sequence, an index into block_tables [sequence_count], which
+  // then replace block_table. Null: one sequence.
+  const int32_t* token_sequence = nullptr;
+  const int32_t* const* block_tables = nullptr;
+  int64_t sequence_count = 0;
+
+  // Query t's block table.
+  FLASHD_OPS_HD const int32_t* TableOf(int64_t t) const {
+    return token_sequence != nullptr ? block_tables[token_sequence[t]] : block_table;
+  }
 };
 
 // The pool row of a sequence's entry j: its block from the block table, its row within it.

@@ -73,9 +73,19 @@ DotFn PickDot8() {
 }
 
 bool ScoreShapeOk(const IndexerScoreParams& p) {
-  return p.tokens >= 0 && p.heads > 0 && p.dim > 0 && p.dim % 32 == 0 && p.stride >= 0 &&
-         (p.tokens == 0 || p.visible != nullptr) &&
-         (p.stride == 0 || p.tokens == 0 || (p.scores != nullptr && p.block_table != nullptr));
+  if (p.tokens < 0 || p.heads <= 0 || p.dim <= 0 || p.dim % 32 != 0 || p.stride < 0 ||
+      (p.tokens > 0 && p.visible == nullptr)) {
+    return false;
+  }
+  if (p.stride == 0 || p.tokens == 0) return true;
+  if (p.scores == nullptr) return false;
+  if (p.token_sequence == nullptr) return p.block_table != nullptr;
+  if (p.block_tables == nullptr) return false;
+  for (int64_t t = 0; t < p.tokens; ++t) {
+    const int32_t s = p.token_sequence[t];
+    if (s < 0 || s >= p.sequence_count || p.block_tables[s] == nullptr) return false;
+  }
+  return true;
 }
 
 // One query's score for one decoded key.
@@ -133,7 +143,7 @@ OpStatus IndexerScoresRef(const IndexerScoreParams& p) {
     std::fill(score, score + p.stride, kNegInf);
     for (int64_t j = 0; j < std::min(p.visible[t], p.stride); ++j) {
       if (p.mask != nullptr && p.mask[t * p.stride + j] == 0) continue;
-      const int64_t row = BlockRow(p.block_table, p.key_codes.rows_per_block, j);
+      const int64_t row = BlockRow(p.TableOf(t), p.key_codes.rows_per_block, j);
       DequantizeFp4E8M0(p.key_codes.Row(row), p.key_scales.Row(row), dim, 32, key.data());
       score[j] = Score(p.q + t * p.heads * p.dim, p.weights + t * p.heads, key.data(), p.heads, dim,
                        Dot8Plain);
@@ -146,36 +156,49 @@ OpStatus IndexerScores(const IndexerScoreParams& p) {
   if (!ScoreShapeOk(p)) return OpStatus::kBadShape;
   static const DotFn dot = PickDot8();
   const size_t dim = static_cast<size_t>(p.dim);
+  // The queries of each sequence, and the most entries any of them sees.
+  struct Group {
+    std::vector<int64_t> tokens;
+    int64_t widest = 0;
+  };
+  std::vector<Group> groups(p.token_sequence != nullptr ? static_cast<size_t>(p.sequence_count)
+                                                        : 1);
   int64_t widest = 0;
   for (int64_t t = 0; t < p.tokens; ++t) {
     std::fill(p.scores + t * p.stride, p.scores + (t + 1) * p.stride, kNegInf);
-    widest = std::max(widest, std::min(p.visible[t], p.stride));
+    Group& g = groups[p.token_sequence != nullptr ? p.token_sequence[t] : 0];
+    g.tokens.push_back(t);
+    g.widest = std::max(g.widest, std::min(p.visible[t], p.stride));
+    widest = std::max(widest, g.widest);
   }
   const float* pairs = E2M1PairTable();
-  // Entry-major: each key is decoded once, exactly (an E2M1 value times a power of two), and
-  // scored for every query of the call that sees it.
+  // Entry-major: each sequence's key is decoded once, exactly (an E2M1 value times a power of
+  // two), and scored for every query of the sequence that sees it.
   ParallelRanges(
       static_cast<size_t>(widest), StreamThreads(p.stream),
       [&](size_t begin, size_t end) {
         std::vector<float> key(dim);
         for (size_t j = begin; j < end; ++j) {
-          const int64_t row =
-              BlockRow(p.block_table, p.key_codes.rows_per_block, static_cast<int64_t>(j));
-          const uint8_t* codes = p.key_codes.Row(row);
-          const uint8_t* scales = p.key_scales.Row(row);
-          for (size_t b = 0; b < dim / 32; ++b) {
-            const float s = E8M0ToFloat(scales[b]);
-            for (size_t i = 0; i < 16; ++i) {
-              const float* pair = pairs + 2 * codes[b * 16 + i];
-              key[b * 32 + 2 * i] = pair[0] * s;
-              key[b * 32 + 2 * i + 1] = pair[1] * s;
+          for (const Group& g : groups) {
+            if (static_cast<int64_t>(j) >= g.widest) continue;
+            const int64_t row = BlockRow(p.TableOf(g.tokens.front()), p.key_codes.rows_per_block,
+                                         static_cast<int64_t>(j));
+            const uint8_t* codes = p.key_codes.Row(row);
+            const uint8_t* scales = p.key_scales.Row(row);
+            for (size_t b = 0; b < dim / 32; ++b) {
+              const float s = E8M0ToFloat(scales[b]);
+              for (size_t i = 0; i < 16; ++i) {
+                const float* pair = pairs + 2 * codes[b * 16 + i];
+                key[b * 32 + 2 * i] = pair[0] * s;
+                key[b * 32 + 2 * i + 1] = pair[1] * s;
+              }
             }
-          }
-          for (int64_t t = 0; t < p.tokens; ++t) {
-            if (static_cast<int64_t>(j) >= p.visible[t]) continue;
-            if (p.mask != nullptr && p.mask[t * p.stride + j] == 0) continue;
-            p.scores[t * p.stride + j] = Score(p.q + t * p.heads * p.dim, p.weights + t * p.heads,
-                                               key.data(), p.heads, dim, dot);
+            for (const int64_t t : g.tokens) {
+              if (static_cast<int64_t>(j) >= p.visible[t]) continue;
+              if (p.mask != nullptr && p.mask[t * p.stride + j] == 0) continue;
+              p.scores[t * p.stride + j] = Score(p.q + t * p.heads * p.dim, p.weights + t * p.heads,
+                                                 key.data(), p.heads, dim, dot);
+            }
           }
         }
       },

@@ -23,7 +23,7 @@ __global__ void ScoreKernel(IndexerScoreParams p) {
     p.scores[i] = -INFINITY;
     return;
   }
-  const int64_t row = BlockRow(p.block_table, p.key_codes.rows_per_block, j);
+  const int64_t row = BlockRow(p.TableOf(t), p.key_codes.rows_per_block, j);
   const uint8_t* codes = p.key_codes.Row(row);
   const uint8_t* scales = p.key_scales.Row(row);
   float total = 0;
@@ -85,7 +85,10 @@ __global__ void CandidateKernel(CandidateFilterParams p) {
 OpStatus IndexerScores(const IndexerScoreParams& p) {
   if (p.tokens < 0 || p.heads <= 0 || p.dim <= 0 || p.dim % 32 != 0 || p.stride < 0 ||
       (p.tokens > 0 && p.visible == nullptr) ||
-      (p.stride > 0 && p.tokens > 0 && (p.scores == nullptr || p.block_table == nullptr))) {
+      (p.stride > 0 && p.tokens > 0 &&
+       (p.scores == nullptr ||
+        (p.token_sequence == nullptr ? p.block_table == nullptr
+                                     : p.block_tables == nullptr || p.sequence_count <= 0)))) {
     return OpStatus::kBadShape;
   }
   const int64_t n = p.tokens * p.stride;

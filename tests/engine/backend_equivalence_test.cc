@@ -867,10 +867,11 @@ BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
   BOOST_TEST(gpu->Report().uploads_queued - before.uploads_queued == op_copies + 1);
 }
 
-// A batched decode step attends once a layer, every sequence's queries in one op, and gives the
-// CPU's logits for every sequence: with the rings kept on the device, and with a ring budget of
-// one ring and a half, where each op finds room for one sequence's ring (the others' copied for
-// it alone, in the host's layout, in the same op) and no ring an op reads is dropped before it.
+// A batched decode step attends once a layer, every sequence's queries in one op, scores the
+// indexer's entries once an indexing layer, and gives the CPU's logits for every sequence: with the
+// rings kept on the device, and with a ring budget of one ring and a half, where each op finds room
+// for one sequence's ring (the others' copied for it alone, in the host's layout, in the same op)
+// and no ring an op reads is dropped before it.
 BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_out_of_the_cache) {
   const Pair& p = Load();
   const ModelConfig& c = p.cpu->config();
@@ -889,12 +890,10 @@ BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_ou
       BOOST_REQUIRE(f.Forward(&st[i], Prompt(i % runs), &logits[i]).ok());
     }
     std::vector<float> all;
-    const auto attention_ops = [&] {
-      return counts != nullptr && counts->contains("SparseAttention")
-                 ? counts->at("SparseAttention")
-                 : 0;
+    const auto ops = [&](const char* name) {
+      return counts != nullptr && counts->contains(name) ? counts->at(name) : 0;
     };
-    const int ops_before = attention_ops();
+    const int attention_before = ops("SparseAttention"), index_before = ops("IndexerScores");
     for (int step = 0; step < kSteps; ++step) {
       // The first step reads each ring whole (the prompt wrote it); the later ones, a slot.
       if (step == 1) before = f.backend().Report();
@@ -910,7 +909,11 @@ BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_ou
     }
     after = f.backend().Report();
     if (counts != nullptr) {
-      BOOST_TEST(attention_ops() - ops_before == kSteps * c.num_hidden_layers, "one op a layer");
+      int index_layers = 0;
+      for (const LayerPlan& l : c.layers) index_layers += l.is_index_source ? 1 : 0;
+      BOOST_TEST(ops("SparseAttention") - attention_before == kSteps * c.num_hidden_layers);
+      BOOST_TEST(ops("IndexerScores") - index_before == kSteps * index_layers);
+      BOOST_TEST(index_layers > 0);
     }
     return all;
   };

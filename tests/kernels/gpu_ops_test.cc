@@ -2162,6 +2162,113 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
   }
 }
 
+// Index scores of several sequences' queries in one call (token_sequence, block_tables), the
+// queries interleaved and each sequence's table of its own length: each query's scores are those
+// of a call of its own, on the CPU (both paths) and on the device.
+BOOST_AUTO_TEST_CASE(indexer_scores_of_several_sequences_bit_equal) {
+  std::mt19937 rng(13);
+  const int64_t heads = 3, dim = 64, per = 16, nblocks = 6, stride = 90;
+  const size_t bytes = per * (dim / 2 + dim / 32);
+  std::vector<std::vector<uint8_t>> host(nblocks, std::vector<uint8_t>(bytes));
+  for (auto& b : host) {
+    for (int64_t r = 0; r < per; ++r) {
+      std::vector<float> k = Normal(rng, dim, 2.0f);
+      cpu::QuantizeFp4E8M0(k.data(), dim, 32, b.data() + r * dim / 2,
+                           b.data() + per * dim / 2 + r * dim / 32);
+    }
+  }
+  Blocks blocks;
+  blocks.host = host;
+  blocks.Upload();
+  const PagedRows codes{blocks.host_table.data(), per, 0, static_cast<size_t>(dim / 2)};
+  const PagedRows scales{blocks.host_table.data(), per, static_cast<size_t>(per * dim / 2),
+                         static_cast<size_t>(dim / 32)};
+  // Three sequences' tables: 2, 6 and 4 blocks (32, 96 and 64 entries at most).
+  const std::vector<std::vector<int32_t>> tables = {{5, 1}, {4, 2, 0, 2, 5, 1}, {3, 3, 0, 4}};
+  for (const int64_t tokens : {int64_t{3}, int64_t{7}, int64_t{40}}) {
+    std::vector<float> q = Normal(rng, tokens * heads * dim), w = Normal(rng, tokens * heads);
+    cpu::FakeQuant({.x = q.data(),
+                    .n = static_cast<int64_t>(q.size()),
+                    .block = 32,
+                    .format = FakeQuantFormat::kFp4E8M0});
+    std::vector<int32_t> token_sequence(tokens);
+    std::vector<int64_t> visible(tokens);
+    std::vector<uint8_t> mask(tokens * stride);
+    for (size_t i = 0; i < mask.size(); ++i) mask[i] = (i * 5) % 4 != 0;
+    for (int64_t t = 0; t < tokens; ++t) {
+      token_sequence[t] = static_cast<int32_t>((t * 2 + t / 3) % 3);
+      const int64_t most = std::min<int64_t>(stride, tables[token_sequence[t]].size() * per);
+      visible[t] = std::uniform_int_distribution<int64_t>(0, most)(rng);
+    }
+    IndexerScoreParams one{
+        .heads = heads, .dim = dim, .key_codes = codes, .key_scales = scales, .stride = stride};
+    // Each query alone.
+    std::vector<float> want(tokens * stride);
+    for (int64_t t = 0; t < tokens; ++t) {
+      one.q = &q[t * heads * dim];
+      one.weights = &w[t * heads];
+      one.tokens = 1;
+      one.visible = &visible[t];
+      one.block_table = tables[token_sequence[t]].data();
+      one.mask = &mask[t * stride];
+      one.scores = &want[t * stride];
+      BOOST_REQUIRE(cpu::IndexerScoresRef(one) == OpStatus::kOk);
+    }
+    std::vector<const int32_t*> host_tables;
+    for (const auto& t : tables) host_tables.push_back(t.data());
+    IndexerScoreParams all{.q = q.data(),
+                           .weights = w.data(),
+                           .tokens = tokens,
+                           .heads = heads,
+                           .dim = dim,
+                           .visible = visible.data(),
+                           .key_codes = codes,
+                           .key_scales = scales,
+                           .mask = mask.data(),
+                           .stride = stride,
+                           .token_sequence = token_sequence.data(),
+                           .block_tables = host_tables.data(),
+                           .sequence_count = 3};
+    for (const bool reference : {true, false}) {
+      std::vector<float> got(want.size(), 7.0f);
+      all.scores = got.data();
+      BOOST_REQUIRE((reference ? cpu::IndexerScoresRef(all) : cpu::IndexerScores(all)) ==
+                    OpStatus::kOk);
+      BOOST_TEST(BitEqual(got, want), "CPU, reference " << reference << ", tokens " << tokens);
+    }
+    {
+      IndexerScoreParams bad = all;
+      std::vector<int32_t> wrong = token_sequence;
+      wrong.front() = 3;
+      bad.token_sequence = wrong.data();
+      BOOST_TEST((cpu::IndexerScores(bad) == OpStatus::kBadShape));
+    }
+    std::vector<std::unique_ptr<Dev<int32_t>>> dev_tables;
+    std::vector<const int32_t*> dev_table_ptrs;
+    for (const auto& t : tables) {
+      dev_tables.push_back(std::make_unique<Dev<int32_t>>(t));
+      dev_table_ptrs.push_back(dev_tables.back()->get());
+    }
+    Dev<const int32_t*> dtables(dev_table_ptrs);
+    Dev<int32_t> dts(token_sequence);
+    Dev<float> dq(q), dw(w), dscores(std::vector<float>(want.size(), 7.0f));
+    Dev<int64_t> dvis(visible);
+    Dev<uint8_t> dmask(mask);
+    IndexerScoreParams on = all;
+    on.q = dq.get();
+    on.weights = dw.get();
+    on.visible = dvis.get();
+    on.key_codes.blocks = blocks.dev_table->get();
+    on.key_scales.blocks = blocks.dev_table->get();
+    on.mask = dmask.get();
+    on.scores = dscores.get();
+    on.token_sequence = dts.get();
+    on.block_tables = dtables.get();
+    BOOST_REQUIRE(gpu::IndexerScores(on) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dscores.Host(), want), "device, tokens " << tokens);
+  }
+}
+
 // Runs of bytes spread by one kernel (ScatterOnDevice): runs of 1 to 700 bytes, at odd offsets
 // in the source and odd targets, land where each says and nothing else changes.
 BOOST_AUTO_TEST_CASE(scattered_runs_land_where_each_says) {
