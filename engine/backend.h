@@ -53,6 +53,8 @@ struct BackendReport {
   uint64_t uploads_queued = 0, uploads_waited = 0;
   // Kept buffers that start as zeros, cleared on the device instead of copied (KeepAs::kZeros).
   uint64_t bytes_zeroed = 0;
+  // Ops run on the device since start, each one kernel launch or a few.
+  uint64_t device_ops = 0;
 };
 
 // What a kept buffer's device copy starts as (Backend::Keep).

@@ -1061,6 +1061,7 @@ class GpuBackend final : public Backend {
     r.ring_device_bytes = memory_.rings.bytes();
     r.ring_slots_copied = memory_.rings.slots_copied();
     r.ring_uploads = memory_.rings.uploads();
+    r.device_ops = ops_;
     r.weight_bytes = memory_.weight_bytes();
     r.bytes_to_device = memory_.traffic.to_device;
     r.bytes_zeroed = memory_.traffic.zeroed;
@@ -1626,6 +1627,7 @@ class GpuBackend final : public Backend {
       return OpStatus::kDeviceError;
     }
     Call c(&memory_);
+    ++ops_;
     const OpStatus s = body(c);
     if (s == OpStatus::kDeviceError) last_error_ = c.error();
     return s;
@@ -1695,6 +1697,7 @@ class GpuBackend final : public Backend {
   mutable std::mutex mu_;
   mutable DeviceMemory memory_;
   mutable std::string last_error_;
+  mutable uint64_t ops_ = 0;  // Ops run on the device (Run), under mu_.
 };
 
 }  // namespace
