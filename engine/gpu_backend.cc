@@ -18,7 +18,8 @@
 // buffers that start as zeros are cleared there rather than copied. An op whose outputs all
 // stay on the device is not waited for. The
 // sequences' window rings stay on the device from step to step (RingCache below): a decode step
-// copies the ring slots the step before wrote, named by their versions. Everything else an op
+// copies the ring slots the step before wrote, named by their versions, all the slots of one op
+// (its sequences' rings) in one copy that a kernel spreads. Everything else an op
 // touches (buffers nobody kept, a ring without versions) is copied to device workspace for the
 // op and its outputs copied back. Copies to the device of up to 1 MiB (most of a step's) are
 // staged in pinned memory and queued behind the kernels (Traffic below), the host not waiting.
