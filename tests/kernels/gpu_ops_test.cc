@@ -1679,23 +1679,28 @@ BOOST_AUTO_TEST_CASE(compressor_pool_and_row_write) {
   }
 }
 
-// Index scores, bit-equal: keys decoded exactly, the same lanes and roundings; then the
-// candidate filter's mask.
-BOOST_AUTO_TEST_CASE(indexer_scores_and_candidates_bit_equal) {
-  std::mt19937 rng(12);
-  const int64_t heads = 3, dim = 64, per = 16, nblocks = 6;
-  const size_t bytes = per * (dim / 2 + dim / 32);
-  std::vector<std::vector<uint8_t>> host(nblocks, std::vector<uint8_t>(bytes));
-  for (auto& b : host) {
+// `count` blocks of `per` index keys each (FP4 codes, then UE8M0 scales per 32), on the host and
+// the device.
+Blocks IndexKeyBlocks(std::mt19937& rng, int64_t dim, int64_t per, int64_t count) {
+  Blocks blocks;
+  blocks.host.assign(count, std::vector<uint8_t>(per * (dim / 2 + dim / 32)));
+  for (auto& b : blocks.host) {
     for (int64_t r = 0; r < per; ++r) {
       std::vector<float> k = Normal(rng, dim, 2.0f);
       cpu::QuantizeFp4E8M0(k.data(), dim, 32, b.data() + r * dim / 2,
                            b.data() + per * dim / 2 + r * dim / 32);
     }
   }
-  Blocks blocks;
-  blocks.host = host;
   blocks.Upload();
+  return blocks;
+}
+
+// Index scores, bit-equal: keys decoded exactly, the same lanes and roundings; then the
+// candidate filter's mask.
+BOOST_AUTO_TEST_CASE(indexer_scores_and_candidates_bit_equal) {
+  std::mt19937 rng(12);
+  const int64_t heads = 3, dim = 64, per = 16, nblocks = 6;
+  Blocks blocks = IndexKeyBlocks(rng, dim, per, nblocks);
   uint8_t* const* host_table = blocks.host_table.data();
   uint8_t* const* dev_table = blocks.dev_table->get();
   const std::vector<int32_t> table = {4, 2, 0, 2, 5, 1};
@@ -2168,18 +2173,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
 BOOST_AUTO_TEST_CASE(indexer_scores_of_several_sequences_bit_equal) {
   std::mt19937 rng(13);
   const int64_t heads = 3, dim = 64, per = 16, nblocks = 6, stride = 90;
-  const size_t bytes = per * (dim / 2 + dim / 32);
-  std::vector<std::vector<uint8_t>> host(nblocks, std::vector<uint8_t>(bytes));
-  for (auto& b : host) {
-    for (int64_t r = 0; r < per; ++r) {
-      std::vector<float> k = Normal(rng, dim, 2.0f);
-      cpu::QuantizeFp4E8M0(k.data(), dim, 32, b.data() + r * dim / 2,
-                           b.data() + per * dim / 2 + r * dim / 32);
-    }
-  }
-  Blocks blocks;
-  blocks.host = host;
-  blocks.Upload();
+  Blocks blocks = IndexKeyBlocks(rng, dim, per, nblocks);
   const PagedRows codes{blocks.host_table.data(), per, 0, static_cast<size_t>(dim / 2)};
   const PagedRows scales{blocks.host_table.data(), per, static_cast<size_t>(per * dim / 2),
                          static_cast<size_t>(dim / 32)};
