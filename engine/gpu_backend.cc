@@ -696,7 +696,11 @@ class Call {
     memory_->pack.clear();
     memory_->rings.NewOp();
   }
-  ~Call() { memory_->Reset(); }
+  ~Call() {
+    // Ring slots prepared but never sent: their rings drop the versions they took.
+    if (!rings_.runs.empty()) memory_->rings.Sent(rings_, 0, false);
+    memory_->Reset();
+  }
 
   template <class T>
   const T* Weight(const T* host, int64_t count) {
@@ -853,9 +857,11 @@ class Call {
   // error.
   bool SendRings() {
     RingCache::Pending& pending = rings_;
-    if (pending.runs.empty() || !error_.empty()) return error_.empty();
+    if (pending.runs.empty()) return error_.empty();
     bool ok = false;
-    if (pending.runs.size() == 1) {
+    if (!error_.empty()) {
+      // Not sent: the rings drop the versions they took (below).
+    } else if (pending.runs.size() == 1) {
       ok = Check(
           memory_->traffic.Up(pending.runs[0].to, pending.bytes.data(), pending.bytes.size()));
     } else {

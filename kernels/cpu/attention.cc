@@ -54,10 +54,14 @@ OpStatus SparseAttention(const SparseAttentionParams& p) {
                                        (p.selected_stride > 0 && p.selected == nullptr)))) {
     return OpStatus::kBadShape;
   }
+  // Several sequences: each query's sequence, and its block table where the query reads an
+  // entry (a sequence without entries yet may have none).
   for (int64_t t = 0; p.token_sequence != nullptr && t < p.tokens; ++t) {
     const int32_t s = p.token_sequence[t];
-    if (s < 0 || s >= p.sequence_count ||
-        (p.selected_stride > 0 && p.sequences[s].block_table == nullptr)) {
+    if (s < 0 || s >= p.sequence_count) return OpStatus::kBadShape;
+    const int64_t* row = p.selected + t * p.selected_stride;
+    if (p.sequences[s].block_table == nullptr &&
+        std::any_of(row, row + p.selected_stride, [](int64_t e) { return e >= 0; })) {
       return OpStatus::kBadShape;
     }
   }

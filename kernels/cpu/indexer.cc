@@ -81,9 +81,12 @@ bool ScoreShapeOk(const IndexerScoreParams& p) {
   if (p.scores == nullptr) return false;
   if (p.token_sequence == nullptr) return p.block_table != nullptr;
   if (p.block_tables == nullptr) return false;
+  // Each query's sequence, and its block table where the query sees an entry (a sequence without
+  // entries yet may have none).
   for (int64_t t = 0; t < p.tokens; ++t) {
     const int32_t s = p.token_sequence[t];
-    if (s < 0 || s >= p.sequence_count || p.block_tables[s] == nullptr) return false;
+    if (s < 0 || s >= p.sequence_count) return false;
+    if (p.block_tables[s] == nullptr && std::min(p.visible[t], p.stride) > 0) return false;
   }
   return true;
 }

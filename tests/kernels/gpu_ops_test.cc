@@ -2260,6 +2260,37 @@ BOOST_AUTO_TEST_CASE(indexer_scores_of_several_sequences_bit_equal) {
     on.block_tables = dtables.get();
     BOOST_REQUIRE(gpu::IndexerScores(on) == OpStatus::kOk);
     BOOST_TEST(BitEqual(dscores.Host(), want), "device, tokens " << tokens);
+    // A fourth sequence with no entries yet, and so no block table, its query last: it scores
+    // -inf throughout, the others as before; given an entry to see, it is refused.
+    {
+      std::vector<float> q4 = q, w4 = w, got((tokens + 1) * stride, 7.0f);
+      q4.resize((tokens + 1) * heads * dim, 0.5f);
+      w4.resize((tokens + 1) * heads, 1.0f);
+      std::vector<int64_t> visible4 = visible;
+      visible4.push_back(0);
+      std::vector<uint8_t> mask4 = mask;
+      mask4.resize((tokens + 1) * stride, 1);
+      std::vector<int32_t> ts4 = token_sequence;
+      ts4.push_back(3);
+      std::vector<const int32_t*> tables4 = host_tables;
+      tables4.push_back(nullptr);
+      IndexerScoreParams four = all;
+      four.q = q4.data();
+      four.weights = w4.data();
+      four.tokens = tokens + 1;
+      four.visible = visible4.data();
+      four.mask = mask4.data();
+      four.token_sequence = ts4.data();
+      four.block_tables = tables4.data();
+      four.sequence_count = 4;
+      four.scores = got.data();
+      BOOST_REQUIRE(cpu::IndexerScores(four) == OpStatus::kOk);
+      std::vector<float> want4 = want;
+      want4.resize(got.size(), -std::numeric_limits<float>::infinity());
+      BOOST_TEST(BitEqual(got, want4), "a sequence without entries, tokens " << tokens);
+      visible4.back() = 1;
+      BOOST_TEST((cpu::IndexerScores(four) == OpStatus::kBadShape));
+    }
   }
 }
 
@@ -2466,6 +2497,27 @@ BOOST_AUTO_TEST_CASE(sparse_attention_of_several_sequences_bit_equal) {
       wrong.back() = static_cast<int32_t>(S);
       bad.token_sequence = wrong.data();
       BOOST_TEST((cpu::SparseAttention(bad) == OpStatus::kBadShape));
+    }
+    // A sequence with no entries yet may come without a block table: its queries' selection rows
+    // all -1, the results those of its table given; an entry to read without one is refused.
+    if (width > 0) {
+      std::vector<int64_t> none = sel;
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (token_sequence[t] == 0) std::fill_n(&none[t * width], width, -1);
+      }
+      std::vector<AttentionSequence> tableless = host_seqs;
+      tableless[0].block_table = nullptr;
+      std::vector<float> with(want.size()), without(want.size(), -1.0f);
+      SparseAttentionParams a = all;
+      a.selected = none.data();
+      a.out = with.data();
+      BOOST_REQUIRE(cpu::SparseAttention(a) == OpStatus::kOk);
+      a.sequences = tableless.data();
+      a.out = without.data();
+      BOOST_REQUIRE(cpu::SparseAttention(a) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(without, with));
+      a.selected = sel.data();
+      BOOST_TEST((cpu::SparseAttention(a) == OpStatus::kBadShape));
     }
     // On the device: the sequences' rings, fresh rows and tables there, and every layout.
     std::vector<std::unique_ptr<Dev<uint8_t>>> rings, scales;
