@@ -420,7 +420,7 @@ class Step {
   Status Attend(int l, const std::vector<float>& q, const std::vector<float>& kv,
                 std::vector<float>* o);
   Status Output(int l, const std::vector<float>& o);
-  Status Compress(int l, size_t seg, const float* kvp, const float* score);
+  Status Compress(int l, const float* kvp, const float* score);
   Status Index(int l, const float* qr, const float* weights);
   Status Moe(int l);
   Status GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
@@ -1289,8 +1289,8 @@ Status Step::Attention(int l) {
   const size_t rows_hd = static_cast<size_t>(rows * hd);
   std::vector<float> qr(static_cast<size_t>(rows * c_.q_lora_rank));
   std::vector<float> q(static_cast<size_t>(rows * H * hd)), kv(rows_hd);
-  // The compressor's projections, then per sequence its entries, the selections of all rows
-  // and per sequence its attention.
+  // The compressor's projections and every sequence's entries, then the selections and the
+  // attention of all rows.
   std::vector<float> kvp(lp.is_kv_source ? rows_hd : 0);
   std::vector<float> score(lp.is_kv_source && lp.compress_ratio > 1 ? rows_hd : 0);
   std::vector<float> iw(lp.is_index_source ? static_cast<size_t>(rows * c_.index_n_heads) : 0);
@@ -1310,100 +1310,135 @@ Status Step::Attention(int l) {
         static_cast<float>(std::pow(double(idd), -0.5) * std::pow(double(ih), -0.5));
     FLASHD_OP(RoundBf16, {.x = iw.data(), .n = static_cast<int64_t>(iw.size()), .scale = wscale});
   }
+  if (lp.is_kv_source) {
+    FLASHD_RETURN_IF_ERROR(Compress(l, kvp.data(), score.empty() ? nullptr : score.data()));
+  }
+  // A sequence under verification keeps its rows' projections, to replay the groups of the
+  // tokens it accepts.
   for (size_t i = 0; i < plan_.segments.size(); ++i) {
     const ForwardPlan::Segment& sg = plan_.segments[i];
-    if (lp.is_kv_source) {
-      FLASHD_RETURN_IF_ERROR(
-          Compress(l, i, &kvp[sg.offset * hd], score.empty() ? nullptr : &score[sg.offset * hd]));
-      if (items_[i].accept && lp.compress_ratio > 1) {
-        FLASHD_RETURN_IF_ERROR(ToHost(kvp));
-        FLASHD_RETURN_IF_ERROR(ToHost(score));
-        if (compressor_rows_.empty()) compressor_rows_.resize(plan_.segments.size());
-        compressor_rows_[i].resize(static_cast<size_t>(c_.num_hidden_layers));
-        CompressorRows& cr = compressor_rows_[i][l];
-        cr.kv.assign(kvp.begin() + sg.offset * hd, kvp.begin() + (sg.offset + sg.count) * hd);
-        cr.score.assign(score.begin() + sg.offset * hd,
-                        score.begin() + (sg.offset + sg.count) * hd);
-      }
+    if (lp.is_kv_source && items_[i].accept && lp.compress_ratio > 1) {
+      FLASHD_RETURN_IF_ERROR(ToHost(kvp));
+      FLASHD_RETURN_IF_ERROR(ToHost(score));
+      if (compressor_rows_.empty()) compressor_rows_.resize(plan_.segments.size());
+      compressor_rows_[i].resize(static_cast<size_t>(c_.num_hidden_layers));
+      CompressorRows& cr = compressor_rows_[i][l];
+      cr.kv.assign(kvp.begin() + sg.offset * hd, kvp.begin() + (sg.offset + sg.count) * hd);
+      cr.score.assign(score.begin() + sg.offset * hd, score.begin() + (sg.offset + sg.count) * hd);
     }
   }
   // The selections of every sequence at once (a sequence's compressed entries are written above,
-  // each into its own blocks), then each sequence's attention.
+  // each into its own blocks), then the attention of all.
   if (lp.is_index_source) FLASHD_RETURN_IF_ERROR(Index(l, qr.data(), iw.data()));
   FLASHD_RETURN_IF_ERROR(Attend(l, q, kv, &o));
   return Output(l, o);
 }
 
-// Compressed KV of one sequence, written by a KV source before anyone reads it.
-Status Step::Compress(int l, size_t seg, const float* kvp, const float* score) {
+// Compressed KV of every sequence of the step, written by a KV source before anyone reads it: each
+// op once for all the sequences (the pooling keeps each sequence's partial group its own), the
+// entries in the sequences' order.
+Status Step::Compress(int l, const float* kvp, const float* score) {
   const Layer& L = m_.layers[l];
   const LayerPlan& lp = m_.Plan(l);
-  const ForwardPlan::Segment& sg = plan_.segments[seg];
   const int64_t hd = c_.head_dim, idd = c_.index_head_dim;
   const float eps = static_cast<float>(c_.rms_norm_eps);
   const int source = m_.layout->source_of_layer[l];
-  const ForwardPlan::Groups& groups = plan_.groups[seg][source];
-  const int64_t count = static_cast<int64_t>(groups.positions.size());
-  std::vector<float> latents(static_cast<size_t>(count * hd));
-  std::vector<float> keys(lp.owns_index_keys ? static_cast<size_t>(count * idd) : 0);
+  const size_t count = plan_.segments.size();
+  // The groups each sequence completes, one sequence after another.
+  std::vector<int64_t> positions, rows;
+  for (size_t i = 0; i < count; ++i) {
+    const ForwardPlan::Groups& g = plan_.groups[i][source];
+    positions.insert(positions.end(), g.positions.begin(), g.positions.end());
+    rows.insert(rows.end(), g.rows.begin(), g.rows.end());
+  }
+  const int64_t groups = static_cast<int64_t>(positions.size());
+  std::vector<float> latents(static_cast<size_t>(groups * hd));
+  std::vector<float> keys(lp.owns_index_keys ? static_cast<size_t>(groups * idd) : 0);
   const Kept kept(this, {&latents, &keys});
   if (lp.compress_ratio == 1) {
+    // Every row is a group of its own.
+    if (groups != static_cast<int64_t>(n())) {
+      return Internal("compressor: a ratio-1 source's groups are not the step's rows");
+    }
     FLASHD_OP(CopyRows, {.src = kvp,
                          .src_stride = hd,
-                         .rows = count,
+                         .rows = groups,
                          .cols = hd,
                          .dst = latents.data(),
                          .dst_stride = hd});
     FLASHD_OP(RmsNorm, {.x = latents.data(),
-                        .rows = count,
+                        .rows = groups,
                         .dim = hd,
                         .stride = hd,
                         .weight = L.comp_norm.data(),
                         .eps = eps,
                         .round_input = true});
   } else {
-    SequenceState::Compressor& comp = compressors_[seg][l];
-    FLASHD_OP(CompressPool, {.kv = kvp,
-                             .score = score,
-                             .rows = static_cast<int64_t>(sg.count),
-                             .dim = hd,
-                             .ratio = lp.compress_ratio,
-                             .positions = &plan_.positions[sg.offset],
-                             .kv_partial = comp.kv_partial.data(),
-                             .score_partial = comp.score_partial.data(),
-                             .pooled = latents.data()});
-    FLASHD_OP(RmsNorm, {.x = latents.data(),
-                        .rows = count,
-                        .dim = hd,
-                        .stride = hd,
-                        .weight = L.comp_norm.data(),
-                        .eps = eps});
+    std::vector<int64_t> sequence_rows;
+    std::vector<float*> kv_partials, score_partials;
+    for (size_t i = 0; i < count; ++i) {
+      SequenceState::Compressor& comp = compressors_[i][l];
+      sequence_rows.push_back(static_cast<int64_t>(plan_.segments[i].offset));
+      kv_partials.push_back(comp.kv_partial.data());
+      score_partials.push_back(comp.score_partial.data());
+    }
+    sequence_rows.push_back(static_cast<int64_t>(n()));
+    kernels::CompressPoolParams pool{.kv = kvp,
+                                     .score = score,
+                                     .rows = static_cast<int64_t>(n()),
+                                     .dim = hd,
+                                     .ratio = lp.compress_ratio,
+                                     .positions = plan_.positions.data(),
+                                     .pooled = latents.data()};
+    if (count == 1) {  // One sequence: its partial groups in the op's own fields.
+      pool.kv_partial = kv_partials[0];
+      pool.score_partial = score_partials[0];
+    } else {
+      pool.sequence_rows = sequence_rows.data();
+      pool.kv_partials = kv_partials.data();
+      pool.score_partials = score_partials.data();
+      pool.sequence_count = static_cast<int64_t>(count);
+    }
+    FLASHD_OP(CompressPool, pool);
+    if (groups > 0) {
+      FLASHD_OP(RmsNorm, {.x = latents.data(),
+                          .rows = groups,
+                          .dim = hd,
+                          .stride = hd,
+                          .weight = L.comp_norm.data(),
+                          .eps = eps});
+    }
   }
-  if (!keys.empty()) {
-    FLASHD_RETURN_IF_ERROR(Apply(L.idx_wk, latents.data(), count, keys.data()));
+  if (groups > 0 && !keys.empty()) {
+    FLASHD_RETURN_IF_ERROR(Apply(L.idx_wk, latents.data(), groups, keys.data()));
     FLASHD_OP(RmsNorm, {.x = keys.data(),
-                        .rows = count,
+                        .rows = groups,
                         .dim = idd,
                         .stride = idd,
                         .weight = L.idx_k_norm.data(),
                         .eps = eps,
                         .round_input = true});
   }
-  const KvBlockLayout::Source& src = m_.layout->sources[source];
-  FLASHD_OP(CompressWrite, {.latent = latents.data(),
-                            .key = keys.empty() ? nullptr : keys.data(),
-                            .groups = count,
-                            .head_dim = hd,
-                            .index_dim = idd,
-                            .rope_dim = c_.qk_rope_head_dim,
-                            .positions = groups.positions.data(),
-                            .freqs = L.freqs.data(),
-                            .rows = groups.rows.data(),
-                            .kv_codes = m_.Rows(src, src.kv_codes),
-                            .kv_scales = m_.Rows(src, src.kv_scales),
-                            .key_codes = m_.Rows(src, src.key_codes),
-                            .key_scales = m_.Rows(src, src.key_scales)});
-  compressors_[seg][l].entries = groups.first_entry + count;
+  if (groups > 0) {
+    const KvBlockLayout::Source& src = m_.layout->sources[source];
+    FLASHD_OP(CompressWrite, {.latent = latents.data(),
+                              .key = keys.empty() ? nullptr : keys.data(),
+                              .groups = groups,
+                              .head_dim = hd,
+                              .index_dim = idd,
+                              .rope_dim = c_.qk_rope_head_dim,
+                              .positions = positions.data(),
+                              .freqs = L.freqs.data(),
+                              .rows = rows.data(),
+                              .kv_codes = m_.Rows(src, src.kv_codes),
+                              .kv_scales = m_.Rows(src, src.kv_scales),
+                              .key_codes = m_.Rows(src, src.key_codes),
+                              .key_scales = m_.Rows(src, src.key_scales)});
+  }
+  for (size_t i = 0; i < count; ++i) {
+    const ForwardPlan::Groups& g = plan_.groups[i][source];
+    compressors_[i][l].entries = g.first_entry + static_cast<int64_t>(g.positions.size());
+  }
   return Status::Ok();
 }
 

@@ -1233,14 +1233,32 @@ class GpuBackend final : public Backend {
     for (int64_t r = 0; r < p.rows && p.ratio > 0; ++r) {
       if ((p.positions[r] + 1) % p.ratio == 0) ++completing;
     }
+    const bool several = p.sequence_rows != nullptr;
+    if (several &&
+        (p.sequence_count <= 0 || p.kv_partials == nullptr || p.score_partials == nullptr ||
+         p.sequence_rows[0] != 0 || p.sequence_rows[p.sequence_count] != p.rows)) {
+      return OpStatus::kBadShape;
+    }
     return Run([&](Call& c) {
       k::CompressPoolParams d = p;
       d.stream = nullptr;
       d.kv = c.In(p.kv, p.rows * p.dim);
       d.score = c.In(p.score, p.rows * p.dim);
       d.positions = c.In(p.positions, p.rows);
-      d.kv_partial = c.InOut(p.kv_partial, p.ratio * p.dim);
-      d.score_partial = c.InOut(p.score_partial, p.ratio * p.dim);
+      // Each sequence's partial groups (kept on the device through a step), and a table of them.
+      std::vector<float*> kv_partials, score_partials;
+      for (int64_t s = 0; several && s < p.sequence_count; ++s) {
+        kv_partials.push_back(c.InOut(p.kv_partials[s], p.ratio * p.dim));
+        score_partials.push_back(c.InOut(p.score_partials[s], p.ratio * p.dim));
+      }
+      if (several) {
+        d.sequence_rows = c.In(p.sequence_rows, p.sequence_count + 1);
+        d.kv_partials = c.In(kv_partials.data(), p.sequence_count);
+        d.score_partials = c.In(score_partials.data(), p.sequence_count);
+      } else {
+        d.kv_partial = c.InOut(p.kv_partial, p.ratio * p.dim);
+        d.score_partial = c.InOut(p.score_partial, p.ratio * p.dim);
+      }
       d.pooled = c.Out(p.pooled, completing * p.dim);
       return Launch(c, [&] { return g::CompressPool(d); });
     });

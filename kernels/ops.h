@@ -219,7 +219,9 @@ struct HcExpandParams {
 // Gated pooling of `ratio` consecutive tokens (ratio > 1): each row's projections go into slot
 // positions[r] % ratio of the sequence's partial group; a row that completes a group (position
 // + 1 a multiple of ratio) pools it: per dimension a softmax of the scores over the group weights
-// the values, rounded to BF16, written to pooled[g] for the g-th completing row.
+// the values, rounded to BF16, written to pooled[g] for the g-th completing row. One call may
+// pool the rows of several sequences, each into its own partial group (sequence_rows): the
+// sequences' rows one after another, pooled in row order across them.
 struct CompressPoolParams {
   const float* kv = nullptr;     // [rows, dim] fp32 projections
   const float* score = nullptr;  // [rows, dim]
@@ -229,6 +231,13 @@ struct CompressPoolParams {
   float* score_partial = nullptr;  // [ratio, dim]
   float* pooled = nullptr;         // [completing rows, dim]
   void* stream = nullptr;
+  // Optional: several sequences. [sequence_count + 1] row offsets (sequence s's rows are
+  // [sequence_rows[s], sequence_rows[s + 1]), the last rows), and each sequence's partial groups
+  // [sequence_count], which then replace kv_partial and score_partial.
+  const int64_t* sequence_rows = nullptr;
+  float* const* kv_partials = nullptr;
+  float* const* score_partials = nullptr;
+  int64_t sequence_count = 0;
 };
 
 // Writes compressed entries: each latent (normalised, not yet rotated) is rotated at its group's

@@ -14,6 +14,30 @@ OpStatus CompressPool(const CompressPoolParams& p) {
   if (p.rows < 0 || p.dim <= 0 || p.ratio < 2 || p.positions == nullptr) {
     return OpStatus::kBadShape;
   }
+  if (p.sequence_rows != nullptr) {
+    // Several sequences: each its rows into its own partial group, pooled in row order.
+    if (p.sequence_count <= 0 || p.kv_partials == nullptr || p.score_partials == nullptr ||
+        p.sequence_rows[0] != 0 || p.sequence_rows[p.sequence_count] != p.rows) {
+      return OpStatus::kBadShape;
+    }
+    int64_t pooled = 0;
+    for (int64_t s = 0; s < p.sequence_count; ++s) {
+      const int64_t r0 = p.sequence_rows[s], r1 = p.sequence_rows[s + 1];
+      if (r1 < r0) return OpStatus::kBadShape;
+      CompressPoolParams one = p;
+      one.sequence_rows = nullptr;
+      one.kv = p.kv + r0 * p.dim;
+      one.score = p.score + r0 * p.dim;
+      one.rows = r1 - r0;
+      one.positions = p.positions + r0;
+      one.kv_partial = p.kv_partials[s];
+      one.score_partial = p.score_partials[s];
+      one.pooled = p.pooled + pooled * p.dim;
+      if (const OpStatus st = CompressPool(one); st != OpStatus::kOk) return st;
+      for (int64_t t = r0; t < r1; ++t) pooled += (p.positions[t] + 1) % p.ratio == 0 ? 1 : 0;
+    }
+    return OpStatus::kOk;
+  }
   const int64_t dim = p.dim, ratio = p.ratio;
   const size_t bytes = static_cast<size_t>(dim) * sizeof(float);
   int64_t groups = 0;

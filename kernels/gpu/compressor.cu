@@ -16,13 +16,23 @@ namespace c = flashd::kernels::codecs;
 namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 128;
 
-__global__ void PoolKernel(const float* kv, const float* score, int64_t rows, int64_t dim,
-                           int64_t ratio, const int64_t* positions, float* kv_partial,
-                           float* score_partial, float* pooled) {
-  const int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+// Thread blocks (sequence, dimensions): with several sequences, each walks its own rows into its
+// own partial group, its first pooled row after the completing rows of the sequences before it.
+__global__ void PoolKernel(CompressPoolParams p, int64_t dim_blocks) {
+  const int64_t seq = blockIdx.x / dim_blocks, dim = p.dim, ratio = p.ratio;
+  const int64_t d = static_cast<int64_t>(blockIdx.x % dim_blocks) * blockDim.x + threadIdx.x;
   if (d >= dim) return;
+  const bool several = p.sequence_rows != nullptr;
+  const int64_t r0 = several ? p.sequence_rows[seq] : 0;
+  const int64_t r1 = several ? p.sequence_rows[seq + 1] : p.rows;
+  float* kv_partial = several ? p.kv_partials[seq] : p.kv_partial;
+  float* score_partial = several ? p.score_partials[seq] : p.score_partial;
   int64_t groups = 0;
-  for (int64_t t = 0; t < rows; ++t) {
+  for (int64_t t = 0; t < r0; ++t) groups += (p.positions[t] + 1) % ratio == 0 ? 1 : 0;
+  const float *kv = p.kv, *score = p.score;
+  const int64_t* positions = p.positions;
+  float* pooled = p.pooled;
+  for (int64_t t = r0; t < r1; ++t) {
     const int64_t pos = positions[t], slot = pos % ratio;
     kv_partial[slot * dim + d] = kv[t * dim + d];
     score_partial[slot * dim + d] = score[t * dim + d];
@@ -96,10 +106,16 @@ OpStatus CompressPool(const CompressPoolParams& p) {
   if (p.rows < 0 || p.dim <= 0 || p.ratio < 2 || p.positions == nullptr) {
     return OpStatus::kBadShape;
   }
+  if (p.sequence_rows != nullptr &&
+      (p.sequence_count <= 0 || p.kv_partials == nullptr || p.score_partials == nullptr)) {
+    return OpStatus::kBadShape;
+  }
   if (p.rows == 0) return OpStatus::kOk;
-  FLASHD_LAUNCH(PoolKernel, static_cast<unsigned>((p.dim + kThreads - 1) / kThreads), kThreads, 0,
-                static_cast<gpuStream_t>(p.stream), p.kv, p.score, p.rows, p.dim, p.ratio,
-                p.positions, p.kv_partial, p.score_partial, p.pooled);
+  const int64_t dim_blocks = (p.dim + kThreads - 1) / kThreads;
+  const int64_t blocks = dim_blocks * (p.sequence_rows != nullptr ? p.sequence_count : 1);
+  if (blocks > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  FLASHD_LAUNCH(PoolKernel, static_cast<unsigned>(blocks), kThreads, 0,
+                static_cast<gpuStream_t>(p.stream), p, dim_blocks);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

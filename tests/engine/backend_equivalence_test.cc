@@ -868,7 +868,8 @@ BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
 }
 
 // A batched decode step attends once a layer, every sequence's queries in one op, scores the
-// indexer's entries once an indexing layer, and gives the CPU's logits for every sequence: with the
+// indexer's entries once an indexing layer, pools the compressor's groups once a pooling layer,
+// and gives the CPU's logits for every sequence: with the
 // rings kept on the device, and with a ring budget of one ring and a half, where each op finds room
 // for one sequence's ring (the others' copied for it alone, in the host's layout, in the same op)
 // and no ring an op reads is dropped before it.
@@ -894,6 +895,7 @@ BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_ou
       return counts != nullptr && counts->contains(name) ? counts->at(name) : 0;
     };
     const int attention_before = ops("SparseAttention"), index_before = ops("IndexerScores");
+    const int pool_before = ops("CompressPool");
     for (int step = 0; step < kSteps; ++step) {
       // The first step reads each ring whole (the prompt wrote it); the later ones, a slot.
       if (step == 1) before = f.backend().Report();
@@ -909,11 +911,16 @@ BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_ou
     }
     after = f.backend().Report();
     if (counts != nullptr) {
-      int index_layers = 0;
-      for (const LayerPlan& l : c.layers) index_layers += l.is_index_source ? 1 : 0;
+      int index_layers = 0, pool_layers = 0;
+      for (const LayerPlan& l : c.layers) {
+        index_layers += l.is_index_source ? 1 : 0;
+        pool_layers += l.is_kv_source && l.compress_ratio > 1 ? 1 : 0;
+      }
       BOOST_TEST(ops("SparseAttention") - attention_before == kSteps * c.num_hidden_layers);
       BOOST_TEST(ops("IndexerScores") - index_before == kSteps * index_layers);
+      BOOST_TEST(ops("CompressPool") - pool_before == kSteps * pool_layers);
       BOOST_TEST(index_layers > 0);
+      BOOST_TEST(pool_layers > 0);
     }
     return all;
   };

@@ -1582,6 +1582,109 @@ BOOST_AUTO_TEST_CASE(hc_mix_bit_equal) {
   }
 }
 
+// Several sequences pooled in one call (sequence_rows, kv_partials, score_partials): each
+// sequence's rows at positions of its own, into its own partial groups, one sequence without rows;
+// the pooled rows, in row order, and every partial group equal those of a call a sequence, on the
+// CPU and the device.
+BOOST_AUTO_TEST_CASE(compressor_pool_of_several_sequences_bit_equal) {
+  std::mt19937 rng(17);
+  const int64_t dim = 160;  // Two thread blocks of dimensions.
+  for (const int64_t ratio : {2, 4}) {
+    const std::vector<int64_t> counts = {1, 7, 0, 3, 12}, starts = {3, 10, 40, 0, 21};
+    const int64_t S = static_cast<int64_t>(counts.size());
+    std::vector<int64_t> sequence_rows = {0}, pos;
+    for (int64_t s = 0; s < S; ++s) {
+      sequence_rows.push_back(sequence_rows.back() + counts[s]);
+      for (int64_t t = 0; t < counts[s]; ++t) pos.push_back(starts[s] + t);
+    }
+    const int64_t rows = sequence_rows.back();
+    const std::vector<float> kv = Normal(rng, rows * dim), score = Normal(rng, rows * dim);
+    std::vector<std::vector<float>> kp, sp;
+    for (int64_t s = 0; s < S; ++s) {
+      kp.push_back(Normal(rng, ratio * dim));
+      sp.push_back(Normal(rng, ratio * dim));
+    }
+    // A call a sequence: the pooled rows one sequence after another, and each partial group.
+    std::vector<float> want;
+    std::vector<std::vector<float>> want_kp = kp, want_sp = sp;
+    for (int64_t s = 0; s < S; ++s) {
+      std::vector<float> pooled(counts[s] * dim, 0.0f);
+      const int64_t r0 = sequence_rows[s];
+      BOOST_REQUIRE(cpu::CompressPool({.kv = &kv[r0 * dim],
+                                       .score = &score[r0 * dim],
+                                       .rows = counts[s],
+                                       .dim = dim,
+                                       .ratio = ratio,
+                                       .positions = &pos[r0],
+                                       .kv_partial = want_kp[s].data(),
+                                       .score_partial = want_sp[s].data(),
+                                       .pooled = pooled.data()}) == OpStatus::kOk);
+      int64_t done = 0;
+      for (int64_t t = r0; t < r0 + counts[s]; ++t) done += (pos[t] + 1) % ratio == 0 ? 1 : 0;
+      want.insert(want.end(), pooled.begin(), pooled.begin() + done * dim);
+    }
+    BOOST_TEST(!want.empty());
+    // All in one call on the CPU.
+    std::vector<std::vector<float>> got_kp = kp, got_sp = sp;
+    std::vector<float*> kps, sps;
+    for (int64_t s = 0; s < S; ++s)
+      kps.push_back(got_kp[s].data()), sps.push_back(got_sp[s].data());
+    std::vector<float> got(want.size() + dim, -1.0f);
+    CompressPoolParams all{.kv = kv.data(),
+                           .score = score.data(),
+                           .rows = rows,
+                           .dim = dim,
+                           .ratio = ratio,
+                           .positions = pos.data(),
+                           .pooled = got.data(),
+                           .sequence_rows = sequence_rows.data(),
+                           .kv_partials = kps.data(),
+                           .score_partials = sps.data(),
+                           .sequence_count = S};
+    BOOST_REQUIRE(cpu::CompressPool(all) == OpStatus::kOk);
+    got.resize(want.size());
+    BOOST_TEST(BitEqual(got, want), "CPU, ratio " << ratio);
+    for (int64_t s = 0; s < S; ++s) {
+      BOOST_TEST(BitEqual(got_kp[s], want_kp[s]), "CPU, sequence " << s);
+      BOOST_TEST(BitEqual(got_sp[s], want_sp[s]), "CPU, sequence " << s);
+    }
+    // Row offsets that do not cover the rows: refused.
+    {
+      CompressPoolParams bad = all;
+      std::vector<int64_t> short_rows = sequence_rows;
+      short_rows.back() -= 1;
+      bad.sequence_rows = short_rows.data();
+      BOOST_TEST((cpu::CompressPool(bad) == OpStatus::kBadShape));
+    }
+    // On the device.
+    std::vector<std::unique_ptr<Dev<float>>> dkp, dsp;
+    std::vector<float*> dkps, dsps;
+    for (int64_t s = 0; s < S; ++s) {
+      dkp.push_back(std::make_unique<Dev<float>>(kp[s]));
+      dsp.push_back(std::make_unique<Dev<float>>(sp[s]));
+      dkps.push_back(dkp.back()->get());
+      dsps.push_back(dsp.back()->get());
+    }
+    Dev<float> dkv(kv), dsc(score), dpooled(std::vector<float>(want.size(), -1.0f));
+    Dev<int64_t> dpos(pos), drows(sequence_rows);
+    Dev<float*> dkpt(dkps), dspt(dsps);
+    CompressPoolParams on = all;
+    on.kv = dkv.get();
+    on.score = dsc.get();
+    on.positions = dpos.get();
+    on.pooled = dpooled.get();
+    on.sequence_rows = drows.get();
+    on.kv_partials = dkpt.get();
+    on.score_partials = dspt.get();
+    BOOST_REQUIRE(gpu::CompressPool(on) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dpooled.Host(), want), "device, ratio " << ratio);
+    for (int64_t s = 0; s < S; ++s) {
+      BOOST_TEST(BitEqual(dkp[s]->Host(), want_kp[s]), "device, sequence " << s);
+      BOOST_TEST(BitEqual(dsp[s]->Host(), want_sp[s]), "device, sequence " << s);
+    }
+  }
+}
+
 BOOST_AUTO_TEST_CASE(compressor_pool_and_row_write) {
   std::mt19937 rng(11);
   const int64_t dim = 64;
