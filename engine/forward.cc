@@ -1178,7 +1178,7 @@ Status Step::Attend(int l, const std::vector<float>& q, const std::vector<float>
   }
   // Each sequence's ring, fresh rows and block table, and each row's sequence.
   std::vector<kernels::AttentionSequence> sequences(count);
-  std::vector<int32_t> token_sequence(rows);
+  const std::vector<int32_t> token_sequence = plan_.RowSegments();
   for (size_t i = 0; i < count; ++i) {
     const ForwardPlan::Segment& sg = plan_.segments[i];
     const SequenceState& st = *items_[i].state;
@@ -1191,8 +1191,6 @@ Status Step::Attend(int l, const std::vector<float>& q, const std::vector<float>
                     .fresh = &kv[sg.offset * hd],
                     .fresh_first = sg.start,
                     .block_table = st.blocks.data()};
-    std::fill(token_sequence.begin() + sg.offset, token_sequence.begin() + sg.offset + sg.count,
-              static_cast<int32_t>(i));
   }
   kernels::SparseAttentionParams p{.q = q.data(),
                                    .tokens = static_cast<int64_t>(rows),
@@ -1478,14 +1476,9 @@ Status Step::Index(int l, const float* qr, const float* weights) {
     stride = std::max(stride, visible[t]);
   }
   // Each row's sequence, and each sequence's block table.
-  std::vector<int32_t> token_sequence(static_cast<size_t>(count));
+  const std::vector<int32_t> token_sequence = plan_.RowSegments();
   std::vector<const int32_t*> tables(plan_.segments.size());
-  for (size_t i = 0; i < plan_.segments.size(); ++i) {
-    const ForwardPlan::Segment& sg = plan_.segments[i];
-    std::fill(token_sequence.begin() + sg.offset, token_sequence.begin() + sg.offset + sg.count,
-              static_cast<int32_t>(i));
-    tables[i] = items_[i].state->blocks.data();
-  }
+  for (size_t i = 0; i < plan_.segments.size(); ++i) tables[i] = items_[i].state->blocks.data();
   const KvBlockLayout::Source& src = m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
   const kernels::PagedRows key_codes = m_.Rows(src, src.key_codes);
   const kernels::PagedRows key_scales = m_.Rows(src, src.key_scales);

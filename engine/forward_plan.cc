@@ -90,6 +90,16 @@ void AssignRows(const KvBlockLayout& layout, std::span<const PlanRequest> reques
   }
 }
 
+std::vector<int32_t> ForwardPlan::RowSegments() const {
+  std::vector<int32_t> of(rows());
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& sg = segments[i];
+    std::fill_n(of.begin() + static_cast<std::ptrdiff_t>(sg.offset), sg.count,
+                static_cast<int32_t>(i));
+  }
+  return of;
+}
+
 std::vector<size_t> ForwardPlan::Truncate(size_t keep) {
   std::vector<size_t> kept;
   size_t offset = 0;

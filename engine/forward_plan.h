@@ -48,6 +48,8 @@ struct ForwardPlan {
   std::vector<std::vector<int32_t>> engram_history;  // [segment]: the history after the step.
 
   size_t rows() const { return tokens.size(); }
+  // Each row's segment (its index in segments).
+  std::vector<int32_t> RowSegments() const;
 
   // The bounded replay: keeps only the last `keep` rows of every longer segment, whose window
   // then starts at its first kept row. Returns the kept rows' old indices.

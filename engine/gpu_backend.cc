@@ -834,9 +834,9 @@ class Call {
     return true;
   }
 
-  // The device copy of an op's window ring from the backend's ring cache (when the ring carries
-  // its slots' versions): false when it has none or device memory ran out (the caller copies
-  // the ring for this op alone) or a copy failed (with the error set).
+  // The device copy of sequence s's window ring from the backend's ring cache (when the ring
+  // carries its slots' versions), its changed slots to be sent by SendRings: false when it has no
+  // versions or the cache has no room (the caller copies the ring for this op alone).
   bool Ring(const k::SparseAttentionParams& p, const k::AttentionSequence& s, const uint8_t** codes,
             const uint8_t** scales, int64_t* slot_bytes) {
     if (s.ring_versions == nullptr || s.ring_codes == nullptr || p.window <= 0 ||
@@ -858,13 +858,12 @@ class Call {
   bool SendRings() {
     RingCache::Pending& pending = rings_;
     if (pending.runs.empty()) return error_.empty();
-    bool ok = false;
-    if (!error_.empty()) {
-      // Not sent: the rings drop the versions they took (below).
-    } else if (pending.runs.size() == 1) {
+    // After an error nothing is sent, and the rings drop the versions they took (Sent).
+    bool ok = error_.empty();
+    if (ok && pending.runs.size() == 1) {
       ok = Check(
           memory_->traffic.Up(pending.runs[0].to, pending.bytes.data(), pending.bytes.size()));
-    } else {
+    } else if (ok) {
       const void* src = Upload(pending.bytes.data(), pending.bytes.size());
       const void* runs =
           src == nullptr ? nullptr

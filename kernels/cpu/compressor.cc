@@ -10,56 +10,59 @@
 #include "kernels/cpu/scalar.h"
 
 namespace flashd::kernels::cpu {
+namespace {
+
+// Rows [r0, r1) of p, one sequence's, into its partial groups, pooling where a group completes
+// into pooled[0, ...): returns how many groups it pooled.
+int64_t PoolSequence(const CompressPoolParams& p, int64_t r0, int64_t r1, float* kv_partial,
+                     float* score_partial, float* pooled) {
+  const int64_t dim = p.dim, ratio = p.ratio;
+  const size_t bytes = static_cast<size_t>(dim) * sizeof(float);
+  int64_t groups = 0;
+  for (int64_t t = r0; t < r1; ++t) {
+    const int64_t pos = p.positions[t];
+    const int64_t slot = pos % ratio;
+    std::memcpy(kv_partial + slot * dim, p.kv + t * dim, bytes);
+    std::memcpy(score_partial + slot * dim, p.score + t * dim, bytes);
+    if ((pos + 1) % ratio != 0) continue;
+    float* out = pooled + groups * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < ratio; ++s) mx = std::max(mx, score_partial[s * dim + d]);
+      float sum = 0;
+      for (int64_t s = 0; s < ratio; ++s) sum += fmath::Exp(score_partial[s * dim + d] - mx);
+      float acc = 0;
+      for (int64_t s = 0; s < ratio; ++s) {
+        acc += kv_partial[s * dim + d] * (fmath::Exp(score_partial[s * dim + d] - mx) / sum);
+      }
+      out[d] = Bf(acc);
+    }
+    groups += 1;
+  }
+  return groups;
+}
+
+}  // namespace
+
 OpStatus CompressPool(const CompressPoolParams& p) {
   if (p.rows < 0 || p.dim <= 0 || p.ratio < 2 || p.positions == nullptr) {
     return OpStatus::kBadShape;
   }
-  if (p.sequence_rows != nullptr) {
-    // Several sequences: each its rows into its own partial group, pooled in row order.
-    if (p.sequence_count <= 0 || p.kv_partials == nullptr || p.score_partials == nullptr ||
-        p.sequence_rows[0] != 0 || p.sequence_rows[p.sequence_count] != p.rows) {
-      return OpStatus::kBadShape;
-    }
-    int64_t pooled = 0;
-    for (int64_t s = 0; s < p.sequence_count; ++s) {
-      const int64_t r0 = p.sequence_rows[s], r1 = p.sequence_rows[s + 1];
-      if (r1 < r0) return OpStatus::kBadShape;
-      CompressPoolParams one = p;
-      one.sequence_rows = nullptr;
-      one.kv = p.kv + r0 * p.dim;
-      one.score = p.score + r0 * p.dim;
-      one.rows = r1 - r0;
-      one.positions = p.positions + r0;
-      one.kv_partial = p.kv_partials[s];
-      one.score_partial = p.score_partials[s];
-      one.pooled = p.pooled + pooled * p.dim;
-      if (const OpStatus st = CompressPool(one); st != OpStatus::kOk) return st;
-      for (int64_t t = r0; t < r1; ++t) pooled += (p.positions[t] + 1) % p.ratio == 0 ? 1 : 0;
-    }
+  if (p.sequence_rows == nullptr) {
+    PoolSequence(p, 0, p.rows, p.kv_partial, p.score_partial, p.pooled);
     return OpStatus::kOk;
   }
-  const int64_t dim = p.dim, ratio = p.ratio;
-  const size_t bytes = static_cast<size_t>(dim) * sizeof(float);
-  int64_t groups = 0;
-  for (int64_t t = 0; t < p.rows; ++t) {
-    const int64_t pos = p.positions[t];
-    const int64_t slot = pos % ratio;
-    std::memcpy(p.kv_partial + slot * dim, p.kv + t * dim, bytes);
-    std::memcpy(p.score_partial + slot * dim, p.score + t * dim, bytes);
-    if ((pos + 1) % ratio != 0) continue;
-    float* pooled = p.pooled + groups * dim;
-    for (int64_t d = 0; d < dim; ++d) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < ratio; ++s) mx = std::max(mx, p.score_partial[s * dim + d]);
-      float sum = 0;
-      for (int64_t s = 0; s < ratio; ++s) sum += fmath::Exp(p.score_partial[s * dim + d] - mx);
-      float acc = 0;
-      for (int64_t s = 0; s < ratio; ++s) {
-        acc += p.kv_partial[s * dim + d] * (fmath::Exp(p.score_partial[s * dim + d] - mx) / sum);
-      }
-      pooled[d] = Bf(acc);
-    }
-    groups += 1;
+  // Several sequences: each its rows into its own partial group, pooled in row order.
+  if (p.sequence_count <= 0 || p.kv_partials == nullptr || p.score_partials == nullptr ||
+      p.sequence_rows[0] != 0 || p.sequence_rows[p.sequence_count] != p.rows) {
+    return OpStatus::kBadShape;
+  }
+  int64_t pooled = 0;
+  for (int64_t s = 0; s < p.sequence_count; ++s) {
+    const int64_t r0 = p.sequence_rows[s], r1 = p.sequence_rows[s + 1];
+    if (r1 < r0) return OpStatus::kBadShape;
+    pooled +=
+        PoolSequence(p, r0, r1, p.kv_partials[s], p.score_partials[s], p.pooled + pooled * p.dim);
   }
   return OpStatus::kOk;
 }
