@@ -14,6 +14,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -2078,6 +2079,32 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
   }
 }
 
+// A draft block's bound on its queries' window keys (SparseAttentionParams::draft_keys).
+int64_t DraftKeys(const std::vector<int64_t>& window_first,
+                  const std::vector<int64_t>& window_last) {
+  int64_t keys = 0;
+  for (size_t t = 0; t < window_first.size(); ++t) {
+    keys = std::max(keys, window_last[t] - window_first[t] + 1);
+  }
+  return keys;
+}
+
+// p (its operands on the device, its workspace given) in every layout: a thread block a head, two
+// a head (each half the weighted sums), and the keys decoded once into the workspace: each
+// output equal to want.
+void EveryScheduleGives(SparseAttentionParams p, const std::vector<float>& want,
+                        const std::string& what) {
+  using gpu::AttentionSchedule;
+  for (const AttentionSchedule schedule :
+       {AttentionSchedule::kAuto, AttentionSchedule::kHeadBlocks,
+        AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
+    Dev<float> out(std::vector<float>(want.size(), -1.0f));
+    p.out = out.get();
+    BOOST_REQUIRE(gpu::SparseAttentionScheduled(p, schedule) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(out.Host(), want), what << ", schedule " << static_cast<int>(schedule));
+  }
+}
+
 // Attention over window rows (fresh and from the FP8 ring) and selected FP4 rows read through
 // device block pointers, -1 entries and a block shared by two entry ranges included; windows
 // and selections spanning several of the softmax's blocks, and a draft block whose ring wraps;
@@ -2210,28 +2237,18 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
         // workspace starts as NaNs, so a slot read before it is written shows): the same bits.
         if (whole) {  // A draft block takes the keys-once kernels with its bound on the keys.
           BOOST_TEST(gpu::SparseAttentionWorkspaceFloats(params) == 0);
-          for (int64_t t = 0; t < tokens; ++t) {
-            params.draft_keys = std::max(params.draft_keys, wlast[t] - wfirst[t] + 1);
-          }
+          params.draft_keys = DraftKeys(wfirst, wlast);
         }
         const int64_t floats = gpu::SparseAttentionWorkspaceFloats(params);
         BOOST_TEST(floats > 0);
         Dev<float> dwork(std::vector<float>(std::max<int64_t>(floats, 1), std::nanf("")));
         params.workspace = dwork.get();
         params.workspace_floats = floats;
-        using gpu::AttentionSchedule;
-        auto every_schedule = [&](const char* ring) {
-          for (const AttentionSchedule schedule :
-               {AttentionSchedule::kAuto, AttentionSchedule::kHeadBlocks,
-                AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
-            Dev<float> dout2(std::vector<float>(want.size(), -1.0f));
-            params.out = dout2.get();
-            BOOST_REQUIRE(gpu::SparseAttentionScheduled(params, schedule) == OpStatus::kOk);
-            BOOST_TEST(BitEqual(dout2.Host(), want),
-                       ring << " ring, schedule " << static_cast<int>(schedule) << ", head_dim "
-                            << hd << " tokens " << tokens << " window " << window << " width "
-                            << width);
-          }
+        const auto every_schedule = [&](const char* ring) {
+          std::ostringstream what;
+          what << ring << " ring, head_dim " << hd << " tokens " << tokens << " window " << window
+               << " width " << width;
+          EveryScheduleGives(params, want, what.str());
         };
         every_schedule("separate");
         // The ring interleaved as the backend's ring cache holds it (each slot's scales after
@@ -2263,7 +2280,7 @@ BOOST_AUTO_TEST_CASE(sparse_attention_bit_equal) {
         }
         // A workspace a float short: refused, not overrun.
         params.workspace_floats = floats - 1;
-        BOOST_TEST((gpu::SparseAttentionScheduled(params, AttentionSchedule::kKeysOnce) ==
+        BOOST_TEST((gpu::SparseAttentionScheduled(params, gpu::AttentionSchedule::kKeysOnce) ==
                     OpStatus::kBadArgument));
       }
     }
@@ -2657,27 +2674,15 @@ BOOST_AUTO_TEST_CASE(sparse_attention_of_several_sequences_bit_equal) {
     on.freqs = dfreqs.get();
     on.token_sequence = dts.get();
     on.sequences = dseqs.get();
-    if (k.whole) {
-      for (int64_t t = 0; t < tokens; ++t) {
-        on.draft_keys = std::max(on.draft_keys, wlast[t] - wfirst[t] + 1);
-      }
-    }
+    if (k.whole) on.draft_keys = DraftKeys(wfirst, wlast);
     const int64_t floats = gpu::SparseAttentionWorkspaceFloats(on);
     BOOST_TEST(floats > 0);
     Dev<float> dwork(std::vector<float>(std::max<int64_t>(floats, 1), std::nanf("")));
     on.workspace = dwork.get();
     on.workspace_floats = floats;
-    using gpu::AttentionSchedule;
-    for (const AttentionSchedule schedule :
-         {AttentionSchedule::kAuto, AttentionSchedule::kHeadBlocks,
-          AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
-      Dev<float> dout(std::vector<float>(want.size(), -1.0f));
-      on.out = dout.get();
-      BOOST_REQUIRE(gpu::SparseAttentionScheduled(on, schedule) == OpStatus::kOk);
-      BOOST_TEST(BitEqual(dout.Host(), want),
-                 "several sequences, schedule " << static_cast<int>(schedule) << ", head_dim " << hd
-                                                << " tokens " << tokens << " whole " << k.whole);
-    }
+    std::ostringstream what;
+    what << "several sequences, head_dim " << hd << " tokens " << tokens << " whole " << k.whole;
+    EveryScheduleGives(on, want, what.str());
   }
 }
 
