@@ -51,10 +51,16 @@ struct BackendReport {
   // Copies to the device queued behind the kernels (the host going on), and copies the host
   // waited for (those of more than 1 MiB, which wait for the kernels before them too).
   uint64_t uploads_queued = 0, uploads_waited = 0;
+  // Copies to the host (each waits for the kernels before it): the kept activations the host
+  // reads, the KV rows and kept buffers brought back when the backend settles, op outputs.
+  uint64_t downloads = 0;
   // Kept buffers that start as zeros, cleared on the device instead of copied (KeepAs::kZeros).
   uint64_t bytes_zeroed = 0;
   // Ops run on the device since start, each one kernel launch or a few.
   uint64_t device_ops = 0;
+  // Kept buffers whose bytes were on the device already from an earlier step (Backend::Keep's
+  // content: the compressors' partial groups), so not copied there again.
+  uint64_t kept_reused = 0;
 };
 
 // What a kept buffer's device copy starts as (Backend::Keep).
@@ -120,11 +126,17 @@ class Backend {
   // Settle brings every kept buffer's host bytes up to date and makes the host the only valid
   // copy, and brings the KV rows ops wrote on the device to the host blocks; the forward pass
   // calls it on the backend it leaves and on the one that takes over, and at the end of a step.
-  // REQUIRES: kept buffers do not overlap; Release before the host memory goes.
-  virtual void Keep(float* host, size_t count, KeepAs as) const {
-    (void)host, (void)count, (void)as;
+  // `content` (0: none) names bytes across steps, a number no other bytes ever had (the
+  // compressors' partial groups, SequenceState::Compressor::version): Release with a content
+  // says the host bytes are those the last Settle left, nothing written since, and that the
+  // number names them from now on, so the backend may keep its device copy; a later Keep of the
+  // same content (KeepAs::kHostBytes) then takes that copy as it is, nothing copied, wherever
+  // the host bytes now are. A backend keeps a copy only where its own ops were the last to
+  // write the bytes. REQUIRES: kept buffers do not overlap; Release before the host memory goes.
+  virtual void Keep(float* host, size_t count, KeepAs as, uint64_t content) const {
+    (void)host, (void)count, (void)as, (void)content;
   }
-  virtual void Release(const float* host) const { (void)host; }
+  virtual void Release(const float* host, uint64_t content) const { (void)host, (void)content; }
   virtual kernels::OpStatus ToHost(const float* host, size_t count) const {
     (void)host, (void)count;
     return kernels::OpStatus::kOk;

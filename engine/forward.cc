@@ -13,6 +13,7 @@
 #include <functional>
 #include <future>
 #include <limits>
+#include <map>
 #include <optional>
 #include <thread>
 #include <unordered_map>
@@ -32,9 +33,9 @@ namespace k = flashd::kernels::cpu;
 using kernels::OpStatus;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// A window ring slot's version: unique in the process, so a version names one slot content
-// (SequenceState::Ring::versions).
-uint64_t NewRingVersion() {
+// A version: unique in the process, so it names one content (a window ring slot's,
+// SequenceState::Ring::versions; a compressor's partial groups, SequenceState::Compressor).
+uint64_t NewVersion() {
   static std::atomic<uint64_t> next{1};
   return next.fetch_add(1, std::memory_order_relaxed);
 }
@@ -446,8 +447,9 @@ class Step {
   // Keeps `v` (when not empty) on every backend and notes its address in `kept`; Release gives
   // back every buffer `kept` notes.
   // (Vectors of other 4- or 8-byte values too: expert ids and rows.)
+  // `content` (Backend::Keep): a number naming v's bytes across steps, or 0.
   template <class T>
-  void Keep(std::vector<T>* v, KeepAs as, std::vector<const float*>* kept);
+  void Keep(std::vector<T>* v, KeepAs as, std::vector<const float*>* kept, uint64_t content = 0);
   void Release(std::vector<const float*>* kept);
   void KeepStreams(bool fresh);
   void ReleaseStreams();
@@ -526,7 +528,14 @@ class Step {
   GroupedRows grouped_;
   std::vector<const float*> streams_kept_;  // KeepStreams' buffers, as kept.
   std::vector<const float*> state_kept_;    // The compressors' partial groups, as kept.
-  std::future<void> engram_reader_;         // Declared last: joined before anything it writes goes.
+  // The partial groups the commit named: by host address, their content (Backend::Release)
+  // and the backend whose ops wrote them (their layer's), the one that may keep its copy.
+  struct Named {
+    uint64_t content;
+    const Backend* backend;
+  };
+  std::map<const float*, Named> named_;
+  std::future<void> engram_reader_;  // Declared last: joined before anything it writes goes.
 };
 
 // A function's own activation vectors kept on the step's backends until it returns (empty ones
@@ -557,19 +566,30 @@ Step::~Step() {
 }
 
 template <class T>
-void Step::Keep(std::vector<T>* v, KeepAs as, std::vector<const float*>* kept) {
+void Step::Keep(std::vector<T>* v, KeepAs as, std::vector<const float*>* kept, uint64_t content) {
   static_assert(sizeof(T) % sizeof(float) == 0);
   if (v->empty()) return;
   float* host = reinterpret_cast<float*>(v->data());
-  for (const auto& b : m_.backends) b->Keep(host, v->size() * (sizeof(T) / sizeof(float)), as);
+  for (const auto& b : m_.backends) {
+    b->Keep(host, v->size() * (sizeof(T) / sizeof(float)), as, content);
+  }
   kept->push_back(host);
 }
 
 void Step::Release(std::vector<const float*>* kept) {
   for (const float* p : *kept) {
-    for (const auto& b : m_.backends) b->Release(p);
+    const auto named = named_.find(p);
+    for (const auto& b : m_.backends) {
+      const bool keeps = named != named_.end() && named->second.backend == b.get();
+      b->Release(p, keeps ? named->second.content : 0);
+    }
   }
   kept->clear();
+}
+
+// The contents of a compressor's two partial groups (Backend::Keep), from its version.
+uint64_t PartialContent(const SequenceState::Compressor& comp, int which) {
+  return comp.version == 0 ? 0 : 2 * comp.version + static_cast<uint64_t>(which);
 }
 
 // The step's streams and mixes; `fresh` when no op has written them yet (X_ and pre_mix_ hold
@@ -680,11 +700,12 @@ Status Step::Run() {
   Keep(&ring_stage_, KeepAs::kUnwritten, &state_kept_);
   for (size_t i = 0; i < items_.size(); ++i) compressors_[i] = items_[i].state->sources;
   // The compressors' partial groups stay on the device through the step (until the Settle at
-  // its end); the vectors keep their buffers when the commit moves them into the states.
+  // its end); the vectors keep their buffers when the commit moves them into the states, which
+  // names them (named_) so that a backend may keep them there for the next step.
   for (std::vector<SequenceState::Compressor>& sources : compressors_) {
     for (SequenceState::Compressor& comp : sources) {
-      Keep(&comp.kv_partial, KeepAs::kHostBytes, &state_kept_);
-      Keep(&comp.score_partial, KeepAs::kHostBytes, &state_kept_);
+      Keep(&comp.kv_partial, KeepAs::kHostBytes, &state_kept_, PartialContent(comp, 0));
+      Keep(&comp.score_partial, KeepAs::kHostBytes, &state_kept_, PartialContent(comp, 1));
     }
   }
   if (options_.trace != nullptr) {
@@ -1874,7 +1895,7 @@ void Step::Commit(const std::vector<int64_t>& keep) {
   auto write_rows = [&](const RingRows& rr, int64_t end, SequenceState::Ring* ring) {
     if (ring->versions.size() != static_cast<size_t>(win)) {
       ring->versions.resize(static_cast<size_t>(win));
-      for (uint64_t& v : ring->versions) v = NewRingVersion();
+      for (uint64_t& v : ring->versions) v = NewVersion();
     }
     for (size_t r = 0; r < rr.rows.size() / hd; ++r) {
       const int64_t pos = rr.first_position + static_cast<int64_t>(r);
@@ -1882,7 +1903,7 @@ void Step::Commit(const std::vector<int64_t>& keep) {
       const size_t slot = static_cast<size_t>(pos % win);
       k::QuantizeFp8PerBlock(&rr.rows[r * hd], hd, 32, &ring->codes[slot * hd],
                              &ring->scales[slot * hd / 32]);
-      ring->versions[slot] = NewRingVersion();
+      ring->versions[slot] = NewVersion();
     }
   };
   for (size_t i = 0; i < items_.size(); ++i) {
@@ -1893,6 +1914,15 @@ void Step::Commit(const std::vector<int64_t>& keep) {
     if (kept == count) {
       st.sources = std::move(compressors_[i]);
       st.engram_classes = std::move(plan_.engram_history[i]);
+      // The groups as the step's last Settle left them, on the host and on their layer's
+      // backend: a new version, by which that backend keeps its copy (Release).
+      for (int l = 0; l < c_.num_hidden_layers; ++l) {
+        SequenceState::Compressor& comp = st.sources[l];
+        if (comp.kv_partial.empty()) continue;
+        comp.version = NewVersion();
+        named_[comp.kv_partial.data()] = {PartialContent(comp, 0), m_.LayerBackend(l)};
+        named_[comp.score_partial.data()] = {PartialContent(comp, 1), m_.LayerBackend(l)};
+      }
     } else {
       for (int l = 0; l < c_.num_hidden_layers; ++l) {
         const LayerPlan& lp = c_.layers[l];
@@ -1900,6 +1930,7 @@ void Step::Commit(const std::vector<int64_t>& keep) {
         SequenceState::Compressor& comp = st.sources[l];
         comp.entries = end / lp.compress_ratio;
         if (lp.compress_ratio <= 1 || kept == 0) continue;
+        comp.version = 0;  // Written here: no device copy holds these bytes.
         const CompressorRows& cr = compressor_rows_[i][l];
         for (int64_t t = 0; t < kept; ++t) {
           const size_t slot = static_cast<size_t>((start + t) % lp.compress_ratio);

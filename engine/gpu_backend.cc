@@ -16,13 +16,17 @@
 // copies of the buffers the step keeps, and the host copy catches up only where the forward
 // pass reads it (the indexer's picks, the logits, and at the step's end the rows it commits);
 // buffers that start as zeros are cleared there rather than copied. An op whose outputs all
-// stay on the device is not waited for. The
+// stay on the device is not waited for. What the host takes back at one wait (a settle's KV
+// rows and kept buffers, an op's outputs) comes in one copy, gathered on the device by a kernel
+// (DeviceMemory::Bring), however many sequences wrote it. The
 // sequences' window rings stay on the device from step to step (RingCache below): a decode step
 // copies the ring slots the step before wrote, named by their versions, all the slots of one op
-// (its sequences' rings) in one copy that a kernel spreads. Everything else an op
-// touches (buffers nobody kept, a ring without versions) is copied to device workspace for the
-// op and its outputs copied back. Copies to the device of up to 1 MiB (most of a step's) are
-// staged in pinned memory and queued behind the kernels (Traffic below), the host not waiting.
+// (its sequences' rings) in one copy that a kernel spreads. So do the sequences' compressor
+// partial groups: the commit names them by a new version (SequenceState::Compressor::version),
+// and the next step keeping that version takes the device copy as it is (KeptBuffers). Everything
+// else an op touches (buffers nobody kept, a ring without versions) is copied to device workspace
+// for the op and its outputs copied back. Copies to the device of up to 1 MiB (most of a step's)
+// are staged in pinned memory and queued behind the kernels (Traffic below), the host not waiting.
 //
 // Two ops stay on the host: the Engram gather (its tables live in host memory by design; the
 // rows a step needs are known from its tokens) and, for the reference's own top-k order (the
@@ -80,7 +84,7 @@ constexpr size_t kStagingBytes = size_t{16} << 20, kStagedLargest = size_t{1} <<
 // staging). Small uploads are queued behind the kernels (UploadStaging); a wait or a copy to
 // the host, which the device does after everything queued before it, frees their staging.
 struct Traffic {
-  uint64_t to_device = 0, to_host = 0, waits = 0, zeroed = 0;
+  uint64_t to_device = 0, to_host = 0, waits = 0, zeroed = 0, downloads = 0;
   UploadStaging<StagingDevice> staging{StagingDevice{}, kStagingBytes, kStagedLargest};
   std::string Zero(void* dst, size_t bytes) {
     zeroed += bytes;
@@ -92,16 +96,18 @@ struct Traffic {
   }
   std::string Down(void* dst, const void* src, size_t bytes) {
     to_host += bytes;
+    ++downloads;
     std::string e = g::CopyToHost(dst, src, bytes);
     if (e.empty()) staging.Drained();
     return e;
   }
-  std::string Wait() {
-    ++waits;
-    std::string e = g::Synchronize();
-    if (e.empty()) staging.Drained();
-    return e;
-  }
+};
+
+// A copy to the host of bytes a kernel wrote: `bytes` at `device` to `host`.
+struct Download {
+  void* host;
+  const void* device;
+  size_t bytes;
 };
 
 // Device copies of the KV pool's blocks, kept from op to op. A block is copied to the device when
@@ -172,7 +178,7 @@ class KvArena {
 
   // After a kernel wrote rows of block `id`, all within [lo, hi) of the block: the block's
   // version moves on with the device copy current, and those bytes go back to the host block at
-  // the next Flush (the backend's Settle, which the forward pass calls before anything else
+  // the next Written (the backend's Settle, which the forward pass calls before anything else
   // reads the host blocks: another backend's op, the end of the step).
   void Wrote(int64_t id, size_t lo, size_t hi, const k::PagedRows& pool) {
     const size_t i = static_cast<size_t>(id);
@@ -181,20 +187,11 @@ class KvArena {
     pending_.push_back({pool.blocks[i] + lo, slots_[i] + lo, hi - lo});
   }
 
-  // The written bytes to their host blocks, after one wait for the ops that wrote them (none
-  // when *waited says the caller has waited already; set when this waits).
-  std::string Flush(bool* waited) {
-    if (pending_.empty()) return "";
-    std::string e;
-    if (!*waited) {
-      e = traffic->Wait();
-      *waited = true;
-    }
-    for (const Pending& p : pending_) {
-      if (e.empty()) e = traffic->Down(p.host, p.device, p.bytes);
-    }
+  // The copies that bring the written bytes to their host blocks, added to *out; the caller
+  // makes them (DeviceMemory::Bring).
+  void Written(std::vector<Download>* out) {
+    out->insert(out->end(), pending_.begin(), pending_.end());
     pending_.clear();
-    return e;
   }
 
   uint64_t bytes() const { return bytes_; }
@@ -251,19 +248,17 @@ class KvArena {
   uint8_t* chunk_next_ = nullptr;
   size_t chunk_left_ = 0, given_ = 0;
   uint64_t bytes_ = 0, copied_ = 0;
-  struct Pending {
-    uint8_t* host;
-    const uint8_t* device;
-    size_t bytes;
-  };
-  std::vector<Pending> pending_;  // Written on the device, not yet on the host.
+  std::vector<Download> pending_;  // Written on the device, not yet on the host.
 };
 
 // A step's activations kept on the device from op to op (Backend::Keep). Each kept buffer has a
 // device copy and knows which side holds its bytes: the host only, the device only, both, or
 // neither yet (fresh: nothing has written it, so an op writing it first uploads nothing), or
 // zeros on the host that the device copy gets by a clear on the device. The device memory of
-// released buffers is reused by later ones of a similar size.
+// released buffers is reused by later ones of a similar size, except that a buffer released
+// with a content that its device copy holds keeps that copy for the next step that keeps the
+// same content (a sequence's compressor partial groups, which a decode step would otherwise
+// copy up again, a few copies a sequence).
 class KeptBuffers {
  public:
   enum class Where { kFresh, kHost, kZeros, kDevice, kBoth };
@@ -272,6 +267,9 @@ class KeptBuffers {
     size_t bytes;
     uint8_t* device;
     Where where;
+    // The device copy held the host's bytes at the last Settle (read back, or both current),
+    // and the host has announced no write since.
+    bool settled_same = false;
   };
 
   KeptBuffers() = default;
@@ -280,13 +278,26 @@ class KeptBuffers {
   ~KeptBuffers() {
     for (auto& [host, b] : kept_) g::DeviceFree(b.device);
     for (auto& [size, device] : free_) g::DeviceFree(device);
+    for (auto& [content, r] : retained_) g::DeviceFree(r.device);
   }
 
   // False when the device has no memory for it (the buffer then stays the host's alone, and
-  // ops copy it as they would any other).
-  bool Keep(uint8_t* host, size_t bytes, KeepAs as) {
+  // ops copy it as they would any other). A content (Backend::Keep) whose bytes a Release left
+  // here is taken as it is.
+  bool Keep(uint8_t* host, size_t bytes, KeepAs as, uint64_t content) {
     if (host == nullptr || bytes == 0) return false;
-    Release(host);
+    Release(host, 0);
+    if (auto it = retained_.find(content);
+        content != 0 && as == KeepAs::kHostBytes && it != retained_.end()) {
+      const Retained r = it->second;
+      Unretain(it);
+      if (r.bytes == bytes) {
+        kept_[reinterpret_cast<uintptr_t>(host)] = {host, bytes, r.device, Where::kBoth};
+        ++reused_;
+        return true;
+      }
+      free_.emplace(sizes_[r.device], r.device);
+    }
     uint8_t* device = nullptr;
     auto it = free_.lower_bound(bytes);
     if (it != free_.end() && it->first <= 2 * bytes) {
@@ -311,13 +322,30 @@ class KeptBuffers {
     return true;
   }
 
-  void Release(const void* host) {
+  // With a content (Backend::Release), a device copy that holds the host's bytes stays for a
+  // later Keep of that content, the least recently released going past kRetainedBytes.
+  void Release(const void* host, uint64_t content) {
     auto it = kept_.find(reinterpret_cast<uintptr_t>(host));
     if (it == kept_.end()) return;
-    const size_t size = sizes_[it->second.device];
-    free_.emplace(size, it->second.device);
+    const Buffer& b = it->second;
+    const size_t size = sizes_[b.device];
+    const bool same = b.where == Where::kBoth || (b.where == Where::kHost && b.settled_same);
+    if (content != 0 && same && !retained_.contains(content)) {
+      while (!order_.empty() && retained_bytes_ + size > kRetainedBytes) {
+        auto oldest = retained_.find(order_.back());
+        free_.emplace(sizes_[oldest->second.device], oldest->second.device);
+        Unretain(oldest);
+      }
+      order_.push_front(content);
+      retained_[content] = {b.device, b.bytes, order_.begin()};
+      retained_bytes_ += size;
+    } else {
+      free_.emplace(size, b.device);
+    }
     kept_.erase(it);
   }
+
+  uint64_t reused() const { return reused_; }
 
   // The kept buffer holding all of [p, p + bytes), or null; *straddles when the range starts in
   // a kept buffer but runs past its end (or starts before one and runs into it).
@@ -369,26 +397,23 @@ class KeptBuffers {
     if (b == nullptr) return "";
     if (b->where == Where::kFresh || b->where == Where::kHost || b->where == Where::kZeros) {
       b->where = Where::kHost;
+      b->settled_same = false;
       return "";
     }
     const size_t at = static_cast<const uint8_t*>(p) - b->host;
     return traffic->Up(b->device + at, p, bytes);
   }
 
-  // Every buffer's newer device bytes to the host; from then on the host's are the only copy.
-  // One wait for the ops that wrote them, unless *waited says the caller has waited already.
-  std::string Settle(bool* waited) {
+  // The copies that bring every buffer's newer device bytes to the host, added to *out (the
+  // caller makes them: DeviceMemory::Bring); from then on the host's are the only copy.
+  void Settle(std::vector<Download>* out) {
     for (auto& [host, b] : kept_) {
-      if (b.where == Where::kDevice) {
-        if (!*waited) {
-          if (std::string e = traffic->Wait(); !e.empty()) return e;
-          *waited = true;
-        }
-        if (std::string e = traffic->Down(b.host, b.device, b.bytes); !e.empty()) return e;
-      }
+      if (b.where == Where::kDevice) out->push_back({b.host, b.device, b.bytes});
+      // (A second Settle with nothing written between keeps what the first found.)
+      b.settled_same = b.where == Where::kDevice || b.where == Where::kBoth ||
+                       (b.where == Where::kHost && b.settled_same);
       b.where = Where::kHost;  // Zeros too: another backend may write the host's bytes next.
     }
-    return "";
   }
 
   uint64_t bytes() const { return bytes_; }
@@ -396,8 +421,27 @@ class KeptBuffers {
   Traffic* traffic = nullptr;
 
  private:
-  // Frees the device memory no kept buffer uses.
+  struct Retained {
+    uint8_t* device;
+    size_t bytes;
+    std::list<uint64_t>::iterator order;
+  };
+  // Device copies of released contents, at most this many bytes (a sequence's partial groups
+  // take a few hundred kilobytes at the released dimensions).
+  static constexpr size_t kRetainedBytes = size_t{256} << 20;
+
+  void Unretain(std::map<uint64_t, Retained>::iterator it) {
+    retained_bytes_ -= sizes_[it->second.device];
+    order_.erase(it->second.order);
+    retained_.erase(it);
+  }
+
+  // Frees the device memory no kept buffer uses, released contents' copies too.
   void Trim() {
+    while (!retained_.empty()) {
+      free_.emplace(sizes_[retained_.begin()->second.device], retained_.begin()->second.device);
+      Unretain(retained_.begin());
+    }
     for (auto& [size, device] : free_) {
       sizes_.erase(device);
       g::DeviceFree(device);
@@ -406,10 +450,12 @@ class KeptBuffers {
     free_.clear();
   }
 
-  std::map<uintptr_t, Buffer> kept_;     // By host address.
-  std::multimap<size_t, void*> free_;    // Released device memory by size.
-  std::map<const void*, size_t> sizes_;  // Device allocation -> its size.
-  uint64_t bytes_ = 0;
+  std::map<uintptr_t, Buffer> kept_;       // By host address.
+  std::multimap<size_t, void*> free_;      // Released device memory by size.
+  std::map<const void*, size_t> sizes_;    // Device allocation -> its size.
+  std::map<uint64_t, Retained> retained_;  // By content.
+  std::list<uint64_t> order_;              // Retained contents, the latest released first.
+  uint64_t bytes_ = 0, retained_bytes_ = 0, reused_ = 0;
 };
 
 // Device copies of the sequences' window rings, kept from op to op and from step to step. A
@@ -658,6 +704,49 @@ class DeviceMemory {
     current_ = 0;
   }
 
+  // The downloads' device bytes to their host places, after the kernels launched before them:
+  // one wait, one copy for all the pieces of up to kGatheredLargest bytes (gathered on the
+  // device by one kernel into workspace, which stays taken until Reset; a piece alone is copied
+  // as it is), and a copy of its own for each larger piece. Each copy to the host of a step's
+  // small pieces waited for the device on its own, and a step has a few for each sequence.
+  std::string Bring(const std::vector<Download>& downloads) {
+    if (downloads.empty()) return "";
+    ++traffic.waits;
+    std::vector<g::ByteGather> runs;
+    uint64_t gathered = 0;
+    for (const Download& d : downloads) {
+      if (d.bytes == 0 || d.bytes > kGatheredLargest) continue;
+      runs.push_back({static_cast<const uint8_t*>(d.device), gathered, d.bytes});
+      gathered += (d.bytes + 15) / 16 * 16;
+    }
+    const bool gather = runs.size() > 1;
+    uint8_t* device = nullptr;
+    if (gather) {
+      std::string e;
+      device = static_cast<uint8_t*>(Scratch(gathered, &e));
+      void* table = e.empty() ? Scratch(runs.size() * sizeof(g::ByteGather), &e) : nullptr;
+      if (e.empty()) e = traffic.Up(table, runs.data(), runs.size() * sizeof(g::ByteGather));
+      if (e.empty()) {
+        e = g::GatherOnDevice(device, static_cast<const g::ByteGather*>(table),
+                              static_cast<int64_t>(runs.size()));
+      }
+      if (!e.empty()) return e;
+    }
+    for (const Download& d : downloads) {
+      if (d.bytes == 0 || (gather && d.bytes <= kGatheredLargest)) continue;
+      if (std::string e = traffic.Down(d.host, d.device, d.bytes); !e.empty()) return e;
+    }
+    if (!gather) return "";
+    down_.resize(gathered);
+    if (std::string e = traffic.Down(down_.data(), device, gathered); !e.empty()) return e;
+    size_t i = 0;
+    for (const Download& d : downloads) {
+      if (d.bytes == 0 || d.bytes > kGatheredLargest) continue;
+      std::memcpy(d.host, &down_[runs[i++].to], d.bytes);
+    }
+    return "";
+  }
+
   uint64_t bytes() const {
     return resident_ + tables_ + workspace_ + kv.bytes() + kept.bytes() + rings.bytes();
   }
@@ -679,7 +768,9 @@ class DeviceMemory {
     void* device;
     size_t size, used;
   };
+  static constexpr size_t kGatheredLargest = size_t{64} << 10;
   std::map<const void*, Resident> weights_;
+  std::vector<uint8_t> down_;  // Bring's gathered bytes, its allocation reused.
   std::vector<Chunk> chunks_;
   size_t current_ = 0;
   uint64_t resident_ = 0, tables_ = 0, workspace_ = 0;
@@ -887,20 +978,14 @@ class Call {
     for (const Written& w : written_) {
       for (int64_t id : w.ids) memory_->kv.Wrote(id, w.lo, w.hi, w.pool);
     }
-    if (back_.empty() && scatter_.empty()) return OpStatus::kOk;
-    if (!Check(memory_->traffic.Wait())) return OpStatus::kDeviceError;
-    for (const Copy& c : back_) {
-      if (!Check(memory_->traffic.Down(c.host, c.device, c.bytes))) return OpStatus::kDeviceError;
-    }
-    for (Gathered& s : scatter_) {
-      if (!Check(memory_->traffic.Down(s.staging.data(), s.device, s.staging.size()))) {
-        return OpStatus::kDeviceError;
-      }
+    std::vector<Download> downloads;
+    for (const Copy& c : back_) downloads.push_back({c.host, c.device, c.bytes});
+    for (const Gathered& s : scatter_) {
       for (size_t i = 0; i < s.host.size(); ++i) {
-        std::memcpy(s.host[i], &s.staging[i * s.span], s.bytes);
+        downloads.push_back({s.host[i], s.device + i * s.span, s.bytes});
       }
     }
-    return OpStatus::kOk;
+    return Check(memory_->Bring(downloads)) ? OpStatus::kOk : OpStatus::kDeviceError;
   }
 
  private:
@@ -1075,6 +1160,8 @@ class GpuBackend final : public Backend {
     r.waits = memory_.traffic.waits + memory_.traffic.staging.waits();
     r.uploads_queued = memory_.traffic.staging.queued();
     r.uploads_waited = memory_.traffic.staging.copied();
+    r.downloads = memory_.traffic.downloads;
+    r.kept_reused = memory_.kept.reused();
     return r;
   }
 
@@ -1614,13 +1701,13 @@ class GpuBackend final : public Backend {
     });
   }
 
-  void Keep(float* host, size_t count, KeepAs as) const override {
+  void Keep(float* host, size_t count, KeepAs as, uint64_t content) const override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (g::SetDevice(device_).empty()) memory_.kept.Keep(Bytes(host), count * 4, as);
+    if (g::SetDevice(device_).empty()) memory_.kept.Keep(Bytes(host), count * 4, as, content);
   }
-  void Release(const float* host) const override {
+  void Release(const float* host, uint64_t content) const override {
     std::lock_guard<std::mutex> lock(mu_);
-    memory_.kept.Release(host);
+    memory_.kept.Release(host, content);
   }
   OpStatus ToHost(const float* host, size_t count) const override {
     return OnDevice([&] { return memory_.kept.ToHost(host, count * 4); });
@@ -1628,11 +1715,15 @@ class GpuBackend final : public Backend {
   OpStatus HostWrote(const float* host, size_t count) const override {
     return OnDevice([&] { return memory_.kept.HostWrote(host, count * 4); });
   }
+  // The KV rows and kept buffers the device wrote, to the host in one wait (Bring).
   OpStatus Settle() const override {
     return OnDevice([&] {
-      bool waited = false;  // One wait covers the KV rows and the kept buffers.
-      const std::string e = memory_.kv.Flush(&waited);
-      return e.empty() ? memory_.kept.Settle(&waited) : e;
+      std::vector<Download> downloads;
+      memory_.kv.Written(&downloads);
+      memory_.kept.Settle(&downloads);
+      const std::string e = memory_.Bring(downloads);
+      memory_.Reset();
+      return e;
     });
   }
 

@@ -42,6 +42,11 @@ struct SequenceState {
     std::vector<float> kv_partial;     // [ratio, head_dim] fp32, ratio > 1 only
     std::vector<float> score_partial;  // [ratio, head_dim] fp32
     int64_t entries = 0;               // Compressed entries written (rows in the blocks).
+    // A number no other partial groups' contents ever had, or 0: the forward pass gives a new
+    // one to the groups each step commits (a copy keeps it with the bytes it names), so a
+    // backend that kept its device copy of them knows it for the same bytes and copies nothing.
+    // Not serialized: a restored state starts at 0.
+    uint64_t version = 0;
   };
   std::vector<Compressor> sources;      // Indexed by layer; empty for non-sources.
   std::vector<int32_t> engram_classes;  // The last max_ngram_size - 1 token classes.

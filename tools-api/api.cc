@@ -53,6 +53,7 @@ nlohmann::json BackendJson(const engine::BackendReport& r) {
           {"ring_uploads", r.ring_uploads},
           {"bytes_to_device", r.bytes_to_device},
           {"bytes_to_host", r.bytes_to_host},
+          {"copies_to_host", r.downloads},
           {"bytes_zeroed_on_device", r.bytes_zeroed},
           {"host_waits", r.waits}};
 }

@@ -57,6 +57,14 @@ struct ByteRun {
   uint64_t from, bytes;
 };
 std::string ScatterOnDevice(const void* src, const ByteRun* runs, int64_t count);
+// The reverse, what many small pieces come back to the host in one copy by: run i's `bytes`
+// from `from` to dst + to, by one kernel ordered after the kernels launched before it. `dst` and
+// `runs` [count] are device memory; the runs' targets must not overlap each other or a source.
+struct ByteGather {
+  const uint8_t* from;
+  uint64_t to, bytes;
+};
+std::string GatherOnDevice(void* dst, const ByteGather* runs, int64_t count);
 // Stream order of queued copies: `rounds` times, a kernel reads a buffer, a queued copy
 // overwrites it from pinned memory, a second kernel reads it; `*wrong` gets the rounds where
 // the first kernel did not see the old bytes or the second the new ones.

@@ -45,6 +45,11 @@ __global__ void ScatterRunsKernel(const uint8_t* src, const ByteRun* runs) {
   for (uint64_t i = threadIdx.x; i < r.bytes; i += blockDim.x) r.to[i] = src[r.from + i];
 }
 
+__global__ void GatherRunsKernel(uint8_t* dst, const ByteGather* runs) {
+  const ByteGather r = runs[blockIdx.x];
+  for (uint64_t i = threadIdx.x; i < r.bytes; i += blockDim.x) dst[r.to + i] = r.from[i];
+}
+
 // Stream order: the first kernel's values take a few hundred operations each, the second doubles
 // them.
 // What SlowStepKernel makes of a value: 64 dependent steps, on the device and for the checks.
@@ -256,6 +261,15 @@ std::string ScatterOnDevice(const void* src, const ByteRun* runs, int64_t count)
                 static_cast<const uint8_t*>(src), runs);
   const gpuError_t err = gpuGetLastError();
   return err == gpuSuccess ? "" : Describe("scatter on device", err);
+}
+
+std::string GatherOnDevice(void* dst, const ByteGather* runs, int64_t count) {
+  if (count <= 0) return "";
+  if (count > int64_t{0x7FFFFFFF}) return "gather on device: more runs than a grid holds";
+  FLASHD_LAUNCH(GatherRunsKernel, static_cast<unsigned>(count), 256, 0, nullptr,
+                static_cast<uint8_t*>(dst), runs);
+  const gpuError_t err = gpuGetLastError();
+  return err == gpuSuccess ? "" : Describe("gather on device", err);
 }
 
 std::string FillBytes(void* dst, size_t bytes, uint64_t seed, uint8_t lo, uint8_t hi) {

@@ -60,6 +60,7 @@ BOOST_AUTO_TEST_CASE(a_restarted_daemon_resumes_exactly) {
     BOOST_TEST(backend["bytes_to_device"].get<uint64_t>() > 0u, backend.dump());
     BOOST_TEST(backend["bytes_to_host"].get<uint64_t>() > 0u, backend.dump());
     BOOST_TEST(backend["host_waits"].get<uint64_t>() > 0u, backend.dump());
+    BOOST_TEST(backend["copies_to_host"].get<uint64_t>() > 0u, backend.dump());
   }
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_hit_tokens_total") == 700);
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_snapshot_hits_total") == 1);

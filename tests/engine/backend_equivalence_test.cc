@@ -265,10 +265,12 @@ class Counting final : public Backend {
   kernels::OpStatus UploadDense(const float* host, size_t count) const override {
     return inner_->UploadDense(host, count);
   }
-  void Keep(float* host, size_t count, KeepAs as) const override {
-    if (keep_) inner_->Keep(host, count, as);
+  void Keep(float* host, size_t count, KeepAs as, uint64_t content) const override {
+    if (keep_) inner_->Keep(host, count, as, content);
   }
-  void Release(const float* host) const override { inner_->Release(host); }
+  void Release(const float* host, uint64_t content) const override {
+    inner_->Release(host, content);
+  }
   kernels::OpStatus ToHost(const float* host, size_t count) const override {
     return inner_->ToHost(host, count);
   }
@@ -867,6 +869,78 @@ BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
   BOOST_TEST(gpu->Report().uploads_queued - before.uploads_queued == op_copies + 1);
 }
 
+// A sequence's compressor partial groups stay on the device from step to step, named by their
+// version: a decode step copies none of them up again. A fork decoded beside its origin (the
+// same version: one takes the device copy, the other's is copied), a restored snapshot (no
+// version) and a step that keeps one of its two tokens (the groups written on the host) all
+// give the CPU's logits, and the next steps find their groups on the device again.
+BOOST_AUTO_TEST_CASE(partial_groups_stay_on_the_device_from_step_to_step) {
+  const Pair& p = Load();
+  const ModelConfig& c = p.cpu->config();
+  uint64_t groups = 0;  // Kept buffers a sequence's partial groups are, two a pooling layer.
+  for (const LayerPlan& l : c.layers) groups += l.is_kv_source && l.compress_ratio > 1 ? 2 : 0;
+  BOOST_REQUIRE(groups > 0);
+  auto greedy = [](const std::vector<float>& l) {
+    return static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());
+  };
+  // Every call's logits, and the backend's kept_reused after each call.
+  auto run = [&](const CpuForward& f, std::vector<uint64_t>* reused) {
+    std::vector<float> all, la, lb;
+    auto note = [&](std::initializer_list<const std::vector<float>*> logits) {
+      reused->push_back(f.backend().Report().kept_reused);
+      for (const std::vector<float>* l : logits) all.insert(all.end(), l->begin(), l->end());
+    };
+    SequenceState a = f.NewSequence();
+    BOOST_REQUIRE(f.Forward(&a, Prompt(0), &la).ok());
+    note({&la});
+    for (int step = 0; step < 2; ++step) {
+      const int32_t t = greedy(la);
+      BOOST_REQUIRE(f.Forward(&a, std::span<const int32_t>(&t, 1), &la).ok());
+      note({&la});
+    }
+    SequenceState b = a.Fork();
+    int32_t ta = greedy(la), tb = (ta + 1) % static_cast<int32_t>(c.vocab_size);
+    for (int step = 0; step < 2; ++step) {
+      std::vector<BatchItem> items = {{&a, std::span<const int32_t>(&ta, 1), &la},
+                                      {&b, std::span<const int32_t>(&tb, 1), &lb}};
+      BOOST_REQUIRE(f.ForwardBatch(items).ok());
+      note({&la, &lb});
+      ta = greedy(la);
+      tb = greedy(lb);
+    }
+    auto restored = f.Restore(a.Serialize());
+    BOOST_REQUIRE_MESSAGE(restored.ok(), restored.status().ToString());
+    SequenceState d = std::move(*restored);
+    std::vector<float> ld;
+    BOOST_REQUIRE(f.Forward(&d, std::span<const int32_t>(&ta, 1), &ld).ok());
+    note({&ld});
+    const std::vector<int32_t> two = {tb, ta};
+    BatchItem item{&b, two, &lb};
+    item.accept = [](std::span<const float>) { return int64_t{1}; };
+    BOOST_REQUIRE(f.ForwardBatch(std::span<BatchItem>(&item, 1)).ok());
+    note({&lb});
+    for (int step = 0; step < 2; ++step) {
+      const int32_t t = step == 0 ? ta : greedy(lb);
+      BOOST_REQUIRE(f.Forward(&b, std::span<const int32_t>(&t, 1), &lb).ok());
+      note({&lb});
+    }
+    return all;
+  };
+  std::vector<uint64_t> cpu_reused, gpu_reused;
+  const std::vector<float> want = run(*p.cpu, &cpu_reused);
+  const std::vector<float> got = run(*p.gpu, &gpu_reused);
+  BOOST_REQUIRE(got.size() == want.size());
+  BOOST_TEST(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+  std::vector<uint64_t> per_call;
+  for (size_t i = 1; i < gpu_reused.size(); ++i) {
+    per_call.push_back(gpu_reused[i] - gpu_reused[i - 1]);
+  }
+  // Two decode steps; the fork beside its origin, then both; the restored state; the step
+  // keeping one token; the step after it (its groups written on the host), then the next.
+  const std::vector<uint64_t> expected = {groups, groups, groups, 2 * groups, 0, groups, 0, groups};
+  BOOST_TEST(per_call == expected, boost::test_tools::per_element());
+}
+
 // A batched decode step attends once a layer, every sequence's queries in one op, scores the
 // indexer's entries once an indexing layer, pools the compressor's groups once a pooling layer,
 // and gives the CPU's logits for every sequence: with the
@@ -941,6 +1015,10 @@ BOOST_AUTO_TEST_CASE(a_batched_step_attends_once_a_layer_with_its_rings_in_or_ou
     BOOST_TEST(std::memcmp(got.data(), want.data(), got.size() * 4) == 0, "ring budget " << budget);
     BOOST_TEST(gpu->Report().ring_device_bytes <= budget);
     BOOST_TEST(gpu->Report().ring_device_bytes >= ring_bytes);
+    // Each time the host waits for the device it takes what it needs in one copy, however many
+    // sequences wrote KV rows and partial groups (gathered on the device).
+    BOOST_TEST(after.downloads - before.downloads == after.waits - before.waits);
+    BOOST_TEST(after.waits > before.waits);
     // The rings cached: each step after the first copies every sequence's new slot of each
     // layer, and each layer's slots in one copy.
     if (budget > 3 * ring_bytes) {

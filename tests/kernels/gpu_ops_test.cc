@@ -2415,8 +2415,10 @@ BOOST_AUTO_TEST_CASE(indexer_scores_of_several_sequences_bit_equal) {
 }
 
 // Runs of bytes spread by one kernel (ScatterOnDevice): runs of 1 to 700 bytes, at odd offsets
-// in the source and odd targets, land where each says and nothing else changes.
-BOOST_AUTO_TEST_CASE(scattered_runs_land_where_each_says) {
+// in the source and odd targets, land where each says and nothing else changes. Then gathered
+// back by one kernel (GatherOnDevice) into another buffer at other odd offsets: each lands where
+// its run says, the bytes between untouched.
+BOOST_AUTO_TEST_CASE(scattered_and_gathered_runs_land_where_each_says) {
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> byte(0, 255);
   const std::vector<std::pair<uint64_t, uint64_t>> pieces = {
@@ -2440,6 +2442,24 @@ BOOST_AUTO_TEST_CASE(scattered_runs_land_where_each_says) {
   BOOST_REQUIRE(
       gpu::ScatterOnDevice(dsrc.get(), druns.get(), static_cast<int64_t>(runs.size())).empty());
   BOOST_TEST((dtarget.Host() == want));
+
+  std::vector<uint8_t> back(src.size(), 0xCD), want_back = back;
+  Dev<uint8_t> dback(back);
+  std::vector<gpu::ByteGather> gathers;
+  uint64_t to = 2;
+  for (const gpu::ByteRun& r : runs) {
+    gathers.push_back({r.to, to, r.bytes});
+    std::memcpy(&want_back[to], &src[r.from], r.bytes);
+    to += r.bytes + 3;
+  }
+  BOOST_REQUIRE(to <= back.size() + 3);
+  Dev<gpu::ByteGather> dgathers(gathers);
+  BOOST_REQUIRE(gpu::GatherOnDevice(dback.get(), dgathers.get(), 0).empty());
+  BOOST_TEST((dback.Host() == back));
+  BOOST_REQUIRE(
+      gpu::GatherOnDevice(dback.get(), dgathers.get(), static_cast<int64_t>(gathers.size()))
+          .empty());
+  BOOST_TEST((dback.Host() == want_back));
 }
 
 // The queries of several sequences in one call (token_sequence, sequences): each sequence its own
