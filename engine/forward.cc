@@ -395,6 +395,7 @@ class Step {
         options_(options),
         plan_(std::move(plan)) {
     stream_.threads = options.threads;
+    for (const LayerPlan& l : c_.layers) has_indexer_ = has_indexer_ || l.is_index_source;
   }
 
   ~Step();
@@ -468,8 +469,15 @@ class Step {
   std::vector<uint8_t> xq_, xs_;      // The linear layers' quantized inputs.
   void QuantScratch(int64_t values);  // xq_ and xs_ for at least `values` inputs.
   std::vector<float> X_, next_, x_, sub_, mixes_, pre_mix_, pre_a_, pre_f_, post_, comb_;
-  std::vector<std::vector<int64_t>> selection_;  // Per row: compressed entries, ascending.
-  std::vector<std::vector<char>> candidates_;    // Per row: the candidate filter's choice.
+  // The indexer's picks as the last indexing layer left them: per row index_topk compressed
+  // entries, ascending, -1 after (TopKParams::ascending), made at picks_ratio_'s compression.
+  // Kept with the streams, so that on a GPU the attention reads them where the indexer made them
+  // and the host never waits for them. Empty when the model has no indexer; picks_ratio_ 0 until
+  // an indexing layer of the step has run.
+  std::vector<int64_t> picks_;
+  int64_t picks_ratio_ = 0;
+  bool has_indexer_ = false;
+  std::vector<std::vector<char>> candidates_;  // Per row: the candidate filter's choice.
   // The candidate filter's mask where it was made ([rows, candidates_stride_] bytes in floats'
   // storage, kept), while the host's candidates_ are not filled in (candidates_on_device_): the
   // layers that use it read it there when their rows are the filter's (one chunk, the same
@@ -601,6 +609,7 @@ void Step::KeepStreams(bool fresh) {
     const bool host_values = v == &pre_mix_ || (!fresh && v == &X_);
     Keep(v, host_values ? KeepAs::kHostBytes : KeepAs::kUnwritten, &streams_kept_);
   }
+  Keep(&picks_, fresh ? KeepAs::kUnwritten : KeepAs::kHostBytes, &streams_kept_);
 }
 
 void Step::ReleaseStreams() { Release(&streams_kept_); }
@@ -659,7 +668,8 @@ Status Step::Embed() {
   next_.resize(X_.size());
   pre_mix_.assign(rows * hc, 0.0f);
   for (size_t t = 0; t < rows; ++t) pre_mix_[t * hc] = 1.0f;
-  selection_.assign(rows, {});
+  picks_.assign(has_indexer_ ? rows * static_cast<size_t>(c_.index_topk) : 0, -1);
+  picks_ratio_ = 0;
   candidates_.assign(rows, {});
   candidates_on_device_ = false;
   x_.resize(rows * dim);
@@ -926,12 +936,13 @@ Status Step::Truncate(size_t keep) {
   FLASHD_RETURN_IF_ERROR(CandidatesToHost());  // Gathered below, by the plan's positions now.
   FLASHD_RETURN_IF_ERROR(ToHost(X_));
   FLASHD_RETURN_IF_ERROR(ToHost(pre_mix_));
+  FLASHD_RETURN_IF_ERROR(ToHost(picks_));
   ReleaseStreams();
   const std::vector<size_t> kept = plan_.Truncate(keep);
   const size_t hc = static_cast<size_t>(c_.hc_mult), dim = static_cast<size_t>(c_.hidden_size);
   GatherRows(&X_, kept, hc * dim);
   GatherRows(&pre_mix_, kept, hc);
-  GatherRows(&selection_, kept, 1);
+  GatherRows(&picks_, kept, static_cast<size_t>(c_.index_topk));
   GatherRows(&candidates_, kept, 1);
   if (!engram_gathered_.empty()) {
     const size_t cols = static_cast<size_t>(plan_.engram_stride) / engram_gathered_.size();
@@ -1180,17 +1191,11 @@ Status Step::Attend(int l, const std::vector<float>& q, const std::vector<float>
   const LayerPlan& lp = m_.Plan(l);
   const int64_t H = c_.num_attention_heads, hd = c_.head_dim, rd = c_.qk_rope_head_dim;
   const size_t rows = n(), count = plan_.segments.size();
-  // Selections as rows of a fixed width, -1 padded.
-  int64_t width = 0;
-  if (lp.compress_ratio > 0) {
-    for (size_t t = 0; t < rows; ++t) {
-      width = std::max<int64_t>(width, static_cast<int64_t>(selection_[t].size()));
-    }
-  }
-  std::vector<int64_t> selected(rows * static_cast<size_t>(width), -1);
-  for (size_t t = 0; t < rows && width > 0; ++t) {
-    std::copy(selection_[t].begin(), selection_[t].end(), selected.begin() + t * width);
-  }
+  // The indexer's picks where they are, and each query's bound on them (the entries the indexer
+  // let it see), by which a GPU backend maps the blocks they may reach without reading them.
+  const int64_t width = lp.compress_ratio > 0 && picks_ratio_ > 0 ? c_.index_topk : 0;
+  std::vector<int64_t> bound(width > 0 ? rows : 0);
+  for (size_t t = 0; t < bound.size(); ++t) bound[t] = (plan_.positions[t] + 1) / picks_ratio_;
   kernels::PagedRows kv_codes, kv_scales;
   if (width > 0) {
     const KvBlockLayout::Source& src = m_.layout->sources[m_.layout->source_of_layer[lp.kv_source]];
@@ -1222,8 +1227,9 @@ Status Step::Attend(int l, const std::vector<float>& q, const std::vector<float>
                                    .window = c_.sliding_window,
                                    .window_first = plan_.window_first.data(),
                                    .window_last = draft_ ? window_last_.data() : nullptr,
-                                   .selected = selected.data(),
+                                   .selected = width > 0 ? picks_.data() : nullptr,
                                    .selected_stride = width,
+                                   .selected_bound = width > 0 ? bound.data() : nullptr,
                                    .kv_codes = kv_codes,
                                    .kv_scales = kv_scales,
                                    .sink = L.attn_sink.data(),
@@ -1510,7 +1516,6 @@ Status Step::Index(int l, const float* qr, const float* weights) {
   std::vector<float> scores(static_cast<size_t>(std::min(chunk, count) * stride));
   const Kept kept_scores(this, {&scores});
   std::vector<uint8_t> mask;
-  std::vector<int64_t> top;
   for (int64_t t0 = 0; t0 < count; t0 += chunk) {
     const int64_t rows = std::min(chunk, count - t0);
     const uint8_t* use_mask = nullptr;
@@ -1587,24 +1592,23 @@ Status Step::Index(int l, const float* qr, const float* weights) {
                                    mask.begin() + t * stride + visible[t0 + t]);
       }
     }
-    top.resize(static_cast<size_t>(rows * topk));
+    // The picks in ascending order where the op runs: the attention reads them there.
     FLASHD_OP(TopK, {.values = scores.data(),
                      .rows = rows,
                      .stride = stride,
                      .k = topk,
                      .n = &visible[t0],
                      .order = options_.topk_order,
-                     .out = top.data()});
-    for (int64_t t = 0; t < rows; ++t) {
-      std::vector<int64_t>& sel = selection_[t0 + t];
-      sel.clear();
-      for (int64_t i = 0; i < topk; ++i) {
-        if (top[t * topk + i] >= 0) sel.push_back(top[t * topk + i]);
-      }
-      std::sort(sel.begin(), sel.end());
-      if (options_.trace != nullptr) {
-        options_.trace->selections.push_back({l, plan_.positions[t0 + t], sel});
-      }
+                     .out = &picks_[static_cast<size_t>(t0 * topk)],
+                     .ascending = true});
+  }
+  picks_ratio_ = ratio;
+  if (options_.trace != nullptr) {
+    FLASHD_RETURN_IF_ERROR(ToHost(picks_));
+    for (int64_t t = 0; t < count; ++t) {
+      const auto first = picks_.begin() + t * topk;
+      options_.trace->selections.push_back(
+          {l, plan_.positions[t], std::vector<int64_t>(first, std::find(first, first + topk, -1))});
     }
   }
   return Status::Ok();

@@ -14,7 +14,8 @@
 // the attention read their keys and KV in place. The forward pass's activations stay on the
 // device between ops too (Backend::Keep, KeptBuffers below): ops read and write the device
 // copies of the buffers the step keeps, and the host copy catches up only where the forward
-// pass reads it (the indexer's picks, the logits, and at the step's end the rows it commits);
+// pass reads it (the logits, and at the step's end the rows it commits; the indexer's picks
+// stay for the attention, which maps the blocks under each query's bound);
 // buffers that start as zeros are cleared there rather than copied. An op whose outputs all
 // stay on the device is not waited for. What the host takes back at one wait (a settle's KV
 // rows and kept buffers, an op's outputs) comes in one copy, gathered on the device by a kernel
@@ -1462,6 +1463,11 @@ class GpuBackend final : public Backend {
       const int64_t s = several ? p.token_sequence[t] : 0;
       if (s < 0 || s >= count) return OpStatus::kBadShape;
       last[s] = std::max(last[s], p.window_last != nullptr ? p.window_last[t] : p.positions[t]);
+      if (p.selected_stride > 0 && p.selected_bound != nullptr) {
+        table_blocks[s] =
+            std::max(table_blocks[s], (p.selected_bound[t] + per_block - 1) / per_block);
+        continue;
+      }
       for (int64_t j = 0; j < p.selected_stride; ++j) {
         const int64_t e = p.selected[t * p.selected_stride + j];
         if (e >= 0) table_blocks[s] = std::max(table_blocks[s], e / per_block + 1);

@@ -306,6 +306,9 @@ enum class TopKOrder {
 // The indices of the k largest of each row's first n[t] values (fewer when n[t] < k), padded
 // with -1 to k. kTotal lists them in rank order; kReference in the order its selection leaves
 // them (which decides, e.g., the order the router sums the chosen weights in).
+// With `ascending`, each row's picks (the same ones) are listed in ascending index order instead,
+// the -1 padding after them: the order the sparse attention reads a selection in, so that the
+// picks need no host between the two (on a GPU at most 6,144 of them).
 struct TopKParams {
   const float* values = nullptr;  // [rows, stride]
   int64_t rows = 0, stride = 0, k = 0;
@@ -313,6 +316,7 @@ struct TopKParams {
   TopKOrder order = TopKOrder::kTotal;
   int64_t* out = nullptr;  // [rows, k]
   void* stream = nullptr;
+  bool ascending = false;
 };
 
 // The indexer's candidate pre-filter: per query, the best `top_blocks` blocks of `block`
@@ -396,6 +400,10 @@ struct SparseAttentionParams {
   // Compressed rows: the sequence's entries, read through its block table.
   const int64_t* selected = nullptr;  // [tokens, selected_stride] entries, -1 = none
   int64_t selected_stride = 0;
+  // Optional [tokens]: every entry query t selects is below selected_bound[t] (the entries it can
+  // see). Kernels ignore it; a backend that has `selected` on its device (where the indexer's
+  // picks stay) maps the blocks under the bounds rather than read the entries on the host.
+  const int64_t* selected_bound = nullptr;
   const int32_t* block_table = nullptr;
   PagedRows kv_codes, kv_scales;
   const float* sink = nullptr;   // [heads]

@@ -216,6 +216,7 @@ OpStatus TopK(const TopKParams& p) {
     int64_t* out = p.out + r * p.k;
     const int64_t got =
         SelectTop(p.values + r * p.stride, std::min(p.n[r], p.stride), p.k, p.order, out, &queue);
+    if (p.ascending) std::sort(out, out + got);
     std::fill(out + got, out + p.k, -1);
   }
   return OpStatus::kOk;

@@ -16,14 +16,30 @@ namespace fm = flashd::kernels::fmath;
 
 // One thread block per row.
 constexpr unsigned kSelectThreads = 256;
+// The most picks an ascending row sorts in shared memory (48 KB).
+constexpr int64_t kAscendingMost = 6144;
 
+// Ascending: the picks then go to shared memory ([k] indices, dynamic) and each to the place its
+// rank among them gives (the indices are distinct).
 __global__ void TopKKernel(const float* values, int64_t stride, int64_t k, const int64_t* n,
-                           int64_t* out) {
+                           bool ascending, int64_t* out) {
   const int64_t r = blockIdx.x;
   const int64_t count = n[r] < stride ? n[r] : stride;
+  int64_t* row = out + r * k;
   const int64_t got =
-      gpu_select::BlockSelectTop<kSelectThreads>(values + r * stride, count, k, out + r * k);
-  for (int64_t i = got + threadIdx.x; i < k; i += kSelectThreads) out[r * k + i] = -1;
+      gpu_select::BlockSelectTop<kSelectThreads>(values + r * stride, count, k, row);
+  for (int64_t i = got + threadIdx.x; i < k; i += kSelectThreads) row[i] = -1;
+  if (!ascending) return;
+  FLASHD_DYNAMIC_SHARED(int64_t, picks);
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < got; i += kSelectThreads) picks[i] = row[i];
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < got; i += kSelectThreads) {
+    const int64_t v = picks[i];
+    int64_t rank = 0;
+    for (int64_t j = 0; j < got; ++j) rank += picks[j] < v ? 1 : 0;
+    row[rank] = v;
+  }
 }
 
 // One thread block per token: the experts' scores a thread per expert (a softmax's sum by one
@@ -151,8 +167,11 @@ OpStatus TopK(const TopKParams& p) {
   if (p.order != TopKOrder::kTotal) return OpStatus::kBadArgument;
   if (p.rows == 0 || p.k == 0) return OpStatus::kOk;
   if (p.rows > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
-  FLASHD_LAUNCH(TopKKernel, static_cast<unsigned>(p.rows), kSelectThreads, 0,
-                static_cast<gpuStream_t>(p.stream), p.values, p.stride, p.k, p.n, p.out);
+  if (p.ascending && p.k > kAscendingMost) return OpStatus::kBadShape;
+  const unsigned shared = p.ascending ? static_cast<unsigned>(p.k * sizeof(int64_t)) : 0;
+  FLASHD_LAUNCH(TopKKernel, static_cast<unsigned>(p.rows), kSelectThreads, shared,
+                static_cast<gpuStream_t>(p.stream), p.values, p.stride, p.k, p.n, p.ascending,
+                p.out);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

@@ -94,11 +94,12 @@ bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // TopK in the total order of `rows` rows of `stride` values (row r's first n[r]) by the CPU op
-// (first) and by the device's (second).
+// (first) and by the device's (second); `ascending` as TopKParams'.
 std::pair<std::vector<int64_t>, std::vector<int64_t>> TopKBoth(const std::vector<float>& v,
                                                                int64_t rows, int64_t stride,
                                                                int64_t k,
-                                                               const std::vector<int64_t>& n) {
+                                                               const std::vector<int64_t>& n,
+                                                               bool ascending = false) {
   std::vector<int64_t> want(rows * k);
   cpu::TopK({.values = v.data(),
              .rows = rows,
@@ -106,7 +107,8 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> TopKBoth(const std::vector
              .k = k,
              .n = n.data(),
              .order = TopKOrder::kTotal,
-             .out = want.data()});
+             .out = want.data(),
+             .ascending = ascending});
   Dev<float> dv(v);
   Dev<int64_t> dn(n), dout(std::vector<int64_t>(want.size()));
   BOOST_REQUIRE(gpu::TopK({.values = dv.get(),
@@ -115,8 +117,18 @@ std::pair<std::vector<int64_t>, std::vector<int64_t>> TopKBoth(const std::vector
                            .k = k,
                            .n = dn.get(),
                            .order = TopKOrder::kTotal,
-                           .out = dout.get()}) == OpStatus::kOk);
+                           .out = dout.get(),
+                           .ascending = ascending}) == OpStatus::kOk);
   return {std::move(want), dout.Host()};
+}
+
+// Each row of `picks` [rows, k] sorted ascending, its -1 padding kept after the picks.
+std::vector<int64_t> SortedPicks(std::vector<int64_t> picks, int64_t k) {
+  for (size_t r = 0; r < picks.size(); r += static_cast<size_t>(k)) {
+    const auto end = std::find(picks.begin() + r, picks.begin() + r + k, -1);
+    std::sort(picks.begin() + r, end);
+  }
+  return picks;
 }
 
 // A linear layer's shape; Params fills a LinearParams of it with the given buffers (host ones
@@ -2006,6 +2018,11 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
   for (int64_t r = 0; r < rows; ++r) n[r] = r % 71;  // Including rows shorter than k.
   const auto [want, got] = TopKBoth(v, rows, stride, k, n);
   BOOST_TEST((got == want));
+  // Ascending: the same picks in index order, the padding after, on both.
+  const auto [up_want, up_got] = TopKBoth(v, rows, stride, k, n, true);
+  BOOST_TEST((up_want == SortedPicks(want, k)));
+  BOOST_TEST((up_got == up_want));
+  BOOST_TEST((up_want != want));
   Dev<float> dv(v);
   Dev<int64_t> dn(n), dout(std::vector<int64_t>(rows * k));
   BOOST_TEST((gpu::TopK({.values = dv.get(),
@@ -2033,6 +2050,10 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
     for (int64_t lk : {600, 5000}) {
       const auto [lwant, lgot] = TopKBoth(lv, long_rows, long_stride, lk, {long_stride, 4500, 100});
       BOOST_TEST((lgot == lwant), "k " << lk);
+      const auto [up_want, up_got] =
+          TopKBoth(lv, long_rows, long_stride, lk, {long_stride, 4500, 100}, true);
+      BOOST_TEST((up_want == SortedPicks(lwant, lk)), "k " << lk);
+      BOOST_TEST((up_got == up_want), "k " << lk);
     }
   }
   const RouteScoring scorings[] = {RouteScoring::kSoftmax, RouteScoring::kSigmoid,
