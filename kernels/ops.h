@@ -308,7 +308,7 @@ enum class TopKOrder {
 // them (which decides, e.g., the order the router sums the chosen weights in).
 // With `ascending`, each row's picks (the same ones) are listed in ascending index order instead,
 // the -1 padding after them: the order the sparse attention reads a selection in, so that the
-// picks need no host between the two (on a GPU at most 6,144 of them).
+// picks need no host between the two (on a GPU at most 5,632 of them).
 struct TopKParams {
   const float* values = nullptr;  // [rows, stride]
   int64_t rows = 0, stride = 0, k = 0;

@@ -2055,6 +2055,17 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
       BOOST_TEST((up_want == SortedPicks(lwant, lk)), "k " << lk);
       BOOST_TEST((up_got == up_want), "k " << lk);
     }
+    // More picks than the device sorts in shared memory: refused, not cut short.
+    Dev<float> dlv(lv);
+    Dev<int64_t> dln(std::vector<int64_t>{long_stride, 4500, 100});
+    Dev<int64_t> dlout(std::vector<int64_t>(long_rows * 5633));
+    BOOST_TEST((gpu::TopK({.values = dlv.get(),
+                           .rows = long_rows,
+                           .stride = long_stride,
+                           .k = 5633,
+                           .n = dln.get(),
+                           .out = dlout.get(),
+                           .ascending = true}) == OpStatus::kBadShape));
   }
   const RouteScoring scorings[] = {RouteScoring::kSoftmax, RouteScoring::kSigmoid,
                                    RouteScoring::kSqrtSoftplus};
