@@ -125,9 +125,10 @@ class KvArena {
     if (table_ != nullptr) g::DeviceFree(table_);
   }
 
-  // The device table (block id -> its copy) after making every block of `ids` current from
-  // the host blocks of `pool`. Null with *error set when a copy failed, or with *error empty
-  // when device memory ran out (the caller then copies the blocks for its op alone).
+  // The device table (block id -> its copy) after making every block of `ids` (in any order,
+  // repeats allowed) current from the host blocks of `pool`. Null with *error set when a copy
+  // failed, or with *error empty when device memory ran out (the caller then copies the blocks
+  // for its op alone).
   uint8_t** Prepare(const std::vector<int64_t>& ids, const k::PagedRows& pool, std::string* error) {
     if (ids.empty()) return table_;
     if (block_bytes_ != 0 && block_bytes_ != pool.block_bytes) {
@@ -137,7 +138,7 @@ class KvArena {
     }
     block_bytes_ = pool.block_bytes;
     slot_bytes_ = (block_bytes_ + kAlign - 1) / kAlign * kAlign;
-    const size_t top = static_cast<size_t>(ids.back()) + 1;  // ids are sorted.
+    const size_t top = static_cast<size_t>(*std::max_element(ids.begin(), ids.end())) + 1;
     if (top > slots_.size()) {
       slots_.resize(top, nullptr);
       held_.resize(top, 0);
@@ -839,12 +840,15 @@ class Call {
     return static_cast<T*>(memory_->Scratch(Count(count) * sizeof(T), &error_));
   }
 
-  // The pool blocks holding `rows` (pool row ids; -1 skipped), for every region given: of each
-  // block only the span its regions cover, all gathered into one staging buffer and copied to
-  // the device at once; a device table of block pointers is made and the regions pointed at it
-  // (their offsets now from the span's start). With `write` the spans come back after the op.
+  // The pool blocks holding `rows` (pool row ids, or with `block_ids` the blocks' ids; -1
+  // skipped), for every region given: of each block only the span its regions cover, all
+  // gathered into one staging buffer and copied to the device at once; a device table of block
+  // pointers is made and the regions pointed at it (their offsets now from the span's start).
+  // With `write` the spans come back after the op. Blocks read in place in the KV arena are not
+  // sorted first: an op reading a long context's table (tens of thousands of blocks, every
+  // attention and indexer op of a step) took most of its host time sorting them.
   void Blocks(const std::vector<int64_t>& rows, std::initializer_list<k::PagedRows*> regions,
-              bool write) {
+              bool write, bool block_ids = false) {
     std::map<uint8_t* const*, std::vector<k::PagedRows*>> by_table;
     for (k::PagedRows* r : regions) {
       if (r->blocks != nullptr && r->rows_per_block > 0) by_table[r->blocks].push_back(r);
@@ -858,12 +862,17 @@ class Call {
       const size_t span = (hi - lo + 15) / 16 * 16;
       const int64_t per_block = group.front()->rows_per_block;
       std::vector<int64_t> ids;
+      ids.reserve(rows.size());
       for (int64_t row : rows) {
-        if (row >= 0) ids.push_back(row / per_block);
+        if (row >= 0) ids.push_back(block_ids ? row : row / per_block);
       }
-      std::sort(ids.begin(), ids.end());
-      ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      auto distinct = [&] {
+        std::sort(ids.begin(), ids.end());
+        ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+      };
+      if (write) distinct();  // Each written block's bytes come back once.
       if (InArena(ids, group, lo, hi, write) || !error_.empty()) continue;
+      if (!write) distinct();
       std::vector<uint8_t*> table(ids.empty() ? 1 : Count(ids.back() + 1), nullptr);
       Gathered gathered{{}, std::vector<uint8_t>(ids.size() * span), nullptr, hi - lo, span};
       for (size_t i = 0; i < ids.size(); ++i) {
@@ -1079,11 +1088,9 @@ class Call {
   std::string error_;
 };
 
-// The pool rows a block table covers: its first `blocks` entries.
-std::vector<int64_t> TableRows(const int32_t* table, int64_t blocks, int64_t per_block) {
-  std::vector<int64_t> rows;
-  for (int64_t b = 0; b < blocks; ++b) rows.push_back(static_cast<int64_t>(table[b]) * per_block);
-  return rows;
+// The ids of a block table's first `blocks` entries, added to *ids.
+void TableBlocks(const int32_t* table, int64_t blocks, std::vector<int64_t>* ids) {
+  ids->insert(ids->end(), table, table + std::max<int64_t>(blocks, 0));
 }
 
 // A matrix instruction's name in the numerics string and the report (mma.sync or its stand-in:
@@ -1388,15 +1395,14 @@ class GpuBackend final : public Backend {
       d.weights = c.In(p.weights, p.tokens * p.heads);
       d.visible = c.In(p.visible, p.tokens);
       const int64_t per_block = std::max<int64_t>(p.key_codes.rows_per_block, 1);
-      // Each sequence's table on the device, the pool rows of all of them mapped at once.
+      // Each sequence's table on the device, the blocks of all of them mapped at once.
       std::vector<const int32_t*> tables(visible.size());
-      std::vector<int64_t> rows;
+      std::vector<int64_t> ids;
       for (size_t s = 0; s < visible.size(); ++s) {
         const int32_t* table = several ? p.block_tables[s] : p.block_table;
         const int64_t blocks = (visible[s] + per_block - 1) / per_block;
         tables[s] = c.In(table, blocks);
-        const std::vector<int64_t> r = TableRows(table, blocks, per_block);
-        rows.insert(rows.end(), r.begin(), r.end());
+        TableBlocks(table, blocks, &ids);
       }
       if (several) {
         d.token_sequence = c.In(p.token_sequence, p.tokens);
@@ -1404,7 +1410,7 @@ class GpuBackend final : public Backend {
       } else {
         d.block_table = tables[0];
       }
-      c.Blocks(rows, {&d.key_codes, &d.key_scales}, false);
+      c.Blocks(ids, {&d.key_codes, &d.key_scales}, false, true);
       d.mask = c.In(p.mask, p.tokens * p.stride);
       d.scores = c.Out(p.scores, p.tokens * p.stride);
       return Launch(c, [&] { return g::IndexerScores(d); });
@@ -1479,9 +1485,9 @@ class GpuBackend final : public Backend {
       d.q = c.In(p.q, p.tokens * p.heads * p.head_dim);
       d.positions = c.In(p.positions, p.tokens);
       // Each sequence's ring (from the ring cache, else copied for this op), fresh rows and block
-      // table on the device; the pool rows of all the tables mapped at once.
+      // table on the device; the blocks of all the tables mapped at once.
       std::vector<k::AttentionSequence> device(host.size());
-      std::vector<int64_t> rows;
+      std::vector<int64_t> ids;
       for (size_t s = 0; s < host.size(); ++s) {
         const k::AttentionSequence& h = host[s];
         k::AttentionSequence& v = device[s];
@@ -1496,8 +1502,7 @@ class GpuBackend final : public Backend {
         v.fresh_first = h.fresh_first;
         v.fresh = c.In(h.fresh, (last[s] - h.fresh_first + 1) * p.head_dim);
         v.block_table = c.In(h.block_table, table_blocks[s]);
-        const std::vector<int64_t> r = TableRows(h.block_table, table_blocks[s], per_block);
-        rows.insert(rows.end(), r.begin(), r.end());
+        TableBlocks(h.block_table, table_blocks[s], &ids);
       }
       if (several) {
         d.token_sequence = c.In(p.token_sequence, p.tokens);
@@ -1513,7 +1518,7 @@ class GpuBackend final : public Backend {
       d.window_first = c.In(p.window_first, p.tokens);
       if (p.window_last != nullptr) d.window_last = c.In(p.window_last, p.tokens);
       d.selected = c.In(p.selected, p.tokens * p.selected_stride);
-      c.Blocks(rows, {&d.kv_codes, &d.kv_scales}, false);
+      c.Blocks(ids, {&d.kv_codes, &d.kv_scales}, false, true);
       d.sink = c.Weight(p.sink, p.heads);
       d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
       d.out = c.Out(p.out, p.tokens * p.heads * p.head_dim);
