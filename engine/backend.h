@@ -44,6 +44,9 @@ struct BackendReport {
   // how many copies (an op's slots in one, however many sequences it reads).
   uint64_t ring_device_bytes = 0;
   uint64_t ring_slots_copied = 0, ring_uploads = 0;
+  // The sequences' block tables kept on the device: how many of their entries were copied there
+  // (each when first read and again after it changed, not once an op).
+  uint64_t table_entries_copied = 0;
   uint64_t weight_bytes = 0;  // Device bytes of weights.
   // Bytes copied to the device and back since start, and how many times the host waited for
   // the device (a synchronisation, or a read of activations it kept).

@@ -460,6 +460,97 @@ class KeptBuffers {
   uint64_t bytes_ = 0, retained_bytes_ = 0, reused_ = 0;
 };
 
+// Device copies of the sequences' block tables, kept from op to op and from step to step, by
+// host address: each use compares the host's entries with those the copy holds and uploads only
+// from the first that differs (a decode step appends a block every 64 tokens, a copy on write
+// replaces one), so a long context's table (64 KB at a million tokens) is not uploaded again by
+// every attention and indexer op. The contents are compared, not trusted by address, so a table
+// at an address another one had gets its own entries. The least recently used copies go past
+// the budget, never one the op being prepared uses (NewOp).
+class TableCache {
+ public:
+  TableCache() = default;
+  TableCache(const TableCache&) = delete;
+  TableCache& operator=(const TableCache&) = delete;
+  ~TableCache() {
+    for (auto& [host, t] : tables_) g::DeviceFree(t.device);
+  }
+
+  void NewOp() { ++op_; }
+
+  // The device copy of host[0..n), current; null when device memory ran out (the caller copies
+  // the table for its op alone) or with *error set when a copy failed.
+  const int32_t* Prepare(const int32_t* host, int64_t n, std::string* error) {
+    const size_t count = Count(n);
+    if (host == nullptr || count == 0) return nullptr;
+    auto it = tables_.find(host);
+    if (it != tables_.end() && it->second.capacity < count) {
+      Drop(it);
+      it = tables_.end();
+    }
+    if (it == tables_.end()) {
+      const size_t capacity = std::max<size_t>(count * 2, 64);
+      while (!lru_.empty() && bytes_ + capacity * 4 > kBudget) {
+        auto last = tables_.find(lru_.back());
+        if (last->second.op == op_) return nullptr;
+        Drop(last);
+      }
+      void* device = nullptr;
+      if (!g::DeviceAlloc(&device, capacity * 4).empty()) return nullptr;
+      lru_.push_front(host);
+      it = tables_
+               .emplace(host, Table{static_cast<int32_t*>(device), capacity, {}, lru_.begin(), op_})
+               .first;
+      bytes_ += capacity * 4;
+    } else {
+      lru_.splice(lru_.begin(), lru_, it->second.used);
+    }
+    Table& t = it->second;
+    t.op = op_;
+    size_t same = 0;
+    const size_t held = std::min(count, t.held.size());
+    while (same < held && t.held[same] == host[same]) ++same;
+    if (same < count) {
+      if (std::string e = traffic->Up(t.device + same, host + same, (count - same) * 4);
+          !e.empty()) {
+        *error = e;
+        Drop(it);
+        return nullptr;
+      }
+      t.held.resize(std::max(t.held.size(), count));
+      std::copy(host + same, host + count, t.held.begin() + same);
+      entries_copied_ += count - same;
+    }
+    return t.device;
+  }
+
+  uint64_t bytes() const { return bytes_; }
+  uint64_t entries_copied() const { return entries_copied_; }
+
+  Traffic* traffic = nullptr;
+
+ private:
+  static constexpr size_t kBudget = size_t{64} << 20;
+  struct Table {
+    int32_t* device;
+    size_t capacity;
+    std::vector<int32_t> held;  // The entries the device copy holds.
+    std::list<const int32_t*>::iterator used;
+    uint64_t op;  // The last op that read it.
+  };
+
+  void Drop(std::map<const int32_t*, Table>::iterator it) {
+    g::DeviceFree(it->second.device);
+    bytes_ -= it->second.capacity * 4;
+    lru_.erase(it->second.used);
+    tables_.erase(it);
+  }
+
+  std::map<const int32_t*, Table> tables_;
+  std::list<const int32_t*> lru_;  // Most recently used first.
+  uint64_t bytes_ = 0, entries_copied_ = 0, op_ = 0;
+};
+
 // Device copies of the sequences' window rings, kept from op to op and from step to step. A
 // ring is named by the address of its host codes; its slots' versions
 // (SequenceState::Ring::versions) say which slots changed since the copy was last made current,
@@ -604,6 +695,7 @@ class DeviceMemory {
     kv.traffic = &traffic;
     kept.traffic = &traffic;
     rings.traffic = &traffic;
+    tables.traffic = &traffic;
   }
   DeviceMemory(const DeviceMemory&) = delete;
   DeviceMemory& operator=(const DeviceMemory&) = delete;
@@ -750,7 +842,8 @@ class DeviceMemory {
   }
 
   uint64_t bytes() const {
-    return resident_ + tables_ + workspace_ + kv.bytes() + kept.bytes() + rings.bytes();
+    return resident_ + tables_ + workspace_ + kv.bytes() + kept.bytes() + rings.bytes() +
+           tables.bytes();
   }
   uint64_t weight_bytes() const { return resident_; }
 
@@ -758,6 +851,7 @@ class DeviceMemory {
   KvArena kv;
   KeptBuffers kept;
   RingCache rings;
+  TableCache tables;
 
  private:
   struct Resident {
@@ -788,6 +882,7 @@ class Call {
   explicit Call(DeviceMemory* memory) : memory_(memory) {
     memory_->pack.clear();
     memory_->rings.NewOp();
+    memory_->tables.NewOp();
   }
   ~Call() {
     // Ring slots prepared but never sent: their rings drop the versions they took.
@@ -933,6 +1028,16 @@ class Call {
     for (k::PagedRows* r : group) r->blocks = table;
     if (write) written_.push_back({ids, lo, hi, pool});
     return true;
+  }
+
+  // The device copy of a block table's first n entries, from the backend's table cache (else
+  // copied for this op alone).
+  const int32_t* Table(const int32_t* host, int64_t n) {
+    if (host == nullptr || n <= 0 || !error_.empty()) return nullptr;
+    std::string e;
+    if (const int32_t* device = memory_->tables.Prepare(host, n, &e)) return device;
+    if (!Check(e)) return nullptr;
+    return In(host, n);
   }
 
   // The device copy of sequence s's window ring from the backend's ring cache (when the ring
@@ -1160,6 +1265,7 @@ class GpuBackend final : public Backend {
     r.ring_device_bytes = memory_.rings.bytes();
     r.ring_slots_copied = memory_.rings.slots_copied();
     r.ring_uploads = memory_.rings.uploads();
+    r.table_entries_copied = memory_.tables.entries_copied();
     r.device_ops = ops_;
     r.weight_bytes = memory_.weight_bytes();
     r.bytes_to_device = memory_.traffic.to_device;
@@ -1401,7 +1507,7 @@ class GpuBackend final : public Backend {
       for (size_t s = 0; s < visible.size(); ++s) {
         const int32_t* table = several ? p.block_tables[s] : p.block_table;
         const int64_t blocks = (visible[s] + per_block - 1) / per_block;
-        tables[s] = c.In(table, blocks);
+        tables[s] = c.Table(table, blocks);
         TableBlocks(table, blocks, &ids);
       }
       if (several) {
@@ -1501,7 +1607,7 @@ class GpuBackend final : public Backend {
         }
         v.fresh_first = h.fresh_first;
         v.fresh = c.In(h.fresh, (last[s] - h.fresh_first + 1) * p.head_dim);
-        v.block_table = c.In(h.block_table, table_blocks[s]);
+        v.block_table = c.Table(h.block_table, table_blocks[s]);
         TableBlocks(h.block_table, table_blocks[s], &ids);
       }
       if (several) {

@@ -870,6 +870,49 @@ BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
   BOOST_TEST(gpu->Report().uploads_queued - before.uploads_queued == op_copies + 1);
 }
 
+// Behind a context of 200 blocks, a sequence's block table goes to the device once: the first
+// decode step copies its entries, the next ones none (it changes only when a block is added),
+// though every attention and indexer op reads it; the logits are the CPU's.
+BOOST_AUTO_TEST_CASE(a_long_contexts_block_table_goes_to_the_device_once) {
+  const Pair& p = Load();
+  constexpr int64_t kBlocks = 200;
+  auto run = [&](const CpuForward& f, std::vector<uint64_t>* copied) {
+    std::mt19937 rng(17);
+    std::uniform_int_distribution<int> byte(0x30, 0x3F);  // Finite codes and small scales.
+    KvPool& pool = *f.pool();
+    std::vector<int32_t> blocks;
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      const int32_t id = pool.Allocate();
+      BOOST_REQUIRE(id >= 0);
+      uint8_t* data = pool.mutable_data(id);
+      for (size_t i = 0; i < pool.block_bytes(); ++i) data[i] = static_cast<uint8_t>(byte(rng));
+      blocks.push_back(id);
+    }
+    const int64_t position = kBlocks * f.block_tokens();
+    auto st = f.ResumeAt(position, Prompt(0), std::move(blocks));
+    BOOST_REQUIRE_MESSAGE(st.ok(), st.status().ToString());
+    std::vector<float> logits, all;
+    int32_t next = 5;
+    for (int step = 0; step < 3; ++step) {
+      BOOST_REQUIRE(f.Forward(&*st, std::span<const int32_t>(&next, 1), &logits).ok());
+      copied->push_back(f.backend().Report().table_entries_copied);
+      all.insert(all.end(), logits.begin(), logits.end());
+      next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    }
+    return all;
+  };
+  std::vector<uint64_t> cpu_copied, gpu_copied;
+  const std::vector<float> want = run(*p.cpu, &cpu_copied);
+  const uint64_t before = p.gpu->backend().Report().table_entries_copied;
+  const std::vector<float> got = run(*p.gpu, &gpu_copied);
+  BOOST_REQUIRE(got.size() == want.size());
+  BOOST_TEST(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
+  // The first step's table: the context's blocks and the one the step added, no more.
+  BOOST_TEST(gpu_copied[0] - before >= static_cast<uint64_t>(kBlocks));
+  BOOST_TEST(gpu_copied[0] - before <= static_cast<uint64_t>(kBlocks) + 1);
+  BOOST_TEST(gpu_copied[2] == gpu_copied[0]);
+}
+
 // A bounded replay that drops rows part-way (after the last KV source layer) gives the CPU's
 // logits and state: the indexer's picks, which stay where they are made, come to the host and
 // are gathered with the rows they belong to.
