@@ -1031,9 +1031,11 @@ class Call {
   }
 
   // The device copy of a block table's first n entries, from the backend's table cache (else
-  // copied for this op alone).
+  // copied for this op alone). A table of no entries still gets an address, as In gives one:
+  // a query that sees no entry yet keeps its sequence's table, which the kernels ask for.
   const int32_t* Table(const int32_t* host, int64_t n) {
-    if (host == nullptr || n <= 0 || !error_.empty()) return nullptr;
+    if (host == nullptr || !error_.empty()) return nullptr;
+    if (n <= 0) return In(host, n);
     std::string e;
     if (const int32_t* device = memory_->tables.Prepare(host, n, &e)) return device;
     if (!Check(e)) return nullptr;
