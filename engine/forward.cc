@@ -395,7 +395,6 @@ class Step {
         options_(options),
         plan_(std::move(plan)) {
     stream_.threads = options.threads;
-    for (const LayerPlan& l : c_.layers) has_indexer_ = has_indexer_ || l.is_index_source;
   }
 
   ~Step();
@@ -476,7 +475,6 @@ class Step {
   // an indexing layer of the step has run.
   std::vector<int64_t> picks_;
   int64_t picks_ratio_ = 0;
-  bool has_indexer_ = false;
   std::vector<std::vector<char>> candidates_;  // Per row: the candidate filter's choice.
   // The candidate filter's mask where it was made ([rows, candidates_stride_] bytes in floats'
   // storage, kept), while the host's candidates_ are not filled in (candidates_on_device_): the
@@ -668,7 +666,8 @@ Status Step::Embed() {
   next_.resize(X_.size());
   pre_mix_.assign(rows * hc, 0.0f);
   for (size_t t = 0; t < rows; ++t) pre_mix_[t * hc] = 1.0f;
-  picks_.assign(has_indexer_ ? rows * static_cast<size_t>(c_.index_topk) : 0, -1);
+  picks_.assign(c_.index_source_layer_ids.empty() ? 0 : rows * static_cast<size_t>(c_.index_topk),
+                -1);
   picks_ratio_ = 0;
   candidates_.assign(rows, {});
   candidates_on_device_ = false;
