@@ -460,123 +460,152 @@ class KeptBuffers {
   uint64_t bytes_ = 0, retained_bytes_ = 0, reused_ = 0;
 };
 
-// Device copies of the sequences' block tables, kept from op to op and from step to step, by
-// host address: each use compares the host's entries with those the copy holds and uploads only
-// from the first that differs (a decode step appends a block every 64 tokens, a copy on write
-// replaces one), so a long context's table (64 KB at a million tokens) is not uploaded again by
-// every attention and indexer op. The contents are compared, not trusted by address, so a table
-// at an address another one had gets its own entries. The least recently used copies go past
-// the budget, never one the op being prepared uses (NewOp).
-class TableCache {
+// Device buffers kept for host objects named by their address, from op to op and from step to
+// step: the mechanism the block tables' and window rings' copies share. Each use marks its
+// buffer as the current op's; the least recently used buffers go when the buffers pass their
+// budget, but never one the op being prepared reads (NewOp marks where an op starts), so an op
+// finding only its own buffers in the way copies what it needs for itself instead. What makes
+// a buffer current is the user's: `State` is what it knows of the buffer's contents, empty in a
+// new one.
+template <class State>
+class DeviceCopies {
  public:
-  TableCache() = default;
-  TableCache(const TableCache&) = delete;
-  TableCache& operator=(const TableCache&) = delete;
-  ~TableCache() {
-    for (auto& [host, t] : tables_) g::DeviceFree(t.device);
+  struct Copy {
+    uint8_t* device;
+    size_t bytes;
+    State state;
+  };
+
+  DeviceCopies() = default;
+  DeviceCopies(const DeviceCopies&) = delete;
+  DeviceCopies& operator=(const DeviceCopies&) = delete;
+  ~DeviceCopies() {
+    for (auto& [host, e] : entries_) g::DeviceFree(e.copy.device);
   }
 
   void NewOp() { ++op_; }
+
+  // The buffer kept for `host`, of at least `need` bytes: a new one of `size` bytes (>= need)
+  // where there was none or a smaller one. Null when device memory ran out or only this op's
+  // buffers stand between the budget and it.
+  Copy* Use(const void* host, size_t need, size_t size) {
+    auto it = entries_.find(host);
+    if (it != entries_.end() && it->second.copy.bytes < need) {
+      Drop(it);
+      it = entries_.end();
+    }
+    if (it == entries_.end()) {
+      // This op's buffers are the most recently used: when the last is one, all are.
+      while (!lru_.empty() && bytes_ + size > budget_) {
+        auto last = entries_.find(lru_.back());
+        if (last->second.op == op_) return nullptr;
+        Drop(last);
+      }
+      void* device = nullptr;
+      if (!g::DeviceAlloc(&device, size).empty()) return nullptr;
+      lru_.push_front(host);
+      it =
+          entries_
+              .emplace(host, Entry{{static_cast<uint8_t*>(device), size, State{}}, lru_.begin(), 0})
+              .first;
+      bytes_ += size;
+    } else {
+      lru_.splice(lru_.begin(), lru_, it->second.used);
+    }
+    it->second.op = op_;
+    return &it->second.copy;
+  }
+
+  // Forgets host's buffer (its contents are not what its state says).
+  void Drop(const void* host) {
+    if (auto it = entries_.find(host); it != entries_.end()) Drop(it);
+  }
+
+  uint64_t bytes() const { return bytes_; }
+  void set_budget(uint64_t bytes) { budget_ = bytes; }
+
+ private:
+  struct Entry {
+    Copy copy;
+    std::list<const void*>::iterator used;
+    uint64_t op;  // The last op that used it.
+  };
+
+  void Drop(typename std::map<const void*, Entry>::iterator it) {
+    g::DeviceFree(it->second.copy.device);
+    bytes_ -= it->second.copy.bytes;
+    lru_.erase(it->second.used);
+    entries_.erase(it);
+  }
+
+  std::map<const void*, Entry> entries_;  // By host address.
+  std::list<const void*> lru_;            // Most recently used first.
+  uint64_t bytes_ = 0, op_ = 0, budget_ = 0;
+};
+
+// Device copies of the sequences' block tables, by host address: each use compares the host's
+// entries with those the copy holds and uploads only from the first that differs (a decode step
+// appends a block every 64 tokens, a copy on write replaces one), so a long context's table
+// (64 KB at a million tokens) is not uploaded again by every attention and indexer op. The
+// contents are compared, not trusted by address, so a table at an address another one had gets
+// its own entries.
+class TableCache {
+ public:
+  TableCache() { copies_.set_budget(size_t{64} << 20); }
+
+  void NewOp() { copies_.NewOp(); }
 
   // The device copy of host[0..n), current; null when device memory ran out (the caller copies
   // the table for its op alone) or with *error set when a copy failed.
   const int32_t* Prepare(const int32_t* host, int64_t n, std::string* error) {
     const size_t count = Count(n);
     if (host == nullptr || count == 0) return nullptr;
-    auto it = tables_.find(host);
-    if (it != tables_.end() && it->second.capacity < count) {
-      Drop(it);
-      it = tables_.end();
-    }
-    if (it == tables_.end()) {
-      const size_t capacity = std::max<size_t>(count * 2, 64);
-      while (!lru_.empty() && bytes_ + capacity * 4 > kBudget) {
-        auto last = tables_.find(lru_.back());
-        if (last->second.op == op_) return nullptr;
-        Drop(last);
-      }
-      void* device = nullptr;
-      if (!g::DeviceAlloc(&device, capacity * 4).empty()) return nullptr;
-      lru_.push_front(host);
-      it = tables_
-               .emplace(host, Table{static_cast<int32_t*>(device), capacity, {}, lru_.begin(), op_})
-               .first;
-      bytes_ += capacity * 4;
-    } else {
-      lru_.splice(lru_.begin(), lru_, it->second.used);
-    }
-    Table& t = it->second;
-    t.op = op_;
+    auto* c = copies_.Use(host, count * 4, std::max<size_t>(count * 2, 64) * 4);
+    if (c == nullptr) return nullptr;
+    auto* device = reinterpret_cast<int32_t*>(c->device);
+    std::vector<int32_t>& held = c->state;  // The entries the device copy holds.
     size_t same = 0;
-    const size_t held = std::min(count, t.held.size());
-    while (same < held && t.held[same] == host[same]) ++same;
+    const size_t common = std::min(count, held.size());
+    while (same < common && held[same] == host[same]) ++same;
     if (same < count) {
-      if (std::string e = traffic->Up(t.device + same, host + same, (count - same) * 4);
-          !e.empty()) {
+      if (std::string e = traffic->Up(device + same, host + same, (count - same) * 4); !e.empty()) {
         *error = e;
-        Drop(it);
+        copies_.Drop(host);
         return nullptr;
       }
-      t.held.resize(std::max(t.held.size(), count));
-      std::copy(host + same, host + count, t.held.begin() + same);
+      held.resize(std::max(held.size(), count));
+      std::copy(host + same, host + count, held.begin() + same);
       entries_copied_ += count - same;
     }
-    return t.device;
+    return device;
   }
 
-  uint64_t bytes() const { return bytes_; }
+  uint64_t bytes() const { return copies_.bytes(); }
   uint64_t entries_copied() const { return entries_copied_; }
 
   Traffic* traffic = nullptr;
 
  private:
-  static constexpr size_t kBudget = size_t{64} << 20;
-  struct Table {
-    int32_t* device;
-    size_t capacity;
-    std::vector<int32_t> held;  // The entries the device copy holds.
-    std::list<const int32_t*>::iterator used;
-    uint64_t op;  // The last op that read it.
-  };
-
-  void Drop(std::map<const int32_t*, Table>::iterator it) {
-    g::DeviceFree(it->second.device);
-    bytes_ -= it->second.capacity * 4;
-    lru_.erase(it->second.used);
-    tables_.erase(it);
-  }
-
-  std::map<const int32_t*, Table> tables_;
-  std::list<const int32_t*> lru_;  // Most recently used first.
-  uint64_t bytes_ = 0, entries_copied_ = 0, op_ = 0;
+  DeviceCopies<std::vector<int32_t>> copies_;
+  uint64_t entries_copied_ = 0;
 };
 
-// Device copies of the sequences' window rings, kept from op to op and from step to step. A
-// ring is named by the address of its host codes; its slots' versions
-// (SequenceState::Ring::versions) say which slots changed since the copy was last made current,
-// and only those are copied, in runs of neighbouring slots: a decode step copies the one slot it
-// wrote, not the window. A version names one slot content, so an address another ring used
-// before holds versions the new ring does not have, and those slots are copied. The least
-// recently used copies go when the copies pass their budget, but never one an op still to be
-// launched reads (one op reads the rings of all its sequences: NewOp marks where an op starts).
-// On the device a slot's scales follow its codes (SlotBytes a slot), so a run of slots is one
-// copy, gathered on the host.
+// Device copies of the sequences' window rings, by the address of their host codes. A ring's
+// slots' versions (SequenceState::Ring::versions) say which slots changed since the copy was
+// last made current, and only those are copied, in runs of neighbouring slots: a decode step
+// copies the one slot it wrote, not the window. A version names one slot content, so an address
+// another ring used before holds versions the new ring does not have, and those slots are
+// copied. On the device a slot's scales follow its codes (SlotBytes a slot), so a run of slots
+// is one copy, gathered on the host.
 class RingCache {
  public:
-  RingCache() = default;
-  RingCache(const RingCache&) = delete;
-  RingCache& operator=(const RingCache&) = delete;
-  ~RingCache() {
-    for (auto& [host, r] : rings_) g::DeviceFree(r.device);
-  }
-
   // A device slot's bytes: its head_dim codes, its head_dim / 32 scales, to 16 bytes.
   static size_t SlotBytes(int64_t head_dim) {
     return (Count(head_dim) + Count(head_dim / 32) + 15) / 16 * 16;
   }
 
   // The rings prepared from now on are one op's, kept until the next NewOp.
-  void NewOp() { ++op_; }
+  void NewOp() { copies_.NewOp(); }
 
   // Slots on their way to the device copies: the runs' bytes one after another, and each run's
   // place (`from` an offset into bytes). Sent by the op that prepared them, before it launches:
@@ -596,39 +625,19 @@ class RingCache {
                    int64_t window, int64_t head_dim, Pending* pending) {
     const size_t slot_codes = Count(head_dim), slot_scales = Count(head_dim / 32);
     const size_t slot = SlotBytes(head_dim), slots = Count(window), bytes = slots * slot;
-    auto it = rings_.find(codes);
-    if (it != rings_.end() && it->second.bytes != bytes) {
-      Drop(it);
-      it = rings_.end();
-    }
-    if (it == rings_.end()) {
-      void* device = nullptr;
-      // This op's rings are the most recently used: when the last is one, all are.
-      while (!lru_.empty() && bytes_ + bytes > budget_) {
-        auto last = rings_.find(lru_.back());
-        if (last->second.op == op_) return nullptr;
-        Drop(last);
-      }
-      if (!g::DeviceAlloc(&device, bytes).empty()) return nullptr;
-      lru_.push_front(codes);
-      it = rings_
-               .emplace(codes, Ring{static_cast<uint8_t*>(device), bytes,
-                                    std::vector<uint64_t>(slots, 0), lru_.begin(), op_})
-               .first;
-      bytes_ += bytes;
-    } else {
-      lru_.splice(lru_.begin(), lru_, it->second.used);
-    }
-    Ring& r = it->second;
-    r.op = op_;
+    auto* c = copies_.Use(codes, bytes, bytes);
+    if (c == nullptr) return nullptr;
+    // The versions of the slots the device copy holds; 0: none.
+    std::vector<uint64_t>& held = c->state;
+    if (held.size() != slots || c->bytes != bytes) held.assign(slots, 0);
     bool any = false;
     for (size_t a = 0; a < slots;) {
-      if (r.versions[a] == versions[a]) {
+      if (held[a] == versions[a]) {
         ++a;
         continue;
       }
       size_t b = a + 1;
-      while (b < slots && r.versions[b] != versions[b]) ++b;
+      while (b < slots && held[b] != versions[b]) ++b;
       // The run's slots as the device holds them (the last without its padding).
       const size_t run = (b - a - 1) * slot + slot_codes + slot_scales;
       const size_t from = pending->bytes.size();
@@ -638,14 +647,14 @@ class RingCache {
         std::memcpy(at, codes + i * slot_codes, slot_codes);
         std::memcpy(at + slot_codes, scales + i * slot_scales, slot_scales);
       }
-      pending->runs.push_back({r.device + a * slot, from, run});
-      std::copy(versions + a, versions + b, r.versions.begin() + a);
+      pending->runs.push_back({c->device + a * slot, from, run});
+      std::copy(versions + a, versions + b, held.begin() + a);
       slots_copied_ += b - a;
       any = true;
       a = b;
     }
     if (any) pending->rings.push_back(codes);
-    return r.device;
+    return c->device;
   }
 
   // The pending runs went up in `copies` copies, or with an error (their rings dropped: the
@@ -653,38 +662,17 @@ class RingCache {
   void Sent(const Pending& pending, uint64_t copies, bool ok) {
     uploads_ += copies;
     if (ok) return;
-    for (const void* codes : pending.rings) {
-      if (auto it = rings_.find(codes); it != rings_.end()) Drop(it);
-    }
+    for (const void* codes : pending.rings) copies_.Drop(codes);
   }
 
-  uint64_t bytes() const { return bytes_; }
+  uint64_t bytes() const { return copies_.bytes(); }
   uint64_t slots_copied() const { return slots_copied_; }
   uint64_t uploads() const { return uploads_; }
-  void set_budget(uint64_t bytes) { budget_ = bytes; }
-
-  Traffic* traffic = nullptr;
+  void set_budget(uint64_t bytes) { copies_.set_budget(bytes); }
 
  private:
-  struct Ring {
-    uint8_t* device;
-    size_t bytes;
-    std::vector<uint64_t> versions;  // Of the slots the device copy holds; 0: none.
-    std::list<const void*>::iterator used;
-    uint64_t op;  // The last op that read it.
-  };
-
-  void Drop(std::map<const void*, Ring>::iterator it) {
-    g::DeviceFree(it->second.device);
-    bytes_ -= it->second.bytes;
-    lru_.erase(it->second.used);
-    rings_.erase(it);
-  }
-
-  std::map<const void*, Ring> rings_;  // By host codes address.
-  std::list<const void*> lru_;         // Most recently used first.
-  uint64_t bytes_ = 0, slots_copied_ = 0, uploads_ = 0, op_ = 0;
-  uint64_t budget_ = 0;
+  DeviceCopies<std::vector<uint64_t>> copies_;
+  uint64_t slots_copied_ = 0, uploads_ = 0;
 };
 
 // The device memory a backend holds: resident weights, the KV arena, and workspace reused by
@@ -694,7 +682,6 @@ class DeviceMemory {
   DeviceMemory() {
     kv.traffic = &traffic;
     kept.traffic = &traffic;
-    rings.traffic = &traffic;
     tables.traffic = &traffic;
   }
   DeviceMemory(const DeviceMemory&) = delete;
