@@ -15,6 +15,7 @@
 #include "engine/engram_store.h"
 #include "engine/gpu_backend.h"
 #include "engine/placement_plan.h"
+#include "kernels/cpu/parallel.h"
 
 namespace flashd::engine {
 
@@ -545,13 +546,8 @@ bool IsStopToken(const SamplingParams& sp, int64_t eos, int32_t token) {
 
 }  // namespace
 
-// Samples the sequence's next token from its logits and delivers it, with the text it completes
-// (held back while it could be the start of a stop string); ends the sequence on a stop token,
-// a stop string or max_tokens.
-void Engine::Publish(Sequence& q, std::span<const float> logits) {
-  Deliver(q, q.sampler->Sample(logits));
-}
-
+// Delivers the sequence's next token, with the text it completes (held back while it could be
+// the start of a stop string); ends the sequence on a stop token, a stop string or max_tokens.
 void Engine::Deliver(Sequence& q, const SampledToken& t) {
   q.generated += 1;
   q.next_input = t.token;
@@ -738,6 +734,7 @@ int64_t Engine::RunBatch(const std::vector<Sequence*>& owners,
     return 0;
   }
   int64_t prompt_tokens = 0;
+  std::vector<size_t> publish;  // The sequences that take a token from their logits.
   for (size_t i = 0; i < owners.size(); ++i) {
     Sequence& q = *owners[i];
     if (!item_status[i].ok()) {
@@ -773,8 +770,21 @@ int64_t Engine::RunBatch(const std::vector<Sequence*>& owners,
       }
       SaveSnapshot(q);
     }
-    Publish(q, logits[i]);
+    publish.push_back(i);
   }
+  // Each sequence samples from its own logits with its own sampler, on the CPU's threads (a
+  // vocabulary-sized pass or two a sequence, idle cores while a GPU runs the steps); the tokens
+  // are delivered in batch order after.
+  std::vector<SampledToken> sampled(publish.size());
+  const int threads = options_.threads > 0
+                          ? options_.threads
+                          : static_cast<int>(kernels::cpu::ThreadPool::Process().workers() + 1);
+  kernels::cpu::ParallelRanges(publish.size(), threads, [&](size_t begin, size_t end) {
+    for (size_t j = begin; j < end; ++j) {
+      sampled[j] = owners[publish[j]]->sampler->Sample(logits[publish[j]]);
+    }
+  });
+  for (size_t j = 0; j < publish.size(); ++j) Deliver(*owners[publish[j]], sampled[j]);
   return prompt_tokens;
 }
 

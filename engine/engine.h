@@ -187,7 +187,6 @@ class Engine {
   void Admit();
   int64_t RunBatch(const std::vector<Sequence*>& owners,
                    const std::vector<std::vector<int32_t>>& inputs);
-  void Publish(Sequence& q, std::span<const float> logits);
   void Deliver(Sequence& q, const SampledToken& t);
   // Verifies a sequence's drafted tokens against the step's logits (speculative sampling); the
   // tokens it emits go to q.emitted; returns how many of its inputs the sequence keeps.

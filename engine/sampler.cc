@@ -1,6 +1,7 @@
 #include "engine/sampler.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -30,6 +31,80 @@ Status SamplingParams::Validate() const {
     if (s.empty()) return InvalidArgument("stop: stop strings must not be empty");
   }
   return Status::Ok();
+}
+
+namespace {
+
+// A logit's rank as an unsigned key: a larger value a smaller key, +0 and -0 one key, NaN the
+// largest key.
+uint32_t DescendingKey(float f) {
+  if (std::isnan(f)) return UINT32_MAX;
+  if (f == 0.0f) f = 0.0f;
+  const uint32_t u = std::bit_cast<uint32_t>(f);
+  const uint32_t ascending = (u & 0x80000000u) != 0 ? ~u : u | 0x80000000u;
+  return ~ascending;
+}
+
+// Orders items (a key above an id) by key, keeping equal keys in the order they came: least
+// significant digit first, 11 bits of the key a pass, each pass stable, the passes' counts made
+// in one read.
+void SortByKey(std::vector<uint64_t>* items) {
+  constexpr int kBits = 11, kPasses = 3;
+  constexpr size_t kDigits = size_t{1} << kBits;
+  const size_t n = items->size();
+  std::vector<size_t> start(kPasses * kDigits, 0);
+  for (uint64_t v : *items) {
+    for (int pass = 0; pass < kPasses; ++pass) {
+      ++start[pass * kDigits + ((v >> (32 + pass * kBits)) & (kDigits - 1))];
+    }
+  }
+  std::vector<uint64_t> other(n);
+  for (int pass = 0; pass < kPasses; ++pass) {
+    size_t* first = &start[pass * kDigits];
+    if (std::find(first, first + kDigits, n) != first + kDigits) continue;  // One digit.
+    for (size_t d = 0, sum = 0; d < kDigits; ++d) {
+      const size_t count = first[d];
+      first[d] = sum;
+      sum += count;
+    }
+    const int shift = 32 + pass * kBits;
+    for (uint64_t v : *items) other[first[(v >> shift) & (kDigits - 1)]++] = v;
+    items->swap(other);
+  }
+}
+
+}  // namespace
+
+std::vector<int32_t> CandidateOrder(std::span<const float> logits, size_t keep) {
+  const size_t n = logits.size();
+  keep = std::min(keep, n);
+  std::vector<uint32_t> keys(n);
+  for (size_t i = 0; i < n; ++i) keys[i] = DescendingKey(logits[i]);
+  // Each candidate as its key above its id, in id order: ordered by key, equal keys stay in
+  // id order.
+  std::vector<uint64_t> items;
+  if (keep * 8 < n) {
+    // Few kept: only the ids whose key's top 11 bits are at most those of the keep-th.
+    std::vector<size_t> count(size_t{1} << 11, 0);
+    for (uint32_t k : keys) ++count[k >> 21];
+    uint32_t last = 0;  // The keep-th's top bits.
+    size_t below = 0;   // Candidates with smaller top bits.
+    while (below + count[last] < keep) below += count[last++];
+    for (size_t i = 0; i < n; ++i) {
+      if ((keys[i] >> 21) <= last) items.push_back(uint64_t{keys[i]} << 32 | i);
+    }
+  } else {
+    items.resize(n);
+    for (size_t i = 0; i < n; ++i) items[i] = uint64_t{keys[i]} << 32 | i;
+  }
+  if (items.size() > 4096) {
+    SortByKey(&items);
+  } else {
+    std::sort(items.begin(), items.end());
+  }
+  std::vector<int32_t> ids(keep);
+  for (size_t i = 0; i < keep; ++i) ids[i] = static_cast<int32_t>(items[i] & 0xFFFFFFFFu);
+  return ids;
 }
 
 Sampler::Sampler(SamplingParams params, std::span<const int32_t> prompt)
@@ -91,14 +166,9 @@ TokenDistribution Sampler::Distribution(std::span<const float> raw) const {
     d.greedy = true;
     return d;
   }
-  std::vector<int32_t> idx(V);
-  std::iota(idx.begin(), idx.end(), 0);
   // Candidates in descending logit order (ties to the lower id), cut by top-k.
   size_t keep = params_.top_k > 0 ? std::min<size_t>(params_.top_k, V) : V;
-  std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), [&](int32_t a, int32_t b) {
-    return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
-  });
-  idx.resize(keep);
+  std::vector<int32_t> idx = CandidateOrder(logits, keep);
   const double inv_t = 1.0 / params_.temperature;
   const double top = logits[idx[0]];
   std::vector<double> p(keep);
@@ -174,9 +244,10 @@ SampledToken Sampler::Record(int32_t chosen, std::span<const float> raw) {
   const size_t V = raw.size();
   output_counts_[chosen] += 1;
 
-  // Log-probabilities of the raw distribution.
+  // Log-probabilities of the raw distribution, when asked.
   SampledToken out;
   out.token = chosen;
+  if (!params_.want_logprob && params_.logprobs <= 0) return out;
   const float mx = *std::max_element(raw.begin(), raw.end());
   double z = 0;
   for (float l : raw) z += std::exp(double(l) - mx);

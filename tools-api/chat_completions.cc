@@ -165,6 +165,7 @@ std::optional<FieldError> ParseChat(const json& body, const ojson& ordered,
   if (auto e = GetInt(body, "top_logprobs", 0, 20, &top)) return e;
   if (top > 0 && !out->logprobs) return Invalid("top_logprobs: needs \"logprobs\": true");
   p.logprobs = static_cast<int>(top);
+  p.want_logprob = out->logprobs;
   if (auto e = ParseStreamFlags(body, &out->stream, &out->include_usage)) return e;
   int64_t n = 1;
   if (auto e = GetInt(body, "n", 1, 1, &n)) {

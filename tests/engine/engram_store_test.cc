@@ -158,6 +158,7 @@ BOOST_AUTO_TEST_CASE(the_engine_reading_rows_from_ssd_equals_the_mapped_tables) 
       r.sampling.temperature = 0;
       r.sampling.max_tokens = 6;
       r.sampling.ignore_eos = true;
+      r.sampling.want_logprob = true;  // Compared bit for bit.
       auto [h, q] = (*e)->Submit(std::move(r));
       for (;;) {
         auto ev = q->Pop(std::chrono::minutes(5));

@@ -30,6 +30,7 @@ Outcome Run(Engine& engine, std::vector<int32_t> prompt, int max_tokens,
   r.sampling.temperature = 0;
   r.sampling.max_tokens = max_tokens;
   r.sampling.ignore_eos = true;
+  r.sampling.want_logprob = true;  // Compared bit for bit.
   r.tenant = tenant;
   auto [handle, queue] = engine.Submit(std::move(r));
   Outcome o;

@@ -1,8 +1,12 @@
 #include "engine/sampler.h"
 
+#include <algorithm>
 #include <boost/test/unit_test.hpp>
 #include <cmath>
+#include <limits>
 #include <map>
+#include <numeric>
+#include <random>
 
 namespace flashd::engine {
 namespace {
@@ -113,6 +117,69 @@ BOOST_AUTO_TEST_CASE(logprobs_are_of_the_raw_distribution) {
   BOOST_TEST(t.top[0].first == 1);
   BOOST_TEST(t.top[1].first == 0);  // Ties to the lower id.
   BOOST_TEST(std::fabs(t.top[1].second - std::log(0.25)) < 1e-5);
+}
+
+BOOST_AUTO_TEST_CASE(the_chosen_tokens_logprob_only_when_asked) {
+  const std::vector<float> logits = LogitsOf({0.25, 0.5, 0.25});
+  SamplingParams p = Params(0.0f);
+  Sampler off(p, {});
+  BOOST_TEST(off.Sample(logits).logprob == 0.0f);
+  p.want_logprob = true;
+  Sampler on(p, {});
+  const SampledToken t = on.Sample(logits);
+  BOOST_TEST(std::fabs(t.logprob - std::log(0.5)) < 1e-5);
+  BOOST_TEST(t.top.empty());
+}
+
+// The candidates' order against its definition, a comparison sort of the ids by (value
+// descending, id ascending), on both of CandidateOrder's ways (a selection for few candidates,
+// a radix sort for many): values with many ties, +0 and -0 (equal), infinities, denormals.
+BOOST_AUTO_TEST_CASE(candidate_order_is_the_comparison_sorts) {
+  std::mt19937 rng(11);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (size_t n : {size_t{1}, size_t{2}, size_t{7}, size_t{1000}, size_t{4099}, size_t{129280}}) {
+    std::vector<float> logits(n);
+    std::uniform_int_distribution<int> kind(0, 9);
+    std::normal_distribution<float> normal(0.0f, 4.0f);
+    for (float& l : logits) {
+      switch (kind(rng)) {
+        case 0:
+          l = 0.0f;
+          break;
+        case 1:
+          l = -0.0f;
+          break;
+        case 2:
+          l = static_cast<float>(static_cast<int>(rng() % 7) - 3);
+          break;  // Ties.
+        case 3:
+          l = (rng() & 1) != 0 ? inf : -inf;
+          break;
+        case 4:
+          l = ((rng() & 1) != 0 ? 1.0f : -1.0f) * 1e-40f;
+          break;  // Denormal.
+        default:
+          l = normal(rng);
+          break;
+      }
+    }
+    std::vector<int32_t> reference(n);
+    std::iota(reference.begin(), reference.end(), 0);
+    std::sort(reference.begin(), reference.end(), [&](int32_t a, int32_t b) {
+      return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+    });
+    for (size_t keep : {size_t{1}, size_t{3}, n / 8, n / 8 + 1, n / 2, n - 1, n}) {
+      if (keep == 0 || keep > n) continue;
+      const std::vector<int32_t> got = CandidateOrder(logits, keep);
+      BOOST_REQUIRE(got.size() == keep);
+      BOOST_TEST(std::equal(got.begin(), got.end(), reference.begin()),
+                 "n " << n << ", keep " << keep);
+    }
+  }
+  // NaNs go last, the others in order.
+  const std::vector<int32_t> got =
+      CandidateOrder(std::vector<float>{1.0f, std::nanf(""), 3.0f, -2.0f}, 4);
+  BOOST_TEST(got == (std::vector<int32_t>{2, 0, 3, 1}), boost::test_tools::per_element());
 }
 
 BOOST_AUTO_TEST_CASE(invalid_params_name_the_field) {
