@@ -64,7 +64,8 @@ void PrintTraffic(const BackendReport& before, const BackendReport& after, int s
   if (after.backend == "cpu") return;
   std::printf(
       "       per step: %.1f ops, %.1f KB to the device (%.1f copies queued, %.1f waited for), "
-      "%.1f KB to the host (%.1f copies), %.1f waits, %.1f kept buffers found on the device\n",
+      "%.1f KB to the host (%.1f copies), %.1f waits, %.1f kept buffers found on the device, "
+      "%.1f block versions compared\n",
       double(after.device_ops - before.device_ops) / steps,
       (after.bytes_to_device - before.bytes_to_device) / 1e3 / steps,
       double(after.uploads_queued - before.uploads_queued) / steps,
@@ -72,7 +73,8 @@ void PrintTraffic(const BackendReport& before, const BackendReport& after, int s
       (after.bytes_to_host - before.bytes_to_host) / 1e3 / steps,
       double(after.downloads - before.downloads) / steps,
       double(after.waits - before.waits) / steps,
-      double(after.kept_reused - before.kept_reused) / steps);
+      double(after.kept_reused - before.kept_reused) / steps,
+      double(after.kv_versions_compared - before.kv_versions_compared) / steps);
 }
 
 }  // namespace

@@ -47,6 +47,9 @@ struct BackendReport {
   // The sequences' block tables kept on the device: how many of their entries were copied there
   // (each when first read and again after it changed, not once an op).
   uint64_t table_entries_copied = 0;
+  // KV block versions compared with those of the blocks' device copies (the ops' walks of their
+  // blocks: a table's blocks once after each host write to the pool, not once an op).
+  uint64_t kv_versions_compared = 0;
   uint64_t weight_bytes = 0;  // Device bytes of weights.
   // Bytes copied to the device and back since start, and how many times the host waited for
   // the device (a synchronisation, or a read of activations it kept).

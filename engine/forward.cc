@@ -211,11 +211,12 @@ struct CpuForward::Impl {
   const Backend* LayerBackend(int l) const { return backends[layer_backend[l]].get(); }
   Status Place(Placement placement);
 
-  // One region of a KV source in every block of the pool, with the pool's block versions.
+  // One region of a KV source in every block of the pool, with the pool's block versions and
+  // its count of host writes.
   kernels::PagedRows Rows(const KvBlockLayout::Source& src,
                           const KvBlockLayout::Region& region) const {
-    return {pool->block_table(), src.entries_per_block, region.offset,
-            region.row_bytes,    pool->versions(),      layout->block_bytes};
+    return {pool->block_table(), src.entries_per_block, region.offset, region.row_bytes,
+            pool->versions(),    layout->block_bytes,   pool->writes()};
   }
 
   Status Prepare(const Model& m, const std::string& tokenizer_json);

@@ -7,7 +7,9 @@
 // values) as BF16 codes again, never widened. The KV pool's blocks stay on the device too (the
 // KV arena, KvArena below): a block is copied there when an op first reads it and again only
 // after its bytes changed on the host (the pool's block versions say when: a restore from the
-// prefix cache, a snapshot read, a copy on write, a CPU backend's write in a layer split); what
+// prefix cache, a snapshot read, a copy on write, a CPU backend's write in a layer split; and
+// the pool's count of such writes says whether any block changed since a table's blocks were
+// last found current, so an op compares the versions of only the blocks its tables added); what
 // a kernel writes into a block goes back to the host block when the backend settles (before
 // another backend's op and at the end of every step, Backend::Settle). So the pool's host
 // bytes stay the one authority the prefix cache, snapshots and forks read, and the indexer and
@@ -154,6 +156,7 @@ class KvArena {
       if (!e.empty()) *error = e;
       return e.empty();
     };
+    compared_ += ids.size();
     for (int64_t id : ids) {
       const size_t i = static_cast<size_t>(id);
       if (slots_[i] == nullptr) {
@@ -198,6 +201,7 @@ class KvArena {
 
   uint64_t bytes() const { return bytes_; }
   uint64_t copied() const { return copied_; }
+  uint64_t compared() const { return compared_; }
 
   Traffic* traffic = nullptr;
 
@@ -249,7 +253,7 @@ class KvArena {
   std::vector<void*> chunks_;
   uint8_t* chunk_next_ = nullptr;
   size_t chunk_left_ = 0, given_ = 0;
-  uint64_t bytes_ = 0, copied_ = 0;
+  uint64_t bytes_ = 0, copied_ = 0, compared_ = 0;
   std::vector<Download> pending_;  // Written on the device, not yet on the host.
 };
 
@@ -516,6 +520,12 @@ class DeviceCopies {
     return &it->second.copy;
   }
 
+  // The buffer kept for `host`, or null; its use unchanged.
+  Copy* Find(const void* host) {
+    auto it = entries_.find(host);
+    return it == entries_.end() ? nullptr : &it->second.copy;
+  }
+
   // Forgets host's buffer (its contents are not what its state says).
   void Drop(const void* host) {
     if (auto it = entries_.find(host); it != entries_.end()) Drop(it);
@@ -548,7 +558,9 @@ class DeviceCopies {
 // appends a block every 64 tokens, a copy on write replaces one), so a long context's table
 // (64 KB at a million tokens) is not uploaded again by every attention and indexer op. The
 // contents are compared, not trusted by address, so a table at an address another one had gets
-// its own entries.
+// its own entries. A copy also remembers how many of its first entries name blocks that were
+// made current in the KV arena while the pool's host writes stood at a count (Verified), so an
+// op whose blocks did not change compares no versions.
 class TableCache {
  public:
   TableCache() { copies_.set_budget(size_t{64} << 20); }
@@ -563,10 +575,11 @@ class TableCache {
     auto* c = copies_.Use(host, count * 4, std::max<size_t>(count * 2, 64) * 4);
     if (c == nullptr) return nullptr;
     auto* device = reinterpret_cast<int32_t*>(c->device);
-    std::vector<int32_t>& held = c->state;  // The entries the device copy holds.
+    std::vector<int32_t>& held = c->state.held;
     size_t same = 0;
     const size_t common = std::min(count, held.size());
     while (same < common && held[same] == host[same]) ++same;
+    c->state.verified = std::min(c->state.verified, same);
     if (same < count) {
       if (std::string e = traffic->Up(device + same, host + same, (count - same) * 4); !e.empty()) {
         *error = e;
@@ -580,13 +593,35 @@ class TableCache {
     return device;
   }
 
+  // How many of the first n entries of host's table (prepared by this op) name blocks current in
+  // the KV arena: those Verify recorded at the pool's host writes `writes`, unchanged since.
+  size_t Verified(const int32_t* host, int64_t n, uint64_t writes) {
+    const Copy* c = copies_.Find(host);
+    if (c == nullptr || c->state.writes != writes) return 0;
+    return std::min(c->state.verified, Count(n));
+  }
+  // The blocks of host's first n entries are current in the KV arena, the pool's host writes
+  // standing at `writes`.
+  void Verify(const int32_t* host, int64_t n, uint64_t writes) {
+    if (Copy* c = copies_.Find(host); c != nullptr && c->state.held.size() >= Count(n)) {
+      c->state.verified = Count(n);
+      c->state.writes = writes;
+    }
+  }
+
   uint64_t bytes() const { return copies_.bytes(); }
   uint64_t entries_copied() const { return entries_copied_; }
 
   Traffic* traffic = nullptr;
 
  private:
-  DeviceCopies<std::vector<int32_t>> copies_;
+  struct State {
+    std::vector<int32_t> held;  // The entries the device copy holds.
+    size_t verified = 0;        // Of them, those naming blocks current in the KV arena,
+    uint64_t writes = 0;        // at this count of the pool's host writes.
+  };
+  using Copy = DeviceCopies<State>::Copy;
+  DeviceCopies<State> copies_;
   uint64_t entries_copied_ = 0;
 };
 
@@ -859,6 +894,11 @@ class DeviceMemory {
   uint64_t resident_ = 0, tables_ = 0, workspace_ = 0;
 };
 
+// The ids of a block table's first `blocks` entries, added to *ids.
+void TableBlocks(const int32_t* table, int64_t blocks, std::vector<int64_t>* ids) {
+  ids->insert(ids->end(), table, table + std::max<int64_t>(blocks, 0));
+}
+
 // One op's transfers: host buffers mapped to device workspace (the same host buffer twice maps to
 // one device buffer, so aliasing outputs stay aliased), outputs copied back when the kernels
 // succeeded. Inputs of up to 4 KiB (positions, tables, key lists) are packed into one region of
@@ -928,13 +968,17 @@ class Call {
   // pointers is made and the regions pointed at it (their offsets now from the span's start).
   // With `write` the spans come back after the op. Blocks read in place in the KV arena are not
   // sorted first: an op reading a long context's table (tens of thousands of blocks, every
-  // attention and indexer op of a step) took most of its host time sorting them.
-  void Blocks(const std::vector<int64_t>& rows, std::initializer_list<k::PagedRows*> regions,
-              bool write, bool block_ids = false) {
+  // attention and indexer op of a step) took most of its host time sorting them. With
+  // `partial` (block ids of one pool's blocks, read) the op reads other blocks too, all current
+  // in the KV arena already: the regions go to the arena, or nothing is done and it returns
+  // false (the caller then passes every block). True otherwise.
+  bool Blocks(const std::vector<int64_t>& rows, std::initializer_list<k::PagedRows*> regions,
+              bool write, bool block_ids = false, bool partial = false) {
     std::map<uint8_t* const*, std::vector<k::PagedRows*>> by_table;
     for (k::PagedRows* r : regions) {
       if (r->blocks != nullptr && r->rows_per_block > 0) by_table[r->blocks].push_back(r);
     }
+    if (partial && (by_table.size() != 1 || write || !block_ids)) return false;
     for (auto& [host_table, group] : by_table) {
       size_t lo = SIZE_MAX, hi = 0;
       for (const k::PagedRows* r : group) {
@@ -953,7 +997,8 @@ class Call {
         ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
       };
       if (write) distinct();  // Each written block's bytes come back once.
-      if (InArena(ids, group, lo, hi, write) || !error_.empty()) continue;
+      if (InArena(ids, group, lo, hi, write, partial) || !error_.empty()) continue;
+      if (partial) return false;
       if (!write) distinct();
       std::vector<uint8_t*> table(ids.empty() ? 1 : Count(ids.back() + 1), nullptr);
       Gathered gathered{{}, std::vector<uint8_t>(ids.size() * span), nullptr, hi - lo, span};
@@ -963,22 +1008,23 @@ class Call {
       }
       uint8_t* device =
           static_cast<uint8_t*>(Upload(gathered.staging.data(), gathered.staging.size()));
-      if (device == nullptr) return;
+      if (device == nullptr) return false;
       for (size_t i = 0; i < ids.size(); ++i) table[Count(ids[i])] = device + i * span;
       gathered.device = device;
       if (write && !ids.empty()) scatter_.push_back(std::move(gathered));
       auto** device_table =
           static_cast<uint8_t**>(Upload(table.data(), table.size() * sizeof(uint8_t*)));
-      if (device_table == nullptr) return;
+      if (device_table == nullptr) return false;
       for (k::PagedRows* r : group) {
         if (r->rows_per_block != per_block) {
           error_ = "regions of one pool with different block sizes";
-          return;
+          return false;
         }
         r->blocks = device_table;
         r->offset -= lo;
       }
     }
+    return true;
   }
 
   bool ok() const { return error_.empty(); }
@@ -1003,9 +1049,11 @@ class Call {
   // read, the pool has no versions, or the arena is out of device memory: the caller then
   // copies the blocks for this op alone (or when a copy failed, with the error set).
   bool InArena(const std::vector<int64_t>& ids, const std::vector<k::PagedRows*>& group, size_t lo,
-               size_t hi, bool write) {
+               size_t hi, bool write, bool partial) {
     const k::PagedRows pool = *group.front();
-    if (ids.empty() || pool.versions == nullptr || pool.block_bytes < hi) return false;
+    if ((ids.empty() && !partial) || pool.versions == nullptr || pool.block_bytes < hi) {
+      return false;
+    }
     for (const k::PagedRows* r : group) {
       if (r->versions != pool.versions || r->rows_per_block != pool.rows_per_block) return false;
     }
@@ -1015,6 +1063,33 @@ class Call {
     for (k::PagedRows* r : group) r->blocks = table;
     if (write) written_.push_back({ids, lo, hi, pool});
     return true;
+  }
+
+  // The blocks of the sequences' block tables (each table's host entries, prepared by Table
+  // first, and how many the op reads) for reading, as Blocks maps them. Where the regions' pool
+  // counts its host writes, the blocks a table's copy found current in the KV arena at the same
+  // count are not compared again (TableCache::Verified), only the rest, and the tables are
+  // recorded current after: a decode step's ops compare a long context's versions once, not
+  // once an op.
+  void TableReads(const std::vector<std::pair<const int32_t*, int64_t>>& tables,
+                  std::initializer_list<k::PagedRows*> regions) {
+    std::vector<int64_t> ids;
+    const k::PagedRows& pool = **regions.begin();
+    if (pool.writes != nullptr && pool.versions != nullptr) {
+      const uint64_t writes = *pool.writes;
+      for (const auto& [host, n] : tables) {
+        const size_t from = memory_->tables.Verified(host, n, writes);
+        TableBlocks(host + from, n - static_cast<int64_t>(from), &ids);
+      }
+      if (Blocks(ids, regions, false, true, true)) {
+        for (const auto& [host, n] : tables) memory_->tables.Verify(host, n, writes);
+        return;
+      }
+      if (!error_.empty()) return;
+      ids.clear();
+    }
+    for (const auto& [host, n] : tables) TableBlocks(host, n, &ids);
+    Blocks(ids, regions, false, true);
   }
 
   // The device copy of a block table's first n entries, from the backend's table cache (else
@@ -1182,11 +1257,6 @@ class Call {
   std::string error_;
 };
 
-// The ids of a block table's first `blocks` entries, added to *ids.
-void TableBlocks(const int32_t* table, int64_t blocks, std::vector<int64_t>* ids) {
-  ids->insert(ids->end(), table, table + std::max<int64_t>(blocks, 0));
-}
-
 // A matrix instruction's name in the numerics string and the report (mma.sync or its stand-in:
 // none, which those strings predate).
 std::string_view InstructionName(g::MatrixInstruction instruction) {
@@ -1255,6 +1325,7 @@ class GpuBackend final : public Backend {
     r.ring_slots_copied = memory_.rings.slots_copied();
     r.ring_uploads = memory_.rings.uploads();
     r.table_entries_copied = memory_.tables.entries_copied();
+    r.kv_versions_compared = memory_.kv.compared();
     r.device_ops = ops_;
     r.weight_bytes = memory_.weight_bytes();
     r.bytes_to_device = memory_.traffic.to_device;
@@ -1492,12 +1563,12 @@ class GpuBackend final : public Backend {
       const int64_t per_block = std::max<int64_t>(p.key_codes.rows_per_block, 1);
       // Each sequence's table on the device, the blocks of all of them mapped at once.
       std::vector<const int32_t*> tables(visible.size());
-      std::vector<int64_t> ids;
+      std::vector<std::pair<const int32_t*, int64_t>> reads;
       for (size_t s = 0; s < visible.size(); ++s) {
         const int32_t* table = several ? p.block_tables[s] : p.block_table;
         const int64_t blocks = (visible[s] + per_block - 1) / per_block;
         tables[s] = c.Table(table, blocks);
-        TableBlocks(table, blocks, &ids);
+        reads.emplace_back(table, blocks);
       }
       if (several) {
         d.token_sequence = c.In(p.token_sequence, p.tokens);
@@ -1505,7 +1576,7 @@ class GpuBackend final : public Backend {
       } else {
         d.block_table = tables[0];
       }
-      c.Blocks(ids, {&d.key_codes, &d.key_scales}, false, true);
+      c.TableReads(reads, {&d.key_codes, &d.key_scales});
       d.mask = c.In(p.mask, p.tokens * p.stride);
       d.scores = c.Out(p.scores, p.tokens * p.stride);
       return Launch(c, [&] { return g::IndexerScores(d); });
@@ -1582,7 +1653,7 @@ class GpuBackend final : public Backend {
       // Each sequence's ring (from the ring cache, else copied for this op), fresh rows and block
       // table on the device; the blocks of all the tables mapped at once.
       std::vector<k::AttentionSequence> device(host.size());
-      std::vector<int64_t> ids;
+      std::vector<std::pair<const int32_t*, int64_t>> reads;
       for (size_t s = 0; s < host.size(); ++s) {
         const k::AttentionSequence& h = host[s];
         k::AttentionSequence& v = device[s];
@@ -1597,7 +1668,7 @@ class GpuBackend final : public Backend {
         v.fresh_first = h.fresh_first;
         v.fresh = c.In(h.fresh, (last[s] - h.fresh_first + 1) * p.head_dim);
         v.block_table = c.Table(h.block_table, table_blocks[s]);
-        TableBlocks(h.block_table, table_blocks[s], &ids);
+        reads.emplace_back(h.block_table, table_blocks[s]);
       }
       if (several) {
         d.token_sequence = c.In(p.token_sequence, p.tokens);
@@ -1613,7 +1684,7 @@ class GpuBackend final : public Backend {
       d.window_first = c.In(p.window_first, p.tokens);
       if (p.window_last != nullptr) d.window_last = c.In(p.window_last, p.tokens);
       d.selected = c.In(p.selected, p.tokens * p.selected_stride);
-      c.Blocks(ids, {&d.kv_codes, &d.kv_scales}, false, true);
+      c.TableReads(reads, {&d.kv_codes, &d.kv_scales});
       d.sink = c.Weight(p.sink, p.heads);
       d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
       d.out = c.Out(p.out, p.tokens * p.heads * p.head_dim);

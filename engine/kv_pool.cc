@@ -77,6 +77,7 @@ int32_t KvPool::Adopt(BlockMemory memory) {
   }
   refs_[static_cast<size_t>(id)] = 1;
   versions_[static_cast<size_t>(id)] += 1;
+  writes_ += 1;
   used_ += 1;
   return id;
 }
@@ -101,6 +102,7 @@ int32_t KvPool::Allocate() {
   }
   refs_[id] = 1;
   versions_[static_cast<size_t>(id)] += 1;
+  writes_ += 1;
   used_ += 1;
   return id;
 }

@@ -69,6 +69,7 @@ class KvPool {
   // The block's bytes for writing: counts as a write (its version moves on).
   uint8_t* mutable_data(int32_t block) {
     versions_[static_cast<size_t>(block)] += 1;
+    writes_ += 1;
     return table_[static_cast<size_t>(block)];
   }
   // Block id -> its bytes (64-byte aligned), for kernels that address rows by block id. Valid
@@ -81,6 +82,10 @@ class KvPool {
   // Valid until the next Allocate or Adopt.
   uint64_t* versions() { return versions_.data(); }
   uint64_t version(int32_t block) const { return versions_[static_cast<size_t>(block)]; }
+  // How many times a version was moved on by the host (all of the above but the device's own
+  // writes, which a backend makes current itself): while it stands still no block changed on
+  // the host (kernels::PagedRows::writes). Valid for the pool's life.
+  uint64_t* writes() { return &writes_; }
 
   size_t block_bytes() const { return block_bytes_; }
   size_t used_blocks() const { return used_.load(std::memory_order_relaxed); }
@@ -95,6 +100,7 @@ class KvPool {
   std::vector<uint8_t*> table_;
   std::vector<int> refs_;
   std::vector<uint64_t> versions_;
+  uint64_t writes_ = 0;
   std::vector<int32_t> free_;
 };
 

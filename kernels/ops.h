@@ -52,7 +52,11 @@ struct CpuStream {
 // `versions` (the pool's, engine/kv_pool.h; optional) counts the writes of each block: an op
 // that writes rows adds one to each block it wrote, so a backend that keeps device copies of
 // blocks (of `block_bytes` bytes each) knows a copy current while the count is the one it copied.
-// Without versions a backend copies the rows an op needs for that op alone. Kernels read neither.
+// Without versions a backend copies the rows an op needs for that op alone. `writes` (the pool's,
+// optional with versions) counts the writes made on the host, every one of which also moves a
+// block's version on: while it stands still, a backend's copies found current stay current
+// except for the blocks its own kernels wrote, so it need not compare their versions again.
+// Kernels read neither; a host kernel writing rows moves both on.
 struct PagedRows {
   uint8_t* const* blocks = nullptr;  // Block id -> its bytes.
   int64_t rows_per_block = 0;
@@ -60,6 +64,7 @@ struct PagedRows {
   size_t stride = 0;
   uint64_t* versions = nullptr;  // Block id -> its write count, or null.
   size_t block_bytes = 0;        // A whole block's bytes (with versions).
+  uint64_t* writes = nullptr;    // The pool's count of host writes (with versions), or null.
   FLASHD_OPS_HD uint8_t* Row(int64_t r) const {
     return blocks[r / rows_per_block] + offset + static_cast<size_t>(r % rows_per_block) * stride;
   }
@@ -244,7 +249,8 @@ struct CompressPoolParams {
 // first position and stored as FP4 with an E4M3 scale per 16 into KV row rows[g]; with keys,
 // the index key (normalised, not rotated) likewise as FP4 with a UE8M0 scale per 32 into the
 // key regions. rows[g] == -1 skips the entry (it is final already). Inputs are modified. With
-// kv_codes.versions, each block written has its count moved on by one per row.
+// kv_codes.versions, each block written has its count moved on by one per row (and
+// kv_codes.writes by one).
 struct CompressWriteParams {
   float* latent = nullptr;  // [groups, head_dim]
   float* key = nullptr;     // [groups, index_dim] or null

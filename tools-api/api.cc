@@ -52,6 +52,7 @@ nlohmann::json BackendJson(const engine::BackendReport& r) {
           {"ring_slots_copied", r.ring_slots_copied},
           {"ring_uploads", r.ring_uploads},
           {"table_entries_copied", r.table_entries_copied},
+          {"kv_versions_compared", r.kv_versions_compared},
           {"bytes_to_device", r.bytes_to_device},
           {"bytes_to_host", r.bytes_to_host},
           {"copies_to_host", r.downloads},

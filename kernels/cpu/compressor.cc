@@ -99,6 +99,7 @@ OpStatus CompressWrite(const CompressWriteParams& p) {
     QuantizeFp4E4M3(latent, static_cast<size_t>(p.head_dim), 16, p.kv_codes.Row(row),
                     p.kv_scales.Row(row));
     if (p.kv_codes.versions != nullptr) p.kv_codes.versions[row / p.kv_codes.rows_per_block] += 1;
+    if (p.kv_codes.writes != nullptr) *p.kv_codes.writes += 1;
   }
   return OpStatus::kOk;
 }

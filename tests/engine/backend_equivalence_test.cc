@@ -872,10 +872,14 @@ BOOST_AUTO_TEST_CASE(ring_slots_are_copied_when_their_version_moves) {
 
 // Behind a context of 200 blocks, a sequence's block table goes to the device once: the first
 // decode step copies its entries, the next ones none (it changes only when a block is added),
-// though every attention and indexer op reads it; the logits are the CPU's.
+// though every attention and indexer op reads it; the blocks' versions are compared with their
+// device copies' once after the host wrote blocks (the first step's first op), then only those
+// of blocks added or written since, not by every op; the logits are the CPU's, also after the
+// host rewrites the context's blocks between two steps.
 BOOST_AUTO_TEST_CASE(a_long_contexts_block_table_goes_to_the_device_once) {
   const Pair& p = Load();
   constexpr int64_t kBlocks = 200;
+  std::vector<uint64_t> compared;
   auto run = [&](const CpuForward& f, std::vector<uint64_t>* copied) {
     std::mt19937 rng(17);
     std::uniform_int_distribution<int> byte(0x30, 0x3F);  // Finite codes and small scales.
@@ -893,9 +897,17 @@ BOOST_AUTO_TEST_CASE(a_long_contexts_block_table_goes_to_the_device_once) {
     BOOST_REQUIRE_MESSAGE(st.ok(), st.status().ToString());
     std::vector<float> logits, all;
     int32_t next = 5;
-    for (int step = 0; step < 3; ++step) {
+    for (int step = 0; step < 4; ++step) {
+      if (step == 3) {
+        for (int64_t b = 0; b < kBlocks; ++b) {
+          const int32_t id = st->blocks[static_cast<size_t>(b)];
+          uint8_t* data = pool.mutable_data(id);
+          for (size_t i = 0; i < pool.block_bytes(); ++i) data[i] = static_cast<uint8_t>(byte(rng));
+        }
+      }
       BOOST_REQUIRE(f.Forward(&*st, std::span<const int32_t>(&next, 1), &logits).ok());
       copied->push_back(f.backend().Report().table_entries_copied);
+      compared.push_back(f.backend().Report().kv_versions_compared);
       all.insert(all.end(), logits.begin(), logits.end());
       next = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
     }
@@ -904,6 +916,8 @@ BOOST_AUTO_TEST_CASE(a_long_contexts_block_table_goes_to_the_device_once) {
   std::vector<uint64_t> cpu_copied, gpu_copied;
   const std::vector<float> want = run(*p.cpu, &cpu_copied);
   const uint64_t before = p.gpu->backend().Report().table_entries_copied;
+  const uint64_t compared_before = p.gpu->backend().Report().kv_versions_compared;
+  compared.clear();
   const std::vector<float> got = run(*p.gpu, &gpu_copied);
   BOOST_REQUIRE(got.size() == want.size());
   BOOST_TEST(std::memcmp(got.data(), want.data(), got.size() * 4) == 0);
@@ -911,6 +925,17 @@ BOOST_AUTO_TEST_CASE(a_long_contexts_block_table_goes_to_the_device_once) {
   BOOST_TEST(gpu_copied[0] - before >= static_cast<uint64_t>(kBlocks));
   BOOST_TEST(gpu_copied[0] - before <= static_cast<uint64_t>(kBlocks) + 1);
   BOOST_TEST(gpu_copied[2] == gpu_copied[0]);
+  BOOST_TEST(gpu_copied[3] == gpu_copied[0]);
+  // Versions: the first step's every block at least once, the next steps fewer than a table.
+  BOOST_TEST_MESSAGE("versions compared a step: "
+                     << compared[0] - compared_before << ", " << compared[1] - compared[0] << ", "
+                     << compared[2] - compared[1] << ", " << compared[3] - compared[2]);
+  BOOST_TEST(compared[0] - compared_before >= static_cast<uint64_t>(kBlocks));
+  BOOST_TEST(compared[1] - compared[0] < static_cast<uint64_t>(kBlocks));
+  BOOST_TEST(compared[2] - compared[1] < static_cast<uint64_t>(kBlocks));
+  // After the host's writes, the table's blocks once more, and once.
+  BOOST_TEST(compared[3] - compared[2] >= static_cast<uint64_t>(kBlocks));
+  BOOST_TEST(compared[3] - compared[2] < static_cast<uint64_t>(2 * kBlocks));
 }
 
 // A bounded replay that drops rows part-way (after the last KV source layer) gives the CPU's
