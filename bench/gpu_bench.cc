@@ -551,10 +551,10 @@ class Layer {
   // A linear layer at `rows` tokens: seconds per call (order and split as LinearOn's).
   double TimeLinear(const Weight& w, int64_t rows, int reps, Order order = Order::kShipped,
                     int split = 1) {
-    float* x = Floats(rows * w.in, 1.0f);
-    float* y = Alloc<float>(rows * w.out);
-    uint8_t* xq = Alloc<uint8_t>(rows * w.in);
-    uint8_t* xs = Alloc<uint8_t>(rows * w.in / 32);
+    float* x = Floats(rows * w.groups * w.in, 1.0f);
+    float* y = Alloc<float>(rows * w.groups * w.out);
+    uint8_t* xq = Alloc<uint8_t>(rows * w.groups * w.in);
+    uint8_t* xs = Alloc<uint8_t>(rows * w.groups * w.in / 32);
     const double s = Time([&] { LinearOn(w, x, rows, xq, xs, y, stream_, order, split); }, reps);
     for (void* p : {static_cast<void*>(x), static_cast<void*>(y), static_cast<void*>(xq),
                     static_cast<void*>(xs)}) {
@@ -574,6 +574,7 @@ class Layer {
   const Weight& wq_b() const { return wq_b_; }
   const Weight& wkv() const { return wkv_; }
   const Weight& wo_b() const { return wo_b_; }
+  const Weight& wo_a() const { return wo_a_; }
   const std::vector<Weight>& shared() const { return shared_; }
   const std::vector<Weight>& expert(int64_t e) const { return experts_[e]; }
 
@@ -1031,6 +1032,26 @@ int main(int argc, char** argv) {
         static_cast<long long>(gm.w->in), s * 1e6, tflops, hopper ? 100.0 * tflops / 1979.0 : 0.0,
         free * 1e6, m * 1e6, m_tflops, hopper ? 100.0 * m_tflops / 1979.0 : 0.0, wg * 1e6,
         wg_tflops, hopper ? 100.0 * wg_tflops / 1979.0 : 0.0);
+  }
+  // wo_a: FP8 values over BF16 activations, its groups in one op; exact (the CPU's order) and on
+  // matrix cores (the BF16 instruction, whichever instruction the others take), against the
+  // dense BF16 peak.
+  {
+    const Weight& w = layer.wo_a();
+    const double flop = 2.0 * tokens * w.groups * w.out * w.in;
+    const double s = layer.TimeLinear(w, tokens, std::max(1, reps / 4));
+    const double m = layer.TimeLinear(w, tokens, std::max(1, reps / 4), Order::kMatrix);
+    char share[64] = "";
+    if (hopper) {
+      std::snprintf(share, sizeof share, ", %.2f%% of the 989 dense BF16",
+                    100.0 * flop / m / 1e12 / 989.0);
+    }
+    std::printf(
+        "wo_a (FP8 values, %lld groups of %lld x %lld) at %lld tokens: exact %.1f us "
+        "(%.2f TFLOP/s), matrix cores %.1f us (%.2f TFLOP/s%s)\n",
+        static_cast<long long>(w.groups), static_cast<long long>(w.out),
+        static_cast<long long>(w.in), static_cast<long long>(tokens), s * 1e6, flop / s / 1e12,
+        m * 1e6, flop / m / 1e12, share);
   }
   return 0;
 }

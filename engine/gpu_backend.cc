@@ -1271,8 +1271,8 @@ std::string_view InstructionName(g::MatrixInstruction instruction) {
   return "";
 }
 
-// The backend's numerics string: `<backend>/4`, `<backend>-matrix/4` or
-// `<backend>-matrix-<instruction>/4`.
+// The backend's numerics string: `<backend>/4`, `<backend>-matrix/5` or
+// `<backend>-matrix-<instruction>/5` (5 since wo_a runs on matrix cores in that mode).
 std::string Numerics(bool matrix, g::MatrixInstruction instruction) {
   std::string numerics(g::kBackendName);
   if (matrix) {
@@ -1280,7 +1280,7 @@ std::string Numerics(bool matrix, g::MatrixInstruction instruction) {
     const std::string_view name = InstructionName(instruction);
     if (!name.empty()) numerics += "-" + std::string(name);
   }
-  return numerics + "/4";
+  return numerics + (matrix ? "/5" : "/4");
 }
 
 class GpuBackend final : public Backend {

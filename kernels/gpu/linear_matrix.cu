@@ -855,10 +855,142 @@ OpStatus WgmmaExperts(const ExpertLinearParams& p, int64_t grid, gpuStream_t str
       p.slot_offset, p.slot_tiles, p.slots, p.w, p.w_scales, p.out, p.y);
 }
 
+// ---- FP8 values over BF16 activations (kFp8Dense: wo_a) ---------------------------------------
+// wo_a's grouped projections on matrix cores: its FP8 codes are values (code times the 32 x 32
+// tile's scale), its activations the attention's outputs, BF16 values (rounded, rotated, rounded
+// again), so both sides are BF16 exactly (an E4M3 code's value is one) and the BF16 instruction
+// (mma.h, MmaBf16) makes their products exactly. Each output's sum: per K-block of 32 two
+// instructions (16 values each, from zero) make the block's sum of code times activation, the
+// block's weight scale (a power of two) multiplies it and a fused multiply-add adds it to the
+// output's running sum, blocks in order: the same for every output whatever its tile, so the
+// results do not depend on the batch, and differ from Linear's (the CPU's lanes over fp32
+// values) by the instruction's rounding of the blocks' sums. Activations that are not BF16 values
+// are rounded to the nearest (the model gives none).
+//
+// A thread block of 4 groups of 32 threads takes 64 weight rows of one group by 64 tokens, K two
+// blocks a chunk staged in shared memory as BF16 (a row's values at a stride of 72, so the
+// fragment loads of a group, rows g at words 2t, fall in 32 different banks); group q takes the
+// tile's rows 16q.. by the 64 tokens, eight instructions a 16-value step.
+constexpr unsigned kDmThreads = 128;
+constexpr int kDmRows = 64, kDmToks = 64, kDmChunk = 2, kDmLd = kDmChunk * kBlock + 8;
+
+__global__ void __launch_bounds__(kDmThreads)
+    Fp8ValuesMatrixKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
+                          const uint8_t* scales, int64_t row0, int64_t N, float* y) {
+  __shared__ uint4 stage[(kDmRows + kDmToks) * kDmLd * 2 / 16];  // 16-byte aligned.
+  uint16_t* ws = reinterpret_cast<uint16_t*>(stage);             // [kDmRows][kDmLd], then
+  uint16_t* xs = ws + kDmRows * kDmLd;                           // [kDmToks][kDmLd].
+  __shared__ float sc[kDmRows * kDmChunk];
+  __shared__ MmaScratch scratch[kDmThreads];
+  const int64_t row_tiles = (N + kDmRows - 1) / kDmRows;
+  const int64_t n0 = blockIdx.x % row_tiles * kDmRows;
+  const int64_t g = blockIdx.x / row_tiles % groups;
+  const int64_t m0 = blockIdx.x / (row_tiles * groups) * kDmToks;
+  const unsigned t = threadIdx.x, lane = t % kGroup, q = t / kGroup;
+  const int64_t blocks = K / kBlock, x_stride = groups * K;
+  float run[kDmToks / 8][4] = {};
+  for (int64_t c0 = 0; c0 < blocks; c0 += kDmChunk) {
+    const int nb = blocks - c0 < kDmChunk ? static_cast<int>(blocks - c0) : kDmChunk;
+    // The weights: 16 codes a piece, each as its BF16 value; rows past N and blocks past K zero.
+    for (unsigned i = t; i < kDmRows * kDmChunk * 2; i += kDmThreads) {
+      const unsigned r = i / (kDmChunk * 2), piece = i % (kDmChunk * 2);
+      const int64_t n = n0 + r;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (n < N && piece < static_cast<unsigned>(nb) * 2) {
+        v = *reinterpret_cast<const uint4*>(w + (g * N + n) * K + c0 * kBlock + piece * 16);
+      }
+      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+      uint32_t out[8];
+      FLASHD_UNROLL
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t word = words[j / 2], shift = 16 * (j % 2);
+        // An E4M3 value is a BF16 value: its float's top half, exactly (NaN too).
+        const uint32_t lo = c::Bits(c::E4M3ToFloat(static_cast<uint8_t>(word >> shift))) >> 16;
+        const uint32_t hi =
+            c::Bits(c::E4M3ToFloat(static_cast<uint8_t>(word >> (shift + 8)))) >> 16;
+        out[j] = lo | hi << 16;
+      }
+      uint4* dst = reinterpret_cast<uint4*>(&ws[r * kDmLd + piece * 16]);
+      dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
+      dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
+    }
+    for (unsigned i = t; i < kDmRows * kDmChunk; i += kDmThreads) {
+      const unsigned r = i / kDmChunk, b = i % kDmChunk;
+      const int64_t n = n0 + r;
+      sc[i] = n < N && b < static_cast<unsigned>(nb)
+                  ? c::E8M0ToFloat(scales[(row0 + g * N + n) / kBlock * blocks + c0 + b])
+                  : 0.0f;
+    }
+    // The activations: four a piece, as BF16.
+    for (unsigned i = t; i < kDmToks * kDmChunk * 8; i += kDmThreads) {
+      const unsigned r = i / (kDmChunk * 8), piece = i % (kDmChunk * 8);
+      const int64_t m = m0 + r;
+      float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (m < M && piece < static_cast<unsigned>(nb) * 8) {
+        v = *reinterpret_cast<const float4*>(x + m * x_stride + g * K + c0 * kBlock + piece * 4);
+      }
+      uint32_t* dst = reinterpret_cast<uint32_t*>(&xs[r * kDmLd + piece * 4]);
+      dst[0] = c::FloatToBf16(v.x) | static_cast<uint32_t>(c::FloatToBf16(v.y)) << 16;
+      dst[1] = c::FloatToBf16(v.z) | static_cast<uint32_t>(c::FloatToBf16(v.w)) << 16;
+    }
+    __syncthreads();
+    for (int b = 0; b < nb; ++b) {
+      float sums[kDmToks / 8][4] = {};
+      FLASHD_UNROLL
+      for (int step = 0; step < 2; ++step) {
+        const unsigned k = b * kBlock + step * 16 + 2 * (lane % 4);
+        const unsigned ra = q * 16 + lane / 4;
+        const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(&ws[ra * kDmLd + k]),
+                               *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kDmLd + k]),
+                               *reinterpret_cast<const uint32_t*>(&ws[ra * kDmLd + k + 8]),
+                               *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kDmLd + k + 8])};
+        FLASHD_UNROLL
+        for (int j = 0; j < kDmToks / 8; ++j) {
+          const unsigned rb = j * 8 + lane / 4;
+          const uint32_t bf[2] = {*reinterpret_cast<const uint32_t*>(&xs[rb * kDmLd + k]),
+                                  *reinterpret_cast<const uint32_t*>(&xs[rb * kDmLd + k + 8])};
+          MmaBf16(a, bf, sums[j], scratch);
+        }
+      }
+      const float s0 = sc[(q * 16 + lane / 4) * kDmChunk + b];
+      const float s1 = sc[(q * 16 + lane / 4 + 8) * kDmChunk + b];
+      FLASHD_UNROLL
+      for (int j = 0; j < kDmToks / 8; ++j) {
+        FLASHD_UNROLL
+        for (int i = 0; i < 4; ++i) run[j][i] = fmaf(sums[j][i], i < 2 ? s0 : s1, run[j][i]);
+      }
+    }
+    __syncthreads();  // The chunk is summed before the next is staged over it.
+  }
+  FLASHD_UNROLL
+  for (int j = 0; j < kDmToks / 8; ++j) {
+    FLASHD_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int64_t n = n0 + q * 16 + lane / 4 + 8 * (i / 2);
+      const int64_t m = m0 + j * 8 + 2 * (lane % 4) + i % 2;
+      if (n < N && m < M) y[m * groups * N + g * N + n] = run[j][i];
+    }
+  }
+}
+
+OpStatus Fp8ValuesMatrix(const LinearParams& p) {
+  if (p.w == nullptr || p.w_scales == nullptr) return OpStatus::kBadArgument;
+  if (p.w_row0 < 0 || p.in % kBlock != 0 || p.groups < 1) return OpStatus::kBadShape;
+  if (p.rows == 0) return OpStatus::kOk;
+  const int64_t grid =
+      (p.out + kDmRows - 1) / kDmRows * p.groups * ((p.rows + kDmToks - 1) / kDmToks);
+  if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  FLASHD_LAUNCH(Fp8ValuesMatrixKernel, static_cast<unsigned>(grid), kDmThreads, 0,
+                static_cast<gpuStream_t>(p.stream), p.x, p.rows, p.in, p.groups, p.w, p.w_scales,
+                p.w_row0, p.out, p.y);
+  return Launched();
+}
+
 }  // namespace
 
 bool LinearMatrixTakes(const LinearParams& p) {
-  return p.groups == 1 && (p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4);
+  return p.format == WeightFormat::kFp8Dense ||
+         (p.groups == 1 && (p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4));
 }
 
 OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
@@ -866,6 +998,10 @@ OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
     return OpStatus::kBadShape;
   }
   if (!LinearMatrixTakes(p)) return OpStatus::kBadArgument;
+  if (p.format == WeightFormat::kFp8Dense) {
+    if (p.up != nullptr) return OpStatus::kBadArgument;
+    return Fp8ValuesMatrix(p);
+  }
   if (const OpStatus s = CheckQuantizedLinear(p, 16); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;
   if (p.up != nullptr) {  // The gated pair: each product as the ungated op makes it.

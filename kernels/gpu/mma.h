@@ -35,6 +35,31 @@ struct MmaScratch {
   uint32_t b[2];
 };
 
+// The stand-ins' common part: every thread's fragments through `scratch`, then each of d's four
+// outputs (row g + 8 (i / 2), column 2t + i % 2) gets the kK products of its row of A and column
+// of B, product(group, row, col, k) (group: the group's scratch), summed in a tree (neighbouring
+// k in pairs, then neighbouring pairs, ...) and added.
+template <unsigned kK, class Product>
+__device__ inline void MmaStandIn(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&d)[4],
+                                  MmaScratch* scratch, Product product) {
+  const unsigned self = threadIdx.x, lane = self % 32;
+  for (int i = 0; i < 4; ++i) scratch[self].a[i] = a[i];
+  scratch[self].b[0] = b[0];
+  scratch[self].b[1] = b[1];
+  __syncthreads();
+  const MmaScratch* group = scratch + (self - lane);
+  for (int i = 0; i < 4; ++i) {
+    const unsigned row = lane / 4 + 8 * (i / 2), col = (lane % 4) * 2 + i % 2;
+    float sums[kK];
+    for (unsigned k = 0; k < kK; ++k) sums[k] = product(group, row, col, k);
+    for (unsigned width = 1; width < kK; width *= 2) {
+      for (unsigned k = 0; k < kK; k += 2 * width) sums[k] += sums[k + width];
+    }
+    d[i] += sums[0];
+  }
+  __syncthreads();  // The group's scratch is read before anyone's next call writes it.
+}
+
 __device__ inline void MmaE4M3(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&d)[4],
                                MmaScratch* scratch) {
 #if defined(FLASHD_MMA_E4M3_NATIVE)
@@ -45,28 +70,51 @@ __device__ inline void MmaE4M3(const uint32_t (&a)[4], const uint32_t (&b)[2], f
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #else
-  const unsigned self = threadIdx.x, lane = self % 32, base = self - lane;
-  for (int i = 0; i < 4; ++i) scratch[self].a[i] = a[i];
-  scratch[self].b[0] = b[0];
-  scratch[self].b[1] = b[1];
-  __syncthreads();
-  for (int i = 0; i < 4; ++i) {
-    const unsigned row = lane / 4 + 8 * (i / 2), col = (lane % 4) * 2 + i % 2;
-    float sums[32];
-    for (unsigned k = 0; k < 32; ++k) {
-      // Who holds A(row, k) and B(k, col), in which register and byte.
-      const unsigned t = (k % 16) / 4, byte = 8 * (k % 4);
-      const uint32_t aw = scratch[base + (row % 8) * 4 + t].a[row / 8 + 2 * (k / 16)];
-      const uint32_t bw = scratch[base + col * 4 + t].b[k / 16];
-      sums[k] = codecs::E4M3ToFloat(static_cast<uint8_t>(aw >> byte)) *
-                codecs::E4M3ToFloat(static_cast<uint8_t>(bw >> byte));
-    }
-    for (unsigned width = 1; width < 32; width *= 2) {
-      for (unsigned k = 0; k < 32; k += 2 * width) sums[k] += sums[k + width];
-    }
-    d[i] += sums[0];
-  }
-  __syncthreads();  // The group's scratch is read before anyone's next call writes it.
+  MmaStandIn<32>(a, b, d, scratch,
+                 [](const MmaScratch* group, unsigned row, unsigned col, unsigned k) {
+                   // Who holds A(row, k) and B(k, col), in which register and byte.
+                   const unsigned t = (k % 16) / 4, byte = 8 * (k % 4);
+                   const uint32_t aw = group[(row % 8) * 4 + t].a[row / 8 + 2 * (k / 16)];
+                   const uint32_t bw = group[col * 4 + t].b[k / 16];
+                   return codecs::E4M3ToFloat(static_cast<uint8_t>(aw >> byte)) *
+                          codecs::E4M3ToFloat(static_cast<uint8_t>(bw >> byte));
+                 });
+#endif
+}
+
+// The BF16 instruction of the same shape family: a 16 x 8 x 16 product of BF16 values with fp32
+// sums, as mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 lays it out (PTX ISA, "Matrix
+// Fragments for mma.m16n8k16 with floating point type"). With g = lane / 4, t = lane % 4, each
+// register two values, the lower column or row in its low half:
+//   a[0]: A's row g, columns 2t, 2t + 1;  a[1]: row g + 8, the same;
+//   a[2]: A's row g, columns 8 + 2t, ..;   a[3]: row g + 8, the same;
+//   b[0]: B's column g, rows 2t, 2t + 1;  b[1]: rows 8 + 2t, ..;
+//   d[i]: D's row g + 8 (i / 2), column 2t + i % 2 (as MmaE4M3's).
+// NVIDIA from sm_80 runs it; elsewhere the stand-in (MmaE4M3's: the group's fragments through
+// `scratch`, the 16 exact products summed in a tree and added to d). Same REQUIRES as MmaE4M3.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define FLASHD_MMA_BF16_NATIVE 1
+#endif
+
+__device__ inline void MmaBf16(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&d)[4],
+                               MmaScratch* scratch) {
+#if defined(FLASHD_MMA_BF16_NATIVE)
+  (void)scratch;
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  MmaStandIn<16>(a, b, d, scratch,
+                 [](const MmaScratch* group, unsigned row, unsigned col, unsigned k) {
+                   // Who holds A(row, k) and B(k, col), in which register and half.
+                   const unsigned t = (k % 8) / 2, half = 16 * (k % 2);
+                   const uint32_t aw = group[(row % 8) * 4 + t].a[row / 8 + 2 * (k / 8)];
+                   const uint32_t bw = group[col * 4 + t].b[k / 8];
+                   return codecs::Bf16ToFloat(static_cast<uint16_t>(aw >> half)) *
+                          codecs::Bf16ToFloat(static_cast<uint16_t>(bw >> half));
+                 });
 #endif
 }
 

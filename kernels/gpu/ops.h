@@ -48,11 +48,14 @@ OpStatus LinearSplit(const LinearParams& p, int split);
 // a backend uses one for every row. kWgmma is NVIDIA's and the HIP CPU runtime's (kBadArgument on
 // AMD, whose shared memory holds no such ring). kMfma, AMD's 32 x 32 matrix instructions (mfma.h;
 // the mma tiles' staging, a wave of 64 threads taking 32 weight rows by 32 tokens an instruction),
-// is AMD's and the HIP CPU runtime's (kBadArgument on NVIDIA).
+// is AMD's and the HIP CPU runtime's (kBadArgument on NVIDIA). FP8 values (kFp8Dense, wo_a's
+// groups) take the 16 x 8 x 16 BF16 mma.sync whatever the instruction (mma.h, MmaBf16: native
+// from sm_80, the stand-in elsewhere), the activations as BF16 values (wo_a's are), two
+// instructions a K-block's sum, then its weight scale and the running sum as above.
 enum class MatrixInstruction { kMma, kWgmma, kMfma };
 OpStatus LinearMatrix(const LinearParams& p,
                       MatrixInstruction instruction = MatrixInstruction::kMma);
-// Whether LinearMatrix takes p's weights: FP8 or FP4, one group.
+// Whether LinearMatrix takes p's weights: FP8 or FP4, one group; FP8 values, any groups.
 bool LinearMatrixTakes(const LinearParams& p);
 // ExpertLinear's grouped rows on matrix cores, each row's sums LinearMatrix's.
 OpStatus ExpertLinearMatrix(const ExpertLinearParams& p,

@@ -1191,6 +1191,117 @@ BOOST_AUTO_TEST_CASE(fp8_values_in_groups_equal_one_op_per_group) {
   BOOST_TEST((gpu::Linear(bad) == OpStatus::kBadShape));
 }
 
+// wo_a on matrix cores (LinearMatrix with kFp8Dense: the BF16 instruction, two a K-block, over
+// BF16 activations) against the CPU's exact sums: each output within the rounding of its block
+// sums, NaN where the CPU has NaN, and every row's bits the same whatever rows are beside it
+// (1, 3, 64, 70 and 129 rows: one 64-token tile, a part, two and a part, three); groups side by
+// side, a slice of a larger matrix whose scales start inside a tile, K of one partial chunk (96:
+// three blocks), many chunks (2,080: 65 blocks) and whole ones (256), 45, 64 and 130 columns.
+BOOST_AUTO_TEST_CASE(fp8_values_on_matrix_cores_within_rounding_and_the_same_for_any_rows) {
+  std::mt19937 rng(67);
+  struct Shape {
+    int64_t groups, in, out, row0;
+  };
+  for (const Shape& sh : {Shape{3, 96, 45, 0}, Shape{2, 2080, 130, 0}, Shape{8, 256, 64, 0},
+                          Shape{1, 1056, 45, 40}}) {
+    const int64_t G = sh.groups, in = sh.in, out = sh.out, all_rows = sh.row0 + G * out;
+    // Each 32x32 tile a different power of two, so a misplaced scale changes values.
+    std::vector<float> w = Normal(rng, all_rows * in, 0.2f);
+    for (int64_t r = 0; r < all_rows; ++r) {
+      for (int64_t k = 0; k < in; ++k)
+        w[r * in + k] *= std::ldexp(1.0f, int(r / 32 + (k / 32) % 3));
+    }
+    flashd::testing::QuantizedWeights qw =
+        flashd::testing::QuantizeWeights(WeightFormat::kFp8, w, all_rows, in);
+    qw.codes[(sh.row0 + 5) * in + 7] = 0x7F;  // A NaN code in column 5 (of group 0).
+    std::vector<float> values(all_rows * in);
+    flashd::kernels::cpu::DequantizeFp8Weight(qw.codes.data(), qw.scales.data(), all_rows, in,
+                                              values.data());
+    const int64_t most = 129;
+    std::vector<float> x = Normal(rng, most * G * in);
+    for (float& v : x) v = codecs::RoundBf16(v);  // wo_a's inputs are BF16 values.
+    Dev<uint8_t> dcodes(qw.codes), dscales(qw.scales);
+    Dev<float> dx(x);
+    std::vector<std::vector<float>> got;
+    int64_t differ = 0;
+    for (int64_t rows : {int64_t{1}, int64_t{3}, int64_t{64}, int64_t{70}, most}) {
+      std::vector<float> want(rows * G * out);
+      LinearParams p{.x = x.data(),
+                     .rows = rows,
+                     .in = in,
+                     .out = out,
+                     .format = WeightFormat::kFp8Dense,
+                     .w = qw.codes.data() + sh.row0 * in,
+                     .w_scales = qw.scales.data(),
+                     .y = want.data(),
+                     .w_row0 = sh.row0,
+                     .groups = G};
+      BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
+      Dev<float> dy(std::vector<float>(want.size(), 7.0f));
+      p.x = dx.get();
+      p.w = dcodes.get() + sh.row0 * in;
+      p.w_scales = dscales.get();
+      p.y = dy.get();
+      BOOST_REQUIRE(gpu::LinearMatrixTakes(p));
+      BOOST_REQUIRE(gpu::LinearMatrix(p) == OpStatus::kOk);
+      got.push_back(dy.Host());
+      const std::vector<float>& y = got.back();
+      int64_t off = 0, nan_mismatch = 0, nans = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t n = 0; n < out; ++n) {
+            const size_t i = static_cast<size_t>((r * G + g) * out + n);
+            const float a = y[i], b = want[i];
+            if (std::isnan(a) || std::isnan(b)) {
+              nan_mismatch += std::isnan(a) != std::isnan(b);
+              nans += std::isnan(b);
+              continue;
+            }
+            differ += a != b;
+            double magnitude = 0;  // The products' magnitudes, in double.
+            const float* wr = &values[(sh.row0 + g * out + n) * in];
+            for (int64_t k = 0; k < in; ++k) {
+              magnitude += std::fabs(double(wr[k]) * x[(r * G + g) * in + k]);
+            }
+            off += std::fabs(double(a) - b) > 1e-4 * magnitude + 1e-30;
+          }
+        }
+      }
+      BOOST_TEST(off == 0, "groups " << G << " in " << in << " out " << out << " rows " << rows
+                                     << ": " << off << " outputs off");
+      BOOST_TEST(nan_mismatch == 0, "rows " << rows << ": NaN where the CPU has none or back");
+      BOOST_TEST(nans == rows);  // Column 5 of group 0, every row.
+    }
+    BOOST_TEST_MESSAGE("groups " << G << " in " << in << ": " << differ
+                                 << " outputs differ from the CPU's bits");
+    // Every row's bits the same in each call (a call's rows are the first of the largest's).
+    for (size_t i = 0; i + 1 < got.size(); ++i) {
+      const std::vector<float> head(got.back().begin(), got.back().begin() + got[i].size());
+      BOOST_TEST(BitEqual(got[i], head), "groups " << G << " in " << in << ": rows "
+                                                   << got[i].size() / (G * out) << " against "
+                                                   << most);
+    }
+  }
+  // K in whole blocks, no gated pair.
+  Dev<float> dx(std::vector<float>(64, 1.0f)), dy(std::vector<float>(4));
+  Dev<uint8_t> dw(std::vector<uint8_t>(4 * 64, 0x38)), ds(std::vector<uint8_t>(4, 127));
+  LinearParams p{.x = dx.get(),
+                 .rows = 1,
+                 .in = 64,
+                 .out = 2,
+                 .format = WeightFormat::kFp8Dense,
+                 .w = dw.get(),
+                 .w_scales = ds.get(),
+                 .y = dy.get()};
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kOk));
+  BOOST_TEST(dy.Host()[0] == 64.0f);  // 64 products of 1 x 1.
+  p.in = 40;
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadShape));
+  p.in = 64;
+  p.up = dw.get();
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadArgument));
+}
+
 // BF16 matrices kept as BF16 codes (how the GPU backend holds them) give the fp32 path's results,
 // for the dense GEMM and the embedding, on both sides.
 BOOST_AUTO_TEST_CASE(bf16_weights_equal_their_fp32_values) {
