@@ -867,19 +867,23 @@ OpStatus WgmmaExperts(const ExpertLinearParams& p, int64_t grid, gpuStream_t str
 // values) by the instruction's rounding of the blocks' sums. Activations that are not BF16 values
 // are rounded to the nearest (the model gives none).
 //
-// A thread block of 4 groups of 32 threads takes 64 weight rows of one group by 64 tokens, K two
-// blocks a chunk staged in shared memory as BF16 (a row's values at a stride of 72, so the
-// fragment loads of a group, rows g at words 2t, fall in 32 different banks); group q takes the
-// tile's rows 16q.. by the 64 tokens, eight instructions a 16-value step.
+// A thread block of 4 groups of 32 threads takes 64 weight rows of one group by kDmToks tokens (64,
+// or 8 for a decode step's rows), K kDmChunk blocks a chunk staged in shared memory as BF16 (a
+// row's values at a stride of kLd, so the fragment loads of a group, rows g at words 2t, fall
+// in 32 different banks); group q takes the tile's rows 16q.. by the tokens, an instruction per
+// 8 tokens a 16-value step.
 constexpr unsigned kDmThreads = 128;
-constexpr int kDmRows = 64, kDmToks = 64, kDmChunk = 2, kDmLd = kDmChunk * kBlock + 8;
+constexpr int kDmRows = 64;
 
+template <int kDmToks, int kDmChunk>
 __global__ void __launch_bounds__(kDmThreads)
     Fp8ValuesMatrixKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
                           const uint8_t* scales, int64_t row0, int64_t N, float* y) {
-  __shared__ uint4 stage[(kDmRows + kDmToks) * kDmLd * 2 / 16];  // 16-byte aligned.
-  uint16_t* ws = reinterpret_cast<uint16_t*>(stage);             // [kDmRows][kDmLd], then
-  uint16_t* xs = ws + kDmRows * kDmLd;                           // [kDmToks][kDmLd].
+  // A row of staged values: the chunk's and 8 more, so that row g starts 4g banks on.
+  constexpr int kLd = kDmChunk * kBlock + 8;
+  __shared__ uint4 stage[(kDmRows + kDmToks) * kLd * 2 / 16];  // 16-byte aligned.
+  uint16_t* ws = reinterpret_cast<uint16_t*>(stage);           // [kDmRows][kLd], then
+  uint16_t* xs = ws + kDmRows * kLd;                           // [kDmToks][kLd].
   __shared__ float sc[kDmRows * kDmChunk];
   __shared__ MmaScratch scratch[kDmThreads];
   const int64_t row_tiles = (N + kDmRows - 1) / kDmRows;
@@ -910,7 +914,7 @@ __global__ void __launch_bounds__(kDmThreads)
             c::Bits(c::E4M3ToFloat(static_cast<uint8_t>(word >> (shift + 8)))) >> 16;
         out[j] = lo | hi << 16;
       }
-      uint4* dst = reinterpret_cast<uint4*>(&ws[r * kDmLd + piece * 16]);
+      uint4* dst = reinterpret_cast<uint4*>(&ws[r * kLd + piece * 16]);
       dst[0] = make_uint4(out[0], out[1], out[2], out[3]);
       dst[1] = make_uint4(out[4], out[5], out[6], out[7]);
     }
@@ -929,7 +933,7 @@ __global__ void __launch_bounds__(kDmThreads)
       if (m < M && piece < static_cast<unsigned>(nb) * 8) {
         v = *reinterpret_cast<const float4*>(x + m * x_stride + g * K + c0 * kBlock + piece * 4);
       }
-      uint32_t* dst = reinterpret_cast<uint32_t*>(&xs[r * kDmLd + piece * 4]);
+      uint32_t* dst = reinterpret_cast<uint32_t*>(&xs[r * kLd + piece * 4]);
       dst[0] = c::FloatToBf16(v.x) | static_cast<uint32_t>(c::FloatToBf16(v.y)) << 16;
       dst[1] = c::FloatToBf16(v.z) | static_cast<uint32_t>(c::FloatToBf16(v.w)) << 16;
     }
@@ -940,15 +944,15 @@ __global__ void __launch_bounds__(kDmThreads)
       for (int step = 0; step < 2; ++step) {
         const unsigned k = b * kBlock + step * 16 + 2 * (lane % 4);
         const unsigned ra = q * 16 + lane / 4;
-        const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(&ws[ra * kDmLd + k]),
-                               *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kDmLd + k]),
-                               *reinterpret_cast<const uint32_t*>(&ws[ra * kDmLd + k + 8]),
-                               *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kDmLd + k + 8])};
+        const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(&ws[ra * kLd + k]),
+                               *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kLd + k]),
+                               *reinterpret_cast<const uint32_t*>(&ws[ra * kLd + k + 8]),
+                               *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kLd + k + 8])};
         FLASHD_UNROLL
         for (int j = 0; j < kDmToks / 8; ++j) {
           const unsigned rb = j * 8 + lane / 4;
-          const uint32_t bf[2] = {*reinterpret_cast<const uint32_t*>(&xs[rb * kDmLd + k]),
-                                  *reinterpret_cast<const uint32_t*>(&xs[rb * kDmLd + k + 8])};
+          const uint32_t bf[2] = {*reinterpret_cast<const uint32_t*>(&xs[rb * kLd + k]),
+                                  *reinterpret_cast<const uint32_t*>(&xs[rb * kLd + k + 8])};
           MmaBf16(a, bf, sums[j], scratch);
         }
       }
@@ -977,10 +981,15 @@ OpStatus Fp8ValuesMatrix(const LinearParams& p) {
   if (p.w == nullptr || p.w_scales == nullptr) return OpStatus::kBadArgument;
   if (p.w_row0 < 0 || p.in % kBlock != 0 || p.groups < 1) return OpStatus::kBadShape;
   if (p.rows == 0) return OpStatus::kOk;
-  const int64_t grid =
-      (p.out + kDmRows - 1) / kDmRows * p.groups * ((p.rows + kDmToks - 1) / kDmToks);
+  // Up to 16 rows (a decode step's), tiles of 8 tokens and K four blocks a chunk, so that a
+  // thread block's weight loads in flight are not spent on tokens it does not have; else 64 and
+  // two. Each output's sums are the same either way.
+  const bool narrow = p.rows <= 16;
+  const int64_t toks = narrow ? 8 : 64;
+  const int64_t grid = (p.out + kDmRows - 1) / kDmRows * p.groups * ((p.rows + toks - 1) / toks);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
-  FLASHD_LAUNCH(Fp8ValuesMatrixKernel, static_cast<unsigned>(grid), kDmThreads, 0,
+  const auto kernel = narrow ? &Fp8ValuesMatrixKernel<8, 4> : &Fp8ValuesMatrixKernel<64, 2>;
+  FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kDmThreads, 0,
                 static_cast<gpuStream_t>(p.stream), p.x, p.rows, p.in, p.groups, p.w, p.w_scales,
                 p.w_row0, p.out, p.y);
   return Launched();
