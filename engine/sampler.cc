@@ -58,7 +58,8 @@ void SortByKey(std::vector<uint64_t>* items) {
       ++start[pass * kDigits + ((v >> (32 + pass * kBits)) & (kDigits - 1))];
     }
   }
-  std::vector<uint64_t> other(n);
+  thread_local std::vector<uint64_t> other;
+  other.resize(n);
   for (int pass = 0; pass < kPasses; ++pass) {
     size_t* first = &start[pass * kDigits];
     if (std::find(first, first + kDigits, n) != first + kDigits) continue;  // One digit.
@@ -78,11 +79,15 @@ void SortByKey(std::vector<uint64_t>* items) {
 std::vector<int32_t> CandidateOrder(std::span<const float> logits, size_t keep) {
   const size_t n = logits.size();
   keep = std::min(keep, n);
-  std::vector<uint32_t> keys(n);
+  // The work buffers stay with the thread from call to call (a sampling thread's few MB), so
+  // that each call does not fault in fresh pages for them.
+  thread_local std::vector<uint32_t> keys;
+  thread_local std::vector<uint64_t> items;
+  keys.resize(n);
+  items.clear();
   for (size_t i = 0; i < n; ++i) keys[i] = DescendingKey(logits[i]);
   // Each candidate as its key above its id, in id order: ordered by key, equal keys stay in
   // id order.
-  std::vector<uint64_t> items;
   if (keep * 8 < n) {
     // Few kept: only the ids whose key's top 11 bits are at most those of the keep-th.
     std::vector<size_t> count(size_t{1} << 11, 0);
