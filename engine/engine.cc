@@ -15,6 +15,7 @@
 #include "engine/engram_store.h"
 #include "engine/gpu_backend.h"
 #include "engine/placement_plan.h"
+#include "kernels/cpu/ops.h"
 #include "kernels/cpu/parallel.h"
 
 namespace flashd::engine {
@@ -776,14 +777,13 @@ int64_t Engine::RunBatch(const std::vector<Sequence*>& owners,
   // vocabulary-sized pass or two a sequence, idle cores while a GPU runs the steps); the tokens
   // are delivered in batch order after.
   std::vector<SampledToken> sampled(publish.size());
-  const int threads = options_.threads > 0
-                          ? options_.threads
-                          : static_cast<int>(kernels::cpu::ThreadPool::Process().workers() + 1);
-  kernels::cpu::ParallelRanges(publish.size(), threads, [&](size_t begin, size_t end) {
-    for (size_t j = begin; j < end; ++j) {
-      sampled[j] = owners[publish[j]]->sampler->Sample(logits[publish[j]]);
-    }
-  });
+  const kernels::CpuStream stream{options_.threads};
+  kernels::cpu::ParallelRanges(
+      publish.size(), kernels::cpu::StreamThreads(&stream), [&](size_t begin, size_t end) {
+        for (size_t j = begin; j < end; ++j) {
+          sampled[j] = owners[publish[j]]->sampler->Sample(logits[publish[j]]);
+        }
+      });
   for (size_t j = 0; j < publish.size(); ++j) Deliver(*owners[publish[j]], sampled[j]);
   return prompt_tokens;
 }

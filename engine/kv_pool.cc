@@ -76,8 +76,7 @@ int32_t KvPool::Adopt(BlockMemory memory) {
     versions_.push_back(0);
   }
   refs_[static_cast<size_t>(id)] = 1;
-  versions_[static_cast<size_t>(id)] += 1;
-  writes_ += 1;
+  Wrote(id);
   used_ += 1;
   return id;
 }
@@ -101,8 +100,7 @@ int32_t KvPool::Allocate() {
     versions_.push_back(0);
   }
   refs_[id] = 1;
-  versions_[static_cast<size_t>(id)] += 1;
-  writes_ += 1;
+  Wrote(id);
   used_ += 1;
   return id;
 }

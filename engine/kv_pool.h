@@ -68,8 +68,7 @@ class KvPool {
   const uint8_t* data(int32_t block) const { return table_[static_cast<size_t>(block)]; }
   // The block's bytes for writing: counts as a write (its version moves on).
   uint8_t* mutable_data(int32_t block) {
-    versions_[static_cast<size_t>(block)] += 1;
-    writes_ += 1;
+    Wrote(block);
     return table_[static_cast<size_t>(block)];
   }
   // Block id -> its bytes (64-byte aligned), for kernels that address rows by block id. Valid
@@ -93,6 +92,12 @@ class KvPool {
   void set_capacity_blocks(size_t capacity) { capacity_ = capacity; }
 
  private:
+  // A host write of the block: its version and the pool's count move on together.
+  void Wrote(int32_t block) {
+    versions_[static_cast<size_t>(block)] += 1;
+    writes_ += 1;
+  }
+
   size_t block_bytes_;
   std::atomic<size_t> capacity_;
   std::atomic<size_t> used_{0};
