@@ -1272,15 +1272,16 @@ std::string_view InstructionName(g::MatrixInstruction instruction) {
 }
 
 // The backend's numerics string: `<backend>/4`, `<backend>-matrix/5` or
-// `<backend>-matrix-<instruction>/5` (5 since wo_a runs on matrix cores in that mode).
+// `<backend>-matrix-<instruction>/5` (5 since wo_a runs on matrix cores in that mode;
+// `hip-matrix-mfma/6` since it runs on AMD's instruction there, where it took mma.sync's
+// stand-in).
 std::string Numerics(bool matrix, g::MatrixInstruction instruction) {
   std::string numerics(g::kBackendName);
-  if (matrix) {
-    numerics += "-matrix";
-    const std::string_view name = InstructionName(instruction);
-    if (!name.empty()) numerics += "-" + std::string(name);
-  }
-  return numerics + (matrix ? "/5" : "/4");
+  if (!matrix) return numerics + "/4";
+  numerics += "-matrix";
+  const std::string_view name = InstructionName(instruction);
+  if (!name.empty()) numerics += "-" + std::string(name);
+  return numerics + (instruction == g::MatrixInstruction::kMfma ? "/6" : "/5");
 }
 
 class GpuBackend final : public Backend {

@@ -871,28 +871,48 @@ OpStatus WgmmaExperts(const ExpertLinearParams& p, int64_t grid, gpuStream_t str
 // or 8 for a decode step's rows), K kDmChunk blocks a chunk staged in shared memory as BF16 (a
 // row's values at a stride of kLd, so the fragment loads of a group, rows g at words 2t, fall
 // in 32 different banks); group q takes the tile's rows 16q.. by the tokens, an instruction per
-// 8 tokens a 16-value step.
+// 8 tokens a 16-value step. AMD's instruction (kIns kMfma; mfma.h, MfmaBf16Block) takes the same
+// staged chunk: wave w (64 threads) the tile's weight rows 32w.. by its tokens in 32s (8 padded
+// with zeros), lane l the 16 values 16 (l / 32).. of a block of weight row 32w + l % 32 and of
+// token l % 32 (two 16-byte reads each, the rows' stride keeping 8 lanes' reads in 32 banks), four
+// instructions of K 8 a block; the lane's 16 outputs are one weight row's, so one scale.
 constexpr unsigned kDmThreads = 128;
 constexpr int kDmRows = 64;
+static_assert(kDmThreads / kMfmaLanes * 32 == kDmRows, "a wave's 32 rows of the tile");
+#if defined(FLASHD_MMA_BF16_NATIVE)
+constexpr bool kMmaBf16Native = true;
+#else
+constexpr bool kMmaBf16Native = false;
+#endif
 
-template <int kDmToks, int kDmChunk>
+template <int kDmToks, int kDmChunk, MatrixInstruction kIns>
 __global__ void __launch_bounds__(kDmThreads)
     Fp8ValuesMatrixKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
                           const uint8_t* scales, int64_t row0, int64_t N, float* y) {
+  constexpr bool kMfma = kIns == MatrixInstruction::kMfma;
   // A row of staged values: the chunk's and 8 more, so that row g starts 4g banks on.
   constexpr int kLd = kDmChunk * kBlock + 8;
   __shared__ uint4 stage[(kDmRows + kDmToks) * kLd * 2 / 16];  // 16-byte aligned.
   uint16_t* ws = reinterpret_cast<uint16_t*>(stage);           // [kDmRows][kLd], then
   uint16_t* xs = ws + kDmRows * kLd;                           // [kDmToks][kLd].
   __shared__ float sc[kDmRows * kDmChunk];
-  __shared__ MmaScratch scratch[kDmThreads];
+  using Scratch = std::conditional_t<kMfma, MfmaBf16Scratch, MmaScratch>;
+  // The stand-in's (one unused entry where the device has the instruction).
+  __shared__ Scratch scratch[(kMfma ? kMfmaNative : kMmaBf16Native) ? 1 : kDmThreads];
   const int64_t row_tiles = (N + kDmRows - 1) / kDmRows;
   const int64_t n0 = blockIdx.x % row_tiles * kDmRows;
   const int64_t g = blockIdx.x / row_tiles % groups;
   const int64_t m0 = blockIdx.x / (row_tiles * groups) * kDmToks;
   const unsigned t = threadIdx.x, lane = t % kGroup, q = t / kGroup;
   const int64_t blocks = K / kBlock, x_stride = groups * K;
-  float run[kDmToks / 8][4] = {};
+  // mma: [8-token tile][output]; mfma: [32-token tile][output].
+  constexpr int kRunToks = kMfma ? (kDmToks + 31) / 32 : kDmToks / 8, kRunOut = kMfma ? 16 : 4;
+  float run[kRunToks][kRunOut] = {};
+  // mfma: this lane's weight row of the tile and half of a block's values; the token of output v
+  // of 32-token tile j.
+  const int mf_row = static_cast<int>(t / kMfmaLanes) * 32 + static_cast<int>(t % 32);
+  const int mf_half = static_cast<int>(t % kMfmaLanes) / 32;
+  auto mf_tok = [&](int j, int v) { return 32 * j + 8 * (v / 4) + 4 * mf_half + v % 4; };
   for (int64_t c0 = 0; c0 < blocks; c0 += kDmChunk) {
     const int nb = blocks - c0 < kDmChunk ? static_cast<int>(blocks - c0) : kDmChunk;
     // The weights: 16 codes a piece, each as its BF16 value; rows past N and blocks past K zero.
@@ -938,46 +958,71 @@ __global__ void __launch_bounds__(kDmThreads)
       dst[1] = c::FloatToBf16(v.z) | static_cast<uint32_t>(c::FloatToBf16(v.w)) << 16;
     }
     __syncthreads();
-    for (int b = 0; b < nb; ++b) {
-      float sums[kDmToks / 8][4] = {};
-      FLASHD_UNROLL
-      for (int step = 0; step < 2; ++step) {
-        const unsigned k = b * kBlock + step * 16 + 2 * (lane % 4);
-        const unsigned ra = q * 16 + lane / 4;
-        const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(&ws[ra * kLd + k]),
-                               *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kLd + k]),
-                               *reinterpret_cast<const uint32_t*>(&ws[ra * kLd + k + 8]),
-                               *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kLd + k + 8])};
+    if constexpr (kMfma) {
+      for (int b = 0; b < nb; ++b) {
+        const int k = b * kBlock + 16 * mf_half;
+        const uint4* wr = reinterpret_cast<const uint4*>(&ws[mf_row * kLd + k]);
+        const uint4 wv[2] = {wr[0], wr[1]};
+        const float s = sc[mf_row * kDmChunk + b];
         FLASHD_UNROLL
-        for (int j = 0; j < kDmToks / 8; ++j) {
-          const unsigned rb = j * 8 + lane / 4;
-          const uint32_t bf[2] = {*reinterpret_cast<const uint32_t*>(&xs[rb * kLd + k]),
-                                  *reinterpret_cast<const uint32_t*>(&xs[rb * kLd + k + 8])};
-          MmaBf16(a, bf, sums[j], scratch);
+        for (int j = 0; j < kRunToks; ++j) {
+          const int tok = 32 * j + static_cast<int>(t % 32);
+          uint4 xv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+          if (tok < kDmToks) {
+            const uint4* xr = reinterpret_cast<const uint4*>(&xs[tok * kLd + k]);
+            xv[0] = xr[0], xv[1] = xr[1];
+          }
+          float sums[16] = {};
+          MfmaBf16Block(xv, wv, sums, scratch);
+          FLASHD_UNROLL
+          for (int v = 0; v < 16; ++v) run[j][v] = fmaf(sums[v], s, run[j][v]);
         }
       }
-      const float s0 = sc[(q * 16 + lane / 4) * kDmChunk + b];
-      const float s1 = sc[(q * 16 + lane / 4 + 8) * kDmChunk + b];
-      FLASHD_UNROLL
-      for (int j = 0; j < kDmToks / 8; ++j) {
+    } else {
+      for (int b = 0; b < nb; ++b) {
+        float sums[kDmToks / 8][4] = {};
         FLASHD_UNROLL
-        for (int i = 0; i < 4; ++i) run[j][i] = fmaf(sums[j][i], i < 2 ? s0 : s1, run[j][i]);
+        for (int step = 0; step < 2; ++step) {
+          const unsigned k = b * kBlock + step * 16 + 2 * (lane % 4);
+          const unsigned ra = q * 16 + lane / 4;
+          const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(&ws[ra * kLd + k]),
+                                 *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kLd + k]),
+                                 *reinterpret_cast<const uint32_t*>(&ws[ra * kLd + k + 8]),
+                                 *reinterpret_cast<const uint32_t*>(&ws[(ra + 8) * kLd + k + 8])};
+          FLASHD_UNROLL
+          for (int j = 0; j < kDmToks / 8; ++j) {
+            const unsigned rb = j * 8 + lane / 4;
+            const uint32_t bf[2] = {*reinterpret_cast<const uint32_t*>(&xs[rb * kLd + k]),
+                                    *reinterpret_cast<const uint32_t*>(&xs[rb * kLd + k + 8])};
+            MmaBf16(a, bf, sums[j], scratch);
+          }
+        }
+        const float s0 = sc[(q * 16 + lane / 4) * kDmChunk + b];
+        const float s1 = sc[(q * 16 + lane / 4 + 8) * kDmChunk + b];
+        FLASHD_UNROLL
+        for (int j = 0; j < kDmToks / 8; ++j) {
+          FLASHD_UNROLL
+          for (int i = 0; i < 4; ++i) run[j][i] = fmaf(sums[j][i], i < 2 ? s0 : s1, run[j][i]);
+        }
       }
     }
     __syncthreads();  // The chunk is summed before the next is staged over it.
   }
   FLASHD_UNROLL
-  for (int j = 0; j < kDmToks / 8; ++j) {
+  for (int j = 0; j < kRunToks; ++j) {
     FLASHD_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      const int64_t n = n0 + q * 16 + lane / 4 + 8 * (i / 2);
-      const int64_t m = m0 + j * 8 + 2 * (lane % 4) + i % 2;
-      if (n < N && m < M) y[m * groups * N + g * N + n] = run[j][i];
+    for (int i = 0; i < kRunOut; ++i) {
+      // mfma: output i is token mf_tok(j, i) (past kDmToks: padding) of the lane's weight row.
+      const int tok = kMfma ? mf_tok(j, i) : j * 8 + 2 * static_cast<int>(lane % 4) + i % 2;
+      const int64_t n = kMfma ? n0 + mf_row : n0 + q * 16 + lane / 4 + 8 * (i / 2);
+      if (n < N && tok < kDmToks && m0 + tok < M)
+        y[(m0 + tok) * groups * N + g * N + n] = run[j][i];
     }
   }
 }
 
-OpStatus Fp8ValuesMatrix(const LinearParams& p) {
+OpStatus Fp8ValuesMatrix(const LinearParams& p, MatrixInstruction instruction) {
+  if (instruction == MatrixInstruction::kMfma && !MfmaBuilt()) return OpStatus::kBadArgument;
   if (p.w == nullptr || p.w_scales == nullptr) return OpStatus::kBadArgument;
   if (p.w_row0 < 0 || p.in % kBlock != 0 || p.groups < 1) return OpStatus::kBadShape;
   if (p.rows == 0) return OpStatus::kOk;
@@ -988,7 +1033,12 @@ OpStatus Fp8ValuesMatrix(const LinearParams& p) {
   const int64_t toks = narrow ? 8 : 64;
   const int64_t grid = (p.out + kDmRows - 1) / kDmRows * p.groups * ((p.rows + toks - 1) / toks);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
-  const auto kernel = narrow ? &Fp8ValuesMatrixKernel<8, 4> : &Fp8ValuesMatrixKernel<64, 2>;
+  constexpr auto kMma = MatrixInstruction::kMma;
+  constexpr auto kMf = MfmaBuilt() ? MatrixInstruction::kMfma : kMma;
+  const bool mfma = instruction == MatrixInstruction::kMfma;
+  const auto kernel =
+      narrow ? (mfma ? &Fp8ValuesMatrixKernel<8, 4, kMf> : &Fp8ValuesMatrixKernel<8, 4, kMma>)
+             : (mfma ? &Fp8ValuesMatrixKernel<64, 2, kMf> : &Fp8ValuesMatrixKernel<64, 2, kMma>);
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kDmThreads, 0,
                 static_cast<gpuStream_t>(p.stream), p.x, p.rows, p.in, p.groups, p.w, p.w_scales,
                 p.w_row0, p.out, p.y);
@@ -1009,7 +1059,7 @@ OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
   if (!LinearMatrixTakes(p)) return OpStatus::kBadArgument;
   if (p.format == WeightFormat::kFp8Dense) {
     if (p.up != nullptr) return OpStatus::kBadArgument;
-    return Fp8ValuesMatrix(p);
+    return Fp8ValuesMatrix(p, instruction);
   }
   if (const OpStatus s = CheckQuantizedLinear(p, 16); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;

@@ -1,4 +1,4 @@
-// AMD's matrix-core instruction for the quantized GEMMs, and its stand-in: one K-block's 32 x 32
+// AMD's matrix-core instructions and their stand-in. For the quantized GEMMs: one K-block's 32 x 32
 // product over 32 E4M3 codes with fp32 sums, by a wave of 64 threads (lane = threadIdx.x % 64; the
 // waves of a thread block are its threads 64w .. 64w + 63). Lane l gives `a`, the 16 codes
 // 16 (l / 32) .. 16 (l / 32) + 15 of the block in A's row l % 32 (one 16-byte word), and `b`, the
@@ -20,7 +20,7 @@
 // in a tree in K order: the same layout, so a kernel's operand loads and output stores are tested
 // on the CPU. The instruction's own order of adding is the hardware's. REQUIRES: every thread of
 // the block calls it the same number of times (the stand-in synchronises the block), blockDim.x
-// a multiple of 64.
+// a multiple of 64. For FP8 values over BF16 activations (wo_a): MfmaBf16Block, below.
 #pragma once
 
 #include <cstdint>
@@ -83,6 +83,30 @@ typedef _Float16 MfmaHalf4 __attribute__((ext_vector_type(4)));
 typedef uint32_t MfmaWord2 __attribute__((ext_vector_type(2)));
 #endif
 
+// The stand-ins' common part: every lane's operands (`mine`) through `scratch`, then each of d's
+// 16 outputs (row 8 (v / 4) + 4 (l / 32) + v % 4, column l % 32) gets the 32 products of its row
+// of A and column of B, product(wave, row, col, k) (wave: the wave's scratch), summed in fp32 in
+// a tree in K order and added.
+template <class Scratch, class Product>
+__device__ inline void MfmaStandIn(const Scratch& mine, float (&d)[16], Scratch* scratch,
+                                   Product product) {
+  const unsigned self = threadIdx.x, lane = self % kMfmaLanes;
+  scratch[self] = mine;
+  __syncthreads();
+  const Scratch* wave = scratch + (self - lane);
+  const unsigned col = lane % 32, half = lane / 32;
+  for (int v = 0; v < 16; ++v) {
+    const unsigned row = 8 * (v / 4) + 4 * half + v % 4;
+    float sums[32];
+    for (unsigned k = 0; k < 32; ++k) sums[k] = product(wave, row, col, k);
+    for (unsigned width = 1; width < 32; width *= 2) {
+      for (unsigned k = 0; k < 32; k += 2 * width) sums[k] += sums[k + width];
+    }
+    d[v] += sums[0];
+  }
+  __syncthreads();  // The wave's scratch is read before anyone's next call writes it.
+}
+
 __device__ inline void MfmaE4M3Block(const uint4& a, const uint4& b, float (&d)[16],
                                      MfmaScratch* scratch) {
 #if defined(FLASHD_MFMA_NATIVE)
@@ -116,26 +140,74 @@ __device__ inline void MfmaE4M3Block(const uint4& a, const uint4& b, float (&d)[
   FLASHD_UNROLL
   for (int v = 0; v < 16; ++v) d[v] = acc[v];
 #else
-  const unsigned self = threadIdx.x, lane = self % kMfmaLanes, base = self - lane;
-  scratch[self].a = a;
-  scratch[self].b = b;
-  __syncthreads();
-  const unsigned col = lane % 32, half = lane / 32;
-  for (int v = 0; v < 16; ++v) {
-    const unsigned row = 8 * (v / 4) + 4 * half + v % 4;
-    float sums[32];
-    for (int k = 0; k < 32; ++k) {
-      // A(row, k) and B(k, col): the lanes holding codes 16 (k / 16) .., byte k % 16.
-      const uint8_t ac = ByteOf(scratch[base + row + 32 * (k / 16)].a, k % 16);
-      const uint8_t bc = ByteOf(scratch[base + col + 32 * (k / 16)].b, k % 16);
-      sums[k] = codecs::E4M3ToFloat(ac) * codecs::E4M3ToFloat(bc);
-    }
-    for (int width = 1; width < 32; width *= 2) {
-      for (int k = 0; k < 32; k += 2 * width) sums[k] += sums[k + width];
-    }
-    d[v] += sums[0];
+  MfmaStandIn(MfmaScratch{a, b}, d, scratch,
+              [](const MfmaScratch* wave, unsigned row, unsigned col, unsigned k) {
+                // A(row, k) and B(k, col): the lanes holding codes 16 (k / 16) .., byte k % 16.
+                const uint8_t ac = ByteOf(wave[row + 32 * (k / 16)].a, k % 16);
+                const uint8_t bc = ByteOf(wave[col + 32 * (k / 16)].b, k % 16);
+                return codecs::E4M3ToFloat(ac) * codecs::E4M3ToFloat(bc);
+              });
+#endif
+}
+
+// The BF16 instruction in the same layout: one K-block's 32 x 32 product over 32 BF16 values
+// with fp32 sums (products of BF16 values are exact in fp32). Lane l gives `a`, the 16 values
+// 16 (l / 32) .. 16 (l / 32) + 15 of the block in A's row l % 32 (two 16-byte words, the lower
+// value of each 32-bit word in its low half), and `b`, the same values of B's column l % 32; d
+// as MfmaE4M3Block's. CDNA 2's gfx90a and CDNA 3 run four v_mfma_f32_32x32x8bf16_1k (K 8: the
+// lane's values 4s .. 4s + 3 in instruction s), gfx908 eight v_mfma_f32_32x32x4bf16 (K 4: values
+// 2s, 2s + 1); elsewhere the stand-in (MfmaE4M3Block's, the products of the values). Same
+// REQUIRES as MfmaE4M3Block.
+struct MfmaBf16Scratch {
+  uint4 a[2], b[2];
+};
+
+// 16-bit value i (< 16) of two 16-byte words.
+FLASHD_OPS_HD inline uint16_t HalfOf(const uint4 (&w)[2], int i) {
+  const uint4& q = w[i / 8];
+  const int j = i % 8;
+  const uint32_t word = j < 2 ? q.x : j < 4 ? q.y : j < 6 ? q.z : q.w;
+  return static_cast<uint16_t>(word >> (16 * (j % 2)));
+}
+
+#if defined(FLASHD_MFMA_NATIVE)
+typedef short MfmaShort4 __attribute__((ext_vector_type(4)));
+typedef short MfmaShort2 __attribute__((ext_vector_type(2)));
+#endif
+
+__device__ inline void MfmaBf16Block(const uint4 (&a)[2], const uint4 (&b)[2], float (&d)[16],
+                                     MfmaBf16Scratch* scratch) {
+#if defined(FLASHD_MFMA_NATIVE)
+  (void)scratch;
+  MfmaFloat16 acc;
+  FLASHD_UNROLL
+  for (int v = 0; v < 16; ++v) acc[v] = d[v];
+  const uint32_t aw[8] = {a[0].x, a[0].y, a[0].z, a[0].w, a[1].x, a[1].y, a[1].z, a[1].w};
+  const uint32_t bw[8] = {b[0].x, b[0].y, b[0].z, b[0].w, b[1].x, b[1].y, b[1].z, b[1].w};
+#if defined(__gfx908__)
+  FLASHD_UNROLL
+  for (int s = 0; s < 8; ++s) {
+    acc = __builtin_amdgcn_mfma_f32_32x32x4bf16(
+        __builtin_bit_cast(MfmaShort2, aw[s]), __builtin_bit_cast(MfmaShort2, bw[s]), acc, 0, 0, 0);
   }
-  __syncthreads();  // The wave's scratch is read before anyone's next call writes it.
+#else
+  FLASHD_UNROLL
+  for (int s = 0; s < 4; ++s) {
+    const MfmaShort4 av = __builtin_bit_cast(MfmaShort4, MfmaWord2{aw[2 * s], aw[2 * s + 1]});
+    const MfmaShort4 bv = __builtin_bit_cast(MfmaShort4, MfmaWord2{bw[2 * s], bw[2 * s + 1]});
+    acc = __builtin_amdgcn_mfma_f32_32x32x8bf16_1k(av, bv, acc, 0, 0, 0);
+  }
+#endif
+  FLASHD_UNROLL
+  for (int v = 0; v < 16; ++v) d[v] = acc[v];
+#else
+  MfmaStandIn(MfmaBf16Scratch{{a[0], a[1]}, {b[0], b[1]}}, d, scratch,
+              [](const MfmaBf16Scratch* wave, unsigned row, unsigned col, unsigned k) {
+                // A(row, k) and B(k, col): the lanes holding values 16 (k / 16) .., value k % 16.
+                const uint16_t av = HalfOf(wave[row + 32 * (k / 16)].a, k % 16);
+                const uint16_t bv = HalfOf(wave[col + 32 * (k / 16)].b, k % 16);
+                return codecs::Bf16ToFloat(av) * codecs::Bf16ToFloat(bv);
+              });
 #endif
 }
 

@@ -49,9 +49,10 @@ OpStatus LinearSplit(const LinearParams& p, int split);
 // AMD, whose shared memory holds no such ring). kMfma, AMD's 32 x 32 matrix instructions (mfma.h;
 // the mma tiles' staging, a wave of 64 threads taking 32 weight rows by 32 tokens an instruction),
 // is AMD's and the HIP CPU runtime's (kBadArgument on NVIDIA). FP8 values (kFp8Dense, wo_a's
-// groups) take the 16 x 8 x 16 BF16 mma.sync whatever the instruction (mma.h, MmaBf16: native
-// from sm_80, the stand-in elsewhere), the activations as BF16 values (wo_a's are), two
-// instructions a K-block's sum, then its weight scale and the running sum as above.
+// groups) take a BF16 instruction, the activations as BF16 values (wo_a's are): with kMfma AMD's
+// 32 x 32 x 8 (mfma.h, MfmaBf16Block: native on gfx908, gfx90a and gfx940-gfx942), four a
+// K-block's sum; else the 16 x 8 x 16 mma.sync (mma.h, MmaBf16: native from sm_80), two; the
+// stand-ins elsewhere; then the block's weight scale and the running sum as above.
 enum class MatrixInstruction { kMma, kWgmma, kMfma };
 OpStatus LinearMatrix(const LinearParams& p,
                       MatrixInstruction instruction = MatrixInstruction::kMma);

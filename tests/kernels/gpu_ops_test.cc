@@ -1197,7 +1197,55 @@ BOOST_AUTO_TEST_CASE(fp8_values_in_groups_equal_one_op_per_group) {
 // (1, 3, 64, 70 and 129 rows: one 64-token tile, a part, two and a part, three); groups side by
 // side, a slice of a larger matrix whose scales start inside a tile, K of one partial chunk (96:
 // three blocks), many chunks (2,080: 65 blocks) and whole ones (256), 45, 64 and 130 columns.
+// Each instruction the backend has (mma.sync's, the warpgroup's, which takes mma.sync's here,
+// and AMD's, with tiles of 32 tokens an instruction); where mma.sync's and AMD's are both
+// stand-ins, the same bits with either (each block's two halves summed in K order, then added),
+// so the 32 x 32 layout pairs every product as the 16 x 8 one does.
+void Fp8ValuesCases(gpu::MatrixInstruction ins, std::vector<std::vector<float>>* results);
+
 BOOST_AUTO_TEST_CASE(fp8_values_on_matrix_cores_within_rounding_and_the_same_for_any_rows) {
+  std::vector<std::vector<float>> mma, mfma;
+  Fp8ValuesCases(gpu::MatrixInstruction::kMma, &mma);
+  if (kBackend != "hip") {  // The warpgroup instruction is NVIDIA's and the CPU runtime's.
+    BOOST_TEST_CONTEXT("instruction wgmma") {
+      Fp8ValuesCases(gpu::MatrixInstruction::kWgmma, nullptr);
+    }
+  }
+  if (kBackend == "cuda") {
+    BOOST_TEST_MESSAGE("AMD's instruction's path is AMD's and the CPU runtime's");
+  } else {
+    BOOST_TEST_CONTEXT("instruction mfma") { Fp8ValuesCases(gpu::MatrixInstruction::kMfma, &mfma); }
+    if (!gpu::MatrixMfmaNative() && !gpu::MatrixCoresNative()) {
+      BOOST_REQUIRE(mma.size() == mfma.size());
+      for (size_t i = 0; i < mma.size(); ++i) {
+        BOOST_TEST(BitEqual(mma[i], mfma[i]), "result " << i << ": mfma's bits are not mma's");
+      }
+    }
+  }
+  // K in whole blocks, no gated pair; AMD's instruction only where it is built.
+  Dev<float> dx(std::vector<float>(64, 1.0f)), dy(std::vector<float>(4));
+  Dev<uint8_t> dw(std::vector<uint8_t>(4 * 64, 0x38)), ds(std::vector<uint8_t>(4, 127));
+  LinearParams p{.x = dx.get(),
+                 .rows = 1,
+                 .in = 64,
+                 .out = 2,
+                 .format = WeightFormat::kFp8Dense,
+                 .w = dw.get(),
+                 .w_scales = ds.get(),
+                 .y = dy.get()};
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kOk));
+  BOOST_TEST(dy.Host()[0] == 64.0f);  // 64 products of 1 x 1.
+  BOOST_TEST((gpu::LinearMatrix(p, gpu::MatrixInstruction::kMfma) ==
+              (kBackend == "cuda" ? OpStatus::kBadArgument : OpStatus::kOk)));
+  p.in = 40;
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadShape));
+  p.in = 64;
+  p.up = dw.get();
+  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadArgument));
+}
+
+// The cases above for one instruction; each call's outputs appended to `results` where given.
+void Fp8ValuesCases(gpu::MatrixInstruction ins, std::vector<std::vector<float>>* results) {
   std::mt19937 rng(67);
   struct Shape {
     int64_t groups, in, out, row0;
@@ -1243,8 +1291,9 @@ BOOST_AUTO_TEST_CASE(fp8_values_on_matrix_cores_within_rounding_and_the_same_for
       p.w_scales = dscales.get();
       p.y = dy.get();
       BOOST_REQUIRE(gpu::LinearMatrixTakes(p));
-      BOOST_REQUIRE(gpu::LinearMatrix(p) == OpStatus::kOk);
+      BOOST_REQUIRE(gpu::LinearMatrix(p, ins) == OpStatus::kOk);
       got.push_back(dy.Host());
+      if (results != nullptr) results->push_back(got.back());
       const std::vector<float>& y = got.back();
       int64_t off = 0, nan_mismatch = 0, nans = 0;
       for (int64_t r = 0; r < rows; ++r) {
@@ -1282,24 +1331,6 @@ BOOST_AUTO_TEST_CASE(fp8_values_on_matrix_cores_within_rounding_and_the_same_for
                                                    << most);
     }
   }
-  // K in whole blocks, no gated pair.
-  Dev<float> dx(std::vector<float>(64, 1.0f)), dy(std::vector<float>(4));
-  Dev<uint8_t> dw(std::vector<uint8_t>(4 * 64, 0x38)), ds(std::vector<uint8_t>(4, 127));
-  LinearParams p{.x = dx.get(),
-                 .rows = 1,
-                 .in = 64,
-                 .out = 2,
-                 .format = WeightFormat::kFp8Dense,
-                 .w = dw.get(),
-                 .w_scales = ds.get(),
-                 .y = dy.get()};
-  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kOk));
-  BOOST_TEST(dy.Host()[0] == 64.0f);  // 64 products of 1 x 1.
-  p.in = 40;
-  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadShape));
-  p.in = 64;
-  p.up = dw.get();
-  BOOST_TEST((gpu::LinearMatrix(p) == OpStatus::kBadArgument));
 }
 
 // BF16 matrices kept as BF16 codes (how the GPU backend holds them) give the fp32 path's results,
