@@ -13,8 +13,8 @@
 # the order of what matters most, each within its own limit and what is left of the deadline,
 # and a step with too little time left is listed as not run. Results go to OUT (default: $OUT,
 # else ./device-out) as a few files, rewritten after every step so that a run cut short still
-# leaves them: summary.txt, device.txt, gpu_bench.txt, engine_bench.txt and logs.tar.gz (every
-# test's log).
+# leaves them: summary.txt, device.txt, gpu_bench.txt, engine_bench.txt, profile.txt (where the
+# machine has nsys) and logs.tar.gz (every test's log).
 #
 # Usage (on the device machine, from the repository root): build-device/run-on-device.sh [OUT]
 set -uo pipefail
@@ -47,6 +47,22 @@ status=0
 : > "$out/summary.txt"
 : > "$out/engine_bench.txt"
 left() { echo $((deadline - ($(date +%s) - begin))); }
+# device_gaps: from nsys's cuda_gpu_trace as CSV (Start (ns), Duration (ns), ... on each line),
+# the time the device was busy, the idle time in gaps under 20 us between one item's end and the
+# next's start (longer ones are the host's own work between steps), and the gaps in buckets.
+device_gaps() {
+  awk -F, '$1 ~ /^"?[0-9]+"?$/ { gsub(/"/, "", $1); gsub(/"/, "", $2); print $1, $2 }' |
+    sort -n | awk '
+      { if (n > 0) {
+          g = $1 - end
+          if (g > 0 && g < 20000) { short += g }
+          if (g > 0) { b[g < 2000 ? 0 : g < 5000 ? 1 : g < 20000 ? 2 : 3]++ }
+        }
+        busy += $2; if ($1 + $2 > end) end = $1 + $2; n++ }
+      END { printf "items %d, busy %.3f ms, idle in gaps under 20 us %.3f ms; gaps <2 us %d, " \
+                   "2-5 us %d, 5-20 us %d, >=20 us %d\n", n, busy / 1e6, short / 1e6, b[0] + 0,
+                   b[1] + 0, b[2] + 0, b[3] + 0 }'
+}
 # step NAME LIMIT_S OUTPUT [VAR=VALUE...] BINARY [ARGS...]: one binary with its own limit, cut to
 # what is left of the deadline; its output to OUTPUT (a file), a line in the summary.
 step() {
@@ -111,6 +127,32 @@ for run in "cuda" "cuda --uploads waited" "cuda --gpu-gemms matrix" "cpu"; do
   step "engine_bench $run" 60 "$out/engine_bench.txt" engine_bench "$FLASHD_TEST_GOLDEN_DIR" \
     512 4096 --decode-at 65536 --backend $run
 done
+# Where the toolkit's profiler is on the machine and time is left: the golden model's decode (nine
+# steps behind 1,024 tokens) under nsys, into profile.txt: the kernels' summary, and the device's
+# time busy against idle between one kernel or copy and the next, in buckets (is a step bound by
+# its kernels or by their launches?).
+nsys_bin=$(command -v nsys)
+for candidate in /usr/local/cuda/bin/nsys /opt/nvidia/nsight-systems/*/bin/nsys; do
+  [[ -z $nsys_bin && -x $candidate ]] && nsys_bin=$candidate
+done
+if [[ -z $nsys_bin ]]; then
+  echo "profile: not run (no nsys on this machine)" >> "$out/summary.txt"
+elif (($(left) < 100)); then
+  echo "profile: not run ($(left) s of the deadline left)" >> "$out/summary.txt"
+else
+  start=$(date +%s)
+  {
+    timeout 60 "$nsys_bin" profile -t cuda -o "$logs/decode" --force-overwrite true \
+      "${loader[@]}" "$here/bin/engine_bench" "$FLASHD_TEST_GOLDEN_DIR" --decode-at 1024 \
+      --backend cuda
+    echo "== kernels"
+    timeout 30 "$nsys_bin" stats -q -r cuda_gpu_kern_sum "$logs/decode.nsys-rep"
+    echo "== between kernels and copies"
+    timeout 30 "$nsys_bin" stats -q -r cuda_gpu_trace -f csv "$logs/decode.nsys-rep" |
+      device_gaps
+  } >> "$out/profile.txt" 2>&1
+  echo "profile: done in $(($(date +%s) - start)) s (profile.txt)" >> "$out/summary.txt"
+fi
 echo "total: $(($(date +%s) - begin)) s of a $deadline s deadline" >> "$out/summary.txt"
 rm -rf "$logs"
 cat "$out/summary.txt"
