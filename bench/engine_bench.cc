@@ -63,10 +63,11 @@ double ReadBandwidth() {
 void PrintTraffic(const BackendReport& before, const BackendReport& after, int steps) {
   if (after.backend == "cpu") return;
   std::printf(
-      "       per step: %.1f ops, %.1f KB to the device (%.1f copies queued, %.1f waited for), "
-      "%.1f KB to the host (%.1f copies), %.1f waits, %.1f kept buffers found on the device, "
-      "%.1f block versions compared\n",
+      "       per step: %.1f ops (%.1f kernels), %.1f KB to the device (%.1f copies queued, %.1f "
+      "waited for), %.1f KB to the host (%.1f copies), %.1f waits, %.1f kept buffers found on "
+      "the device, %.1f block versions compared\n",
       double(after.device_ops - before.device_ops) / steps,
+      double(after.kernel_launches - before.kernel_launches) / steps,
       (after.bytes_to_device - before.bytes_to_device) / 1e3 / steps,
       double(after.uploads_queued - before.uploads_queued) / steps,
       double(after.uploads_waited - before.uploads_waited) / steps,

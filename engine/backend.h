@@ -62,8 +62,9 @@ struct BackendReport {
   uint64_t downloads = 0;
   // Kept buffers that start as zeros, cleared on the device instead of copied (KeepAs::kZeros).
   uint64_t bytes_zeroed = 0;
-  // Ops run on the device since start, each one kernel launch or a few.
-  uint64_t device_ops = 0;
+  // Ops run on the device since start, each one kernel launch or a few, and the kernels
+  // launched (by this process on the backend's kind of device, all its devices together).
+  uint64_t device_ops = 0, kernel_launches = 0;
   // Kept buffers whose bytes were on the device already from an earlier step (Backend::Keep's
   // content: the compressors' partial groups), so not copied there again.
   uint64_t kept_reused = 0;

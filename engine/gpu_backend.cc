@@ -1328,6 +1328,7 @@ class GpuBackend final : public Backend {
     r.table_entries_copied = memory_.tables.entries_copied();
     r.kv_versions_compared = memory_.kv.compared();
     r.device_ops = ops_;
+    r.kernel_launches = g::KernelLaunches();
     r.weight_bytes = memory_.weight_bytes();
     r.bytes_to_device = memory_.traffic.to_device;
     r.bytes_zeroed = memory_.traffic.zeroed;

@@ -57,7 +57,9 @@ nlohmann::json BackendJson(const engine::BackendReport& r) {
           {"bytes_to_host", r.bytes_to_host},
           {"copies_to_host", r.downloads},
           {"bytes_zeroed_on_device", r.bytes_zeroed},
-          {"host_waits", r.waits}};
+          {"host_waits", r.waits},
+          {"device_ops", r.device_ops},
+          {"kernel_launches", r.kernel_launches}};
 }
 
 }  // namespace

@@ -87,5 +87,7 @@ std::string SetDevice(int device);
 // The current device's name and its memory (free and total bytes), or the runtime's error.
 std::string DeviceName(std::string* name);
 std::string MemoryInfo(size_t* free_bytes, size_t* total_bytes);
+// Kernels this process has launched on this backend since it started, on any of its devices.
+uint64_t KernelLaunches();
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

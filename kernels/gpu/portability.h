@@ -14,6 +14,17 @@
 #error "FLASHD_GPU_BACKEND must be defined by the build (cuda, hip or hipcpu)"
 #endif
 
+#include <atomic>
+#include <cstdint>
+
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+// Kernels this process has launched on this backend (every FLASHD_LAUNCH, on any of its
+// devices); ops.h's KernelLaunches reads it.
+inline std::atomic<uint64_t> launched_kernels{0};
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND
+#define FLASHD_COUNT_LAUNCH() \
+  ::flashd::kernels::FLASHD_GPU_BACKEND::launched_kernels.fetch_add(1, std::memory_order_relaxed)
+
 #if defined(__HIPCC__) || defined(FLASHD_HIP_CPU)
 #include <hip/hip_runtime.h>
 #if defined(FLASHD_HIP_CPU) && defined(__GNUC__) && !defined(__clang__)
@@ -67,12 +78,16 @@ using gpuGraphExec_t = hipGraphExec_t;
 // after the pass in progress), so the stream never holds two kernels.
 #define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...)                       \
   do {                                                                                \
+    FLASHD_COUNT_LAUNCH();                                                            \
     hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), shared, stream, __VA_ARGS__); \
     (void)hipDeviceSynchronize();                                                     \
   } while (0)
 #else
-#define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
-  hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), shared, stream, __VA_ARGS__)
+#define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...)                       \
+  do {                                                                                \
+    FLASHD_COUNT_LAUNCH();                                                            \
+    hipLaunchKernelGGL(kernel, dim3(grid), dim3(block), shared, stream, __VA_ARGS__); \
+  } while (0)
 #endif
 #else
 #include <cuda_runtime.h>
@@ -111,7 +126,10 @@ using gpuGraphExec_t = cudaGraphExec_t;
 #define gpuGraphDestroy cudaGraphDestroy
 #define gpuGraphExecDestroy cudaGraphExecDestroy
 #define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
-  kernel<<<grid, block, shared, stream>>>(__VA_ARGS__)
+  do {                                                          \
+    FLASHD_COUNT_LAUNCH();                                      \
+    kernel<<<grid, block, shared, stream>>>(__VA_ARGS__);       \
+  } while (0)
 #endif
 
 // Dynamic shared memory (the launch's `shared` bytes) as `type* name`, 16-byte aligned. One

@@ -345,6 +345,8 @@ std::string GraphDestroy(void* graph) {
 }
 #endif
 
+uint64_t KernelLaunches() { return launched_kernels.load(std::memory_order_relaxed); }
+
 std::string SetDevice(int device) {
   const gpuError_t err = gpuSetDevice(device);
   return err == gpuSuccess ? "" : Describe("set device", err);

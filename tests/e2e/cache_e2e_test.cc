@@ -61,6 +61,10 @@ BOOST_AUTO_TEST_CASE(a_restarted_daemon_resumes_exactly) {
     BOOST_TEST(backend["bytes_to_host"].get<uint64_t>() > 0u, backend.dump());
     BOOST_TEST(backend["host_waits"].get<uint64_t>() > 0u, backend.dump());
     BOOST_TEST(backend["copies_to_host"].get<uint64_t>() > 0u, backend.dump());
+    // Every op launches a kernel at least.
+    BOOST_TEST(backend["device_ops"].get<uint64_t>() > 0u, backend.dump());
+    BOOST_TEST(backend["kernel_launches"].get<uint64_t>() >= backend["device_ops"].get<uint64_t>(),
+               backend.dump());
   }
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_hit_tokens_total") == 700);
   BOOST_TEST(Metric(*c, "flashd_prefix_cache_snapshot_hits_total") == 1);
