@@ -412,7 +412,9 @@ class Step {
 
  private:
   size_t n() const { return plan_.rows(); }
-  Status Apply(const Linear& lin, const float* x, int64_t rows, float* y);
+  // y = lin(x) as the Linear op gives it; round_output: then rounded to BF16 (in the same op).
+  Status Apply(const Linear& lin, const float* x, int64_t rows, float* y,
+               bool round_output = false);
   Status Engram(int l);
   void StartEngramReads();
   void ReadEngramRows(size_t e);
@@ -641,7 +643,7 @@ void Step::QuantScratch(int64_t values) {
   xs_.resize(need / 32);
 }
 
-Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y) {
+Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output) {
   if (lin.format != kernels::WeightFormat::kDense) QuantScratch(rows * lin.in);
   FLASHD_OP(Linear, {.x = x,
                      .rows = rows,
@@ -654,7 +656,8 @@ Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y) {
                      .x_codes = xq_.data(),
                      .x_scales = xs_.data(),
                      .y = y,
-                     .stream = &stream_});
+                     .stream = &stream_,
+                     .round_output = round_output});
   return Status::Ok();
 }
 
@@ -1042,8 +1045,7 @@ Status Step::Engram(int l) {
                              .column0 = column0,
                              .out = e.data()});
   }
-  FLASHD_RETURN_IF_ERROR(Apply(L.engram_wkv, e.data(), rows, kv.data()));
-  FLASHD_OP(RoundBf16, {.x = kv.data(), .n = static_cast<int64_t>(kv.size())});
+  FLASHD_RETURN_IF_ERROR(Apply(L.engram_wkv, e.data(), rows, kv.data(), true));
   FLASHD_OP(EngramGate, {.X = X_.data(),
                          .kv = kv.data(),
                          .qk = L.engram_qk.data(),
@@ -1075,8 +1077,7 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
                       .weight = L.q_norm.data(),
                       .eps = eps,
                       .round_input = true});
-  FLASHD_RETURN_IF_ERROR(Apply(L.wq_b, qr.data(), rows, q.data()));
-  FLASHD_OP(RoundBf16, {.x = q.data(), .n = static_cast<int64_t>(q.size())});
+  FLASHD_RETURN_IF_ERROR(Apply(L.wq_b, qr.data(), rows, q.data(), true));
   FLASHD_OP(Rope, {.x = q.data(),
                    .rows = rows,
                    .heads = H,
@@ -1299,10 +1300,9 @@ Status Step::Output(int l, const std::vector<float>& o) {
                      .w_scales = L.wo_a.s,
                      .y = og.data(),
                      .stream = &stream_,
-                     .groups = G});
-  FLASHD_OP(RoundBf16, {.x = og.data(), .n = static_cast<int64_t>(og.size())});
-  FLASHD_RETURN_IF_ERROR(Apply(L.wo_b, og.data(), rows, sub_.data()));
-  FLASHD_OP(RoundBf16, {.x = sub_.data(), .n = static_cast<int64_t>(sub_.size())});
+                     .groups = G,
+                     .round_output = true});
+  FLASHD_RETURN_IF_ERROR(Apply(L.wo_b, og.data(), rows, sub_.data(), true));
   return Status::Ok();
 }
 
@@ -1480,8 +1480,7 @@ Status Step::Index(int l, const float* qr, const float* weights) {
   const int64_t count = static_cast<int64_t>(n());
   std::vector<float> iq(static_cast<size_t>(count * ih * idd));
   const Kept kept(this, {&iq});
-  FLASHD_RETURN_IF_ERROR(Apply(L.idx_wq_b, qr, count, iq.data()));
-  FLASHD_OP(RoundBf16, {.x = iq.data(), .n = static_cast<int64_t>(iq.size())});
+  FLASHD_RETURN_IF_ERROR(Apply(L.idx_wq_b, qr, count, iq.data(), true));
   FLASHD_OP(Rope, {.x = iq.data(),
                    .rows = count,
                    .heads = ih,
@@ -1697,8 +1696,7 @@ Status Step::Moe(int l) {
                          .limit = static_cast<float>(c_.swiglu_limit),
                          .h = h.data()});
     }
-    FLASHD_RETURN_IF_ERROR(Apply(e.w2, h.data(), m, out));
-    FLASHD_OP(RoundBf16, {.x = out, .n = m * dim});
+    FLASHD_RETURN_IF_ERROR(Apply(e.w2, h.data(), m, out, true));
     return Status::Ok();
   };
   // y starts as zeros (on the host, and cleared where it is kept): rows no routed expert took
@@ -1795,7 +1793,7 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                        .dst_stride = dim,
                        .src_rows = rows});
   auto linear = [&](const ExpertTables& t, const float* x, float* out,
-                    const ExpertTables* up = nullptr) {
+                    const ExpertTables* up = nullptr, bool round_output = false) {
     QuantScratch(total * t.in);
     FLASHD_OP(ExpertLinear, {.x = x,
                              .rows = total,
@@ -1819,13 +1817,13 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                              .row_weights = up != nullptr ? row_weights.data() : nullptr,
                              .limit = static_cast<float>(c_.swiglu_limit),
                              .gate = up != nullptr ? g.data() : nullptr,
-                             .up_out = up != nullptr ? u.data() : nullptr});
+                             .up_out = up != nullptr ? u.data() : nullptr,
+                             .round_output = round_output});
     return Status::Ok();
   };
-  // w1 and w3 under SwiGLU as one op (g and u its workspace), then w2.
+  // w1 and w3 under SwiGLU as one op (g and u its workspace), then w2, its rows rounded.
   FLASHD_RETURN_IF_ERROR(linear(gw.w1, xg.data(), h.data(), &gw.w3));
-  FLASHD_RETURN_IF_ERROR(linear(gw.w2, h.data(), og.data()));
-  FLASHD_OP(RoundBf16, {.x = og.data(), .n = total * dim});
+  FLASHD_RETURN_IF_ERROR(linear(gw.w2, h.data(), og.data(), nullptr, true));
   FLASHD_OP(MoeCombine, {.expert_out = og.data(),
                          .rows = token_of.data(),
                          .count = total,

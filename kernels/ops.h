@@ -129,6 +129,10 @@ struct LinearParams {
   float limit = 0;
   float* gate = nullptr;
   float* up_out = nullptr;
+  // y rounded to BF16 (RoundBf16Params' with scale 1): the op's values, then a RoundBf16 op over
+  // all of y, bit for bit (a GPU's decode kernels round as they write; elsewhere a rounding pass
+  // follows). Not with the gated pair (kBadArgument).
+  bool round_output = false;
 };
 
 // --- Element-wise and row ops -----------------------------------------------------------------
@@ -585,6 +589,8 @@ struct ExpertLinearParams {
   float limit = 0;
   float* gate = nullptr;
   float* up_out = nullptr;
+  // As LinearParams' round_output: every row of y [rows, out] rounded, those no slot writes too.
+  bool round_output = false;
 };
 
 // A gated pair (LinearParams' or ExpertLinearParams') as two ops (`one`, given p without the
@@ -592,7 +598,8 @@ struct ExpertLinearParams {
 // is held to.
 template <class P, class One, class SwigluOp>
 OpStatus GatedApart(const P& p, One one, SwigluOp swiglu) {
-  if (p.up == nullptr || p.up_scales == nullptr || p.gate == nullptr || p.up_out == nullptr) {
+  if (p.up == nullptr || p.up_scales == nullptr || p.gate == nullptr || p.up_out == nullptr ||
+      p.round_output) {
     return OpStatus::kBadArgument;
   }
   P q = p;

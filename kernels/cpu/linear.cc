@@ -553,7 +553,21 @@ void DenseLinearFp8(const float* x, size_t M, size_t K, const uint8_t* w, const 
 
 namespace flashd::kernels::cpu {
 
+namespace {
+OpStatus Unrounded(const LinearParams& p);
+}
+
 OpStatus Linear(const LinearParams& p) {
+  if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
+  const OpStatus s = Unrounded(p);
+  if (s != OpStatus::kOk || !p.round_output) return s;
+  return RoundBf16({.x = p.y, .n = p.rows * p.groups * p.out});
+}
+
+namespace {
+
+// Linear without round_output.
+OpStatus Unrounded(const LinearParams& p) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
@@ -602,5 +616,7 @@ OpStatus Linear(const LinearParams& p) {
           : Fp4Linear(p.x_codes, p.x_scales, rows, in, p.w, p.w_scales, out, p.y, threads);
   return s == KernelStatus::kOk ? OpStatus::kOk : OpStatus::kBadShape;
 }
+
+}  // namespace
 
 }  // namespace flashd::kernels::cpu

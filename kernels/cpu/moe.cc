@@ -115,6 +115,13 @@ OpStatus MoeGroup(const MoeGroupParams& p) {
 }
 
 OpStatus ExpertLinear(const ExpertLinearParams& p) {
+  if (p.round_output && p.up == nullptr) {  // The products, then every row rounded.
+    ExpertLinearParams q = p;
+    q.round_output = false;
+    const OpStatus s = ExpertLinear(q);
+    if (s != OpStatus::kOk || p.rows <= 0) return s;
+    return RoundBf16({.x = p.y, .n = p.rows * p.out});
+  }
   if (p.up != nullptr) {  // The gated pair: two products, then the SwiGLU.
     return GatedApart(
         p, [](const ExpertLinearParams& q) { return ExpertLinear(q); },

@@ -452,14 +452,14 @@ struct GemvPair {
 };
 
 // Columns [n0, n0 + kGemvCols x groups) of one row (codes xq, scale codes xs) into y (the row's
-// outputs), by the whole thread block; `sums` holds kGemvCols x groups x GemvStride(blocks)
-// floats a matrix. kGated: the same columns of pair.w too (each group of the weights w taken
-// beside the same group of pair.w, so items 2g and 2g + 1 of a K-block are a group's two), and y
-// gets SwigluValue of each column's two sums.
+// outputs; rounded to BF16 where `round`, never with the gated pair), by the whole thread block;
+// `sums` holds kGemvCols x groups x GemvStride(blocks) floats a matrix. kGated: the same columns of
+// pair.w too (each group of the weights w taken beside the same group of pair.w, so items 2g and 2g
+// + 1 of a K-block are a group's two), and y gets SwigluValue of each column's two sums.
 template <int kFormat, bool kGated = false>
 __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w,
                          const uint8_t* ws, int64_t N, int64_t n0, int64_t groups, float* y,
-                         float* sums, const GemvPair& pair = {}) {
+                         float* sums, bool round, const GemvPair& pair = {}) {
   constexpr int64_t kMatrices = kGated ? 2 : 1;
   const int64_t blocks = K / kBlock, stride = GemvStride(blocks);
   const int64_t items = kMatrices * groups * blocks;
@@ -498,7 +498,8 @@ __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const 
     const float up = SumInOrder(sums + ((2 * q + 1) * kGemvCols<kFormat> + c) * stride, blocks);
     y[n0 + t] = fm::SwigluValue(gate, up, pair.limit, pair.row_weight);
   } else {
-    y[n0 + t] = SumInOrder(sums + t * stride, blocks);
+    const float v = SumInOrder(sums + t * stride, blocks);
+    y[n0 + t] = round ? c::RoundBf16(v) : v;
   }
 }
 
@@ -507,10 +508,10 @@ __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const 
 template <int kFormat, bool kGated>
 __global__ void __launch_bounds__(kGemvThreads)
     GemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w, const uint8_t* ws,
-               int64_t N, int64_t groups, float* y, GemvPair pair) {
+               int64_t N, int64_t groups, float* y, bool round, GemvPair pair) {
   FLASHD_DYNAMIC_SHARED(float, sums);
   GemvTile<kFormat, kGated>(xq, xs, K, w, ws, N, blockIdx.x * groups * kGemvCols<kFormat>, groups,
-                            y, sums, pair);
+                            y, sums, round, pair);
 }
 
 // The experts' rows each on its own (a step of few tokens): thread block (row r, column tile
@@ -522,7 +523,7 @@ __global__ void __launch_bounds__(kGemvThreads)
                      const int64_t* slot_offset, int64_t slots, const uint8_t* const* w,
                      const uint8_t* const* ws, int64_t N, int64_t groups, int64_t tiles, float* y,
                      const uint8_t* const* up, const uint8_t* const* up_scales,
-                     const float* row_weights, float limit) {
+                     const float* row_weights, float limit, bool round) {
   FLASHD_DYNAMIC_SHARED(float, sums);
   __shared__ int64_t row_slot;
   const int64_t r = blockIdx.x / tiles, j = blockIdx.x % tiles;
@@ -538,7 +539,7 @@ __global__ void __launch_bounds__(kGemvThreads)
     pair = {up[e], up_scales[e], row_weights != nullptr ? row_weights + r : nullptr, limit};
   }
   GemvTile<kFormat, kGated>(xq + r * K, xs + r * (K / kBlock), K, w[e], ws[e], N,
-                            j * groups * kGemvCols<kFormat>, groups, y + r * N, sums, pair);
+                            j * groups * kGemvCols<kFormat>, groups, y + r * N, sums, round, pair);
 }
 
 // Column groups a thread block takes for K-blocks `blocks` and N columns (about two items a
@@ -820,7 +821,7 @@ constexpr int kValueAhead = kRows == 1 ? 8 : 4;
 template <int kRows>
 __global__ void __launch_bounds__(kTileThreads)
     Fp8ValuesKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
-                    const uint8_t* scales, int64_t row0, int64_t N, float* y) {
+                    const uint8_t* scales, int64_t row0, int64_t N, float* y, bool round) {
   constexpr int kAhead = kValueAhead<kRows>;
   __shared__ float4 xt[kRows][4][kValueLanes / 4];
   __shared__ float lanes[kRows][kTileCols][5];
@@ -944,8 +945,8 @@ __global__ void __launch_bounds__(kTileThreads)
   for (int64_t i = t; i < rows * kTileCols; i += kTileThreads) {
     const int64_t r = i / kTileCols, cc = i % kTileCols;
     if (n0 + cc >= N) continue;
-    y[(m0 + r) * groups * N + g * N + n0 + cc] =
-        (lanes[r][cc][0] + lanes[r][cc][1]) + (lanes[r][cc][2] + lanes[r][cc][3]);
+    const float v = (lanes[r][cc][0] + lanes[r][cc][1]) + (lanes[r][cc][2] + lanes[r][cc][3]);
+    y[(m0 + r) * groups * N + g * N + n0 + cc] = round ? c::RoundBf16(v) : v;
   }
 }
 
@@ -1101,7 +1102,8 @@ __global__ void __launch_bounds__(kValueTileThreads)
   }
 }
 
-OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream) {
+// `*rounded`: whether the kernel rounded y as p.round_output asks.
+OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream, bool* rounded) {
   if (!Aligned(p.w, 16)) return OpStatus::kBadArgument;   // Rows are read 16 bytes a load.
   if (p.rows >= kValueTileMinRows && Aligned(p.x, 16)) {  // The tile reads x 16 bytes a load.
     const int64_t grid = (p.rows + kValueTileRows - 1) / kValueTileRows *
@@ -1116,7 +1118,8 @@ OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream) {
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const auto kernel = one_row ? &Fp8ValuesKernel<1> : &Fp8ValuesKernel<kGemmRows>;
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x, p.rows, p.in,
-                p.groups, p.w, p.w_scales, p.w_row0, p.out, p.y);
+                p.groups, p.w, p.w_scales, p.w_row0, p.out, p.y, p.round_output);
+  *rounded = true;
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
@@ -1186,7 +1189,7 @@ OpStatus GemvLinear(const LinearParams& p, const GemvShape& g) {
                             : (fp8 ? &GemvKernel<0, false> : &GemvKernel<1, false>);
   const GemvPair pair = {p.up, p.up_scales, p.row_weights, p.limit};
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(g.tiles), kGemvThreads, g.shared, stream, p.x_codes,
-                p.x_scales, p.in, p.w, p.w_scales, p.out, g.groups, p.y, pair);
+                p.x_scales, p.in, p.w, p.w_scales, p.out, g.groups, p.y, p.round_output, pair);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
@@ -1198,8 +1201,10 @@ void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t
 }
 
 OpStatus ExpertLinear(const ExpertLinearParams& p) {
+  if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
   bool none = false;
-  if (const OpStatus s = CheckExpertLinear(p, 4, &none); s != OpStatus::kOk || none) return s;
+  if (const OpStatus s = CheckExpertLinear(p, 4, &none); s != OpStatus::kOk) return s;
+  if (none) return RoundedAfter(OpStatus::kOk, !p.round_output, p.y, p.rows * p.out, p.stream);
   // Every slot's rows in whole tiles: at most rows / kGemmRows plus one partial tile per slot.
   const int64_t grid = ((p.rows + kGemmRows - 1) / kGemmRows + p.slots) * ColumnGroups(p.out);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
@@ -1230,17 +1235,21 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(p.rows * g.tiles), kGemvThreads, g.shared, stream,
                   p.x_codes, p.x_scales, p.in, p.slot_expert, p.slot_offset, p.slots, p.w,
                   p.w_scales, p.out, g.groups, g.tiles, p.y, p.up, p.up_scales, p.row_weights,
-                  p.limit);
-  } else {
-    const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
-    FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
-                  p.x_scales, p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w,
-                  p.w_scales, p.out, p.y);
+                  p.limit, p.round_output);
+    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
   }
-  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
+  FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes, p.x_scales,
+                p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w, p.w_scales, p.out,
+                p.y);
+  const OpStatus s = gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  return RoundedAfter(s, !p.round_output, p.y, p.rows * p.out, p.stream);
 }
 
-OpStatus Linear(const LinearParams& p) {
+namespace {
+
+// Linear, with `*rounded` set where the kernel rounded y as p.round_output asks.
+OpStatus LinearOnce(const LinearParams& p, bool* rounded) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
@@ -1263,7 +1272,7 @@ OpStatus Linear(const LinearParams& p) {
   if (p.format == WeightFormat::kFp8Dense) {
     if (p.w == nullptr || p.w_scales == nullptr) return OpStatus::kBadArgument;
     if (p.w_row0 < 0 || p.in % kBlock != 0) return OpStatus::kBadShape;
-    return Fp8ValuesLinear(p, stream);
+    return Fp8ValuesLinear(p, stream, rounded);
   }
   // Never split over K: on the H200 every split the earlier rule chose (enough parts to give
   // each multiprocessor four thread blocks, at one or two rows) was slower than none, the block
@@ -1278,6 +1287,7 @@ OpStatus Linear(const LinearParams& p) {
     if (const OpStatus s = CheckQuantizedLinear(p, 4); s != OpStatus::kOk) return s;
     const GemvShape g = GemvShapeFor(p.format, p.in, p.out, gated ? 2 : 1);
     if (g.groups > 0 && Aligned(p.x_codes, 16) && (!gated || Aligned(p.up, 16))) {
+      *rounded = true;
       return GemvLinear(p, g);
     }
   }
@@ -1287,6 +1297,20 @@ OpStatus Linear(const LinearParams& p) {
         [](const SwigluParams& q) { return Swiglu(q); });
   }
   return QuantizedLinear(p, 1, false);
+}
+
+}  // namespace
+
+OpStatus RoundedAfter(OpStatus s, bool rounded, float* y, int64_t n, void* stream) {
+  if (s != OpStatus::kOk || rounded || n <= 0) return s;
+  return RoundBf16({.x = y, .n = n, .stream = stream});
+}
+
+OpStatus Linear(const LinearParams& p) {
+  if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
+  bool rounded = !p.round_output;
+  const OpStatus s = LinearOnce(p, &rounded);
+  return RoundedAfter(s, rounded, p.y, p.rows * p.groups * p.out, p.stream);
 }
 
 namespace {
@@ -1301,7 +1325,8 @@ OpStatus SplitLinear(const LinearParams& p, int split, bool free) {
     return OpStatus::kBadArgument;
   }
   if (p.rows == 0) return OpStatus::kOk;
-  return QuantizedLinear(p, split, free);
+  return RoundedAfter(QuantizedLinear(p, split, free), !p.round_output, p.y, p.rows * p.out,
+                      p.stream);
 }
 
 }  // namespace

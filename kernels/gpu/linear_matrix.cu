@@ -888,7 +888,7 @@ constexpr bool kMmaBf16Native = false;
 template <int kDmToks, int kDmChunk, MatrixInstruction kIns>
 __global__ void __launch_bounds__(kDmThreads)
     Fp8ValuesMatrixKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
-                          const uint8_t* scales, int64_t row0, int64_t N, float* y) {
+                          const uint8_t* scales, int64_t row0, int64_t N, float* y, bool round) {
   constexpr bool kMfma = kIns == MatrixInstruction::kMfma;
   // A row of staged values: the chunk's and 8 more, so that row g starts 4g banks on.
   constexpr int kLd = kDmChunk * kBlock + 8;
@@ -1015,8 +1015,9 @@ __global__ void __launch_bounds__(kDmThreads)
       // mfma: output i is token mf_tok(j, i) (past kDmToks: padding) of the lane's weight row.
       const int tok = kMfma ? mf_tok(j, i) : j * 8 + 2 * static_cast<int>(lane % 4) + i % 2;
       const int64_t n = kMfma ? n0 + mf_row : n0 + q * 16 + lane / 4 + 8 * (i / 2);
-      if (n < N && tok < kDmToks && m0 + tok < M)
-        y[(m0 + tok) * groups * N + g * N + n] = run[j][i];
+      if (n < N && tok < kDmToks && m0 + tok < M) {
+        y[(m0 + tok) * groups * N + g * N + n] = round ? c::RoundBf16(run[j][i]) : run[j][i];
+      }
     }
   }
 }
@@ -1041,7 +1042,7 @@ OpStatus Fp8ValuesMatrix(const LinearParams& p, MatrixInstruction instruction) {
              : (mfma ? &Fp8ValuesMatrixKernel<64, 2, kMf> : &Fp8ValuesMatrixKernel<64, 2, kMma>);
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kDmThreads, 0,
                 static_cast<gpuStream_t>(p.stream), p.x, p.rows, p.in, p.groups, p.w, p.w_scales,
-                p.w_row0, p.out, p.y);
+                p.w_row0, p.out, p.y, p.round_output);
   return Launched();
 }
 
@@ -1052,15 +1053,28 @@ bool LinearMatrixTakes(const LinearParams& p) {
          (p.groups == 1 && (p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4));
 }
 
+namespace {
+OpStatus QuantizedMatrix(const LinearParams& p, MatrixInstruction instruction);
+}
+
 OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
   if (!LinearMatrixTakes(p)) return OpStatus::kBadArgument;
-  if (p.format == WeightFormat::kFp8Dense) {
+  if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
+  if (p.format == WeightFormat::kFp8Dense) {  // Rounded as its kernel writes y.
     if (p.up != nullptr) return OpStatus::kBadArgument;
     return Fp8ValuesMatrix(p, instruction);
   }
+  const OpStatus s = QuantizedMatrix(p, instruction);
+  return RoundedAfter(s, !p.round_output, p.y, p.rows * p.out, p.stream);
+}
+
+namespace {
+
+// LinearMatrix of FP8 or FP4 weights, y not rounded.
+OpStatus QuantizedMatrix(const LinearParams& p, MatrixInstruction instruction) {
   if (const OpStatus s = CheckQuantizedLinear(p, 16); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;
   if (p.up != nullptr) {  // The gated pair: each product as the ungated op makes it.
@@ -1109,7 +1123,8 @@ OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
   return Launched();
 }
 
-OpStatus ExpertLinearMatrix(const ExpertLinearParams& p, MatrixInstruction instruction) {
+// ExpertLinearMatrix, y not rounded.
+OpStatus ExpertMatrixUnrounded(const ExpertLinearParams& p, MatrixInstruction instruction) {
   bool none = false;
   if (const OpStatus s = CheckExpertLinear(p, 16, &none); s != OpStatus::kOk || none) return s;
   if (p.up != nullptr) {  // The gated pair: each product as the ungated op makes it.
@@ -1152,6 +1167,14 @@ OpStatus ExpertLinearMatrix(const ExpertLinearParams& p, MatrixInstruction instr
                 p.in, p.slot_expert, p.slot_offset, p.slot_tiles, p.slots, p.w, p.w_scales, p.out,
                 p.y);
   return Launched();
+}
+
+}  // namespace
+
+OpStatus ExpertLinearMatrix(const ExpertLinearParams& p, MatrixInstruction instruction) {
+  if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
+  const OpStatus s = ExpertMatrixUnrounded(p, instruction);
+  return RoundedAfter(s, !p.round_output, p.y, p.rows * p.out, p.stream);
 }
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

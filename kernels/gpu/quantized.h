@@ -1,5 +1,5 @@
 // What the quantized GEMMs (kernels/gpu/linear.cu and linear_matrix.cu) share: the activations'
-// quantizer and the checks of their arguments.
+// quantizer, the checks of their arguments and the rounding pass after them.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +13,10 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 // input, one thread a block; launched on `stream`.
 void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t* scales,
                          gpuStream_t stream);
+
+// An op's status after its kernels, y's n values then rounded to BF16 by a RoundBf16 op unless
+// `rounded` (the kernels did it as they wrote them, or round_output was not asked).
+OpStatus RoundedAfter(OpStatus s, bool rounded, float* y, int64_t n, void* stream);
 
 inline bool Aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;

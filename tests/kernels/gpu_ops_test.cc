@@ -737,6 +737,184 @@ BOOST_AUTO_TEST_CASE(linear_gated_pair_is_two_linears_and_swiglu) {
                            .up_scales = codes}) == OpStatus::kBadArgument));
 }
 
+// y rounded to BF16 as the op writes it (round_output) is the op's y and then a RoundBf16 op, on
+// the CPU and on the device, for every path of Linear, LinearMatrix, ExpertLinear and
+// ExpertLinearMatrix: the kernels that round as they write (the one-row GEMV and its experts',
+// FP8 values at few rows, wo_a on matrix cores) and the ones followed by a rounding pass (the
+// tiles, dense weights, the matrix GEMMs). The exact paths' rounded values are the CPU's too. Not
+// with the gated pair.
+BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
+  std::mt19937 rng(29);
+  const auto rounded = [](std::vector<float> v) {
+    for (float& x : v) x = codecs::RoundBf16(x);
+    return v;
+  };
+  const auto differ = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return !std::equal(a.begin(), a.end(), b.begin(),
+                       [](float u, float v) { return std::memcmp(&u, &v, 4) == 0; });
+  };
+  struct Case {
+    WeightFormat format;
+    int64_t rows, in, out, groups;
+  };
+  // FP8 and FP4 at one row (the GEMV) and three (the tile); FP8 values at one row, 3 and 70 rows
+  // (the row kernel, the tile), in groups; dense fp32 and BF16 weights.
+  const Case cases[] = {
+      {WeightFormat::kFp8, 1, 160, 70, 1},       {WeightFormat::kFp8, 3, 160, 70, 1},
+      {WeightFormat::kFp4, 1, 96, 33, 1},        {WeightFormat::kFp4, 3, 96, 33, 1},
+      {WeightFormat::kFp8Dense, 1, 128, 40, 2},  {WeightFormat::kFp8Dense, 3, 128, 40, 2},
+      {WeightFormat::kFp8Dense, 70, 128, 40, 2}, {WeightFormat::kDense, 3, 45, 31, 1},
+      {WeightFormat::kBf16, 1, 64, 20, 1}};
+  for (const Case& c : cases) {
+    BOOST_TEST_CONTEXT("format " << static_cast<int>(c.format) << " rows " << c.rows) {
+      const int64_t wrows = c.groups * c.out, n = c.rows * c.groups * c.out;
+      std::vector<float> x = Normal(rng, c.rows * c.groups * c.in),
+                         w = Normal(rng, wrows * c.in, 0.2f);
+      flashd::testing::QuantizedWeights qw;
+      if (c.format == WeightFormat::kBf16) {
+        for (float v : w) {
+          const uint16_t code = codecs::FloatToBf16(v);
+          qw.codes.push_back(static_cast<uint8_t>(code));
+          qw.codes.push_back(static_cast<uint8_t>(code >> 8));
+        }
+        qw.scales.assign(1, 0);
+      } else if (c.format == WeightFormat::kDense) {
+        qw.codes.assign(1, 0), qw.scales.assign(1, 0);
+      } else {
+        qw = flashd::testing::QuantizeWeights(
+            c.format == WeightFormat::kFp8Dense ? WeightFormat::kFp8 : c.format, w, wrows, c.in);
+      }
+      std::vector<uint8_t> xq(x.size()), xs(x.size() / 32 + 1);
+      const auto params = [&](const float* px, const uint8_t* pw, const uint8_t* pws,
+                              const float* dense, uint8_t* pxq, uint8_t* pxs, float* y,
+                              bool round) {
+        return LinearParams{.x = px,
+                            .rows = c.rows,
+                            .in = c.in,
+                            .out = c.out,
+                            .format = c.format,
+                            .w = pw,
+                            .w_scales = pws,
+                            .dense = dense,
+                            .x_codes = pxq,
+                            .x_scales = pxs,
+                            .y = y,
+                            .groups = c.groups,
+                            .round_output = round};
+      };
+      std::vector<float> raw(n), want(n);
+      BOOST_REQUIRE(cpu::Linear(params(x.data(), qw.codes.data(), qw.scales.data(), w.data(),
+                                       xq.data(), xs.data(), raw.data(), false)) == OpStatus::kOk);
+      BOOST_REQUIRE(cpu::Linear(params(x.data(), qw.codes.data(), qw.scales.data(), w.data(),
+                                       xq.data(), xs.data(), want.data(), true)) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(want, rounded(raw)));
+      BOOST_TEST(differ(want, raw));  // The sums are not BF16 values as they are.
+      Dev<float> dx(x), dw(w);
+      Dev<uint8_t> dwq(qw.codes), dws(qw.scales), dxq(xq), dxs(xs);
+      Dev<float> dy(std::vector<float>(n, 7.0f));
+      BOOST_REQUIRE(gpu::Linear(params(dx.get(), dwq.get(), dws.get(), dw.get(), dxq.get(),
+                                       dxs.get(), dy.get(), true)) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dy.Host(), want), "the exact path's rounded values are the CPU's");
+      LinearParams m =
+          params(dx.get(), dwq.get(), dws.get(), dw.get(), dxq.get(), dxs.get(), dy.get(), false);
+      if (!gpu::LinearMatrixTakes(m)) continue;
+      for (const gpu::MatrixInstruction ins :
+           {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kMfma}) {
+        if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") continue;
+        m.round_output = false;
+        BOOST_REQUIRE(gpu::LinearMatrix(m, ins) == OpStatus::kOk);
+        const std::vector<float> matrix_raw = dy.Host();
+        m.round_output = true;
+        BOOST_REQUIRE(gpu::LinearMatrix(m, ins) == OpStatus::kOk);
+        BOOST_TEST(BitEqual(dy.Host(), rounded(matrix_raw)),
+                   "matrix instruction " << static_cast<int>(ins));
+      }
+    }
+  }
+  // The experts' rows: the GEMV a row at a time (slot_rows 5) and the tile (0), and on matrix
+  // cores, FP8 and FP4.
+  const int64_t tokens = 5, experts = 6, k = 2, in = 96, out = 40;
+  const Grouped g = GroupedChoices(rng, tokens, experts, k);
+  const int64_t total = tokens * k, slots = static_cast<int64_t>(g.expert.size());
+  for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    ExpertWeights ew(rng, format, experts, out, in);
+    const std::vector<float> x = Normal(rng, total * in, 2.0f);
+    std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
+    ExpertLinearParams p{.x = x.data(),
+                         .rows = total,
+                         .in = in,
+                         .out = out,
+                         .slot_expert = g.expert.data(),
+                         .slot_offset = g.offset.data(),
+                         .slot_tiles = g.tiles.data(),
+                         .slots = slots,
+                         .experts = experts,
+                         .format = format,
+                         .w = ew.w.data(),
+                         .w_scales = ew.ws.data(),
+                         .x_codes = xq.data(),
+                         .x_scales = xs.data()};
+    std::vector<float> raw(total * out), want(raw.size());
+    p.y = raw.data();
+    BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
+    p.y = want.data();
+    p.round_output = true;
+    BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(want, rounded(raw)));
+    BOOST_TEST(differ(want, raw));
+    Dev<float> dx(x), dy(std::vector<float>(want.size(), 7.0f));
+    Dev<int64_t> dexpert(g.expert), doffset(g.offset), dtiles(g.tiles);
+    Dev<const uint8_t*> dw(ew.dw), dws(ew.dws);
+    Dev<uint8_t> dxq(xq), dxs(xs);
+    ExpertLinearParams d = p;
+    d.x = dx.get(), d.y = dy.get();
+    d.slot_expert = dexpert.get(), d.slot_offset = doffset.get(), d.slot_tiles = dtiles.get();
+    d.w = dw.get(), d.w_scales = dws.get(), d.x_codes = dxq.get(), d.x_scales = dxs.get();
+    for (const int64_t slot_rows : {int64_t{0}, tokens}) {
+      d.slot_rows = slot_rows;
+      BOOST_REQUIRE(gpu::ExpertLinear(d) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dy.Host(), want), "slot_rows " << slot_rows);
+    }
+    for (const gpu::MatrixInstruction ins :
+         {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kMfma}) {
+      if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") continue;
+      d.round_output = false;
+      BOOST_REQUIRE(gpu::ExpertLinearMatrix(d, ins) == OpStatus::kOk);
+      const std::vector<float> matrix_raw = dy.Host();
+      d.round_output = true;
+      BOOST_REQUIRE(gpu::ExpertLinearMatrix(d, ins) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(dy.Host(), rounded(matrix_raw)),
+                 "matrix instruction " << static_cast<int>(ins));
+    }
+    // Not with the gated pair.
+    std::vector<float> gate(want.size()), up_out(want.size());
+    p.up = ew.w.data(), p.up_scales = ew.ws.data(), p.gate = gate.data(), p.up_out = up_out.data();
+    BOOST_TEST((cpu::ExpertLinear(p) == OpStatus::kBadArgument));
+    d.up = dw.get(), d.up_scales = dws.get();
+    BOOST_TEST((gpu::ExpertLinear(d) == OpStatus::kBadArgument));
+    BOOST_TEST((gpu::ExpertLinearMatrix(d) == OpStatus::kBadArgument));
+  }
+  std::vector<float> one(40), y(1), gate(1), up(1);
+  std::vector<uint8_t> codes(32, 0x38), scales(1, 127), xq(32), xs(1);
+  const LinearParams gated{.x = one.data(),
+                           .rows = 1,
+                           .in = 32,
+                           .out = 1,
+                           .format = WeightFormat::kFp8,
+                           .w = codes.data(),
+                           .w_scales = scales.data(),
+                           .x_codes = xq.data(),
+                           .x_scales = xs.data(),
+                           .y = y.data(),
+                           .up = codes.data(),
+                           .up_scales = scales.data(),
+                           .gate = gate.data(),
+                           .up_out = up.data(),
+                           .round_output = true};
+  BOOST_TEST((cpu::Linear(gated) == OpStatus::kBadArgument));
+  BOOST_TEST((gpu::Linear(gated) == OpStatus::kBadArgument));  // Refused before any device use.
+}
+
 // Ops on a stream of the caller's own give the results they give on the default one; recorded
 // as a graph (gpu_bench's layer timing), they do not run until the graph is launched, then give
 // the same results again. The CPU runtime has no graphs: that part needs a device.
