@@ -419,6 +419,57 @@ struct ExpertWeights {
   }
 };
 
+// ExpertLinear's parameters over g's grouping and ew's weights (the host's tables) for the rows x
+// [rows, in] and their workspace xq, xs; y is the caller's.
+ExpertLinearParams ExpertParams(const Grouped& g, const ExpertWeights& ew, WeightFormat format,
+                                int64_t in, int64_t out, const std::vector<float>& x,
+                                std::vector<uint8_t>* xq, std::vector<uint8_t>* xs) {
+  return {.x = x.data(),
+          .rows = static_cast<int64_t>(x.size()) / in,
+          .in = in,
+          .out = out,
+          .slot_expert = g.expert.data(),
+          .slot_offset = g.offset.data(),
+          .slot_tiles = g.tiles.data(),
+          .slots = static_cast<int64_t>(g.expert.size()),
+          .experts = static_cast<int64_t>(ew.w.size()),
+          .format = format,
+          .w = ew.w.data(),
+          .w_scales = ew.ws.data(),
+          .x_codes = xq->data(),
+          .x_scales = xs->data()};
+}
+
+// ExpertParams' inputs copied to the device (the grouping, the weight tables, the rows and their
+// workspace); On gives host parameters' device twin.
+struct DeviceExpertInputs {
+  Dev<float> x;
+  Dev<int64_t> expert, offset, tiles;
+  Dev<const uint8_t*> w, ws;
+  Dev<uint8_t> xq, xs;
+  DeviceExpertInputs(const ExpertLinearParams& p, const Grouped& g, const ExpertWeights& ew)
+      : x(std::vector<float>(p.x, p.x + p.rows * p.in)),
+        expert(g.expert),
+        offset(g.offset),
+        tiles(g.tiles),
+        w(ew.dw),
+        ws(ew.dws),
+        xq(std::vector<uint8_t>(p.x_codes, p.x_codes + p.rows * p.in)),
+        xs(std::vector<uint8_t>(p.x_scales, p.x_scales + p.rows * p.in / 32)) {}
+  ExpertLinearParams On(ExpertLinearParams p, float* y) {
+    p.x = x.get();
+    p.slot_expert = expert.get();
+    p.slot_offset = offset.get();
+    p.slot_tiles = tiles.get();
+    p.w = w.get();
+    p.w_scales = ws.get();
+    p.x_codes = xq.get();
+    p.x_scales = xs.get();
+    p.y = y;
+    return p;
+  }
+};
+
 // Tokens grouped by expert: the GPU's grouping is the CPU's, entry for entry (released shape:
 // 384 experts, 6 per token; a small one where every expert is chosen and slots run out).
 BOOST_AUTO_TEST_CASE(moe_group_is_the_cpu_grouping) {
@@ -478,35 +529,13 @@ BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
     const std::vector<float> x = Normal(rng, total * in);
     std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
     std::vector<float> want(total * out, -1.0f);
-    ExpertLinearParams p{.x = x.data(),
-                         .rows = total,
-                         .in = in,
-                         .out = out,
-                         .slot_expert = g.expert.data(),
-                         .slot_offset = g.offset.data(),
-                         .slot_tiles = g.tiles.data(),
-                         .slots = slots,
-                         .experts = experts,
-                         .format = format,
-                         .w = ew.w.data(),
-                         .w_scales = ew.ws.data(),
-                         .x_codes = xq.data(),
-                         .x_scales = xs.data(),
-                         .y = want.data()};
+    ExpertLinearParams p = ExpertParams(g, ew, format, in, out, x, &xq, &xs);
+    BOOST_REQUIRE(p.slots == slots);
+    p.y = want.data();
     BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
-    Dev<float> dx(x), dy(std::vector<float>(want.size(), -1.0f));
-    Dev<int64_t> dexpert(g.expert), doffset(g.offset), dtiles(g.tiles);
-    Dev<const uint8_t*> dtable(ew.dw), dstable(ew.dws);
-    Dev<uint8_t> dxq(xq), dxs(xs);
-    p.x = dx.get();
-    p.slot_expert = dexpert.get();
-    p.slot_offset = doffset.get();
-    p.slot_tiles = dtiles.get();
-    p.w = dtable.get();
-    p.w_scales = dstable.get();
-    p.x_codes = dxq.get();
-    p.x_scales = dxs.get();
-    p.y = dy.get();
+    DeviceExpertInputs dev(p, g, ew);
+    Dev<float> dy(std::vector<float>(want.size(), -1.0f));
+    p = dev.On(p, dy.get());
     BOOST_REQUIRE(gpu::ExpertLinear(p) == OpStatus::kOk);
     BOOST_TEST(BitEqual(dy.Host(), want), "format " << static_cast<int>(format));
     // The GEMV a row at a time (what a step of at most 8 tokens asks for), here over slots of
@@ -835,25 +864,12 @@ BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
   // cores, FP8 and FP4.
   const int64_t tokens = 5, experts = 6, k = 2, in = 96, out = 40;
   const Grouped g = GroupedChoices(rng, tokens, experts, k);
-  const int64_t total = tokens * k, slots = static_cast<int64_t>(g.expert.size());
+  const int64_t total = tokens * k;
   for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
     ExpertWeights ew(rng, format, experts, out, in);
     const std::vector<float> x = Normal(rng, total * in, 2.0f);
     std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
-    ExpertLinearParams p{.x = x.data(),
-                         .rows = total,
-                         .in = in,
-                         .out = out,
-                         .slot_expert = g.expert.data(),
-                         .slot_offset = g.offset.data(),
-                         .slot_tiles = g.tiles.data(),
-                         .slots = slots,
-                         .experts = experts,
-                         .format = format,
-                         .w = ew.w.data(),
-                         .w_scales = ew.ws.data(),
-                         .x_codes = xq.data(),
-                         .x_scales = xs.data()};
+    ExpertLinearParams p = ExpertParams(g, ew, format, in, out, x, &xq, &xs);
     std::vector<float> raw(total * out), want(raw.size());
     p.y = raw.data();
     BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
@@ -862,14 +878,9 @@ BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
     BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
     BOOST_TEST(BitEqual(want, rounded(raw)));
     BOOST_TEST(differ(want, raw));
-    Dev<float> dx(x), dy(std::vector<float>(want.size(), 7.0f));
-    Dev<int64_t> dexpert(g.expert), doffset(g.offset), dtiles(g.tiles);
-    Dev<const uint8_t*> dw(ew.dw), dws(ew.dws);
-    Dev<uint8_t> dxq(xq), dxs(xs);
-    ExpertLinearParams d = p;
-    d.x = dx.get(), d.y = dy.get();
-    d.slot_expert = dexpert.get(), d.slot_offset = doffset.get(), d.slot_tiles = dtiles.get();
-    d.w = dw.get(), d.w_scales = dws.get(), d.x_codes = dxq.get(), d.x_scales = dxs.get();
+    DeviceExpertInputs dev(p, g, ew);
+    Dev<float> dy(std::vector<float>(want.size(), 7.0f));
+    ExpertLinearParams d = dev.On(p, dy.get());
     for (const int64_t slot_rows : {int64_t{0}, tokens}) {
       d.slot_rows = slot_rows;
       BOOST_REQUIRE(gpu::ExpertLinear(d) == OpStatus::kOk);
@@ -890,7 +901,7 @@ BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
     std::vector<float> gate(want.size()), up_out(want.size());
     p.up = ew.w.data(), p.up_scales = ew.ws.data(), p.gate = gate.data(), p.up_out = up_out.data();
     BOOST_TEST((cpu::ExpertLinear(p) == OpStatus::kBadArgument));
-    d.up = dw.get(), d.up_scales = dws.get();
+    d.up = dev.w.get(), d.up_scales = dev.ws.get();
     BOOST_TEST((gpu::ExpertLinear(d) == OpStatus::kBadArgument));
     BOOST_TEST((gpu::ExpertLinearMatrix(d) == OpStatus::kBadArgument));
   }
