@@ -83,11 +83,12 @@ constexpr bool kMfmaNative = false;
 #endif
 
 // y[m0 + i, n0 + j] for i < rows (tokens), j < min(128, N - n0), over all of K, by kIns (kMma or
-// kMfma).
+// kMfma); rounded to BF16 as written where `round`.
 template <int kFormat, class S, MatrixInstruction kIns>
 FLASHD_SHARED_TILE __device__ void MatrixTile(const uint8_t* xq, const uint8_t* xs, int64_t m0,
                                               int64_t rows, int64_t K, const uint8_t* w,
-                                              const uint8_t* ws, int64_t N, int64_t n0, float* y) {
+                                              const uint8_t* ws, int64_t N, int64_t n0, float* y,
+                                              bool round) {
   constexpr bool kMfma = kIns == MatrixInstruction::kMfma;
   using Scratch = std::conditional_t<kMfma, MfmaScratch, MmaScratch>;
   __shared__ uint4 a_s[kTileRows][kRowPieces];
@@ -290,7 +291,9 @@ FLASHD_SHARED_TILE __device__ void MatrixTile(const uint8_t* xq, const uint8_t* 
       FLASHD_UNROLL
       for (int v = 0; v < 16; ++v) {
         const int64_t n = n0 + mf_row, tok = mf_tok(j, v);
-        if (n < N && tok < rows) y[(m0 + tok) * N + n] = acc[0][j][v];
+        if (n < N && tok < rows) {
+          y[(m0 + tok) * N + n] = round ? c::RoundBf16(acc[0][j][v]) : acc[0][j][v];
+        }
       }
     }
   } else {
@@ -302,7 +305,9 @@ FLASHD_SHARED_TILE __device__ void MatrixTile(const uint8_t* xq, const uint8_t* 
         for (int e = 0; e < 4; ++e) {
           const int64_t n = n0 + row_base + i * kInsRows + g + 8 * (e / 2);
           const int64_t tok = tok_base + j * kInsToks + 2 * q + e % 2;
-          if (n < N && tok < rows) y[(m0 + tok) * N + n] = acc[i][j][e];
+          if (n < N && tok < rows) {
+            y[(m0 + tok) * N + n] = round ? c::RoundBf16(acc[i][j][e]) : acc[i][j][e];
+          }
         }
       }
     }
@@ -314,11 +319,11 @@ FLASHD_OPS_HD inline int64_t RowTiles(int64_t N) { return (N + kTileRows - 1) / 
 template <int kFormat, class S, MatrixInstruction kIns>
 __global__ void __launch_bounds__(kThreads)
     MatrixGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
-                     const uint8_t* ws, int64_t N, float* y) {
+                     const uint8_t* ws, int64_t N, float* y, bool round) {
   const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows;
   const int64_t m0 = (blockIdx.x / RowTiles(N)) * S::kToks;
   MatrixTile<kFormat, S, kIns>(xq, xs, m0, M - m0 < S::kToks ? M - m0 : S::kToks, K, w, ws, N, n0,
-                               y);
+                               y, round);
 }
 
 // The experts' rows (MoeGroup's slots) in tiles of S's tokens: thread block (tile, row tile),
@@ -337,7 +342,7 @@ __global__ void __launch_bounds__(kThreads)
     return;  // The whole thread block: no barrier is left waiting.
   }
   MatrixTile<kFormat, S, kIns>(xq, xs, m0, rows, K, w[e], ws[e], N,
-                               (blockIdx.x % RowTiles(N)) * kTileRows, y);
+                               (blockIdx.x % RowTiles(N)) * kTileRows, y, false);
 }
 
 // ---- The warpgroup instruction (wgmma.h) ------------------------------------------------------
@@ -407,12 +412,12 @@ static_assert(kWgSharedBytes<1, 128> <= 227 * 1024, "the widest ring in an H100/
 FLASHD_OPS_HD inline int FoldBlock(int t) { return (t / 32) % kChunkBlocks; }
 FLASHD_OPS_HD inline int FoldRow(int t, int j) { return (t / 128) * 64 + t % 32 + 32 * j; }
 
-// y[m0 + i, n0 + j] for i < rows (tokens), j < min(128, N - n0), over all of K; `smem` holds
-// kWgSharedBytes.
+// y[m0 + i, n0 + j] for i < rows (tokens), j < min(128, N - n0), over all of K (rounded to BF16
+// as written where `round`); `smem` holds kWgSharedBytes.
 template <int kFormat, int kToks>
 __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int64_t rows, int64_t K,
                           const uint8_t* w, const uint8_t* ws, int64_t N, int64_t n0, float* y,
-                          uint8_t* smem) {
+                          uint8_t* smem, bool round) {
   using St = WgStage<kFormat, kToks>;
   constexpr int kH = kToks / 2;  // Outputs a thread.
   const int64_t blocks = K / kBlock, chunks = (blocks + kChunkBlocks - 1) / kChunkBlocks;
@@ -730,7 +735,9 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
     FLASHD_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int64_t n = n0 + r0 + 8 * (i / 2), tok = 8 * j + 2 * q + i % 2;
-      if (n < N && tok < rows) y[(m0 + tok) * N + n] = acc[4 * j + i];
+      if (n < N && tok < rows) {
+        y[(m0 + tok) * N + n] = round ? c::RoundBf16(acc[4 * j + i]) : acc[4 * j + i];
+      }
     }
   }
 }
@@ -738,11 +745,12 @@ __device__ void WgmmaTile(const uint8_t* xq, const uint8_t* xs, int64_t m0, int6
 template <int kFormat, int kToks>
 __global__ void __launch_bounds__(kWgThreads, 1)
     WgmmaGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
-                    const uint8_t* ws, int64_t N, float* y) {
+                    const uint8_t* ws, int64_t N, float* y, bool round) {
   FLASHD_DYNAMIC_SHARED(uint8_t, smem);
   const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows;
   const int64_t m0 = (blockIdx.x / RowTiles(N)) * kToks;
-  WgmmaTile<kFormat, kToks>(xq, xs, m0, M - m0 < kToks ? M - m0 : kToks, K, w, ws, N, n0, y, smem);
+  WgmmaTile<kFormat, kToks>(xq, xs, m0, M - m0 < kToks ? M - m0 : kToks, K, w, ws, N, n0, y, smem,
+                            round);
 }
 
 // MatrixExpertKernel's mapping with the warpgroup tile.
@@ -758,7 +766,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     return;
   }
   WgmmaTile<kFormat, kToks>(xq, xs, m0, rows, K, w[e], ws[e], N,
-                            (blockIdx.x % RowTiles(N)) * kTileRows, y, smem);
+                            (blockIdx.x % RowTiles(N)) * kTileRows, y, smem, false);
 }
 
 __global__ void WgmmaNativeKernel(int* native) {
@@ -845,7 +853,7 @@ template <int kFormat, int kToks>
 OpStatus WgmmaLinear(const LinearParams& p, int64_t grid, gpuStream_t stream) {
   return LaunchWgmma<&WgmmaGemmKernel<kFormat, kToks>>(kWgSharedBytes<kFormat, kToks>, grid, stream,
                                                        p.x_codes, p.x_scales, p.rows, p.in, p.w,
-                                                       p.w_scales, p.out, p.y);
+                                                       p.w_scales, p.out, p.y, p.round_output);
 }
 
 template <int kFormat, int kToks>
@@ -1063,17 +1071,16 @@ OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
   }
   if (!LinearMatrixTakes(p)) return OpStatus::kBadArgument;
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
-  if (p.format == WeightFormat::kFp8Dense) {  // Rounded as its kernel writes y.
+  if (p.format == WeightFormat::kFp8Dense) {
     if (p.up != nullptr) return OpStatus::kBadArgument;
     return Fp8ValuesMatrix(p, instruction);
   }
-  const OpStatus s = QuantizedMatrix(p, instruction);
-  return RoundedAfter(s, !p.round_output, p.y, p.rows * p.out, p.stream);
+  return QuantizedMatrix(p, instruction);  // y rounded as the kernels write it.
 }
 
 namespace {
 
-// LinearMatrix of FP8 or FP4 weights, y not rounded.
+// LinearMatrix of FP8 or FP4 weights.
 OpStatus QuantizedMatrix(const LinearParams& p, MatrixInstruction instruction) {
   if (const OpStatus s = CheckQuantizedLinear(p, 16); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;
@@ -1103,7 +1110,7 @@ OpStatus QuantizedMatrix(const LinearParams& p, MatrixInstruction instruction) {
   }
   if (instruction == MatrixInstruction::kMfma && !MfmaBuilt()) return OpStatus::kBadArgument;
   using Kernel = void (*)(const uint8_t*, const uint8_t*, int64_t, int64_t, const uint8_t*,
-                          const uint8_t*, int64_t, float*);
+                          const uint8_t*, int64_t, float*, bool);
   // (NVIDIA's table holds the mma kernels twice, never the unused mfma ones.)
   constexpr auto kMma = MatrixInstruction::kMma;
   constexpr auto kMf = MfmaBuilt() ? MatrixInstruction::kMfma : kMma;
@@ -1119,7 +1126,7 @@ OpStatus QuantizedMatrix(const LinearParams& p, MatrixInstruction instruction) {
   const Kernel kernel =
       kernels[instruction == MatrixInstruction::kMfma ? 1 : 0][fp8 ? 0 : 1][shape];
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kThreads, 0, stream, p.x_codes, p.x_scales,
-                p.rows, p.in, p.w, p.w_scales, p.out, p.y);
+                p.rows, p.in, p.w, p.w_scales, p.out, p.y, p.round_output);
   return Launched();
 }
 

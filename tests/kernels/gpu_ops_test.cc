@@ -769,9 +769,9 @@ BOOST_AUTO_TEST_CASE(linear_gated_pair_is_two_linears_and_swiglu) {
 // y rounded to BF16 as the op writes it (round_output) is the op's y and then a RoundBf16 op, on
 // the CPU and on the device, for every path of Linear, LinearMatrix, ExpertLinear and
 // ExpertLinearMatrix: the kernels that round as they write (the one-row GEMV and its experts',
-// FP8 values at few rows, wo_a on matrix cores) and the ones followed by a rounding pass (the
-// tiles, dense weights, the matrix GEMMs). The exact paths' rounded values are the CPU's too. Not
-// with the gated pair.
+// FP8 values at few rows, the quantized matrix GEMMs and wo_a's) and the ones followed by a
+// rounding pass (the tiles, dense weights, the experts' matrix GEMMs). The exact paths' rounded
+// values are the CPU's too. Not with the gated pair.
 BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
   std::mt19937 rng(29);
   const auto rounded = [](std::vector<float> v) {
