@@ -1096,24 +1096,18 @@ Status Step::WindowKeys(const Layer& L, const float* x, int64_t rows, const int6
   std::vector<float>& kv = *kv_out;
   kv.resize(static_cast<size_t>(rows * hd));
   FLASHD_RETURN_IF_ERROR(Apply(L.wkv, x, rows, kv.data()));
+  // Normed, rotated and through FP8 (blocks of 32 along each row), in one op.
   FLASHD_OP(RmsNorm, {.x = kv.data(),
                       .rows = rows,
                       .dim = hd,
                       .stride = hd,
                       .weight = L.kv_norm.data(),
                       .eps = static_cast<float>(c_.rms_norm_eps),
-                      .round_input = true});
-  FLASHD_OP(Rope, {.x = kv.data(),
-                   .rows = rows,
-                   .head_dim = hd,
-                   .rope_dim = c_.qk_rope_head_dim,
-                   .row_stride = hd,
-                   .positions = positions,
-                   .freqs = L.freqs.data()});
-  FLASHD_OP(FakeQuant, {.x = kv.data(),
-                        .n = static_cast<int64_t>(kv.size()),
-                        .block = 32,
-                        .format = kernels::FakeQuantFormat::kFp8E8M0});
+                      .round_input = true,
+                      .rope_dim = c_.qk_rope_head_dim,
+                      .positions = positions,
+                      .freqs = L.freqs.data(),
+                      .fake_quant_fp8 = true});
   return Status::Ok();
 }
 

@@ -1403,6 +1403,10 @@ class GpuBackend final : public Backend {
       d.stream = nullptr;
       d.x = c.InOut(p.x, p.rows > 0 ? (p.rows - 1) * p.stride + p.dim : 0);
       d.weight = c.Weight(p.weight, p.dim);
+      if (p.rope_dim > 0) {  // The rotation after the norm.
+        d.positions = c.In(p.positions, p.rows);
+        d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
+      }
       return Launch(c, [&] { return g::RmsNorm(d); });
     });
   }

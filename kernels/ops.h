@@ -154,6 +154,14 @@ struct RmsNormParams {
   float eps = 0;
   bool round_input = false;
   void* stream = nullptr;
+  // Optional, after the norm (the window keys' steps in one op): with rope_dim > 0 each row's
+  // last rope_dim values rotated as a Rope op of one head of dim values (positions [rows],
+  // freqs [rope_dim / 2]), then with fake_quant_fp8 each row through FakeQuant's kFp8E8M0 in
+  // blocks of 32 (dim a multiple of 32): the values of those ops in turn, bit for bit.
+  int64_t rope_dim = 0;
+  const int64_t* positions = nullptr;
+  const float* freqs = nullptr;
+  bool fake_quant_fp8 = false;
 };
 
 // Rotates the last rope_dim values of each head of each row by the row's position, rounding to

@@ -31,6 +31,36 @@ OpStatus RmsNorm(const RmsNormParams& p) {
   if (p.rows < 0 || p.dim <= 0 || p.stride < p.dim || p.weight == nullptr) {
     return OpStatus::kBadShape;
   }
+  if (p.rope_dim > 0 || p.fake_quant_fp8) {  // The norm, then the rotation and the quantizer.
+    if ((p.rope_dim > 0 && (p.rope_dim % 2 != 0 || p.rope_dim > p.dim || p.positions == nullptr ||
+                            p.freqs == nullptr)) ||
+        (p.fake_quant_fp8 && p.dim % 32 != 0)) {
+      return OpStatus::kBadShape;
+    }
+    RmsNormParams q = p;
+    q.rope_dim = 0;
+    q.fake_quant_fp8 = false;
+    if (const OpStatus s = RmsNorm(q); s != OpStatus::kOk) return s;
+    if (p.rope_dim > 0) {
+      if (const OpStatus s = Rope({.x = p.x,
+                                   .rows = p.rows,
+                                   .head_dim = p.dim,
+                                   .rope_dim = p.rope_dim,
+                                   .row_stride = p.stride,
+                                   .positions = p.positions,
+                                   .freqs = p.freqs});
+          s != OpStatus::kOk) {
+        return s;
+      }
+    }
+    for (int64_t r = 0; p.fake_quant_fp8 && r < p.rows; ++r) {
+      if (const OpStatus s = FakeQuant({.x = p.x + r * p.stride, .n = p.dim, .block = 32});
+          s != OpStatus::kOk) {
+        return s;
+      }
+    }
+    return OpStatus::kOk;
+  }
   for (int64_t r = 0; r < p.rows; ++r) {
     float* x = p.x + r * p.stride;
     if (p.round_input) {

@@ -6,6 +6,7 @@
 
 #include "kernels/codecs.h"
 #include "kernels/fmath.h"
+#include "kernels/gpu/norm_row.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -45,25 +46,7 @@ __global__ void SwigluKernel(const float* gate, const float* up, int64_t n, int6
 // each value through the format and back.
 __global__ void FakeQuantKernel(float* x, int64_t blocks, int64_t block, int format) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= blocks) return;
-  float* xb = x + b * block;
-  float amax = 0.0f;
-  for (int64_t i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-  float s;
-  if (format == static_cast<int>(FakeQuantFormat::kFp8E8M0)) {
-    s = c::Pow2Ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-  } else if (format == static_cast<int>(FakeQuantFormat::kFp4E8M0)) {
-    s = c::Pow2Ceil(fmaxf(amax, 6.0f * 0x1p-126f) * (1.0f / 6.0f));
-  } else {
-    s = c::E4M3ToFloat(c::FloatToE4M3(fminf(fmaxf(amax, 6.0f * 0x1p-9f) / 6.0f, 448.0f)));
-  }
-  for (int64_t i = 0; i < block; ++i) {
-    const float v = xb[i] / s;
-    const float r = format == static_cast<int>(FakeQuantFormat::kFp8E8M0)
-                        ? c::E4M3ToFloat(c::FloatToE4M3(c::Clamp(v, -448.0f, 448.0f)))
-                        : c::E2M1ToFloat(c::FloatToE2M1(c::Clamp(v, -6.0f, 6.0f)));
-    xb[i] = r * s;
-  }
+  if (b < blocks) FakeQuantBlock(x + b * block, block, format);
 }
 
 // The table as fp32 values or as BF16 codes (embed_bf16 when embed is null).

@@ -1,7 +1,8 @@
 // RMSNorm and RoPE on the device. RMSNorm: one block per row, the sum of squares in double in the
 // CPU's lanes and fixed tree (so a row's result never depends on the batch), then the same fp32
-// scale and BF16 rounding as the CPU. RoPE: one thread per rotated pair, the angle an fp32 product
-// as on the CPU, its sine and cosine kernels/fmath.h's.
+// scale and BF16 rounding as the CPU (and where asked the row's rotation and FP8 fake quantizer
+// after it, as the Rope and FakeQuant kernels compute them). RoPE: one thread per rotated pair, the
+// angle an fp32 product as on the CPU, its sine and cosine kernels/fmath.h's.
 #include <cmath>
 
 #include "kernels/codecs.h"
@@ -14,15 +15,30 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
-namespace fm = flashd::kernels::fmath;
+// A thread block a row: the norm, then (rope_dim > 0) a thread per rotated pair, then
+// (fake_quant) a thread per block of 32, each step after a barrier.
 __global__ void __launch_bounds__(kNormThreads)
     RmsNormKernel(float* x, int64_t dim, int64_t stride, const float* weight, float eps,
-                  bool round_input) {
+                  bool round_input, int64_t rope_dim, const int64_t* positions, const float* freqs,
+                  bool fake_quant) {
   __shared__ double partial[kNormThreads];
   float* row = x + static_cast<int64_t>(blockIdx.x) * stride;
   NormRow(
       row, dim, weight, eps, [&](int64_t i) { return round_input ? c::RoundBf16(row[i]) : row[i]; },
       partial);
+  if (rope_dim > 0) {
+    __syncthreads();
+    const float position = static_cast<float>(positions[blockIdx.x]);
+    for (int64_t k = threadIdx.x; k < rope_dim / 2; k += kNormThreads) {
+      RotatePair(row + dim - rope_dim + 2 * k, position * freqs[k], false);
+    }
+  }
+  if (fake_quant) {
+    __syncthreads();
+    for (int64_t b = threadIdx.x; b < dim / 32; b += kNormThreads) {
+      FakeQuantBlock(row + 32 * b, 32, static_cast<int>(FakeQuantFormat::kFp8E8M0));
+    }
+  }
 }
 
 __global__ void RopeKernel(float* x, int64_t rows, int64_t heads, int64_t head_dim,
@@ -32,14 +48,8 @@ __global__ void RopeKernel(float* x, int64_t rows, int64_t heads, int64_t head_d
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * heads * pairs) return;
   const int64_t r = i / (heads * pairs), h = (i / pairs) % heads, k = i % pairs;
-  float* v = x + r * row_stride + h * head_dim + head_dim - rope_dim + 2 * k;
-  const float angle = static_cast<float>(positions[r]) * freqs[k];
-  float sn, cs;
-  fm::SinCos(angle, &sn, &cs);
-  if (inverse) sn = -sn;
-  const float a = v[0], b = v[1];
-  v[0] = c::RoundBf16(a * cs - b * sn);
-  v[1] = c::RoundBf16(a * sn + b * cs);
+  RotatePair(x + r * row_stride + h * head_dim + head_dim - rope_dim + 2 * k,
+             static_cast<float>(positions[r]) * freqs[k], inverse);
 }
 
 }  // namespace
@@ -48,10 +58,16 @@ OpStatus RmsNorm(const RmsNormParams& p) {
   if (p.rows < 0 || p.dim <= 0 || p.stride < p.dim || p.weight == nullptr) {
     return OpStatus::kBadShape;
   }
+  if ((p.rope_dim > 0 && (p.rope_dim % 2 != 0 || p.rope_dim > p.dim || p.positions == nullptr ||
+                          p.freqs == nullptr)) ||
+      (p.fake_quant_fp8 && p.dim % 32 != 0)) {
+    return OpStatus::kBadShape;
+  }
   if (p.rows == 0) return OpStatus::kOk;
   FLASHD_LAUNCH(RmsNormKernel, static_cast<unsigned>(p.rows), kNormThreads, 0,
                 static_cast<gpuStream_t>(p.stream), p.x, p.dim, p.stride, p.weight, p.eps,
-                p.round_input);
+                p.round_input, p.rope_dim > 0 ? p.rope_dim : 0, p.positions, p.freqs,
+                p.fake_quant_fp8);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

@@ -1,10 +1,13 @@
-// RMSNorm of one row by a thread block, shared by RmsNorm and the mHC collapse's fused norm.
+// RMSNorm of one row by a thread block, shared by RmsNorm and the mHC collapse's fused norm; and
+// the steps RmsNorm may take after it (the window keys'), one rotated pair and one fake-quantized
+// block, shared with the Rope and FakeQuant kernels.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #include "kernels/codecs.h"
+#include "kernels/fmath.h"
 #include "kernels/gpu/portability.h"
 #include "kernels/ops.h"
 
@@ -38,6 +41,39 @@ __device__ void NormRow(float* row, int64_t dim, const float* weight, float eps,
   const float scale = 1.0f / sqrtf(static_cast<float>(partial[0] / dim) + eps);
   for (int64_t i = l; i < dim; i += kNormThreads) {
     row[i] = codecs::RoundBf16(weight[i] * (row[i] * scale));
+  }
+}
+
+// The pair v[0], v[1] rotated by `angle` (negated when inverse), each result rounded to BF16:
+// Rope's step, with the sine and cosine of kernels/fmath.h.
+__device__ inline void RotatePair(float* v, float angle, bool inverse) {
+  float sn, cs;
+  fmath::SinCos(angle, &sn, &cs);
+  if (inverse) sn = -sn;
+  const float a = v[0], b = v[1];
+  v[0] = codecs::RoundBf16(a * cs - b * sn);
+  v[1] = codecs::RoundBf16(a * sn + b * cs);
+}
+
+// One block of `block` values through FakeQuant's `format` (FakeQuantFormat's value), in place.
+__device__ inline void FakeQuantBlock(float* xb, int64_t block, int format) {
+  namespace c = codecs;
+  float amax = 0.0f;
+  for (int64_t i = 0; i < block; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+  float s;
+  if (format == static_cast<int>(FakeQuantFormat::kFp8E8M0)) {
+    s = c::Pow2Ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+  } else if (format == static_cast<int>(FakeQuantFormat::kFp4E8M0)) {
+    s = c::Pow2Ceil(fmaxf(amax, 6.0f * 0x1p-126f) * (1.0f / 6.0f));
+  } else {
+    s = c::E4M3ToFloat(c::FloatToE4M3(fminf(fmaxf(amax, 6.0f * 0x1p-9f) / 6.0f, 448.0f)));
+  }
+  for (int64_t i = 0; i < block; ++i) {
+    const float v = xb[i] / s;
+    const float r = format == static_cast<int>(FakeQuantFormat::kFp8E8M0)
+                        ? c::E4M3ToFloat(c::FloatToE4M3(c::Clamp(v, -448.0f, 448.0f)))
+                        : c::E2M1ToFloat(c::FloatToE2M1(c::Clamp(v, -6.0f, 6.0f)));
+    xb[i] = r * s;
   }
 }
 

@@ -926,6 +926,87 @@ BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
   BOOST_TEST((gpu::Linear(gated) == OpStatus::kBadArgument));  // Refused before any device use.
 }
 
+// RmsNorm with the window keys' steps after it (rope_dim, fake_quant_fp8) is RmsNorm, Rope and
+// FakeQuant in turn, on the CPU and on the device, bit for bit: each step alone and both, at
+// 1, 3 and 257 rows, dim 96 (rope_dim 32) and 512 (64, the released keys' shape), rows strided;
+// the bad shapes refused alike.
+BOOST_AUTO_TEST_CASE(rms_norm_with_rope_and_fp8_is_the_three_ops) {
+  std::mt19937 rng(31);
+  for (int64_t rows : kRows) {
+    for (const auto& [dim, rope_dim] : {std::pair<int64_t, int64_t>{96, 32}, {512, 64}}) {
+      const int64_t stride = dim + 32;
+      std::vector<float> x = Normal(rng, rows * stride, 3.0f), w = Normal(rng, dim);
+      std::vector<float> freqs(rope_dim / 2);
+      cpu::RopeFrequencies(rope_dim, 65536, 160000.0, 16, 32, 1, freqs.data());
+      std::vector<int64_t> pos(rows);
+      std::uniform_int_distribution<int64_t> pick(0, 1 << 20);
+      for (int64_t& v : pos) v = pick(rng);
+      Dev<float> dw(w), df(freqs);
+      Dev<int64_t> dp(pos);
+      for (const auto& [rope, fake] : {std::pair{true, false}, {false, true}, {true, true}}) {
+        RmsNormParams p{.rows = rows,
+                        .dim = dim,
+                        .stride = stride,
+                        .weight = w.data(),
+                        .eps = 1e-6f,
+                        .round_input = true};
+        std::vector<float> want = x;
+        p.x = want.data();
+        BOOST_REQUIRE(cpu::RmsNorm(p) == OpStatus::kOk);
+        if (rope) {
+          BOOST_REQUIRE(cpu::Rope({.x = want.data(),
+                                   .rows = rows,
+                                   .head_dim = dim,
+                                   .rope_dim = rope_dim,
+                                   .row_stride = stride,
+                                   .positions = pos.data(),
+                                   .freqs = freqs.data()}) == OpStatus::kOk);
+        }
+        for (int64_t r = 0; fake && r < rows; ++r) {
+          BOOST_REQUIRE(cpu::FakeQuant({.x = want.data() + r * stride, .n = dim}) == OpStatus::kOk);
+        }
+        std::vector<float> fused = x;
+        p.x = fused.data();
+        p.rope_dim = rope ? rope_dim : 0;
+        p.positions = pos.data();
+        p.freqs = freqs.data();
+        p.fake_quant_fp8 = fake;
+        BOOST_REQUIRE(cpu::RmsNorm(p) == OpStatus::kOk);
+        BOOST_TEST(BitEqual(fused, want), "cpu rows " << rows << " dim " << dim);
+        Dev<float> dx(x);
+        p.x = dx.get();
+        p.weight = dw.get();
+        p.positions = dp.get();
+        p.freqs = df.get();
+        BOOST_REQUIRE(gpu::RmsNorm(p) == OpStatus::kOk);
+        BOOST_TEST(BitEqual(dx.Host(), want), "device rows " << rows << " dim " << dim);
+      }
+    }
+  }
+  std::vector<float> x(64), w(40);
+  std::vector<int64_t> pos(1);
+  const RmsNormParams bad[] = {
+      {.x = x.data(),
+       .rows = 1,
+       .dim = 40,
+       .stride = 40,
+       .weight = w.data(),
+       .fake_quant_fp8 = true},
+      {.x = x.data(),
+       .rows = 1,
+       .dim = 40,
+       .stride = 40,
+       .weight = w.data(),
+       .rope_dim = 3,
+       .positions = pos.data(),
+       .freqs = w.data()},
+      {.x = x.data(), .rows = 1, .dim = 40, .stride = 40, .weight = w.data(), .rope_dim = 8}};
+  for (const RmsNormParams& p : bad) {
+    BOOST_TEST((cpu::RmsNorm(p) == OpStatus::kBadShape));
+    BOOST_TEST((gpu::RmsNorm(p) == OpStatus::kBadShape));  // Refused before any device use.
+  }
+}
+
 // Ops on a stream of the caller's own give the results they give on the default one; recorded
 // as a graph (gpu_bench's layer timing), they do not run until the graph is launched, then give
 // the same results again. The CPU runtime has no graphs: that part needs a device.
