@@ -145,7 +145,7 @@ struct GatedPair {
 };
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
               void* stream, Order order = Order::kShipped, int split = 1,
-              const GatedPair& pair = {}) {
+              const GatedPair& pair = {}, bool round_output = false) {
   const k::LinearParams p = {.x = x,
                              .rows = rows,
                              .in = w.in,
@@ -165,7 +165,8 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
                              .up_scales = pair.up != nullptr ? pair.up->scales : nullptr,
                              .limit = 10.0f,
                              .gate = pair.gate,
-                             .up_out = pair.up_out};
+                             .up_out = pair.up_out,
+                             .round_output = round_output};
   // kMatrix: weights LinearMatrix does not take run as the backend runs them then (Linear).
   const bool matrix =
       (order == Order::kMatrix || order == Order::kWgmma || order == Order::kMfma) &&
@@ -425,7 +426,7 @@ class Layer {
                           .stream = stream_}),
               "RmsNorm");
     });
-    add("wq_b (FP8)", wq_b_.bytes(), [&] { Apply(wq_b_, qa_, batch, q_); });
+    add("wq_b (FP8)", wq_b_.bytes(), [&] { Apply(wq_b_, qa_, batch, q_, {}, true); });
     add("q rope", act * d.heads * d.head_dim * 2, [&] {
       CheckOp(g::Rope({.x = q_,
                        .rows = batch,
@@ -450,8 +451,8 @@ class Layer {
       CheckOp(g::SparseAttention(batch == 1 ? Attention(0) : StepAttention(batch)), "Attention");
     });
     add("wo_a (FP8 as values, its groups in one op)", wo_a_.bytes(),
-        [&] { Apply(wo_a_, o_, batch, og_); });
-    add("wo_b (FP8)", wo_b_.bytes(), [&] { Apply(wo_b_, og_, batch, sub_); });
+        [&] { Apply(wo_a_, o_, batch, og_, {}, true); });
+    add("wo_b (FP8)", wo_b_.bytes(), [&] { Apply(wo_b_, og_, batch, sub_, {}, true); });
     add("hc expand (x2)", 2 * act * (2 * d.hc * d.hidden + d.hidden), [&] {
       for (int i = 0; i < 2; ++i) {
         CheckOp(g::HcExpand({.X = X_,
@@ -648,13 +649,15 @@ class Layer {
     return p;
   }
 
-  void Apply(const Weight& w, const float* x, int64_t rows, float* y, const GatedPair& pair = {}) {
+  // y = w(x); round_output as the engine asks it (q, wo_a's and wo_b's outputs, the experts').
+  void Apply(const Weight& w, const float* x, int64_t rows, float* y, const GatedPair& pair = {},
+             bool round_output = false) {
     LinearOn(w, x, rows, xq_, xs_, y, stream_,
              !matrix_                                       ? Order::kShipped
              : instruction_ == g::MatrixInstruction::kWgmma ? Order::kWgmma
              : instruction_ == g::MatrixInstruction::kMfma  ? Order::kMfma
                                                             : Order::kMatrix,
-             1, pair);
+             1, pair, round_output);
   }
 
   void Expert(const std::vector<Weight>& e, int64_t rows) {
@@ -665,7 +668,7 @@ class Layer {
       Apply(e[1], x_, rows, up_);
       Activate(gate_, up_, rows, nullptr, h_);
     }
-    Apply(e[2], h_, rows, expert_out_);
+    Apply(e[2], h_, rows, expert_out_, {}, true);
   }
 
   void Activate(const float* gate, const float* up, int64_t rows, const float* w, float* h) {
@@ -730,7 +733,8 @@ class Layer {
                                        .row_weights = gated ? row_weights_ : nullptr,
                                        .limit = 10.0f,
                                        .gate = gg_,
-                                       .up_out = ug_};
+                                       .up_out = ug_,
+                                       .round_output = which == 2};
       CheckOp(matrix_ ? g::ExpertLinearMatrix(p, instruction_) : g::ExpertLinear(p),
               "ExpertLinear");
     };
@@ -741,9 +745,7 @@ class Layer {
       linear(1, xg_, ug_);
       Activate(gg_, ug_, total, row_weights_, hg_);
     }
-    linear(2, hg_, og_routed_);
-    CheckOp(g::RoundBf16({.x = og_routed_, .n = total * d_.hidden, .stream = stream_}),
-            "RoundBf16");
+    linear(2, hg_, og_routed_);  // Its rows rounded to BF16 in the op, as the engine asks.
   }
 
   Dims d_;
