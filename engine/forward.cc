@@ -532,7 +532,7 @@ class Step {
   // GroupedExperts' slots and grouped rows (their ints, then their floats).
   struct GroupedRows {
     std::array<std::vector<int64_t>, 4> ints;
-    std::array<std::vector<float>, 6> floats;
+    std::array<std::vector<float>, 5> floats;
   };
   GroupedRows grouped_;
   std::vector<const float*> streams_kept_;  // KeepStreams' buffers, as kept.
@@ -1756,17 +1756,16 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
   // the first no memory is allocated (or faulted in) again.
   GroupedRows& r = grouped_;
   auto& [slot_expert, slot_offset, slot_tiles, token_of] = r.ints;
-  auto& [row_weights, xg, g, u, h, og] = r.floats;
+  auto& [row_weights, g, u, h, og] = r.floats;
   slot_expert.resize(static_cast<size_t>(slots));
   slot_offset.resize(slot_expert.size() + 1);
   slot_tiles.resize(slot_offset.size());
   token_of.resize(static_cast<size_t>(total));
   row_weights.resize(static_cast<size_t>(total));
-  xg.resize(static_cast<size_t>(total * dim));
-  og.resize(xg.size());
+  og.resize(static_cast<size_t>(total * dim));
   for (std::vector<float>* v : {&g, &u, &h}) v->resize(static_cast<size_t>(total * inter));
   const Kept kept_slots(this, {&slot_expert, &slot_offset, &slot_tiles, &token_of});
-  const Kept kept_rows(this, {&row_weights, &xg, &g, &u, &h, &og});
+  const Kept kept_rows(this, {&row_weights, &g, &u, &h, &og});
   FLASHD_OP(MoeGroup, {.chosen = chosen.data(),
                        .weights = weights.data(),
                        .tokens = rows,
@@ -1778,15 +1777,8 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                        .slot_tiles = slot_tiles.data(),
                        .rows = token_of.data(),
                        .row_weights = row_weights.data()});
-  FLASHD_OP(CopyRows, {.src = x_.data(),
-                       .src_stride = dim,
-                       .index = token_of.data(),
-                       .rows = total,
-                       .cols = dim,
-                       .dst = xg.data(),
-                       .dst_stride = dim,
-                       .src_rows = rows});
-  auto linear = [&](const ExpertTables& t, const float* x, float* out,
+  // x_rows: x's row of each grouped row (null: x is the grouped rows).
+  auto linear = [&](const ExpertTables& t, const float* x, const int64_t* x_rows, float* out,
                     const ExpertTables* up = nullptr, bool round_output = false) {
     QuantScratch(total * t.in);
     FLASHD_OP(ExpertLinear, {.x = x,
@@ -1812,12 +1804,15 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                              .limit = static_cast<float>(c_.swiglu_limit),
                              .gate = up != nullptr ? g.data() : nullptr,
                              .up_out = up != nullptr ? u.data() : nullptr,
-                             .round_output = round_output});
+                             .round_output = round_output,
+                             .x_rows = x_rows,
+                             .x_count = rows});
     return Status::Ok();
   };
-  // w1 and w3 under SwiGLU as one op (g and u its workspace), then w2, its rows rounded.
-  FLASHD_RETURN_IF_ERROR(linear(gw.w1, xg.data(), h.data(), &gw.w3));
-  FLASHD_RETURN_IF_ERROR(linear(gw.w2, h.data(), og.data(), nullptr, true));
+  // w1 and w3 under SwiGLU as one op (g and u its workspace) over the step's rows each grouped
+  // entry names, then w2, its rows rounded.
+  FLASHD_RETURN_IF_ERROR(linear(gw.w1, x_.data(), token_of.data(), h.data(), &gw.w3));
+  FLASHD_RETURN_IF_ERROR(linear(gw.w2, h.data(), nullptr, og.data(), nullptr, true));
   FLASHD_OP(MoeCombine, {.expert_out = og.data(),
                          .rows = token_of.data(),
                          .count = total,

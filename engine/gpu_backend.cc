@@ -1793,7 +1793,8 @@ class GpuBackend final : public Backend {
     return Run([&](Call& c) {
       k::ExpertLinearParams d = p;
       d.stream = nullptr;
-      d.x = c.In(p.x, p.rows * p.in);
+      d.x = c.In(p.x, (p.x_rows != nullptr ? p.x_count : p.rows) * p.in);
+      d.x_rows = c.In(p.x_rows, p.x_rows != nullptr ? p.rows : 0);
       d.slot_expert = c.In(p.slot_expert, p.slots);
       d.slot_offset = c.In(p.slot_offset, p.slots + 1);
       d.slot_tiles = c.In(p.slot_tiles, p.slots + 1);

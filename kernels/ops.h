@@ -599,6 +599,11 @@ struct ExpertLinearParams {
   float* up_out = nullptr;
   // As LinearParams' round_output: every row of y [rows, out] rounded, those no slot writes too.
   bool round_output = false;
+  // Optional: the op's row r is row x_rows[r] of x, which then has x_count rows (MoeGroup's
+  // rows, read where they are): the values of the op over those rows copied out first
+  // (CopyRows), bit for bit. Null: x is [rows, in].
+  const int64_t* x_rows = nullptr;
+  int64_t x_count = 0;
 };
 
 // A gated pair (LinearParams' or ExpertLinearParams') as two ops (`one`, given p without the

@@ -115,6 +115,25 @@ OpStatus MoeGroup(const MoeGroupParams& p) {
 }
 
 OpStatus ExpertLinear(const ExpertLinearParams& p) {
+  if (p.x_rows != nullptr) {  // The rows copied out, then the op over them.
+    if (p.rows < 0 || p.in <= 0 || p.x == nullptr || p.x_count <= 0) return OpStatus::kBadShape;
+    std::vector<float> rows(static_cast<size_t>(p.rows * p.in));
+    if (const OpStatus s = CopyRows({.src = p.x,
+                                     .src_stride = p.in,
+                                     .index = p.x_rows,
+                                     .rows = p.rows,
+                                     .cols = p.in,
+                                     .dst = rows.data(),
+                                     .dst_stride = p.in,
+                                     .src_rows = p.x_count});
+        s != OpStatus::kOk) {
+      return s;
+    }
+    ExpertLinearParams q = p;
+    q.x = rows.data();
+    q.x_rows = nullptr;
+    return ExpertLinear(q);
+  }
   if (p.round_output && p.up == nullptr) {  // The products, then every row rounded.
     ExpertLinearParams q = p;
     q.round_output = false;

@@ -20,17 +20,27 @@ namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 256;
 constexpr int64_t kBlock = 32;
 
-__global__ void QuantizeKernel(const float* x, int64_t blocks, uint8_t* q, uint8_t* scales) {
-  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (b >= blocks) return;
-  const float* xb = x + b * kBlock;
+// One 32-block of activations xb to FP8 codes q[0..31] and its UE8M0 scale code.
+__device__ inline void QuantizeBlock(const float* xb, uint8_t* q, uint8_t* scale) {
   float amax = 0.0f;
   for (int64_t i = 0; i < kBlock; ++i) amax = fmaxf(amax, fabsf(xb[i]));
   const float s = c::Pow2Ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-  scales[b] = c::NormalPow2ToE8M0(s);
-  for (int64_t i = 0; i < kBlock; ++i) {
-    q[b * kBlock + i] = c::FloatToE4M3(c::Clamp(xb[i] / s, -448.0f, 448.0f));
-  }
+  *scale = c::NormalPow2ToE8M0(s);
+  for (int64_t i = 0; i < kBlock; ++i) q[i] = c::FloatToE4M3(c::Clamp(xb[i] / s, -448.0f, 448.0f));
+}
+
+__global__ void QuantizeKernel(const float* x, int64_t blocks, uint8_t* q, uint8_t* scales) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < blocks) QuantizeBlock(x + b * kBlock, q + b * kBlock, scales + b);
+}
+
+// Row r of the codes from row x_rows[r] of x ([.., K]); a thread a block.
+__global__ void QuantizeGatheredKernel(const float* x, const int64_t* x_rows, int64_t rows,
+                                       int64_t K, uint8_t* q, uint8_t* scales) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t per_row = K / kBlock;
+  if (b >= rows * per_row) return;
+  QuantizeBlock(x + x_rows[b / per_row] * K + (b % per_row) * kBlock, q + b * kBlock, scales + b);
 }
 
 // The quantized GEMM's tile: kTileCols output columns of up to kGemmRows rows, by a thread block
@@ -1200,6 +1210,13 @@ void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t
   FLASHD_LAUNCH(QuantizeKernel, Blocks(blocks), kThreads, 0, stream, x, blocks, codes, scales);
 }
 
+void QuantizeExpertRows(const ExpertLinearParams& p, gpuStream_t stream) {
+  const int64_t blocks = p.rows * (p.in / kBlock);
+  if (p.x_rows == nullptr) return QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
+  FLASHD_LAUNCH(QuantizeGatheredKernel, Blocks(blocks), kThreads, 0, stream, p.x, p.x_rows, p.rows,
+                p.in, p.x_codes, p.x_scales);
+}
+
 OpStatus ExpertLinear(const ExpertLinearParams& p) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
   bool none = false;
@@ -1209,7 +1226,6 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
   const int64_t grid = ((p.rows + kGemmRows - 1) / kGemmRows + p.slots) * ColumnGroups(p.out);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
-  const int64_t blocks = p.rows * p.in / kBlock;
   // A decode step's few tokens (at most kExpertGemvRows rows a slot) through the GEMV, each row
   // on its own: an expert chosen by several of the tokens is read once a row, which at a step of
   // a few sequences is about what the tile reads (their choices mostly differ), without the
@@ -1227,7 +1243,7 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
         p, [](const ExpertLinearParams& q) { return ExpertLinear(q); },
         [](const SwigluParams& q) { return Swiglu(q); });
   }
-  QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
+  QuantizeExpertRows(p, stream);
   if (gemv) {
     const bool fp8 = p.format == WeightFormat::kFp8;
     const auto kernel = gated ? (fp8 ? &ExpertGemvKernel<0, true> : &ExpertGemvKernel<1, true>)

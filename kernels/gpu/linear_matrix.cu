@@ -1143,7 +1143,7 @@ OpStatus ExpertMatrixUnrounded(const ExpertLinearParams& p, MatrixInstruction in
       ((p.rows + kExpertTileRows - 1) / kExpertTileRows + p.slots) * RowTiles(p.out);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
-  QuantizeActivations(p.x, p.rows * (p.in / kBlock), p.x_codes, p.x_scales, stream);
+  QuantizeExpertRows(p, stream);
   // Medium tiles when the slots average more than a Narrow tile's rows (a prompt's), else
   // Narrow (a decode step's few rows an expert); each output's sums are the same either way.
   const bool medium = p.rows > p.slots * kExpertTileRows;

@@ -13,6 +13,8 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 // input, one thread a block; launched on `stream`.
 void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t* scales,
                          gpuStream_t stream);
+// ExpertLinear's rows (x's rows x_rows[r] where p gives them) so quantized into p's workspace.
+void QuantizeExpertRows(const ExpertLinearParams& p, gpuStream_t stream);
 
 // An op's status after its kernels, y's n values then rounded to BF16 by a RoundBf16 op unless
 // `rounded` (the kernels did it as they wrote them, or round_output was not asked).
@@ -43,7 +45,7 @@ inline OpStatus CheckExpertLinear(const ExpertLinearParams& p, uintptr_t codes_a
   if (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4) {
     return OpStatus::kBadArgument;
   }
-  if (p.in % 32 != 0) return OpStatus::kBadShape;
+  if (p.in % 32 != 0 || (p.x_rows != nullptr && p.x_count <= 0)) return OpStatus::kBadShape;
   if (!Aligned(p.x_codes, codes_align)) return OpStatus::kBadArgument;
   *none = p.rows == 0 || p.slots == 0;
   return OpStatus::kOk;

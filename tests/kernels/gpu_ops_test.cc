@@ -549,6 +549,82 @@ BOOST_AUTO_TEST_CASE(expert_linear_is_the_cpu_per_expert_linear) {
   }
 }
 
+// The experts' rows read where they are (x_rows: each grouped row's token row of x) give the op
+// over the rows copied out, bit for bit: on the CPU, and on the device by the tile, the GEMV a
+// row at a time, the gated pair and the matrix GEMMs with each instruction the backend has; a
+// missing row count refused.
+BOOST_AUTO_TEST_CASE(expert_rows_read_through_their_index_are_the_copied_rows) {
+  std::mt19937 rng(37);
+  const int64_t tokens = 7, experts = 6, k = 3, in = 96, out = 40;
+  const Grouped g = GroupedChoices(rng, tokens, experts, k);
+  const int64_t total = tokens * k;
+  for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    const ExpertWeights ew(rng, format, experts, out, in), up(rng, format, experts, out, in);
+    const std::vector<float> source = Normal(rng, tokens * in, 2.0f);
+    std::vector<float> copied(total * in);
+    for (int64_t r = 0; r < total; ++r) {
+      std::copy_n(source.begin() + g.rows[r] * in, in, copied.begin() + r * in);
+    }
+    std::vector<uint8_t> xq(copied.size()), xs(copied.size() / 32);
+    std::vector<float> gate(total * out), up_out(gate.size());
+    for (const bool gated : {false, true}) {
+      BOOST_TEST_CONTEXT("format " << static_cast<int>(format) << " gated " << gated) {
+        ExpertLinearParams p = ExpertParams(g, ew, format, in, out, copied, &xq, &xs);
+        if (gated) {
+          p.up = up.w.data(), p.up_scales = up.ws.data();
+          p.gate = gate.data(), p.up_out = up_out.data();
+        }
+        std::vector<float> want(total * out), got(want.size());
+        p.y = want.data();
+        BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
+        ExpertLinearParams q = p;
+        q.x = source.data();
+        q.x_rows = g.rows.data();
+        q.x_count = tokens;
+        q.y = got.data();
+        BOOST_REQUIRE(cpu::ExpertLinear(q) == OpStatus::kOk);
+        BOOST_TEST(BitEqual(got, want), "cpu");
+        DeviceExpertInputs dev(p, g, ew);
+        Dev<float> dsource(source), dy(std::vector<float>(want.size(), 7.0f));
+        Dev<int64_t> drows(g.rows);
+        Dev<const uint8_t*> dup(up.dw), dup_s(up.dws);
+        Dev<float> dg(gate), du(up_out);
+        ExpertLinearParams d = dev.On(q, dy.get());
+        d.x = dsource.get();
+        d.x_rows = drows.get();
+        if (gated)
+          d.up = dup.get(), d.up_scales = dup_s.get(), d.gate = dg.get(), d.up_out = du.get();
+        for (const int64_t slot_rows : {int64_t{0}, tokens}) {
+          d.slot_rows = slot_rows;
+          BOOST_REQUIRE(gpu::ExpertLinear(d) == OpStatus::kOk);
+          BOOST_TEST(BitEqual(dy.Host(), want), "slot_rows " << slot_rows);
+        }
+        for (const gpu::MatrixInstruction ins :
+             {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kMfma}) {
+          if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") continue;
+          // The matrix GEMMs' own results, from the copied rows, against the indexed rows'.
+          Dev<float> dcopied_y(std::vector<float>(want.size(), 7.0f));
+          BOOST_REQUIRE(gpu::ExpertLinearMatrix(
+                            [&] {
+                              ExpertLinearParams c = d;
+                              c.x = dev.x.get();
+                              c.x_rows = nullptr;
+                              c.y = dcopied_y.get();
+                              return c;
+                            }(),
+                            ins) == OpStatus::kOk);
+          BOOST_REQUIRE(gpu::ExpertLinearMatrix(d, ins) == OpStatus::kOk);
+          BOOST_TEST(BitEqual(dy.Host(), dcopied_y.Host()), "matrix " << static_cast<int>(ins));
+        }
+        d.x_count = 0;
+        BOOST_TEST((gpu::ExpertLinear(d) == OpStatus::kBadShape));
+        q.x_count = 0;
+        BOOST_TEST((cpu::ExpertLinear(q) == OpStatus::kBadShape));
+      }
+    }
+  }
+}
+
 // A gated pair's definition, computed here: `one` (the CPU's ungated op) for the gates' weights
 // and for the ups', then the CPU's Swiglu of the two.
 template <class P, class One>
