@@ -267,7 +267,7 @@ class Layer {
     const int64_t grouped = n * d.topk;
     slot_expert_ = Alloc<int64_t>(d.experts + 1), slot_offset_ = Alloc<int64_t>(d.experts + 1);
     slot_tiles_ = Alloc<int64_t>(d.experts + 1), token_of_ = Alloc<int64_t>(grouped);
-    row_weights_ = Floats(grouped), xg_ = Floats(grouped * d.hidden, 1.0f);
+    row_weights_ = Floats(grouped);
     gg_ = Floats(grouped * d.inter), ug_ = Floats(grouped * d.inter);
     hg_ = Floats(grouped * d.inter), og_routed_ = Floats(grouped * d.hidden);
     // The combine's bins, for the most rows a step has (fewer rows use a part of them).
@@ -699,16 +699,8 @@ class Layer {
                          .row_weights = row_weights_,
                          .stream = stream_}),
             "MoeGroup");
-    CheckOp(g::CopyRows({.src = x_,
-                         .src_stride = d_.hidden,
-                         .index = token_of_,
-                         .rows = total,
-                         .cols = d_.hidden,
-                         .dst = xg_,
-                         .dst_stride = d_.hidden,
-                         .stream = stream_,
-                         .src_rows = rows}),
-            "CopyRows");
+    // w1 and w3 read the step's rows through token_of_ (ExpertLinearParams::x_rows), as
+    // Step::GroupedExperts does; w2 the grouped rows.
     auto linear = [&](int which, const float* x, float* y, bool gated = false) {
       const Weight& w = experts_[0][which];
       const k::ExpertLinearParams p = {.x = x,
@@ -734,15 +726,17 @@ class Layer {
                                        .limit = 10.0f,
                                        .gate = gg_,
                                        .up_out = ug_,
-                                       .round_output = which == 2};
+                                       .round_output = which == 2,
+                                       .x_rows = which < 2 ? token_of_ : nullptr,
+                                       .x_count = rows};
       CheckOp(matrix_ ? g::ExpertLinearMatrix(p, instruction_) : g::ExpertLinear(p),
               "ExpertLinear");
     };
     if (gated_experts_) {  // w1 and w3 under SwiGLU in one op, as Step::GroupedExperts.
-      linear(0, xg_, hg_, true);
+      linear(0, x_, hg_, true);
     } else {
-      linear(0, xg_, gg_);
-      linear(1, xg_, ug_);
+      linear(0, x_, gg_);
+      linear(1, x_, ug_);
       Activate(gg_, ug_, total, row_weights_, hg_);
     }
     linear(2, hg_, og_routed_);  // Its rows rounded to BF16 in the op, as the engine asks.
@@ -756,7 +750,7 @@ class Layer {
   std::map<int64_t, int64_t> tokens_of_;  // The picked experts and their tokens.
   const uint8_t** tables_[3][2] = {};     // w1, w3, w2: codes, scales
   int64_t *slot_expert_, *slot_offset_, *slot_tiles_, *token_of_;
-  float *row_weights_, *xg_, *gg_, *ug_, *hg_, *og_routed_;
+  float *row_weights_, *gg_, *ug_, *hg_, *og_routed_;
   uint8_t *xq_grouped_, *xs_grouped_;
   float *hc_fn_, *hc_scale_, *hc_base_, *norm_, *router_bias_, *freqs_, *sink_;
   Weight wq_a_, wq_b_, wkv_, wo_a_, wo_b_, router_;
