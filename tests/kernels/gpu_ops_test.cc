@@ -842,6 +842,29 @@ BOOST_AUTO_TEST_CASE(linear_gated_pair_is_two_linears_and_swiglu) {
                            .up_scales = codes}) == OpStatus::kBadArgument));
 }
 
+// v's values rounded to BF16.
+std::vector<float> RoundedBf16(std::vector<float> v) {
+  for (float& x : v) x = codecs::RoundBf16(x);
+  return v;
+}
+
+// For each matrix instruction the backend has: op(p, instruction) without round_output, then
+// with it; the second's y (`y`, on the device) is the first's rounded.
+template <class P, class Op>
+void MatrixRoundsAsItWrites(P p, const Dev<float>& y, Op op) {
+  for (const gpu::MatrixInstruction ins :
+       {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kMfma}) {
+    if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") continue;
+    p.round_output = false;
+    BOOST_REQUIRE(op(p, ins) == OpStatus::kOk);
+    const std::vector<float> raw = y.Host();
+    p.round_output = true;
+    BOOST_REQUIRE(op(p, ins) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(y.Host(), RoundedBf16(raw)),
+               "matrix instruction " << static_cast<int>(ins));
+  }
+}
+
 // y rounded to BF16 as the op writes it (round_output) is the op's y and then a RoundBf16 op, on
 // the CPU and on the device, for every path of Linear, LinearMatrix, ExpertLinear and
 // ExpertLinearMatrix: the kernels that round as they write (the one-row GEMV and its experts',
@@ -850,10 +873,6 @@ BOOST_AUTO_TEST_CASE(linear_gated_pair_is_two_linears_and_swiglu) {
 // values are the CPU's too. Not with the gated pair.
 BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
   std::mt19937 rng(29);
-  const auto rounded = [](std::vector<float> v) {
-    for (float& x : v) x = codecs::RoundBf16(x);
-    return v;
-  };
   const auto differ = [](const std::vector<float>& a, const std::vector<float>& b) {
     return !std::equal(a.begin(), a.end(), b.begin(),
                        [](float u, float v) { return std::memcmp(&u, &v, 4) == 0; });
@@ -912,7 +931,7 @@ BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
                                        xq.data(), xs.data(), raw.data(), false)) == OpStatus::kOk);
       BOOST_REQUIRE(cpu::Linear(params(x.data(), qw.codes.data(), qw.scales.data(), w.data(),
                                        xq.data(), xs.data(), want.data(), true)) == OpStatus::kOk);
-      BOOST_TEST(BitEqual(want, rounded(raw)));
+      BOOST_TEST(BitEqual(want, RoundedBf16(raw)));
       BOOST_TEST(differ(want, raw));  // The sums are not BF16 values as they are.
       Dev<float> dx(x), dw(w);
       Dev<uint8_t> dwq(qw.codes), dws(qw.scales), dxq(xq), dxs(xs);
@@ -922,17 +941,10 @@ BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
       BOOST_TEST(BitEqual(dy.Host(), want), "the exact path's rounded values are the CPU's");
       LinearParams m =
           params(dx.get(), dwq.get(), dws.get(), dw.get(), dxq.get(), dxs.get(), dy.get(), false);
-      if (!gpu::LinearMatrixTakes(m)) continue;
-      for (const gpu::MatrixInstruction ins :
-           {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kMfma}) {
-        if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") continue;
-        m.round_output = false;
-        BOOST_REQUIRE(gpu::LinearMatrix(m, ins) == OpStatus::kOk);
-        const std::vector<float> matrix_raw = dy.Host();
-        m.round_output = true;
-        BOOST_REQUIRE(gpu::LinearMatrix(m, ins) == OpStatus::kOk);
-        BOOST_TEST(BitEqual(dy.Host(), rounded(matrix_raw)),
-                   "matrix instruction " << static_cast<int>(ins));
+      if (gpu::LinearMatrixTakes(m)) {
+        MatrixRoundsAsItWrites(m, dy, [](const LinearParams& q, gpu::MatrixInstruction ins) {
+          return gpu::LinearMatrix(q, ins);
+        });
       }
     }
   }
@@ -952,7 +964,7 @@ BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
     p.y = want.data();
     p.round_output = true;
     BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
-    BOOST_TEST(BitEqual(want, rounded(raw)));
+    BOOST_TEST(BitEqual(want, RoundedBf16(raw)));
     BOOST_TEST(differ(want, raw));
     DeviceExpertInputs dev(p, g, ew);
     Dev<float> dy(std::vector<float>(want.size(), 7.0f));
@@ -962,17 +974,10 @@ BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
       BOOST_REQUIRE(gpu::ExpertLinear(d) == OpStatus::kOk);
       BOOST_TEST(BitEqual(dy.Host(), want), "slot_rows " << slot_rows);
     }
-    for (const gpu::MatrixInstruction ins :
-         {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kMfma}) {
-      if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") continue;
-      d.round_output = false;
-      BOOST_REQUIRE(gpu::ExpertLinearMatrix(d, ins) == OpStatus::kOk);
-      const std::vector<float> matrix_raw = dy.Host();
-      d.round_output = true;
-      BOOST_REQUIRE(gpu::ExpertLinearMatrix(d, ins) == OpStatus::kOk);
-      BOOST_TEST(BitEqual(dy.Host(), rounded(matrix_raw)),
-                 "matrix instruction " << static_cast<int>(ins));
-    }
+    MatrixRoundsAsItWrites(d, dy, [](const ExpertLinearParams& q, gpu::MatrixInstruction ins) {
+      return gpu::ExpertLinearMatrix(q, ins);
+    });
+    d.round_output = true;
     // Not with the gated pair.
     std::vector<float> gate(want.size()), up_out(want.size());
     p.up = ew.w.data(), p.up_scales = ew.ws.data(), p.gate = gate.data(), p.up_out = up_out.data();
