@@ -164,6 +164,14 @@ struct RmsNormParams {
   bool fake_quant_fp8 = false;
 };
 
+// Whether RmsNormParams' steps after the norm (rope_dim, fake_quant_fp8) fit its row: every
+// backend refuses the rest as kBadShape.
+inline bool RmsNormStepsFit(const RmsNormParams& p) {
+  const bool rope_fits = p.rope_dim <= 0 || (p.rope_dim % 2 == 0 && p.rope_dim <= p.dim &&
+                                             p.positions != nullptr && p.freqs != nullptr);
+  return rope_fits && (!p.fake_quant_fp8 || p.dim % 32 == 0);
+}
+
 // Rotates the last rope_dim values of each head of each row by the row's position, rounding to
 // BF16: x[r, h, head_dim - rope_dim + 2i : +2] by angle positions[r] * freqs[i] (negated when
 // inverse). freqs comes from RopeFrequencies (YaRN when original_max_positions > 0).

@@ -117,7 +117,10 @@ OpStatus MoeGroup(const MoeGroupParams& p) {
 OpStatus ExpertLinear(const ExpertLinearParams& p) {
   if (p.x_rows != nullptr) {  // The rows copied out, then the op over them.
     if (p.rows < 0 || p.in <= 0 || p.x == nullptr || p.x_count <= 0) return OpStatus::kBadShape;
-    std::vector<float> rows(static_cast<size_t>(p.rows * p.in));
+    // The thread's copy stays from call to call, as the grouped rows' buffer did when the engine
+    // copied them: a decode step's layers fault in no fresh pages for it.
+    thread_local std::vector<float> rows;
+    rows.resize(static_cast<size_t>(p.rows * p.in));
     if (const OpStatus s = CopyRows({.src = p.x,
                                      .src_stride = p.in,
                                      .index = p.x_rows,

@@ -32,11 +32,7 @@ OpStatus RmsNorm(const RmsNormParams& p) {
     return OpStatus::kBadShape;
   }
   if (p.rope_dim > 0 || p.fake_quant_fp8) {  // The norm, then the rotation and the quantizer.
-    if ((p.rope_dim > 0 && (p.rope_dim % 2 != 0 || p.rope_dim > p.dim || p.positions == nullptr ||
-                            p.freqs == nullptr)) ||
-        (p.fake_quant_fp8 && p.dim % 32 != 0)) {
-      return OpStatus::kBadShape;
-    }
+    if (!RmsNormStepsFit(p)) return OpStatus::kBadShape;
     RmsNormParams q = p;
     q.rope_dim = 0;
     q.fake_quant_fp8 = false;

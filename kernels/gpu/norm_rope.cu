@@ -58,11 +58,7 @@ OpStatus RmsNorm(const RmsNormParams& p) {
   if (p.rows < 0 || p.dim <= 0 || p.stride < p.dim || p.weight == nullptr) {
     return OpStatus::kBadShape;
   }
-  if ((p.rope_dim > 0 && (p.rope_dim % 2 != 0 || p.rope_dim > p.dim || p.positions == nullptr ||
-                          p.freqs == nullptr)) ||
-      (p.fake_quant_fp8 && p.dim % 32 != 0)) {
-    return OpStatus::kBadShape;
-  }
+  if (!RmsNormStepsFit(p)) return OpStatus::kBadShape;
   if (p.rows == 0) return OpStatus::kOk;
   FLASHD_LAUNCH(RmsNormKernel, static_cast<unsigned>(p.rows), kNormThreads, 0,
                 static_cast<gpuStream_t>(p.stream), p.x, p.dim, p.stride, p.weight, p.eps,
