@@ -237,6 +237,9 @@ class Layer {
     comb_ = Floats(n * d.hc * d.hc);
     x_ = Floats(n * d.hidden, 1.0f);
     sub_ = Floats(n * d.hidden);
+    fused_.arrivals = Alloc<unsigned>(n);
+    Check(g::ZeroOnDevice(fused_.arrivals, n * sizeof(unsigned)), "zero");
+    fused_.sums = Alloc<double>(n);
     const int64_t widest =
         std::max({d.hidden, d.heads * d.head_dim, d.o_groups * d.o_lora, d.inter, d.experts});
     xq_ = Alloc<uint8_t>(n * widest), xs_ = Alloc<uint8_t>(n * widest / 32);
@@ -398,23 +401,13 @@ class Layer {
       rows.push_back({name, time(op), bytes});
     };
     const uint64_t act = uint64_t(batch) * 4;
-    add("hc mix (x2)", 2 * (uint64_t(mix * d.hc * d.hidden) * 4 + act * d.hc * d.hidden), [&] {
-      for (int i = 0; i < 2; ++i) CheckOp(g::HcMix(MixParams(batch)), "HcMix");
-    });
-    add("hc collapse + norm (x2)", 2 * act * d.hc * d.hidden, [&] {
-      for (int i = 0; i < 2; ++i) {
-        CheckOp(g::HcCollapse({.X = X_,
-                               .weights = pre_,
-                               .rows = batch,
-                               .hc = d.hc,
-                               .dim = d.hidden,
-                               .norm_weight = norm_,
-                               .eps = 1e-6f,
-                               .x = x_,
-                               .stream = stream_}),
-                "HcCollapse");
-      }
-    });
+    // The step before each sublayer as the engine makes it, one op: the last sublayer's
+    // expansion, the mixes, the collapse and its norm (one kernel at a decode step's rows).
+    add("hc steps: expand, mix, collapse (x2)",
+        2 * (uint64_t(mix * d.hc * d.hidden) * 4 + act * (2 * d.hc * d.hidden + 2 * d.hidden)),
+        [&] {
+          for (int i = 0; i < 2; ++i) CheckOp(g::HcMix(StepsParams(batch), &fused_), "HcMix");
+        });
     add("wq_a (FP8)", wq_a_.bytes(), [&] { Apply(wq_a_, x_, batch, qa_); });
     add("q norm", act * d.q_lora * 2, [&] {
       CheckOp(g::RmsNorm({.x = qa_,
@@ -453,20 +446,6 @@ class Layer {
     add("wo_a (FP8 as values, its groups in one op)", wo_a_.bytes(),
         [&] { Apply(wo_a_, o_, batch, og_, {}, true); });
     add("wo_b (FP8)", wo_b_.bytes(), [&] { Apply(wo_b_, og_, batch, sub_, {}, true); });
-    add("hc expand (x2)", 2 * act * (2 * d.hc * d.hidden + d.hidden), [&] {
-      for (int i = 0; i < 2; ++i) {
-        CheckOp(g::HcExpand({.X = X_,
-                             .sub = sub_,
-                             .post = post_,
-                             .comb = comb_,
-                             .rows = batch,
-                             .hc = d.hc,
-                             .dim = d.hidden,
-                             .out = out_X_,
-                             .stream = stream_}),
-                "HcExpand");
-      }
-    });
     add("router (dense) + route", router_.bytes(), [&] {
       Apply(router_, x_, batch, logits_);
       CheckOp(g::MoeRoute({.logits = logits_,
@@ -530,6 +509,15 @@ class Layer {
     return {gated, apart};
   }
 
+  // The step between two sublayers at `batch` rows in one kernel (where batch <= kHcFusedRows),
+  // as the engine makes it (first), and a kernel a step (second): seconds.
+  std::pair<double, double> TimeHcSteps(int64_t batch, int reps) {
+    const k::HcMixParams p = StepsParams(batch);
+    const double one = Time([&] { CheckOp(g::HcMix(p, &fused_), "HcMix"); }, reps);
+    const double apart = Time([&] { CheckOp(g::HcMix(p), "HcMix"); }, reps);
+    return {one, apart};
+  }
+
   double TimeAttention(g::AttentionSchedule schedule, int reps, bool prefill = false) {
     const k::SparseAttentionParams p = prefill ? ChunkAttention() : Attention(0);
     return Time([&] { CheckOp(g::SparseAttentionScheduled(p, schedule), "Attention"); }, reps);
@@ -580,7 +568,8 @@ class Layer {
   const std::vector<Weight>& expert(int64_t e) const { return experts_[e]; }
 
  private:
-  k::HcMixParams MixParams(int64_t batch) const {
+  // The engine's step between two sublayers: the expansion of sub_, the mixes, the collapse.
+  k::HcMixParams StepsParams(int64_t batch) const {
     return {.X = X_,
             .rows = batch,
             .hc = d_.hc,
@@ -595,7 +584,15 @@ class Layer {
             .pre = pre_,
             .post = post_,
             .comb = comb_,
-            .stream = stream_};
+            .stream = stream_,
+            .sub = sub_,
+            .expand_post = post_,
+            .expand_comb = comb_,
+            .expanded = out_X_,
+            .collapse_weights = pre_,
+            .collapse_norm = norm_,
+            .collapse_eps = 1e-6f,
+            .x = x_};
   }
 
   k::SparseAttentionParams Attention(int64_t s) const {
@@ -756,6 +753,7 @@ class Layer {
   Weight wq_a_, wq_b_, wkv_, wo_a_, wo_b_, router_;
   std::vector<Weight> shared_;
   std::vector<std::vector<Weight>> experts_;
+  g::HcMixFused fused_;  // The fused hc steps' counts (zeros) and sums.
   float *X_, *out_X_, *mixes_, *pre_, *post_, *comb_, *x_, *sub_, *qa_, *q_, *o_, *og_, *kv_;
   float *logits_, *scores_, *biased_, *weights_, *gate_, *up_, *h_, *y_, *expert_out_;
   uint8_t *xq_, *xs_, *ring_codes_, *ring_scales_, *arena_;
@@ -885,6 +883,13 @@ int main(int argc, char** argv) {
     if (as_graph) std::snprintf(graph_us, sizeof graph_us, "%.1f", graph * 1e6);
     std::printf("%5lld %14.1f %14s %18.0f %26.1f\n", static_cast<long long>(batch), s * 1e6,
                 graph_us, batch / best, batch / (best * d.layers));
+  }
+  // The hc steps between two sublayers in one kernel (the engine's at these batches) against a
+  // kernel a step.
+  for (int64_t batch : {1, 8, 32}) {
+    const auto [one, apart] = layer.TimeHcSteps(batch, reps);
+    std::printf("hc steps at batch %lld: one kernel %.1f us; a kernel a step %.1f us\n",
+                static_cast<long long>(batch), one * 1e6, apart * 1e6);
   }
   // The experts' w1 and w3 as one gated op (the engine's) against two ops and a Swiglu.
   for (const bool routed : {true, false}) {

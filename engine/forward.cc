@@ -432,6 +432,9 @@ class Step {
   Status Embed();
   Status Collapse(const float* weights, const std::vector<float>& norm);
   Status Expand();
+  // X_ made current: the last sublayer's expansion made when it is pending (RunBlock leaves it to
+  // the next sublayer's mixes, which make it in their op).
+  Status Expanded();
   Status RunBlock(int l, bool record);
   void RecordHidden(int target);
   Status SeedDrafts();
@@ -516,6 +519,8 @@ class Step {
   };
   std::vector<std::vector<CompressorRows>> compressor_rows_;
   bool draft_ = false;
+  // The last sublayer's output not yet expanded into X_ (Expanded).
+  bool expand_pending_ = false;
   std::vector<int64_t> window_last_;  // Draft blocks: every query sees the whole block.
   // Engram rows from the SSD store, gathered ahead: per Engram layer, the step's distinct ids,
   // each of the step's ids as its row in the layer's small table, and when it is ready. One
@@ -666,6 +671,7 @@ Status Step::Embed() {
   const int64_t dim = c_.hidden_size, hc = c_.hc_mult;
   const size_t rows = n();
   ReleaseStreams();
+  expand_pending_ = false;
   X_.resize(rows * hc * dim);
   next_.resize(X_.size());
   pre_mix_.assign(rows * hc, 0.0f);
@@ -736,21 +742,27 @@ Status Step::Run() {
   for (int l = 0; l < c_.num_hidden_layers; ++l) {
     FLASHD_RETURN_IF_ERROR(Use(m_.LayerBackend(l)));
     if (options_.forced_streams != nullptr && l > 0) FLASHD_RETURN_IF_ERROR(Force(l - 1));
-    if (c_.layers[l].engram_index >= 0) FLASHD_RETURN_IF_ERROR(Engram(l));
+    if (c_.layers[l].engram_index >= 0) {
+      FLASHD_RETURN_IF_ERROR(Expanded());
+      FLASHD_RETURN_IF_ERROR(Engram(l));
+    }
     if (m_.dspark) {
       const std::vector<int>& targets = m_.dspark->targets;
       const auto it = std::find(targets.begin(), targets.end(), l);
       if (it != targets.end()) {
+        FLASHD_RETURN_IF_ERROR(Expanded());
         FLASHD_RETURN_IF_ERROR(ToHost(X_));
         RecordHidden(static_cast<int>(it - targets.begin()));
       }
     }
     FLASHD_RETURN_IF_ERROR(RunBlock(l, record));
     if (record) {
+      FLASHD_RETURN_IF_ERROR(Expanded());
       FLASHD_RETURN_IF_ERROR(ToHost(X_));
       options_.trace->streams.push_back(X_);
     }
     if (l == last_kv_source && options_.replay_tokens > 0) {
+      FLASHD_RETURN_IF_ERROR(Expanded());
       FLASHD_RETURN_IF_ERROR(Truncate(
           static_cast<size_t>(std::max<int64_t>(options_.replay_tokens, c_.sliding_window))));
     }
@@ -782,28 +794,47 @@ Status Step::Run() {
 Status Step::RunBlock(int l, bool record) {
   const Layer& L = m_.layers[l];
   const int64_t dim = c_.hidden_size, hc = c_.hc_mult;
-  auto hc_mix = [&](const std::vector<float>& fn, const std::vector<float>& scale,
-                    const std::vector<float>& base, float* pre) {
-    return Check(b_->HcMix({.X = X_.data(),
-                            .rows = static_cast<int64_t>(n()),
-                            .hc = hc,
-                            .dim = dim,
-                            .fn = fn.data(),
-                            .scale = scale.data(),
-                            .base = base.data(),
-                            .iters = c_.hc_sinkhorn_iters,
-                            .hc_eps = static_cast<float>(c_.hc_eps),
-                            .norm_eps = static_cast<float>(c_.rms_norm_eps),
-                            .mixes = mixes_.data(),
-                            .pre = pre,
-                            .post = post_.data(),
-                            .comb = comb_.data(),
-                            .stream = &stream_}),
-                 "HcMix");
+  const float eps = static_cast<float>(c_.rms_norm_eps);
+  // The step before a sublayer, one op: the last sublayer's expansion when it is pending (nothing
+  // came between), the mixes (pre into `pre`), and the collapse with `weights` and `norm`.
+  auto between = [&](const std::vector<float>& fn, const std::vector<float>& scale,
+                     const std::vector<float>& base, float* pre, const float* weights,
+                     const std::vector<float>& norm) {
+    kernels::HcMixParams p{.X = X_.data(),
+                           .rows = static_cast<int64_t>(n()),
+                           .hc = hc,
+                           .dim = dim,
+                           .fn = fn.data(),
+                           .scale = scale.data(),
+                           .base = base.data(),
+                           .iters = c_.hc_sinkhorn_iters,
+                           .hc_eps = static_cast<float>(c_.hc_eps),
+                           .norm_eps = eps,
+                           .mixes = mixes_.data(),
+                           .pre = pre,
+                           .post = post_.data(),
+                           .comb = comb_.data(),
+                           .stream = &stream_,
+                           .collapse_weights = weights,
+                           .collapse_norm = norm.empty() ? nullptr : norm.data(),
+                           .collapse_eps = eps,
+                           .x = x_.data()};
+    if (expand_pending_) {
+      p.sub = sub_.data();
+      p.expand_post = post_.data();
+      p.expand_comb = comb_.data();
+      p.expanded = next_.data();
+    }
+    FLASHD_RETURN_IF_ERROR(Check(b_->HcMix(p), "HcMix"));
+    if (expand_pending_) {
+      X_.swap(next_);
+      expand_pending_ = false;
+    }
+    return Status::Ok();
   };
   // Attention sublayer: its mixes give post/comb now and the FFN's pre.
-  FLASHD_RETURN_IF_ERROR(hc_mix(L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, pre_a_.data()));
-  FLASHD_RETURN_IF_ERROR(Collapse(pre_mix_.data(), L.attn_norm));
+  FLASHD_RETURN_IF_ERROR(between(L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, pre_a_.data(),
+                                 pre_mix_.data(), L.attn_norm));
   FLASHD_RETURN_IF_ERROR(Attention(l));
   if (record) {
     FLASHD_RETURN_IF_ERROR(ToHost(x_));
@@ -811,10 +842,10 @@ Status Step::RunBlock(int l, bool record) {
     options_.trace->sublayers.push_back(x_);
     options_.trace->sublayers.push_back(sub_);
   }
-  FLASHD_RETURN_IF_ERROR(Expand());
+  expand_pending_ = true;
   // FFN sublayer: collapses with the attention's pre; its own pre goes to the next layer.
-  FLASHD_RETURN_IF_ERROR(hc_mix(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre_f_.data()));
-  FLASHD_RETURN_IF_ERROR(Collapse(pre_a_.data(), L.ffn_norm));
+  FLASHD_RETURN_IF_ERROR(between(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre_f_.data(),
+                                 pre_a_.data(), L.ffn_norm));
   FLASHD_RETURN_IF_ERROR(Moe(l));
   if (record) {
     FLASHD_RETURN_IF_ERROR(ToHost(x_));
@@ -822,8 +853,9 @@ Status Step::RunBlock(int l, bool record) {
     options_.trace->sublayers.push_back(x_);
     options_.trace->sublayers.push_back(sub_);
   }
-  FLASHD_RETURN_IF_ERROR(Expand());
-  // The FFN's pre is the next layer's; pre_f_ is written again before it is read.
+  // The FFN's expansion waits for the next mixes (or Expanded); its pre is the next layer's, and
+  // pre_f_ is written again before it is read.
+  expand_pending_ = true;
   pre_mix_.swap(pre_f_);
   return Status::Ok();
 }
@@ -898,6 +930,7 @@ Status Step::RunDraft(std::span<DraftItem> drafts) {
 }
 
 Status Step::Collapse(const float* weights, const std::vector<float>& norm) {
+  FLASHD_RETURN_IF_ERROR(Expanded());
   FLASHD_OP(HcCollapse, {.X = X_.data(),
                          .weights = weights,
                          .rows = static_cast<int64_t>(n()),
@@ -922,8 +955,15 @@ Status Step::Expand() {
   return Status::Ok();
 }
 
+Status Step::Expanded() {
+  if (!expand_pending_) return Status::Ok();
+  expand_pending_ = false;
+  return Expand();
+}
+
 // X = the forced output of `layer` (a batch of one; see ForwardOptions::forced_streams).
 Status Step::Force(int layer) {
+  FLASHD_RETURN_IF_ERROR(Expanded());
   const size_t width = static_cast<size_t>(c_.hc_mult * c_.hidden_size);
   const size_t layers = static_cast<size_t>(c_.num_hidden_layers);
   for (size_t t = 0; t < n(); ++t) {

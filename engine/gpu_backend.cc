@@ -724,6 +724,7 @@ class DeviceMemory {
   ~DeviceMemory() {
     for (auto& [host, w] : weights_) g::DeviceFree(w.device);
     for (Chunk& c : chunks_) g::DeviceFree(c.device);
+    if (counters_ != nullptr) g::DeviceFree(counters_);
   }
 
   // The device copy of a weight, made on first use. Weights never change after the model is
@@ -820,6 +821,27 @@ class DeviceMemory {
     current_ = 0;
   }
 
+  // `count` counters, zeros, that the kernels using them leave zeros (g::HcMixFused's arrivals):
+  // one allocation kept for every op, grown when an op needs more.
+  unsigned* Counters(size_t count, std::string* error) {
+    if (count > counters_count_) {
+      const size_t size = std::max<size_t>(count, 1024);
+      void* device = nullptr;
+      std::string e = g::DeviceAlloc(&device, size * sizeof(unsigned));
+      if (e.empty()) e = traffic.Zero(device, size * sizeof(unsigned));
+      if (!e.empty()) {
+        if (device != nullptr) g::DeviceFree(device);
+        *error = e;
+        return nullptr;
+      }
+      if (counters_ != nullptr) g::DeviceFree(counters_);
+      workspace_ += (size - counters_count_) * sizeof(unsigned);
+      counters_ = static_cast<unsigned*>(device);
+      counters_count_ = size;
+    }
+    return counters_;
+  }
+
   // The downloads' device bytes to their host places, after the kernels launched before them:
   // one wait, one copy for all the pieces of up to kGatheredLargest bytes (gathered on the
   // device by one kernel into workspace, which stays taken until Reset; a piece alone is copied
@@ -892,6 +914,8 @@ class DeviceMemory {
   std::vector<Chunk> chunks_;
   size_t current_ = 0;
   uint64_t resident_ = 0, tables_ = 0, workspace_ = 0;
+  unsigned* counters_ = nullptr;
+  size_t counters_count_ = 0;
 };
 
 // The ids of a block table's first `blocks` entries, added to *ids.
@@ -955,6 +979,10 @@ class Call {
   template <class T>
   T* Out(T* host, int64_t count) {
     return Map(host, count, false, true);
+  }
+  unsigned* Counters(int64_t count) {
+    if (!error_.empty()) return nullptr;
+    return memory_->Counters(static_cast<size_t>(count), &error_);
   }
   template <class T>
   T* Work(int64_t count) {
@@ -1454,18 +1482,36 @@ class GpuBackend final : public Backend {
 
   OpStatus HcMix(const k::HcMixParams& p) const override {
     return Run([&](Call& c) {
-      const int64_t mix = (2 + p.hc) * p.hc;
+      const int64_t mix = (2 + p.hc) * p.hc, streams = p.rows * p.hc * p.dim;
       k::HcMixParams d = p;
       d.stream = nullptr;
-      d.X = c.In(p.X, p.rows * p.hc * p.dim);
+      d.X = c.In(p.X, streams);
       d.fn = c.Weight(p.fn, mix * p.hc * p.dim);
       d.scale = c.Weight(p.scale, 3);
       d.base = c.Weight(p.base, mix);
+      // The steps' inputs mapped before the outputs, which may alias them.
+      if (p.sub != nullptr) {
+        d.sub = c.In(p.sub, p.rows * p.dim);
+        d.expand_post = c.In(p.expand_post, p.rows * p.hc);
+        d.expand_comb = c.In(p.expand_comb, p.rows * p.hc * p.hc);
+      }
+      if (p.x != nullptr) {
+        d.collapse_weights = c.In(p.collapse_weights, p.rows * p.hc);
+        if (p.collapse_norm != nullptr) d.collapse_norm = c.Weight(p.collapse_norm, p.dim);
+      }
       d.mixes = c.Out(p.mixes, p.rows * mix);
       d.pre = c.Out(p.pre, p.rows * p.hc);
       d.post = c.Out(p.post, p.rows * p.hc);
       d.comb = c.Out(p.comb, p.rows * p.hc * p.hc);
-      return Launch(c, [&] { return g::HcMix(d); });
+      if (p.sub != nullptr) d.expanded = c.Out(p.expanded, streams);
+      if (p.x != nullptr) d.x = c.Out(p.x, p.rows * p.dim);
+      // A decode step's rows in one kernel (g::HcMixFused).
+      g::HcMixFused fused;
+      if (p.rows > 0 && p.rows <= g::kHcFusedRows) {
+        fused.sums = c.Work<double>(p.rows);
+        fused.arrivals = c.Counters(p.rows);
+      }
+      return Launch(c, [&] { return g::HcMix(d, &fused); });
     });
   }
 

@@ -216,6 +216,21 @@ struct HcMixParams {
   float* post = nullptr;   // [rows, hc]
   float* comb = nullptr;   // [rows, hc, hc]
   void* stream = nullptr;
+  // Optional, the steps either side of the mixes (the forward pass's step between two sublayers
+  // in one op), bit for bit HcExpand, HcCollapse and HcMix in turn: with `sub` set, X is first
+  // expanded as HcExpandParams' (sub, expand_post, expand_comb) into `expanded` (not X), and the
+  // mixes are `expanded`'s; with `x` set, the stream (X, or `expanded`) is collapsed as
+  // HcCollapseParams' (collapse_weights, collapse_norm or none, collapse_eps) into x. Every input
+  // is read before an output is written: pre, post and comb may be collapse_weights, expand_post
+  // and expand_comb.
+  const float* sub = nullptr;               // [rows, dim]
+  const float* expand_post = nullptr;       // [rows, hc]
+  const float* expand_comb = nullptr;       // [rows, hc, hc]
+  float* expanded = nullptr;                // [rows, hc, dim]
+  const float* collapse_weights = nullptr;  // [rows, hc]
+  const float* collapse_norm = nullptr;     // [dim]
+  float collapse_eps = 0;
+  float* x = nullptr;  // [rows, dim]
 };
 
 // x[r] = BF16(sum_h weights[r, h] * X[r, h]), then RMSNorm with norm_weight when it is set.

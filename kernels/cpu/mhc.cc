@@ -75,7 +75,35 @@ OpStatus Embed(const EmbedParams& p) {
 
 OpStatus HcMix(const HcMixParams& p) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0 || p.iters < 1) return OpStatus::kBadShape;
+  if (p.sub != nullptr && (p.expanded == nullptr || p.expanded == p.X)) return OpStatus::kBadShape;
   if (p.rows == 0) return OpStatus::kOk;
+  // The steps in turn, the collapse before the mixes so that it reads its weights before the
+  // mixes write pre.
+  const float* X = p.X;
+  if (p.sub != nullptr) {
+    const OpStatus s = HcExpand({.X = p.X,
+                                 .sub = p.sub,
+                                 .post = p.expand_post,
+                                 .comb = p.expand_comb,
+                                 .rows = p.rows,
+                                 .hc = p.hc,
+                                 .dim = p.dim,
+                                 .out = p.expanded});
+    if (s != OpStatus::kOk) return s;
+    X = p.expanded;
+  }
+  if (p.x != nullptr) {
+    const OpStatus s = HcCollapse({.X = X,
+                                   .weights = p.collapse_weights,
+                                   .rows = p.rows,
+                                   .hc = p.hc,
+                                   .dim = p.dim,
+                                   .norm_weight = p.collapse_norm,
+                                   .eps = p.collapse_eps,
+                                   .x = p.x,
+                                   .stream = p.stream});
+    if (s != OpStatus::kOk) return s;
+  }
   const size_t rows = static_cast<size_t>(p.rows), width = static_cast<size_t>(p.hc * p.dim);
   const size_t mix = static_cast<size_t>((2 + p.hc) * p.hc);
   ParallelRanges(
@@ -83,14 +111,14 @@ OpStatus HcMix(const HcMixParams& p) {
       [&](size_t begin, size_t end) {
         for (size_t i = begin; i < end; ++i) {
           const size_t t = i / mix, j = i % mix;
-          const float* x = p.X + t * width;
+          const float* x = X + t * width;
           const float* w = p.fn + j * width;
           p.mixes[i] = LaneSum<float>(width, [&](size_t k) { return x[k] * w[k]; });
         }
       },
       std::max<size_t>(1, (size_t{1} << 16) / width));
   for (size_t t = 0; t < rows; ++t) {
-    const float* x = p.X + t * width;
+    const float* x = X + t * width;
     const double sum = LaneSum<double>(width, [&](size_t k) { return double(x[k]) * x[k]; });
     const float r = 1.0f / std::sqrt(static_cast<float>(sum / width) + p.norm_eps);
     for (size_t j = 0; j < mix; ++j) p.mixes[t * mix + j] *= r;

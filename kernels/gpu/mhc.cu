@@ -1,7 +1,8 @@
 // mHC on the device: the mixes' long sums by a thread block of kHcMixLanes threads each, in the
 // lanes-and-tree order HcMixParams fixes (so equal to the CPU's bit for bit); the collapse and
 // expansion one thread per output value, the copies summed in the CPU reference's order (the
-// collapse's optional norm is RmsNorm's, in the same kernel).
+// collapse's optional norm is RmsNorm's, in the same kernel); for a decode step, the expansion,
+// mixes and collapse between two sublayers in one kernel (HcStepsKernel).
 #include <cmath>
 
 #include "kernels/codecs.h"
@@ -17,14 +18,20 @@ namespace c = flashd::kernels::codecs;
 namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 256;
 
+// Value d of token t's collapse, copy h of its stream being stream(h): the CPU's sum in its order.
+template <class Stream>
+__device__ float CollapsedValue(const float* weights, int64_t t, int64_t hc, Stream stream) {
+  float acc = 0;
+  for (int64_t h = 0; h < hc; ++h) acc += weights[t * hc + h] * stream(h);
+  return c::RoundBf16(acc);
+}
+
 __global__ void CollapseKernel(const float* X, const float* weights, int64_t rows, int64_t hc,
                                int64_t dim, float* x) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * dim) return;
   const int64_t t = i / dim, d = i % dim;
-  float acc = 0;
-  for (int64_t h = 0; h < hc; ++h) acc += weights[t * hc + h] * X[(t * hc + h) * dim + d];
-  x[i] = c::RoundBf16(acc);
+  x[i] = CollapsedValue(weights, t, hc, [&](int64_t h) { return X[(t * hc + h) * dim + d]; });
 }
 
 // The collapse and its norm, a thread block a row: each thread makes the outputs that are its
@@ -35,11 +42,19 @@ __global__ void __launch_bounds__(kNormThreads)
   __shared__ double partial[kNormThreads];
   const int64_t t = blockIdx.x;
   const auto value = [&](int64_t d) {
-    float acc = 0;
-    for (int64_t h = 0; h < hc; ++h) acc += weights[t * hc + h] * X[(t * hc + h) * dim + d];
-    return c::RoundBf16(acc);
+    return CollapsedValue(weights, t, hc, [&](int64_t h) { return X[(t * hc + h) * dim + d]; });
   };
   NormRow(x + t * dim, dim, norm_weight, eps, value, partial);
+}
+
+// Value (j, d) of token t's expanded stream: the CPU's steps in its order.
+__device__ inline float ExpandedValue(const float* X, const float* sub, const float* post,
+                                      const float* comb, int64_t t, int64_t hc, int64_t dim,
+                                      int64_t j, int64_t d) {
+  const float acc = post[t * hc + j] * sub[t * dim + d];
+  float mixed = 0;
+  for (int64_t k = 0; k < hc; ++k) mixed += comb[(t * hc + k) * hc + j] * X[(t * hc + k) * dim + d];
+  return c::RoundBf16(acc + mixed);
 }
 
 __global__ void ExpandKernel(const float* X, const float* sub, const float* post, const float* comb,
@@ -47,10 +62,7 @@ __global__ void ExpandKernel(const float* X, const float* sub, const float* post
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * hc * dim) return;
   const int64_t t = i / (hc * dim), j = (i / dim) % hc, d = i % dim;
-  const float acc = post[t * hc + j] * sub[t * dim + d];
-  float mixed = 0;
-  for (int64_t k = 0; k < hc; ++k) mixed += comb[(t * hc + k) * hc + j] * X[(t * hc + k) * dim + d];
-  out[i] = c::RoundBf16(acc + mixed);
+  out[i] = ExpandedValue(X, sub, post, comb, t, hc, dim, j, d);
 }
 
 // pre, post and the Sinkhorn-normalised comb from one row of mixes: the CPU's steps in its order,
@@ -179,46 +191,165 @@ __global__ void __launch_bounds__(kHcMixLanes, 1)
   if (threadIdx.x == 0) mixes[blockIdx.x] = sum;
 }
 
-// Thread block per token: the norm of the flattened stream (a double sum of squares), the
-// mixes scaled by it, then the split (by the thread block where its threads cover the values, as
-// for the model's 4 copies; else by one thread).
-__global__ void __launch_bounds__(kHcMixLanes, 1)
-    MixSplitKernel(const float* X, int64_t hc, int64_t dim, const float* scale, const float* base,
-                   int iters, float hc_eps, float norm_eps, float* mixes, float* pre, float* post,
-                   float* comb) {
-  __shared__ double lanes[kHcMixLanes];
+// Token t's mixes scaled by the norm of its stream (`sum` its double sum of squares), then split
+// (by the thread block where its threads cover the values, as for the model's 4 copies; else by
+// one thread). The mixes are read as volatile: other thread blocks of the kernel may have written
+// them. REQUIRES: a thread block of kHcMixLanes threads, all calling it.
+FLASHD_SHARED_TILE __device__ void ScaleAndSplit(int64_t t, double sum, int64_t hc, int64_t dim,
+                                                 const float* scale, const float* base, int iters,
+                                                 float hc_eps, float norm_eps, float* mixes,
+                                                 float* pre, float* post, float* comb) {
   __shared__ float m[kHcMixLanes], buf[2][kHcMixLanes];
-  const int64_t t = blockIdx.x;
   const int64_t width = hc * dim, mix = (2 + hc) * hc;
-  const float* x = X + t * width;
-  const double sum = LaneSum<double>(
-      width, [&](int64_t i) { return static_cast<double>(x[i]) * x[i]; }, lanes);
+  volatile float* row = mixes + t * mix;
   const float r = 1.0f / sqrtf(static_cast<float>(sum / width) + norm_eps);
   if (mix <= kHcMixLanes) {
     const int64_t tid = threadIdx.x;
-    if (tid < mix) mixes[t * mix + tid] = m[tid] = mixes[t * mix + tid] * r;
+    if (tid < mix) row[tid] = m[tid] = row[tid] * r;
     __syncthreads();
     HcSplitByThreads(m, scale, base, hc, iters, hc_eps, pre + t * hc, post + t * hc,
                      comb + t * hc * hc, buf);
     return;
   }
   if (threadIdx.x != 0) return;
-  for (int64_t j = 0; j < mix; ++j) mixes[t * mix + j] *= r;
+  for (int64_t j = 0; j < mix; ++j) row[j] = row[j] * r;
   HcSplit(mixes + t * mix, scale, base, hc, iters, hc_eps, pre + t * hc, post + t * hc,
           comb + t * hc * hc);
 }
 
+// Thread block per token: the norm of the flattened stream (a double sum of squares), then the
+// scaled mixes' split.
+__global__ void __launch_bounds__(kHcMixLanes, 1)
+    MixSplitKernel(const float* X, int64_t hc, int64_t dim, const float* scale, const float* base,
+                   int iters, float hc_eps, float norm_eps, float* mixes, float* pre, float* post,
+                   float* comb) {
+  __shared__ double lanes[kHcMixLanes];
+  const int64_t t = blockIdx.x;
+  const float* x = X + t * hc * dim;
+  const double sum = LaneSum<double>(
+      hc * dim, [&](int64_t i) { return static_cast<double>(x[i]) * x[i]; }, lanes);
+  ScaleAndSplit(t, sum, hc, dim, scale, base, iters, hc_eps, norm_eps, mixes, pre, post, comb);
+}
+
+// HcMix's steps in one kernel (kernels/gpu/ops.h, HcMixFused): mix + 2 thread blocks a token,
+// blocks j < mix making mix j, block mix the sum of squares (and the expanded stream's values),
+// block mix + 1 the collapse; each counts itself in arrivals[t] when done, and the last scales and
+// splits the mixes (every input read by then: pre, post and comb may alias inputs) and clears
+// the count.
+template <bool kExpand>
+__global__ void __launch_bounds__(kHcMixLanes, 1)
+    HcStepsKernel(HcMixParams p, unsigned* arrivals, double* sums) {
+  __shared__ double dlanes[kHcMixLanes];
+  __shared__ float flanes[kHcMixLanes];
+  __shared__ bool last;
+  const int64_t hc = p.hc, dim = p.dim, width = hc * dim, mix = (2 + hc) * hc;
+  const int64_t t = blockIdx.x / (mix + 2), role = blockIdx.x % (mix + 2);
+  // Value (h, d) of the token's stream, expanded from X when kExpand.
+  const auto value = [&](int64_t h, int64_t d) {
+    if constexpr (kExpand) {
+      return ExpandedValue(p.X, p.sub, p.expand_post, p.expand_comb, t, hc, dim, h, d);
+    } else {
+      return p.X[(t * hc + h) * dim + d];
+    }
+  };
+  // Element i of the flattened stream (a width under 2^31: 32-bit division).
+  const auto element = [&](int64_t i) {
+    const uint32_t h = static_cast<uint32_t>(i) / static_cast<uint32_t>(dim);
+    return value(h, static_cast<uint32_t>(i) - h * static_cast<uint32_t>(dim));
+  };
+  if (role < mix) {
+    const float* w = p.fn + role * width;
+    const float sum = LaneSum<float>(
+        width, [&](int64_t i) { return element(i) * w[i]; }, flanes);
+    if (threadIdx.x == 0) p.mixes[t * mix + role] = sum;
+  } else if (role == mix) {
+    float* out = kExpand ? p.expanded + t * width : nullptr;
+    const double sum = LaneSum<double>(
+        width,
+        [&](int64_t i) {
+          const float v = element(i);
+          if constexpr (kExpand) out[i] = v;
+          return static_cast<double>(v) * v;
+        },
+        dlanes);
+    if (threadIdx.x == 0) sums[t] = sum;
+  } else if (p.x != nullptr) {
+    const auto collapsed = [&](int64_t d) {
+      return CollapsedValue(p.collapse_weights, t, hc, [&](int64_t h) { return value(h, d); });
+    };
+    if (p.collapse_norm != nullptr) {
+      NormRow(p.x + t * dim, dim, p.collapse_norm, p.collapse_eps, collapsed, dlanes);
+    } else {
+      for (int64_t d = threadIdx.x; d < dim; d += kHcMixLanes) p.x[t * dim + d] = collapsed(d);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // The block's results seen before its count.
+    last = atomicAdd(&arrivals[t], 1u) == static_cast<unsigned>(mix + 1);
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const double sum = *static_cast<volatile double*>(sums + t);
+  ScaleAndSplit(t, sum, hc, dim, p.scale, p.base, p.iters, p.hc_eps, p.norm_eps, p.mixes, p.pre,
+                p.post, p.comb);
+  if (threadIdx.x == 0) arrivals[t] = 0;
+}
+
 }  // namespace
 
-OpStatus HcMix(const HcMixParams& p) {
+OpStatus HcMix(const HcMixParams& p, const HcMixFused* fused) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0 || p.iters < 1) return OpStatus::kBadShape;
+  if (p.sub != nullptr && (p.expanded == nullptr || p.expanded == p.X)) return OpStatus::kBadShape;
   if (p.rows == 0) return OpStatus::kOk;
   const int64_t width = p.hc * p.dim, mix = (2 + p.hc) * p.hc;
-  if (p.rows * mix > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  if (p.rows * (mix + 2) > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
-  FLASHD_LAUNCH(HcDotKernel, static_cast<unsigned>(p.rows * mix), kHcMixLanes, 0, stream, p.X, p.fn,
+  if (fused != nullptr && fused->arrivals != nullptr && fused->sums != nullptr &&
+      p.rows <= kHcFusedRows && width <= int64_t{0x7FFFFFFF}) {
+    HcMixParams d = p;
+    d.stream = nullptr;
+    const unsigned grid = static_cast<unsigned>(p.rows * (mix + 2));
+    if (p.sub != nullptr) {
+      FLASHD_LAUNCH(HcStepsKernel<true>, grid, kHcMixLanes, 0, stream, d, fused->arrivals,
+                    fused->sums);
+    } else {
+      FLASHD_LAUNCH(HcStepsKernel<false>, grid, kHcMixLanes, 0, stream, d, fused->arrivals,
+                    fused->sums);
+    }
+    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  }
+  // A kernel a step, the collapse before the mixes (which may write its weights).
+  const float* X = p.X;
+  if (p.sub != nullptr) {
+    const OpStatus s = HcExpand({.X = p.X,
+                                 .sub = p.sub,
+                                 .post = p.expand_post,
+                                 .comb = p.expand_comb,
+                                 .rows = p.rows,
+                                 .hc = p.hc,
+                                 .dim = p.dim,
+                                 .out = p.expanded,
+                                 .stream = p.stream});
+    if (s != OpStatus::kOk) return s;
+    X = p.expanded;
+  }
+  if (p.x != nullptr) {
+    const OpStatus s = HcCollapse({.X = X,
+                                   .weights = p.collapse_weights,
+                                   .rows = p.rows,
+                                   .hc = p.hc,
+                                   .dim = p.dim,
+                                   .norm_weight = p.collapse_norm,
+                                   .eps = p.collapse_eps,
+                                   .x = p.x,
+                                   .stream = p.stream});
+    if (s != OpStatus::kOk) return s;
+  }
+  FLASHD_LAUNCH(HcDotKernel, static_cast<unsigned>(p.rows * mix), kHcMixLanes, 0, stream, X, p.fn,
                 width, mix, p.mixes);
-  FLASHD_LAUNCH(MixSplitKernel, static_cast<unsigned>(p.rows), kHcMixLanes, 0, stream, p.X, p.hc,
+  FLASHD_LAUNCH(MixSplitKernel, static_cast<unsigned>(p.rows), kHcMixLanes, 0, stream, X, p.hc,
                 p.dim, p.scale, p.base, p.iters, p.hc_eps, p.norm_eps, p.mixes, p.pre, p.post,
                 p.comb);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;

@@ -89,7 +89,19 @@ OpStatus MoeGroup(const MoeGroupParams& p);
 OpStatus ExpertLinear(const ExpertLinearParams& p);
 OpStatus RmsNorm(const RmsNormParams& p);
 OpStatus Rope(const RopeParams& p);
-OpStatus HcMix(const HcMixParams& p);
+// HcMix with its steps either side (HcMixParams' sub and x) in one kernel where `fused` is given
+// and rows <= kHcFusedRows (a decode step's): a token's thread blocks each make one of its mixes,
+// its stream's sum of squares (writing the expanded stream) or its collapse, expanding each value
+// of the stream they read as they read it (in ExpandKernel's steps), and the last of them to
+// finish (counted in `arrivals`) scales and splits the mixes. Otherwise a kernel a step. The same
+// bits either way: the fused kernel saves a decode step's launches (three a sublayer), the
+// expansion made again by every thread block costing more than it saves at longer batches.
+constexpr int64_t kHcFusedRows = 32;
+struct HcMixFused {
+  unsigned* arrivals = nullptr;  // [rows] zeros, left zeros.
+  double* sums = nullptr;        // Workspace [rows].
+};
+OpStatus HcMix(const HcMixParams& p, const HcMixFused* fused = nullptr);
 OpStatus HcCollapse(const HcCollapseParams& p);
 OpStatus HcExpand(const HcExpandParams& p);
 OpStatus CompressPool(const CompressPoolParams& p);

@@ -2088,6 +2088,161 @@ BOOST_AUTO_TEST_CASE(hc_mix_bit_equal) {
   }
 }
 
+// HcMix with its steps either side (the expansion before the mixes, the collapse after) is
+// HcExpand, HcCollapse and HcMix in turn, bit for bit, on both sides: on the device through the
+// fused kernel (one launch, its counts left zero) for up to kHcFusedRows rows and without its
+// workspace through a kernel a step; with each step alone and both, the collapse normed or not;
+// pre, post and comb written over the inputs they may alias (the engine's post and comb, and here
+// pre over the collapse's weights).
+BOOST_AUTO_TEST_CASE(hc_steps_in_one_op_are_the_three_ops) {
+  std::mt19937 rng(31);
+  struct Shape {
+    int64_t dim, rows, hc;
+  };
+  const int64_t over = gpu::kHcFusedRows + 1;
+  for (const auto& [dim, rows, hc] :
+       {Shape{40, 1, 4}, Shape{40, 3, 4}, Shape{1100, 2, 4}, Shape{5120, 1, 4}, Shape{40, over, 4},
+        Shape{40, 2, 2}, Shape{40, 2, 16}}) {
+    const int64_t mix = (2 + hc) * hc;
+    const std::vector<float> X = Normal(rng, rows * hc * dim),
+                             fn = Normal(rng, mix * hc * dim, 0.05f);
+    const std::vector<float> scale = {0.7f, 1.3f, 0.9f}, base = Normal(rng, mix, 0.5f);
+    const std::vector<float> sub = Normal(rng, rows * dim), post0 = Normal(rng, rows * hc);
+    const std::vector<float> comb0 = Normal(rng, rows * hc * hc), weights = Normal(rng, rows * hc);
+    const std::vector<float> norm = Normal(rng, dim);
+    for (const bool expand : {false, true}) {
+      for (const int collapse : {0, 1, 2}) {  // None, plain, normed.
+        // The CPU's three ops in turn.
+        std::vector<float> expanded(X.size()), x(rows * dim), mixes(rows * mix);
+        std::vector<float> pre(rows * hc), post(rows * hc), comb(rows * hc * hc);
+        const float* stream = X.data();
+        if (expand) {
+          BOOST_REQUIRE(cpu::HcExpand({.X = X.data(),
+                                       .sub = sub.data(),
+                                       .post = post0.data(),
+                                       .comb = comb0.data(),
+                                       .rows = rows,
+                                       .hc = hc,
+                                       .dim = dim,
+                                       .out = expanded.data()}) == OpStatus::kOk);
+          stream = expanded.data();
+        }
+        if (collapse > 0) {
+          BOOST_REQUIRE(cpu::HcCollapse({.X = stream,
+                                         .weights = weights.data(),
+                                         .rows = rows,
+                                         .hc = hc,
+                                         .dim = dim,
+                                         .norm_weight = collapse == 2 ? norm.data() : nullptr,
+                                         .eps = 1e-6f,
+                                         .x = x.data()}) == OpStatus::kOk);
+        }
+        HcMixParams want{.X = stream,
+                         .rows = rows,
+                         .hc = hc,
+                         .dim = dim,
+                         .fn = fn.data(),
+                         .scale = scale.data(),
+                         .base = base.data(),
+                         .iters = 20,
+                         .hc_eps = 1e-6f,
+                         .norm_eps = 1e-6f,
+                         .mixes = mixes.data(),
+                         .pre = pre.data(),
+                         .post = post.data(),
+                         .comb = comb.data()};
+        BOOST_REQUIRE(cpu::HcMix(want) == OpStatus::kOk);
+        // One op: the CPU's, and the device's with and without the fused kernel's workspace.
+        // pre starts as the collapse's weights, post and comb as the expansion's.
+        const auto params = [&](const float* dX, const float* dfn, const float* dsc,
+                                const float* dba, const float* dsub, const float* dnorm,
+                                float* dexp, float* dx, float* dmx, float* dpre, float* dpost,
+                                float* dcomb) {
+          HcMixParams p = want;
+          p.X = dX;
+          p.fn = dfn;
+          p.scale = dsc;
+          p.base = dba;
+          p.mixes = dmx;
+          p.pre = dpre;
+          p.post = dpost;
+          p.comb = dcomb;
+          if (expand) {
+            p.sub = dsub;
+            p.expand_post = dpost;
+            p.expand_comb = dcomb;
+            p.expanded = dexp;
+          }
+          if (collapse > 0) {
+            p.collapse_weights = dpre;
+            p.collapse_norm = collapse == 2 ? dnorm : nullptr;
+            p.collapse_eps = 1e-6f;
+            p.x = dx;
+          }
+          return p;
+        };
+        const std::string what = "dim " + std::to_string(dim) + " rows " + std::to_string(rows) +
+                                 " hc " + std::to_string(hc) + " expand " + std::to_string(expand) +
+                                 " collapse " + std::to_string(collapse);
+        {
+          std::vector<float> e(X.size()), cx(rows * dim), cm(rows * mix),
+              cpre = weights, cpost = post0, ccomb = comb0;
+          BOOST_REQUIRE(cpu::HcMix(params(X.data(), fn.data(), scale.data(), base.data(),
+                                          sub.data(), norm.data(), e.data(), cx.data(), cm.data(),
+                                          cpre.data(), cpost.data(), ccomb.data())) ==
+                        OpStatus::kOk);
+          if (expand) BOOST_TEST(BitEqual(e, expanded), "cpu " << what);
+          if (collapse > 0) BOOST_TEST(BitEqual(cx, x), "cpu " << what);
+          BOOST_TEST((BitEqual(cm, mixes) && BitEqual(cpre, pre) && BitEqual(cpost, post) &&
+                      BitEqual(ccomb, comb)),
+                     "cpu " << what);
+        }
+        for (const bool with_workspace : {false, true}) {
+          Dev<float> dX(X), dfn(fn), dsc(scale), dba(base), dsub(sub), dnorm(norm);
+          Dev<float> dexp(std::vector<float>(X.size())), dx(std::vector<float>(rows * dim));
+          Dev<float> dmx(std::vector<float>(rows * mix)), dpre(weights), dpost(post0), dcomb(comb0);
+          Dev<unsigned> arrivals(std::vector<unsigned>(rows, 0u));
+          Dev<double> sums{std::vector<double>(rows)};
+          const gpu::HcMixFused fused{.arrivals = arrivals.get(), .sums = sums.get()};
+          const uint64_t launches = gpu::KernelLaunches();
+          BOOST_REQUIRE(gpu::HcMix(params(dX.get(), dfn.get(), dsc.get(), dba.get(), dsub.get(),
+                                          dnorm.get(), dexp.get(), dx.get(), dmx.get(), dpre.get(),
+                                          dpost.get(), dcomb.get()),
+                                   with_workspace ? &fused : nullptr) == OpStatus::kOk);
+          const bool one = with_workspace && rows <= gpu::kHcFusedRows;
+          const uint64_t apart = 2 + (expand ? 1 : 0) + (collapse > 0 ? 1 : 0);
+          BOOST_TEST(gpu::KernelLaunches() - launches == (one ? 1 : apart), what);
+          const std::string on = (one ? "fused " : "apart ") + what;
+          if (expand) BOOST_TEST(BitEqual(dexp.Host(), expanded), on);
+          if (collapse > 0) BOOST_TEST(BitEqual(dx.Host(), x), on);
+          BOOST_TEST(BitEqual(dmx.Host(), mixes), on);
+          BOOST_TEST(BitEqual(dpre.Host(), pre), on);
+          BOOST_TEST(BitEqual(dpost.Host(), post), on);
+          BOOST_TEST(BitEqual(dcomb.Host(), comb), on);
+          const std::vector<unsigned> left = arrivals.Host();
+          BOOST_TEST((std::count(left.begin(), left.end(), 0u) == rows), on);
+        }
+      }
+    }
+  }
+  // The expansion may not write over X.
+  std::vector<float> v(4 * 8);
+  BOOST_TEST((cpu::HcMix({.X = v.data(),
+                          .rows = 1,
+                          .hc = 2,
+                          .dim = 2,
+                          .iters = 1,
+                          .sub = v.data(),
+                          .expanded = v.data()}) == OpStatus::kBadShape));
+  BOOST_TEST((gpu::HcMix({.X = v.data(),
+                          .rows = 1,
+                          .hc = 2,
+                          .dim = 2,
+                          .iters = 1,
+                          .sub = v.data(),
+                          .expanded = v.data()}) == OpStatus::kBadShape));
+}
+
 // Several sequences pooled in one call (sequence_rows, kv_partials, score_partials): each
 // sequence's rows at positions of its own, into its own partial groups, one sequence without rows;
 // the pooled rows, in row order, and every partial group equal those of a call a sequence, on the
