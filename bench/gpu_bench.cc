@@ -408,7 +408,7 @@ class Layer {
         [&] {
           for (int i = 0; i < 2; ++i) CheckOp(g::HcMix(StepsParams(batch), &fused_), "HcMix");
         });
-    add("wq_a (FP8)", wq_a_.bytes(), [&] { Apply(wq_a_, x_, batch, qa_); });
+    add("wq_a + wkv (FP8, one op)", wq_a_.bytes() + wkv_.bytes(), [&] { QueryAndKeys(batch); });
     add("q norm", act * d.q_lora * 2, [&] {
       CheckOp(g::RmsNorm({.x = qa_,
                           .rows = batch,
@@ -432,7 +432,6 @@ class Layer {
                        .stream = stream_}),
               "Rope");
     });
-    add("wkv (FP8)", wkv_.bytes(), [&] { Apply(wkv_, x_, batch, kv_); });
     const uint64_t kv_bytes = uint64_t(d.window) * (d.head_dim + d.head_dim / 32) +
                               uint64_t(d.selected) * (d.head_dim / 2 + d.head_dim / 16) +
                               uint64_t(d.heads) * d.head_dim * 8;
@@ -507,6 +506,12 @@ class Layer {
     const double apart = Time(run, reps);
     gated_experts_ = true;
     return {gated, apart};
+  }
+
+  // wq_a and wkv at `batch` rows in one op (first) and apart (second): seconds.
+  std::pair<double, double> TimeQueryAndKeys(int64_t batch, int reps) {
+    return {Time([&] { QueryAndKeys(batch); }, reps),
+            Time([&] { QueryAndKeys(batch, false); }, reps)};
   }
 
   // The step between two sublayers at `batch` rows in one kernel (where batch <= kHcFusedRows),
@@ -655,6 +660,31 @@ class Layer {
              : instruction_ == g::MatrixInstruction::kMfma  ? Order::kMfma
                                                             : Order::kMatrix,
              1, pair, round_output);
+  }
+
+  // wq_a and wkv of the same x as the engine runs them (`together`): one op, x quantized once
+  // (one GEMV launch at one row); on matrix cores an op each, as the backend runs them there.
+  void QueryAndKeys(int64_t rows, bool together = true) {
+    if (matrix_ || !together) {
+      Apply(wq_a_, x_, rows, qa_);
+      Apply(wkv_, x_, rows, kv_);
+      return;
+    }
+    const k::LinearProjection wkv{.w = wkv_.w, .w_scales = wkv_.scales, .out = wkv_.out, .y = kv_};
+    CheckOp(g::Linear({.x = x_,
+                       .rows = rows,
+                       .in = wq_a_.in,
+                       .out = wq_a_.out,
+                       .format = wq_a_.format,
+                       .w = wq_a_.w,
+                       .w_scales = wq_a_.scales,
+                       .x_codes = xq_,
+                       .x_scales = xs_,
+                       .y = qa_,
+                       .stream = stream_,
+                       .also = &wkv,
+                       .also_count = 1}),
+            "Linear");
   }
 
   void Expert(const std::vector<Weight>& e, int64_t rows) {
@@ -889,6 +919,12 @@ int main(int argc, char** argv) {
   for (int64_t batch : {1, 8, 32}) {
     const auto [one, apart] = layer.TimeHcSteps(batch, reps);
     std::printf("hc steps at batch %lld: one kernel %.1f us; a kernel a step %.1f us\n",
+                static_cast<long long>(batch), one * 1e6, apart * 1e6);
+  }
+  // wq_a and wkv of one x in one op (the engine's) against an op each.
+  for (int64_t batch : {1, 8}) {
+    const auto [one, apart] = layer.TimeQueryAndKeys(batch, reps);
+    std::printf("wq_a and wkv at batch %lld: one op %.1f us; an op each %.1f us\n",
                 static_cast<long long>(batch), one * 1e6, apart * 1e6);
   }
   // The experts' w1 and w3 as one gated op (the engine's) against two ops and a Swiglu.

@@ -415,17 +415,21 @@ class Step {
   // y = lin(x) as the Linear op gives it; round_output: then rounded to BF16 (in the same op).
   Status Apply(const Linear& lin, const float* x, int64_t rows, float* y,
                bool round_output = false);
+  // y = lin(x), and each of `more` (a linear, its output) of the same x: one op where they share
+  // lin's format and inputs (x quantized once), else an op each.
+  Status ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
+                  std::initializer_list<std::pair<const Linear*, float*>> more);
   Status Engram(int l);
   void StartEngramReads();
   void ReadEngramRows(size_t e);
   Status Attention(int l);
   Status QueriesAndWindow(int l, std::vector<float>* qr, std::vector<float>* q,
-                          std::vector<float>* kv);
+                          std::vector<float>* kv, std::vector<float>* iq);
   Status Attend(int l, const std::vector<float>& q, const std::vector<float>& kv,
                 std::vector<float>* o);
   Status Output(int l, const std::vector<float>& o);
   Status Compress(int l, const float* kvp, const float* score);
-  Status Index(int l, const float* qr, const float* weights);
+  Status Index(int l, float* iq, const float* weights);
   Status Moe(int l);
   Status GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                         const std::vector<float>& weights, std::vector<float>& y);
@@ -440,6 +444,7 @@ class Step {
   Status SeedDrafts();
   Status WindowKeys(const Layer& L, const float* x, int64_t rows, const int64_t* positions,
                     std::vector<float>* kv);
+  Status NormWindowKeys(const Layer& L, int64_t rows, const int64_t* positions, float* kv);
   Status Force(int layer);
   Status Truncate(size_t keep);
   Status Logits();
@@ -663,6 +668,43 @@ Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y, bo
                      .y = y,
                      .stream = &stream_,
                      .round_output = round_output});
+  return Status::Ok();
+}
+
+Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
+                      std::initializer_list<std::pair<const Linear*, float*>> more) {
+  const bool quantized =
+      lin.format == kernels::WeightFormat::kFp8 || lin.format == kernels::WeightFormat::kFp4;
+  bool together = quantized && static_cast<int64_t>(more.size()) <= kernels::kLinearMaxAlso;
+  for (const auto& [other, out] : more) {
+    together = together && other->format == lin.format && other->in == lin.in;
+  }
+  if (!together) {
+    FLASHD_RETURN_IF_ERROR(Apply(lin, x, rows, y, round_output));
+    for (const auto& [other, out] : more) {
+      FLASHD_RETURN_IF_ERROR(Apply(*other, x, rows, out, round_output));
+    }
+    return Status::Ok();
+  }
+  std::vector<kernels::LinearProjection> also;
+  for (const auto& [other, out] : more) {
+    also.push_back({.w = other->w, .w_scales = other->s, .out = other->out, .y = out});
+  }
+  QuantScratch(rows * lin.in);
+  FLASHD_OP(Linear, {.x = x,
+                     .rows = rows,
+                     .in = lin.in,
+                     .out = lin.out,
+                     .format = lin.format,
+                     .w = lin.w,
+                     .w_scales = lin.s,
+                     .x_codes = xq_.data(),
+                     .x_scales = xs_.data(),
+                     .y = y,
+                     .stream = &stream_,
+                     .round_output = round_output,
+                     .also = also.data(),
+                     .also_count = static_cast<int64_t>(also.size())});
   return Status::Ok();
 }
 
@@ -1096,10 +1138,12 @@ Status Step::Engram(int l) {
   return Status::Ok();
 }
 
-// The layer's queries (low-rank projection, norm, up-projection, rotation) and window keys
-// (= values: normed, rotated, FP8 with a UE8M0 scale per 32).
+// The layer's queries (low-rank projection, norm, up-projection, rotation), window keys (= values:
+// normed, rotated, FP8 with a UE8M0 scale per 32) and, on an indexing layer (iq not null), the
+// indexer's queries (unrotated): wq_a and wkv of the same x in one op, and wq_b and the indexer's
+// wq_b of the same qr.
 Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<float>* q_out,
-                              std::vector<float>* kv_out) {
+                              std::vector<float>* kv_out, std::vector<float>* iq) {
   const Layer& L = m_.layers[l];
   const int64_t rows = static_cast<int64_t>(n()), H = c_.num_attention_heads;
   const int64_t hd = c_.head_dim, rd = c_.qk_rope_head_dim, qlr = c_.q_lora_rank;
@@ -1109,7 +1153,9 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
   std::vector<float>& kv = *kv_out;
   qr.resize(static_cast<size_t>(rows * qlr));
   q.resize(static_cast<size_t>(rows * H * hd));
-  FLASHD_RETURN_IF_ERROR(Apply(L.wq_a, x_.data(), rows, qr.data()));
+  kv.resize(static_cast<size_t>(rows * hd));
+  FLASHD_RETURN_IF_ERROR(
+      ApplyAll(L.wq_a, x_.data(), rows, qr.data(), false, {{&L.wkv, kv.data()}}));
   FLASHD_OP(RmsNorm, {.x = qr.data(),
                       .rows = rows,
                       .dim = qlr,
@@ -1117,7 +1163,12 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
                       .weight = L.q_norm.data(),
                       .eps = eps,
                       .round_input = true});
-  FLASHD_RETURN_IF_ERROR(Apply(L.wq_b, qr.data(), rows, q.data(), true));
+  if (iq != nullptr) {
+    FLASHD_RETURN_IF_ERROR(
+        ApplyAll(L.wq_b, qr.data(), rows, q.data(), true, {{&L.idx_wq_b, iq->data()}}));
+  } else {
+    FLASHD_RETURN_IF_ERROR(Apply(L.wq_b, qr.data(), rows, q.data(), true));
+  }
   FLASHD_OP(Rope, {.x = q.data(),
                    .rows = rows,
                    .heads = H,
@@ -1126,18 +1177,23 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
                    .row_stride = H * hd,
                    .positions = plan_.positions.data(),
                    .freqs = L.freqs.data()});
-  return WindowKeys(L, x_.data(), rows, plan_.positions.data(), &kv);
+  return NormWindowKeys(L, rows, plan_.positions.data(), kv.data());
 }
 
 // Window keys (= values) of `rows` inputs: normed, rotated, FP8 with a UE8M0 scale per 32.
 Status Step::WindowKeys(const Layer& L, const float* x, int64_t rows, const int64_t* positions,
                         std::vector<float>* kv_out) {
-  const int64_t hd = c_.head_dim;
   std::vector<float>& kv = *kv_out;
-  kv.resize(static_cast<size_t>(rows * hd));
+  kv.resize(static_cast<size_t>(rows * c_.head_dim));
   FLASHD_RETURN_IF_ERROR(Apply(L.wkv, x, rows, kv.data()));
-  // Normed, rotated and through FP8 (blocks of 32 along each row), in one op.
-  FLASHD_OP(RmsNorm, {.x = kv.data(),
+  return NormWindowKeys(L, rows, positions, kv.data());
+}
+
+// The window keys' steps after wkv: normed, rotated and through FP8 (blocks of 32 along each row),
+// in one op.
+Status Step::NormWindowKeys(const Layer& L, int64_t rows, const int64_t* positions, float* kv) {
+  const int64_t hd = c_.head_dim;
+  FLASHD_OP(RmsNorm, {.x = kv,
                       .rows = rows,
                       .dim = hd,
                       .stride = hd,
@@ -1353,9 +1409,11 @@ Status Step::Attention(int l) {
   std::vector<float> kvp(lp.is_kv_source ? rows_hd : 0);
   std::vector<float> score(lp.is_kv_source && lp.compress_ratio > 1 ? rows_hd : 0);
   std::vector<float> iw(lp.is_index_source ? static_cast<size_t>(rows * c_.index_n_heads) : 0);
+  std::vector<float> iq(
+      lp.is_index_source ? static_cast<size_t>(rows * c_.index_n_heads * c_.index_head_dim) : 0);
   std::vector<float> o(static_cast<size_t>(rows * H * hd));
-  const Kept kept(this, {&qr, &q, &kv, &kvp, &score, &iw, &o});
-  FLASHD_RETURN_IF_ERROR(QueriesAndWindow(l, &qr, &q, &kv));
+  const Kept kept(this, {&qr, &q, &kv, &kvp, &score, &iw, &iq, &o});
+  FLASHD_RETURN_IF_ERROR(QueriesAndWindow(l, &qr, &q, &kv, lp.is_index_source ? &iq : nullptr));
   if (lp.is_kv_source) {
     FLASHD_RETURN_IF_ERROR(Apply(L.comp_wkv, x_.data(), rows, kvp.data()));
     if (lp.compress_ratio > 1) {
@@ -1388,7 +1446,7 @@ Status Step::Attention(int l) {
   }
   // The selections of every sequence at once (a sequence's compressed entries are written above,
   // each into its own blocks), then the attention of all.
-  if (lp.is_index_source) FLASHD_RETURN_IF_ERROR(Index(l, qr.data(), iw.data()));
+  if (lp.is_index_source) FLASHD_RETURN_IF_ERROR(Index(l, iq.data(), iw.data()));
   FLASHD_RETURN_IF_ERROR(Attend(l, q, kv, &o));
   return Output(l, o);
 }
@@ -1507,15 +1565,13 @@ Status Step::Compress(int l, const float* kvp, const float* score) {
 // candidate filter and one top-k over all of them, so the host waits for the picks once per
 // chunk, not once per sequence. Every row's choice is made from its own scores alone, so it does
 // not depend on which sequences share the step.
-Status Step::Index(int l, const float* qr, const float* weights) {
+// The indexer's choices; iq: its queries (idx_wq_b's, rounded), rotated and fake-quantized here.
+Status Step::Index(int l, float* iq, const float* weights) {
   const Layer& L = m_.layers[l];
   const LayerPlan& lp = m_.Plan(l);
   const int64_t ih = c_.index_n_heads, idd = c_.index_head_dim, ratio = lp.compress_ratio;
   const int64_t count = static_cast<int64_t>(n());
-  std::vector<float> iq(static_cast<size_t>(count * ih * idd));
-  const Kept kept(this, {&iq});
-  FLASHD_RETURN_IF_ERROR(Apply(L.idx_wq_b, qr, count, iq.data(), true));
-  FLASHD_OP(Rope, {.x = iq.data(),
+  FLASHD_OP(Rope, {.x = iq,
                    .rows = count,
                    .heads = ih,
                    .head_dim = idd,
@@ -1523,10 +1579,9 @@ Status Step::Index(int l, const float* qr, const float* weights) {
                    .row_stride = ih * idd,
                    .positions = plan_.positions.data(),
                    .freqs = L.freqs.data()});
-  FLASHD_OP(FakeQuant, {.x = iq.data(),
-                        .n = static_cast<int64_t>(iq.size()),
-                        .block = 32,
-                        .format = kernels::FakeQuantFormat::kFp4E8M0});
+  FLASHD_OP(
+      FakeQuant,
+      {.x = iq, .n = count * ih * idd, .block = 32, .format = kernels::FakeQuantFormat::kFp4E8M0});
   // Only the entries a query can see take part, so the choice for a token never depends on how
   // many tokens share its call (the reference's decode step does the same).
   std::vector<int64_t> visible(static_cast<size_t>(count));

@@ -1370,6 +1370,15 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus Linear(const k::LinearParams& p) const override {
+    if (const OpStatus s = k::LinearAlsoFits(p); s != OpStatus::kOk) return s;
+    // Dense weights' projections an op each (each weight kept as BF16 or fp32 on its own).
+    if (p.also_count > 0 && p.format != k::WeightFormat::kFp8 &&
+        p.format != k::WeightFormat::kFp4) {
+      for (int64_t j = -1; j < p.also_count; ++j) {
+        if (const OpStatus s = Linear(k::LinearAlone(p, j)); s != OpStatus::kOk) return s;
+      }
+      return OpStatus::kOk;
+    }
     return Run([&](Call& c) {
       k::LinearParams d = p;
       d.stream = nullptr;
@@ -1406,13 +1415,31 @@ class GpuBackend final : public Backend {
       } else {
         d.w = c.Weight(p.w, p.out * p.in * 2);
       }
+      // The projections of `also`: their weights and outputs (the list stays on the host).
+      std::vector<k::LinearProjection> also(static_cast<size_t>(p.also_count));
+      for (int64_t j = 0; j < p.also_count; ++j) {
+        const k::LinearProjection& a = p.also[j];
+        const k::StoredBytes stored = k::QuantizedWeightBytes(p.format, a.out, p.in);
+        also[j] = {.w = c.Weight(a.w, stored.codes),
+                   .w_scales = c.Weight(a.w_scales, stored.scales),
+                   .out = a.out,
+                   .y = c.Out(a.y, p.rows * a.out)};
+      }
+      d.also = also.data();
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);
       d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
       // On matrix cores for every row count, so that a row's results do not depend on how the
-      // rows were batched.
-      const bool matrix = matrix_ && g::LinearMatrixTakes(d);
+      // rows were batched (there an op a projection).
+      const bool matrix = matrix_ && g::LinearMatrixTakes(k::LinearAlone(d, -1));
       d.y = c.Out(p.y, p.rows * groups * p.out);
-      return Launch(c, [&] { return matrix ? g::LinearMatrix(d, instruction_) : g::Linear(d); });
+      return Launch(c, [&] {
+        if (!matrix) return g::Linear(d);
+        OpStatus s = OpStatus::kOk;
+        for (int64_t j = -1; j < d.also_count && s == OpStatus::kOk; ++j) {
+          s = g::LinearMatrix(k::LinearAlone(d, j), instruction_);
+        }
+        return s;
+      });
     });
   }
 

@@ -94,6 +94,17 @@ inline StoredBytes QuantizedWeightBytes(WeightFormat format, int64_t out, int64_
 // y[rows, out] = x[rows, in] . W^T in fp32 (not rounded). For FP8 and FP4 weights the input is
 // first quantized to FP8 with a UE8M0 scale per 32 (as the model's linear() does), into
 // x_codes/x_scales ([rows, in] and [rows, in / 32], caller-owned workspace).
+// One more projection of a Linear op's x (LinearParams::also): its weights as the op's (w and
+// w_scales, or dense), its out and y.
+struct LinearProjection {
+  const uint8_t* w = nullptr;
+  const uint8_t* w_scales = nullptr;
+  const float* dense = nullptr;
+  int64_t out = 0;
+  float* y = nullptr;
+};
+inline constexpr int64_t kLinearMaxAlso = 3;
+
 struct LinearParams {
   const float* x = nullptr;
   int64_t rows = 0, in = 0, out = 0;
@@ -133,7 +144,53 @@ struct LinearParams {
   // all of y, bit for bit (a GPU's decode kernels round as they write; elsewhere a rounding pass
   // follows). Not with the gated pair (kBadArgument).
   bool round_output = false;
+  // Optional: up to kLinearMaxAlso more projections of the same x in this op (kFp8, kFp4, kDense
+  // or kBf16; one group, not the gated pair; kBadArgument otherwise), each the values of an op of
+  // its own (this op's format, rows, in and round_output) bit for bit. x is quantized once (into
+  // x_codes), and a GPU's one-row GEMV makes them all in one kernel. `also` is host memory on
+  // every backend (the projections' pointers are the op's kind of memory).
+  const LinearProjection* also = nullptr;
+  int64_t also_count = 0;
 };
+
+// LinearParams' `also` checked as every backend checks it: kOk when there is none or they fit,
+// kBadArgument for a format, group count or gated pair that does not take them (or over
+// kLinearMaxAlso, or weights missing), kBadShape for a projection without outputs.
+inline OpStatus LinearAlsoFits(const LinearParams& p) {
+  if (p.also_count == 0) return OpStatus::kOk;
+  if (p.also_count < 0 || p.also_count > kLinearMaxAlso || p.also == nullptr) {
+    return OpStatus::kBadArgument;
+  }
+  const bool quantized = p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4;
+  if ((!quantized && p.format != WeightFormat::kDense && p.format != WeightFormat::kBf16) ||
+      p.groups != 1 || p.up != nullptr) {
+    return OpStatus::kBadArgument;
+  }
+  for (int64_t j = 0; j < p.also_count; ++j) {
+    const LinearProjection& a = p.also[j];
+    if (a.out <= 0 || a.y == nullptr) return OpStatus::kBadShape;
+    const bool weights = quantized ? a.w != nullptr && a.w_scales != nullptr
+                         : p.format == WeightFormat::kDense ? a.dense != nullptr
+                                                            : a.w != nullptr;
+    if (!weights) return OpStatus::kBadArgument;
+  }
+  return OpStatus::kOk;
+}
+
+// Projection j of p's `also` as an op of its own (j = -1: p's own projection without them).
+inline LinearParams LinearAlone(const LinearParams& p, int64_t j) {
+  LinearParams q = p;
+  q.also = nullptr;
+  q.also_count = 0;
+  if (j < 0) return q;
+  const LinearProjection& a = p.also[j];
+  q.w = a.w;
+  q.w_scales = a.w_scales;
+  q.dense = a.dense;
+  q.out = a.out;
+  q.y = a.y;
+  return q;
+}
 
 // --- Element-wise and row ops -----------------------------------------------------------------
 // x = BF16(BF16(x) * scale): BF16(x) with the default scale of 1.

@@ -554,20 +554,29 @@ void DenseLinearFp8(const float* x, size_t M, size_t K, const uint8_t* w, const 
 namespace flashd::kernels::cpu {
 
 namespace {
-OpStatus Unrounded(const LinearParams& p);
-}
+// Linear without round_output (nor `also`); `quantized`: x_codes already hold x's codes.
+OpStatus Unrounded(const LinearParams& p, bool quantized = false);
+}  // namespace
 
 OpStatus Linear(const LinearParams& p) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
-  const OpStatus s = Unrounded(p);
-  if (s != OpStatus::kOk || !p.round_output) return s;
-  return RoundBf16({.x = p.y, .n = p.rows * p.groups * p.out});
+  if (const OpStatus s = LinearAlsoFits(p); s != OpStatus::kOk) return s;
+  // The op's projection, then each of `also` from the same codes.
+  for (int64_t j = -1; j < p.also_count; ++j) {
+    const LinearParams q = LinearAlone(p, j);
+    const OpStatus s = Unrounded(q, j >= 0);
+    if (s != OpStatus::kOk) return s;
+    if (!q.round_output) continue;
+    if (const OpStatus r = RoundBf16({.x = q.y, .n = q.rows * q.groups * q.out});
+        r != OpStatus::kOk)
+      return r;
+  }
+  return OpStatus::kOk;
 }
 
 namespace {
 
-// Linear without round_output.
-OpStatus Unrounded(const LinearParams& p) {
+OpStatus Unrounded(const LinearParams& p, bool quantized) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
@@ -606,7 +615,7 @@ OpStatus Unrounded(const LinearParams& p) {
   if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
     return OpStatus::kBadArgument;
   }
-  for (size_t r = 0; r < rows; ++r) {
+  for (size_t r = 0; r < rows && !quantized; ++r) {
     QuantizeFp8PerBlock(p.x + r * in, in, kQuantBlock, p.x_codes + r * in,
                         p.x_scales + r * in / kQuantBlock);
   }

@@ -6,6 +6,8 @@
 // (DenseGemmKernel) staged in shared memory a chunk of K at a time. Results equal the CPU's bit
 // for bit. Matrix-core GEMMs come beside them, checked against them.
 
+#include <algorithm>
+
 #include "kernels/codecs.h"
 #include "kernels/fmath.h"
 #include "kernels/gpu/ops.h"
@@ -522,6 +524,36 @@ __global__ void __launch_bounds__(kGemvThreads)
   FLASHD_DYNAMIC_SHARED(float, sums);
   GemvTile<kFormat, kGated>(xq, xs, K, w, ws, N, blockIdx.x * groups * kGemvCols<kFormat>, groups,
                             y, sums, round, pair);
+}
+
+// Several projections of one row (LinearParams::also) in one launch: each its weights, outputs,
+// column groups a thread block and first thread block; thread block j takes the last projection
+// whose first thread block is at most j, and its tile as GemvKernel would.
+struct GemvProjection {
+  const uint8_t* w = nullptr;
+  const uint8_t* ws = nullptr;
+  int64_t N = 0, groups = 0, first = 0;
+  float* y = nullptr;
+};
+struct GemvProjections {
+  GemvProjection at[1 + kLinearMaxAlso];
+  int count = 0;
+};
+
+template <int kFormat>
+__global__ void __launch_bounds__(kGemvThreads)
+    GemvProjectionsKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, GemvProjections ps,
+                          bool round) {
+  FLASHD_DYNAMIC_SHARED(float, sums);
+  // Picked with a fixed trip count, so that the params are not indexed at run time.
+  GemvProjection p = ps.at[0];
+  FLASHD_UNROLL
+  for (int i = 1; i < 1 + kLinearMaxAlso; ++i) {
+    if (i < ps.count && blockIdx.x >= ps.at[i].first) p = ps.at[i];
+  }
+  GemvTile<kFormat>(xq, xs, K, p.w, p.ws, p.N,
+                    (blockIdx.x - p.first) * p.groups * kGemvCols<kFormat>, p.groups, p.y, sums,
+                    round);
 }
 
 // The experts' rows each on its own (a step of few tokens): thread block (row r, column tile
@@ -1203,6 +1235,34 @@ OpStatus GemvLinear(const LinearParams& p, const GemvShape& g) {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
+// Linear's one row and its `also` through one GEMV launch, x quantized once (p checked, also
+// fitting); false, launching nothing, where the GEMV does not take each of them alone.
+bool GemvProjectionsLinear(const LinearParams& p, OpStatus* status) {
+  if (p.rows != 1 || (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4)) {
+    return false;
+  }
+  GemvProjections ps;
+  size_t shared = 0;
+  int64_t tiles = 0;
+  for (int64_t j = -1; j < p.also_count; ++j) {
+    const LinearParams q = LinearAlone(p, j);
+    const GemvShape g = GemvShapeFor(q.format, q.in, q.out);
+    if (CheckQuantizedLinear(q, 16) != OpStatus::kOk || g.groups == 0) return false;
+    ps.at[ps.count++] = {q.w, q.w_scales, q.out, g.groups, tiles, q.y};
+    shared = std::max(shared, g.shared);
+    tiles += g.tiles;
+  }
+  if (tiles > int64_t{0x7FFFFFFF}) return false;
+  const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
+  QuantizeActivations(p.x, p.in / kBlock, p.x_codes, p.x_scales, stream);
+  const auto kernel =
+      p.format == WeightFormat::kFp8 ? &GemvProjectionsKernel<0> : &GemvProjectionsKernel<1>;
+  FLASHD_LAUNCH(kernel, static_cast<unsigned>(tiles), kGemvThreads, shared, stream, p.x_codes,
+                p.x_scales, p.in, ps, p.round_output);
+  *status = gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  return true;
+}
+
 }  // namespace
 
 void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t* scales,
@@ -1324,6 +1384,19 @@ OpStatus RoundedAfter(OpStatus s, bool rounded, float* y, int64_t n, void* strea
 
 OpStatus Linear(const LinearParams& p) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
+  if (const OpStatus s = LinearAlsoFits(p); s != OpStatus::kOk) return s;
+  if (p.also_count > 0) {
+    // One row: one quantization and one GEMV for all; else an op a projection.
+    if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
+      return OpStatus::kBadShape;
+    }
+    OpStatus status = OpStatus::kOk;
+    if (GemvProjectionsLinear(p, &status)) return status;
+    for (int64_t j = -1; j < p.also_count && status == OpStatus::kOk; ++j) {
+      status = Linear(LinearAlone(p, j));
+    }
+    return status;
+  }
   bool rounded = !p.round_output;
   const OpStatus s = LinearOnce(p, &rounded);
   return RoundedAfter(s, rounded, p.y, p.rows * p.groups * p.out, p.stream);

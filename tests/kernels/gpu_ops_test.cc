@@ -871,6 +871,166 @@ void MatrixRoundsAsItWrites(P p, const Dev<float>& y, Op op) {
 // FP8 values at few rows, the quantized matrix GEMMs and wo_a's) and the ones followed by a
 // rounding pass (the tiles, dense weights, the experts' matrix GEMMs). The exact paths' rounded
 // values are the CPU's too. Not with the gated pair.
+// A Linear op with more projections of its x (`also`) gives each projection's op alone, bit for
+// bit: on the CPU (x quantized once, the others read its codes) and on the device, where one row
+// of FP8 or FP4 weights is one quantization and one GEMV launch for all (counted) and more rows an
+// op a projection; outputs of several widths (a GEMV's tail columns), rounded or not; dense and
+// BF16 weights; what does not take them refused alike.
+BOOST_AUTO_TEST_CASE(linear_also_is_an_op_a_projection) {
+  std::mt19937 rng(37);
+  const int64_t in = 160;
+  const std::vector<int64_t> outs = {70, 32, 150, 9};  // The op's, then its projections'.
+  for (const WeightFormat format :
+       {WeightFormat::kFp8, WeightFormat::kFp4, WeightFormat::kDense, WeightFormat::kBf16}) {
+    // Each projection's weights in the format.
+    std::vector<std::vector<float>> w;
+    std::vector<flashd::testing::QuantizedWeights> qw;
+    for (const int64_t out : outs) {
+      w.push_back(Normal(rng, out * in, 0.2f));
+      flashd::testing::QuantizedWeights q;
+      if (format == WeightFormat::kBf16) {
+        q.codes.clear();
+        for (float v : w.back()) {
+          const uint16_t code = codecs::FloatToBf16(v);
+          q.codes.push_back(static_cast<uint8_t>(code));
+          q.codes.push_back(static_cast<uint8_t>(code >> 8));
+        }
+        q.scales.assign(1, 0);
+      } else if (format == WeightFormat::kDense) {
+        q.codes.assign(1, 0), q.scales.assign(1, 0);
+      } else {
+        q = flashd::testing::QuantizeWeights(format, w.back(), out, in);
+      }
+      qw.push_back(std::move(q));
+    }
+    for (const int64_t rows : {int64_t{1}, int64_t{3}}) {
+      for (const int64_t more : {int64_t{0}, int64_t{1}, int64_t{3}}) {
+        for (const bool round : {false, true}) {
+          BOOST_TEST_CONTEXT("format " << static_cast<int>(format) << " rows " << rows << " also "
+                                       << more << " round " << round) {
+            const std::vector<float> x = Normal(rng, rows * in);
+            std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
+            // The ops alone, on the CPU.
+            const auto alone = [&](size_t j, const float* px, const uint8_t* pw, const uint8_t* pws,
+                                   const float* dense, uint8_t* pxq, uint8_t* pxs, float* y) {
+              return LinearParams{.x = px,
+                                  .rows = rows,
+                                  .in = in,
+                                  .out = outs[j],
+                                  .format = format,
+                                  .w = pw,
+                                  .w_scales = pws,
+                                  .dense = dense,
+                                  .x_codes = pxq,
+                                  .x_scales = pxs,
+                                  .y = y,
+                                  .round_output = round};
+            };
+            std::vector<std::vector<float>> want;
+            for (size_t j = 0; j <= static_cast<size_t>(more); ++j) {
+              want.emplace_back(rows * outs[j]);
+              BOOST_REQUIRE(cpu::Linear(alone(j, x.data(), qw[j].codes.data(), qw[j].scales.data(),
+                                              w[j].data(), xq.data(), xs.data(), want[j].data())) ==
+                            OpStatus::kOk);
+            }
+            // One op on the CPU.
+            std::vector<std::vector<float>> got(want.size());
+            std::vector<LinearProjection> also;
+            for (size_t j = 0; j < want.size(); ++j) {
+              got[j].assign(want[j].size(), 7.0f);
+              if (j == 0) continue;
+              also.push_back({.w = qw[j].codes.data(),
+                              .w_scales = qw[j].scales.data(),
+                              .dense = w[j].data(),
+                              .out = outs[j],
+                              .y = got[j].data()});
+            }
+            LinearParams one = alone(0, x.data(), qw[0].codes.data(), qw[0].scales.data(),
+                                     w[0].data(), xq.data(), xs.data(), got[0].data());
+            one.also = also.data();
+            one.also_count = more;
+            BOOST_REQUIRE(cpu::Linear(one) == OpStatus::kOk);
+            for (size_t j = 0; j < want.size(); ++j) {
+              BOOST_TEST(BitEqual(got[j], want[j]), "cpu, projection " << j);
+            }
+            // One op on the device.
+            Dev<float> dx(x);
+            Dev<uint8_t> dxq(xq), dxs(std::vector<uint8_t>(xs.size() + 1));
+            std::vector<std::unique_ptr<Dev<float>>> dw, dy;
+            std::vector<std::unique_ptr<Dev<uint8_t>>> dq, ds;
+            std::vector<LinearProjection> dalso;
+            for (size_t j = 0; j < want.size(); ++j) {
+              dw.push_back(std::make_unique<Dev<float>>(w[j]));
+              dq.push_back(std::make_unique<Dev<uint8_t>>(qw[j].codes));
+              ds.push_back(std::make_unique<Dev<uint8_t>>(qw[j].scales));
+              dy.push_back(std::make_unique<Dev<float>>(std::vector<float>(want[j].size(), 7.0f)));
+              if (j == 0) continue;
+              dalso.push_back({.w = dq[j]->get(),
+                               .w_scales = ds[j]->get(),
+                               .dense = dw[j]->get(),
+                               .out = outs[j],
+                               .y = dy[j]->get()});
+            }
+            LinearParams d = alone(0, dx.get(), dq[0]->get(), ds[0]->get(), dw[0]->get(), dxq.get(),
+                                   dxs.get(), dy[0]->get());
+            d.also = dalso.data();
+            d.also_count = more;
+            const uint64_t launches = gpu::KernelLaunches();
+            BOOST_REQUIRE(gpu::Linear(d) == OpStatus::kOk);
+            const bool quantized = format == WeightFormat::kFp8 || format == WeightFormat::kFp4;
+            if (quantized && rows == 1) {
+              BOOST_TEST(gpu::KernelLaunches() - launches == 2u, "one quantization, one GEMV");
+            }
+            for (size_t j = 0; j < want.size(); ++j) {
+              BOOST_TEST(BitEqual(dy[j]->Host(), want[j]), "device, projection " << j);
+            }
+          }
+        }
+      }
+    }
+  }
+  // What does not take them: too many, FP8 values, the gated pair, a projection without
+  // outputs or weights.
+  std::vector<float> x(64), y(64);
+  std::vector<uint8_t> codes(64 * 64), scales(64);
+  LinearProjection ok{.w = codes.data(), .w_scales = scales.data(), .out = 2, .y = y.data()};
+  const LinearProjection four[4] = {ok, ok, ok, ok};
+  LinearProjection none = ok, blind = ok;
+  none.out = 0;
+  blind.w_scales = nullptr;
+  const LinearParams base{.x = x.data(),
+                          .rows = 1,
+                          .in = 64,
+                          .out = 2,
+                          .format = WeightFormat::kFp8,
+                          .w = codes.data(),
+                          .w_scales = scales.data(),
+                          .x_codes = codes.data(),
+                          .x_scales = scales.data(),
+                          .y = y.data()};
+  struct Bad {
+    LinearParams p;
+    OpStatus want;
+  };
+  std::vector<Bad> bad;
+  bad.push_back({base, OpStatus::kBadArgument});
+  bad.back().p.also = four, bad.back().p.also_count = 4;
+  bad.push_back({base, OpStatus::kBadArgument});
+  bad.back().p.also = &ok, bad.back().p.also_count = 1,
+  bad.back().p.format = WeightFormat::kFp8Dense;
+  bad.push_back({base, OpStatus::kBadArgument});
+  bad.back().p.also = &ok, bad.back().p.also_count = 1, bad.back().p.up = codes.data();
+  bad.back().p.up_scales = scales.data();
+  bad.push_back({base, OpStatus::kBadShape});
+  bad.back().p.also = &none, bad.back().p.also_count = 1;
+  bad.push_back({base, OpStatus::kBadArgument});
+  bad.back().p.also = &blind, bad.back().p.also_count = 1;
+  for (const Bad& b : bad) {
+    BOOST_TEST((cpu::Linear(b.p) == b.want));
+    BOOST_TEST((gpu::Linear(b.p) == b.want));
+  }
+}
+
 BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
   std::mt19937 rng(29);
   const auto differ = [](const std::vector<float>& a, const std::vector<float>& b) {
@@ -896,6 +1056,7 @@ BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
                          w = Normal(rng, wrows * c.in, 0.2f);
       flashd::testing::QuantizedWeights qw;
       if (c.format == WeightFormat::kBf16) {
+        qw.codes.clear();
         for (float v : w) {
           const uint16_t code = codecs::FloatToBf16(v);
           qw.codes.push_back(static_cast<uint8_t>(code));
