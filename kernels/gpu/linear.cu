@@ -1167,8 +1167,8 @@ OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream, bool* rounde
 
 // FP8 or FP4 weights: the activations quantized, then the fixed-order GEMM (free false), split
 // `split` ways over K through the block sums when split > 1, or the free-order one split
-// `split` ways.
-OpStatus QuantizedLinear(const LinearParams& p, int split, bool free) {
+// `split` ways. `quantized`: x_codes hold x's codes already (LinearParams::also's projections).
+OpStatus QuantizedLinear(const LinearParams& p, int split, bool free, bool quantized = false) {
   if (const OpStatus s = CheckQuantizedLinear(p, 4); s != OpStatus::kOk) return s;
   const int64_t outputs = p.rows * p.out, blocks = p.in / kBlock;
   if (!free && split > 1 && (p.block_sums == nullptr || p.block_sums_count < outputs * blocks)) {
@@ -1180,7 +1180,7 @@ OpStatus QuantizedLinear(const LinearParams& p, int split, bool free) {
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
   const int64_t quantize = p.rows * blocks;
   const int format = p.format == WeightFormat::kFp8 ? 0 : 1;
-  QuantizeActivations(p.x, quantize, p.x_codes, p.x_scales, stream);
+  if (!quantized) QuantizeActivations(p.x, quantize, p.x_codes, p.x_scales, stream);
   if (!free && split == 1) {
     const auto kernel = Pick<QuantizedGemm>(format, one_row);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
@@ -1221,11 +1221,11 @@ GemvShape GemvShapeFor(WeightFormat format, int64_t in, int64_t out, int64_t mat
 constexpr int64_t kExpertGemvRows = 8;
 
 // Linear's one row through the GEMV (p checked; g.groups > 0; the gated pair's shape when p has
-// one).
-OpStatus GemvLinear(const LinearParams& p, const GemvShape& g) {
+// one); `quantized` as QuantizedLinear's.
+OpStatus GemvLinear(const LinearParams& p, const GemvShape& g, bool quantized) {
   if (g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
-  QuantizeActivations(p.x, p.in / kBlock, p.x_codes, p.x_scales, stream);
+  if (!quantized) QuantizeActivations(p.x, p.in / kBlock, p.x_codes, p.x_scales, stream);
   const bool fp8 = p.format == WeightFormat::kFp8, gated = p.up != nullptr;
   const auto kernel = gated ? (fp8 ? &GemvKernel<0, true> : &GemvKernel<1, true>)
                             : (fp8 ? &GemvKernel<0, false> : &GemvKernel<1, false>);
@@ -1324,8 +1324,9 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
 
 namespace {
 
-// Linear, with `*rounded` set where the kernel rounded y as p.round_output asks.
-OpStatus LinearOnce(const LinearParams& p, bool* rounded) {
+// Linear, with `*rounded` set where the kernel rounded y as p.round_output asks; `quantized` as
+// QuantizedLinear's.
+OpStatus LinearOnce(const LinearParams& p, bool* rounded, bool quantized = false) {
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }
@@ -1364,7 +1365,7 @@ OpStatus LinearOnce(const LinearParams& p, bool* rounded) {
     const GemvShape g = GemvShapeFor(p.format, p.in, p.out, gated ? 2 : 1);
     if (g.groups > 0 && Aligned(p.x_codes, 16) && (!gated || Aligned(p.up, 16))) {
       *rounded = true;
-      return GemvLinear(p, g);
+      return GemvLinear(p, g, quantized);
     }
   }
   if (gated) {
@@ -1372,7 +1373,7 @@ OpStatus LinearOnce(const LinearParams& p, bool* rounded) {
         p, [](const LinearParams& q) { return Linear(q); },
         [](const SwigluParams& q) { return Swiglu(q); });
   }
-  return QuantizedLinear(p, 1, false);
+  return QuantizedLinear(p, 1, false, quantized);
 }
 
 }  // namespace
@@ -1392,8 +1393,13 @@ OpStatus Linear(const LinearParams& p) {
     }
     OpStatus status = OpStatus::kOk;
     if (GemvProjectionsLinear(p, &status)) return status;
+    // The projections after the first read its codes.
+    const bool codes = p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4;
     for (int64_t j = -1; j < p.also_count && status == OpStatus::kOk; ++j) {
-      status = Linear(LinearAlone(p, j));
+      const LinearParams q = LinearAlone(p, j);
+      bool rounded = !q.round_output;
+      status = LinearOnce(q, &rounded, codes && j >= 0);
+      status = RoundedAfter(status, rounded, q.y, q.rows * q.out, q.stream);
     }
     return status;
   }
