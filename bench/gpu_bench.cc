@@ -473,7 +473,9 @@ class Layer {
     uint64_t shared_bytes = 0;
     for (const Weight& w : shared_) shared_bytes += w.bytes();
     add("shared expert (FP8)", shared_bytes, [&] { Expert(shared_, batch); });
-    add("combine + add", act * d.hidden * (d.topk + 3), [&] {
+    // The routed sum, and the shared expert's output added in the same op, as the engine makes
+    // them.
+    add("combine + add (one op)", act * d.hidden * (d.topk + 3), [&] {
       CheckOp(g::MoeCombine({.expert_out = og_routed_,
                              .rows = token_of_,
                              .count = batch * d.topk,
@@ -482,11 +484,10 @@ class Layer {
                              .stream = stream_,
                              .y_rows = batch,
                              .workspace = combine_work_,
-                             .workspace_ints = combine_work_ints_}),
+                             .workspace_ints = combine_work_ints_,
+                             .add = expert_out_,
+                             .out = sub_}),
               "MoeCombine");
-      CheckOp(
-          g::AddRound({.a = y_, .b = sub_, .n = batch * d.hidden, .out = sub_, .stream = stream_}),
-          "AddRound");
     });
     return rows;
   }
@@ -506,6 +507,34 @@ class Layer {
     const double apart = Time(run, reps);
     gated_experts_ = true;
     return {gated, apart};
+  }
+
+  // The router's choices for `batch` tokens and their grouping by expert in one kernel, as the
+  // engine makes them (first), and a kernel each (second): seconds.
+  std::pair<double, double> TimeRouteGroup(int64_t batch, int reps) {
+    const int64_t total = batch * d_.topk;
+    const k::MoeGroupParams group = {.slots = std::min(d_.experts, total),
+                                     .slot_expert = slot_expert_,
+                                     .slot_offset = slot_offset_,
+                                     .slot_tiles = slot_tiles_,
+                                     .rows = token_of_,
+                                     .row_weights = row_weights_};
+    const k::MoeRouteParams route = {.logits = logits_,
+                                     .bias = router_bias_,
+                                     .tokens = batch,
+                                     .experts = d_.experts,
+                                     .k = d_.topk,
+                                     .scoring = k::RouteScoring::kSqrtSoftplus,
+                                     .norm_topk = true,
+                                     .scale = 1.5f,
+                                     .scores = scores_,
+                                     .biased = biased_,
+                                     .chosen = chosen_,
+                                     .weights = weights_,
+                                     .stream = stream_,
+                                     .group = &group};
+    return {Time([&] { CheckOp(g::MoeRoute(route, fused_.arrivals), "MoeRoute"); }, reps),
+            Time([&] { CheckOp(g::MoeRoute(route), "MoeRoute"); }, reps)};
   }
 
   // wq_a and wkv at `batch` rows in one op (first) and apart (second): seconds.
@@ -919,6 +948,12 @@ int main(int argc, char** argv) {
   for (int64_t batch : {1, 8, 32}) {
     const auto [one, apart] = layer.TimeHcSteps(batch, reps);
     std::printf("hc steps at batch %lld: one kernel %.1f us; a kernel a step %.1f us\n",
+                static_cast<long long>(batch), one * 1e6, apart * 1e6);
+  }
+  // The routing and its grouping in one kernel (the engine's) against a kernel each.
+  for (int64_t batch : {1, 8, 64}) {
+    const auto [one, apart] = layer.TimeRouteGroup(batch, reps);
+    std::printf("route and group at batch %lld: one kernel %.1f us; a kernel each %.1f us\n",
                 static_cast<long long>(batch), one * 1e6, apart * 1e6);
   }
   // wq_a and wkv of one x in one op (the engine's) against an op each.

@@ -418,7 +418,7 @@ class Step {
   // y = lin(x), and each of `more` (a linear, its output) of the same x: one op where they share
   // lin's format and inputs (x quantized once), else an op each.
   Status ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
-                  std::initializer_list<std::pair<const Linear*, float*>> more);
+                  const std::vector<std::pair<const Linear*, float*>>& more);
   Status Engram(int l);
   void StartEngramReads();
   void ReadEngramRows(size_t e);
@@ -431,8 +431,12 @@ class Step {
   Status Compress(int l, const float* kvp, const float* score);
   Status Index(int l, float* iq, const float* weights);
   Status Moe(int l);
-  Status GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
-                        const std::vector<float>& weights, std::vector<float>& y);
+  // route: the routing, made here with the grouping in one op (else chosen and weights hold
+  // its choices already). With `shared` (the shared expert's output), sub_ = BF16(y + shared) in
+  // the combine's op.
+  Status GroupedExperts(const Layer& L, const kernels::MoeRouteParams* route,
+                        const std::vector<int64_t>& chosen, const std::vector<float>& weights,
+                        std::vector<float>& y, const float* shared = nullptr);
   Status Embed();
   Status Collapse(const float* weights, const std::vector<float>& norm);
   Status Expand();
@@ -672,10 +676,12 @@ Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y, bo
 }
 
 Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
-                      std::initializer_list<std::pair<const Linear*, float*>> more) {
+                      const std::vector<std::pair<const Linear*, float*>>& more) {
   const bool quantized =
       lin.format == kernels::WeightFormat::kFp8 || lin.format == kernels::WeightFormat::kFp4;
-  bool together = quantized && static_cast<int64_t>(more.size()) <= kernels::kLinearMaxAlso;
+  const bool dense = lin.format == kernels::WeightFormat::kDense;
+  bool together = (quantized || dense) && !more.empty() &&
+                  static_cast<int64_t>(more.size()) <= kernels::kLinearMaxAlso;
   for (const auto& [other, out] : more) {
     together = together && other->format == lin.format && other->in == lin.in;
   }
@@ -688,9 +694,13 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
   }
   std::vector<kernels::LinearProjection> also;
   for (const auto& [other, out] : more) {
-    also.push_back({.w = other->w, .w_scales = other->s, .out = other->out, .y = out});
+    also.push_back({.w = other->w,
+                    .w_scales = other->s,
+                    .dense = other->dense.data(),
+                    .out = other->out,
+                    .y = out});
   }
-  QuantScratch(rows * lin.in);
+  if (quantized) QuantScratch(rows * lin.in);
   FLASHD_OP(Linear, {.x = x,
                      .rows = rows,
                      .in = lin.in,
@@ -698,6 +708,7 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
                      .format = lin.format,
                      .w = lin.w,
                      .w_scales = lin.s,
+                     .dense = lin.dense.data(),
                      .x_codes = xq_.data(),
                      .x_scales = xs_.data(),
                      .y = y,
@@ -1414,15 +1425,19 @@ Status Step::Attention(int l) {
   std::vector<float> o(static_cast<size_t>(rows * H * hd));
   const Kept kept(this, {&qr, &q, &kv, &kvp, &score, &iw, &iq, &o});
   FLASHD_RETURN_IF_ERROR(QueriesAndWindow(l, &qr, &q, &kv, lp.is_index_source ? &iq : nullptr));
-  if (lp.is_kv_source) {
-    FLASHD_RETURN_IF_ERROR(Apply(L.comp_wkv, x_.data(), rows, kvp.data()));
-    if (lp.compress_ratio > 1) {
-      FLASHD_RETURN_IF_ERROR(Apply(L.comp_wgate, x_.data(), rows, score.data()));
-    }
+  // The compressor's and the indexer's projections of the same row, one op.
+  std::vector<std::pair<const Linear*, float*>> projections;
+  if (lp.is_kv_source) projections.push_back({&L.comp_wkv, kvp.data()});
+  if (lp.is_kv_source && lp.compress_ratio > 1)
+    projections.push_back({&L.comp_wgate, score.data()});
+  if (lp.is_index_source) projections.push_back({&L.idx_weights_proj, iw.data()});
+  if (!projections.empty()) {
+    const auto [first, y] = projections.front();
+    projections.erase(projections.begin());
+    FLASHD_RETURN_IF_ERROR(ApplyAll(*first, x_.data(), rows, y, false, projections));
   }
   if (lp.is_index_source) {
     const int64_t ih = c_.index_n_heads, idd = c_.index_head_dim;
-    FLASHD_RETURN_IF_ERROR(Apply(L.idx_weights_proj, x_.data(), rows, iw.data()));
     const float wscale =
         static_cast<float>(std::pow(double(idd), -0.5) * std::pow(double(ih), -0.5));
     FLASHD_OP(RoundBf16, {.x = iw.data(), .n = static_cast<int64_t>(iw.size()), .scale = wscale});
@@ -1735,19 +1750,22 @@ Status Step::Moe(int l) {
   std::vector<int64_t> chosen(static_cast<size_t>(rows * K));
   std::vector<float> weights(chosen.size());
   const Kept kept_chosen(this, {&chosen}), kept_weights(this, {&weights});
-  FLASHD_OP(MoeRoute, {.logits = logits.data(),
-                       .bias = L.gate_bias.data(),
-                       .tokens = rows,
-                       .experts = E,
-                       .k = K,
-                       .scoring = Scoring(c_.scoring_func),
-                       .norm_topk = c_.norm_topk_prob,
-                       .scale = static_cast<float>(c_.routed_scaling_factor),
-                       .order = options_.topk_order,
-                       .scores = s.data(),
-                       .biased = b.data(),
-                       .chosen = chosen.data(),
-                       .weights = weights.data()});
+  const kernels::MoeRouteParams route{.logits = logits.data(),
+                                      .bias = L.gate_bias.data(),
+                                      .tokens = rows,
+                                      .experts = E,
+                                      .k = K,
+                                      .scoring = Scoring(c_.scoring_func),
+                                      .norm_topk = c_.norm_topk_prob,
+                                      .scale = static_cast<float>(c_.routed_scaling_factor),
+                                      .order = options_.topk_order,
+                                      .scores = s.data(),
+                                      .biased = b.data(),
+                                      .chosen = chosen.data(),
+                                      .weights = weights.data()};
+  // Grouped where they are routed: the grouping in the routing's op (GroupedExperts).
+  const bool group_at_route = L.grouped && m_.routed_experts < 0;
+  if (!group_at_route) FLASHD_RETURN_IF_ERROR(Check(b_->MoeRoute(route), "MoeRoute"));
   auto expert = [&](const Expert& e, const float* x, int64_t m, const float* w, float* out) {
     const int64_t inter = e.w1.out;
     std::vector<float> g(static_cast<size_t>(m * inter)), u(g.size()), h(g.size());
@@ -1792,11 +1810,17 @@ Status Step::Moe(int l) {
   // stay zero.
   std::vector<float> y(static_cast<size_t>(rows * dim), 0.0f), shared(y.size());
   const Kept kept_y(this, {&y}, KeepAs::kZeros), kept_shared(this, {&shared});
+  // Routed and grouped where the layer runs: the shared expert first, and the routed sum and
+  // its output added in the combine's op (the two are independent: the same bits either way).
+  if (group_at_route) {
+    FLASHD_RETURN_IF_ERROR(expert(L.shared, x_.data(), rows, nullptr, shared.data()));
+    return GroupedExperts(L, &route, chosen, weights, y, shared.data());
+  }
   // The routed experts may run elsewhere than the layer (Placement::routed_experts).
   const Backend* layer_backend = b_;
   if (m_.routed_experts >= 0) FLASHD_RETURN_IF_ERROR(Use(m_.backends[m_.routed_experts].get()));
   if (L.grouped) {
-    FLASHD_RETURN_IF_ERROR(GroupedExperts(L, chosen, weights, y));
+    FLASHD_RETURN_IF_ERROR(GroupedExperts(L, nullptr, chosen, weights, y));
   } else {
     // Tokens by expert, in token order, on the host.
     FLASHD_RETURN_IF_ERROR(ToHost(chosen));
@@ -1841,8 +1865,9 @@ Status Step::Moe(int l) {
 // The routed experts over the tokens grouped by expert (MoeGroup) where they were routed: each
 // op runs once for every expert's rows, and the combine adds each token's experts in ascending
 // id, as the per-expert loop does, so the sums are the same bit for bit.
-Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
-                            const std::vector<float>& weights, std::vector<float>& y) {
+Status Step::GroupedExperts(const Layer& L, const kernels::MoeRouteParams* route,
+                            const std::vector<int64_t>& chosen, const std::vector<float>& weights,
+                            std::vector<float>& y, const float* shared) {
   const int64_t rows = static_cast<int64_t>(n()), dim = c_.hidden_size, K = L.top_k;
   const int64_t E = static_cast<int64_t>(L.experts.size()), total = rows * K;
   const GroupedWeights& gw = *L.grouped;
@@ -1861,17 +1886,24 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
   for (std::vector<float>* v : {&g, &u, &h}) v->resize(static_cast<size_t>(total * inter));
   const Kept kept_slots(this, {&slot_expert, &slot_offset, &slot_tiles, &token_of});
   const Kept kept_rows(this, {&row_weights, &g, &u, &h, &og});
-  FLASHD_OP(MoeGroup, {.chosen = chosen.data(),
-                       .weights = weights.data(),
-                       .tokens = rows,
-                       .experts = E,
-                       .k = K,
-                       .slots = slots,
-                       .slot_expert = slot_expert.data(),
-                       .slot_offset = slot_offset.data(),
-                       .slot_tiles = slot_tiles.data(),
-                       .rows = token_of.data(),
-                       .row_weights = row_weights.data()});
+  const kernels::MoeGroupParams group{.chosen = chosen.data(),
+                                      .weights = weights.data(),
+                                      .tokens = rows,
+                                      .experts = E,
+                                      .k = K,
+                                      .slots = slots,
+                                      .slot_expert = slot_expert.data(),
+                                      .slot_offset = slot_offset.data(),
+                                      .slot_tiles = slot_tiles.data(),
+                                      .rows = token_of.data(),
+                                      .row_weights = row_weights.data()};
+  if (route != nullptr) {
+    kernels::MoeRouteParams p = *route;
+    p.group = &group;
+    FLASHD_RETURN_IF_ERROR(Check(b_->MoeRoute(p), "MoeRoute"));
+  } else {
+    FLASHD_RETURN_IF_ERROR(Check(b_->MoeGroup(group), "MoeGroup"));
+  }
   // x_rows: x's row of each grouped row (null: x is the grouped rows).
   auto linear = [&](const ExpertTables& t, const float* x, const int64_t* x_rows, float* out,
                     const ExpertTables* up = nullptr, bool round_output = false) {
@@ -1913,7 +1945,9 @@ Status Step::GroupedExperts(const Layer& L, const std::vector<int64_t>& chosen,
                          .count = total,
                          .dim = dim,
                          .y = y.data(),
-                         .y_rows = rows});
+                         .y_rows = rows,
+                         .add = shared,
+                         .out = shared != nullptr ? sub_.data() : nullptr});
   return Status::Ok();
 }
 

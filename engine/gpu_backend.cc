@@ -1371,14 +1371,7 @@ class GpuBackend final : public Backend {
 
   OpStatus Linear(const k::LinearParams& p) const override {
     if (const OpStatus s = k::LinearAlsoFits(p); s != OpStatus::kOk) return s;
-    // Dense weights' projections an op each (each weight kept as BF16 or fp32 on its own).
-    if (p.also_count > 0 && p.format != k::WeightFormat::kFp8 &&
-        p.format != k::WeightFormat::kFp4) {
-      for (int64_t j = -1; j < p.also_count; ++j) {
-        if (const OpStatus s = Linear(k::LinearAlone(p, j)); s != OpStatus::kOk) return s;
-      }
-      return OpStatus::kOk;
-    }
+    if (p.also_count > 0 && p.format == k::WeightFormat::kDense) return DenseLinears(p);
     return Run([&](Call& c) {
       k::LinearParams d = p;
       d.stream = nullptr;
@@ -1441,6 +1434,43 @@ class GpuBackend final : public Backend {
         return s;
       });
     });
+  }
+
+  // A dense Linear and its `also` (host fp32 weights): one op where the device keeps every
+  // weight alike (BF16 codes, or fp32 where one is not all BF16 values), else an op each.
+  OpStatus DenseLinears(const k::LinearParams& p) const {
+    bool alike = true;
+    const OpStatus s = Run([&](Call& c) {
+      k::LinearParams d = p;
+      d.stream = nullptr;
+      bool bf16 = false;
+      const void* w = c.DenseWeight(p.dense, p.out * p.in, &bf16);
+      d.format = bf16 ? k::WeightFormat::kBf16 : k::WeightFormat::kDense;
+      d.w = bf16 ? static_cast<const uint8_t*>(w) : nullptr;
+      d.dense = bf16 ? nullptr : static_cast<const float*>(w);
+      std::vector<k::LinearProjection> also(static_cast<size_t>(p.also_count));
+      for (int64_t j = 0; j < p.also_count && alike; ++j) {
+        bool same = false;
+        const void* wj = c.DenseWeight(p.also[j].dense, p.also[j].out * p.in, &same);
+        alike = same == bf16;
+        also[j].w = bf16 ? static_cast<const uint8_t*>(wj) : nullptr;
+        also[j].dense = bf16 ? nullptr : static_cast<const float*>(wj);
+      }
+      if (!alike) return OpStatus::kOk;  // Nothing mapped or launched; an op each below.
+      d.x = c.In(p.x, p.rows * p.in);
+      for (int64_t j = 0; j < p.also_count; ++j) {
+        also[j].out = p.also[j].out;
+        also[j].y = c.Out(p.also[j].y, p.rows * p.also[j].out);
+      }
+      d.also = also.data();
+      d.y = c.Out(p.y, p.rows * p.out);
+      return Launch(c, [&] { return g::Linear(d); });
+    });
+    if (s != OpStatus::kOk || alike) return s;
+    for (int64_t j = -1; j < p.also_count; ++j) {
+      if (const OpStatus e = Linear(k::LinearAlone(p, j)); e != OpStatus::kOk) return e;
+    }
+    return OpStatus::kOk;
   }
 
   OpStatus RoundBf16(const k::RoundBf16Params& p) const override {
@@ -1784,6 +1814,17 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus MoeRoute(const k::MoeRouteParams& p) const override {
+    // The grouping in the same kernel where the device routes and groups them, else the two
+    // ops in turn.
+    if (p.group != nullptr) {
+      if (!k::MoeGroupFits(k::MoeRouteGroup(p))) return OpStatus::kBadShape;
+      if (p.order == k::TopKOrder::kReference || p.experts > k::kMoeGroupMaxExperts) {
+        k::MoeRouteParams alone = p;
+        alone.group = nullptr;
+        const OpStatus s = MoeRoute(alone);
+        return s == OpStatus::kOk ? MoeGroup(k::MoeRouteGroup(p)) : s;
+      }
+    }
     if (p.order == k::TopKOrder::kReference) {
       const int64_t n = p.tokens * p.experts;
       return OnHost(
@@ -1800,7 +1841,21 @@ class GpuBackend final : public Backend {
       d.biased = c.Out(p.biased, p.tokens * p.experts);
       d.chosen = c.Out(p.chosen, p.tokens * p.k);
       d.weights = c.Out(p.weights, p.tokens * p.k);
-      return Launch(c, [&] { return g::MoeRoute(d); });
+      k::MoeGroupParams g;
+      unsigned* arrivals = nullptr;
+      if (p.group != nullptr) {  // Its outputs; one kernel with the backend's counter.
+        const k::MoeGroupParams& h = *p.group;
+        const int64_t n = p.tokens * p.k;
+        g.slots = h.slots;
+        g.slot_expert = c.Out(h.slot_expert, h.slots);
+        g.slot_offset = c.Out(h.slot_offset, h.slots + 1);
+        g.slot_tiles = c.Out(h.slot_tiles, h.slots + 1);
+        g.rows = c.Out(h.rows, n);
+        g.row_weights = c.Out(h.row_weights, n);
+        d.group = &g;
+        arrivals = c.Counters(1);
+      }
+      return Launch(c, [&] { return g::MoeRoute(d, arrivals); });
     });
   }
 
@@ -1817,6 +1872,7 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus MoeCombine(const k::MoeCombineParams& p) const override {
+    if (p.add != nullptr && (p.y_rows <= 0 || p.out == nullptr)) return OpStatus::kBadShape;
     int64_t rows = p.y_rows;
     for (int64_t i = 0; i < p.count && p.y_rows == 0; ++i) {
       if (p.rows[i] < 0) return OpStatus::kBadArgument;
@@ -1828,6 +1884,10 @@ class GpuBackend final : public Backend {
       d.expert_out = c.In(p.expert_out, p.count * p.dim);
       d.rows = c.In(p.rows, p.count);
       d.y = c.InOut(p.y, rows * p.dim);
+      if (p.add != nullptr) {  // Then the rounded sum with `add`.
+        d.add = c.In(p.add, rows * p.dim);
+        d.out = c.Out(p.out, rows * p.dim);
+      }
       // Each row's entries binned, then the rows added at once (the same order of adds).
       d.y_rows = rows;
       d.workspace_ints = g::MoeCombineWorkspaceInts(d);

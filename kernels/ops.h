@@ -147,8 +147,9 @@ struct LinearParams {
   // Optional: up to kLinearMaxAlso more projections of the same x in this op (kFp8, kFp4, kDense
   // or kBf16; one group, not the gated pair; kBadArgument otherwise), each the values of an op of
   // its own (this op's format, rows, in and round_output) bit for bit. x is quantized once (into
-  // x_codes), and a GPU's one-row GEMV makes them all in one kernel. `also` is host memory on
-  // every backend (the projections' pointers are the op's kind of memory).
+  // x_codes), and a GPU's one-row GEMV makes them all in one kernel (dense weights' when not
+  // rounded). `also` is host memory on every backend (the projections' pointers are the op's
+  // kind of memory).
   const LinearProjection* also = nullptr;
   int64_t also_count = 0;
 };
@@ -580,6 +581,7 @@ enum class RouteScoring { kSoftmax, kSigmoid, kSqrtSoftplus };
 
 // Per token: expert scores from the router logits, the top k by score + bias (the bias only
 // chooses), weights = the chosen scores, normalised when norm_topk (and k > 1), times scale.
+struct MoeGroupParams;
 struct MoeRouteParams {
   const float* logits = nullptr;  // [tokens, experts]
   const float* bias = nullptr;    // [experts]
@@ -593,6 +595,10 @@ struct MoeRouteParams {
   int64_t* chosen = nullptr;  // [tokens, k] expert ids, in ranked order
   float* weights = nullptr;   // [tokens, k]
   void* stream = nullptr;
+  // Optional: then the choices grouped by expert (MoeGroup of chosen and weights; the tokens,
+  // experts and k these), bit for bit the two ops in turn. Host memory on every backend (its
+  // pointers the op's kind of memory), as MoeGroupParams' chosen, weights and shape are ignored.
+  const MoeGroupParams* group = nullptr;
 };
 
 // The expert's activation: h = BF16(weight * silu(gate) * up) with gate and up rounded to BF16
@@ -622,6 +628,11 @@ struct MoeCombineParams {
   // ignores it.
   int32_t* workspace = nullptr;
   int64_t workspace_ints = 0;
+  // Optional (with y_rows > 0): then out = BF16(y + add) over all y_rows rows, bit for bit an
+  // AddRound op (a = y, b = add) after the combine: the routed sum and the shared expert's output
+  // in the combine's op.
+  const float* add = nullptr;
+  float* out = nullptr;
 };
 
 // The tokens grouped by the experts that chose them, on the device that routed them (the host
@@ -645,6 +656,24 @@ struct MoeGroupParams {
   float* row_weights = nullptr;    // [tokens * k] its routing weight
   void* stream = nullptr;
 };
+
+// MoeGroupParams' shape as every backend checks it (slots = min(experts, tokens x k)).
+inline bool MoeGroupFits(const MoeGroupParams& p) {
+  const int64_t n = p.tokens * p.k;
+  return p.tokens >= 0 && p.experts > 0 && p.k > 0 && p.slots == (p.experts < n ? p.experts : n);
+}
+
+// MoeRouteParams' grouping (p.group set) with its choices and shape.
+inline MoeGroupParams MoeRouteGroup(const MoeRouteParams& p) {
+  MoeGroupParams g = *p.group;
+  g.chosen = p.chosen;
+  g.weights = p.weights;
+  g.tokens = p.tokens;
+  g.experts = p.experts;
+  g.k = p.k;
+  g.stream = p.stream;
+  return g;
+}
 
 // The routed experts' linear layers over grouped rows (MoeGroup): rows [offset[s], offset[s +
 // 1]) of x times expert slot_expert[s]'s weights, for every slot. Every expert's weights have the

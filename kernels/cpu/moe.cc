@@ -16,6 +16,7 @@ inline float SqrtSoftplus(float x) { return std::sqrt(x > 20.0f ? x : fmath::Sof
 
 OpStatus MoeRoute(const MoeRouteParams& p) {
   if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.k > p.experts) return OpStatus::kBadShape;
+  if (p.group != nullptr && !MoeGroupFits(MoeRouteGroup(p))) return OpStatus::kBadShape;
   const int64_t E = p.experts;
   for (int64_t t = 0; t < p.tokens; ++t) {
     float* s = p.scores + t * E;
@@ -50,7 +51,7 @@ OpStatus MoeRoute(const MoeRouteParams& p) {
       p.weights[t * p.k + i] = w * p.scale;
     }
   }
-  return OpStatus::kOk;
+  return p.group != nullptr ? MoeGroup(MoeRouteGroup(p)) : OpStatus::kOk;
 }
 
 OpStatus Swiglu(const SwigluParams& p) {
@@ -66,19 +67,19 @@ OpStatus Swiglu(const SwigluParams& p) {
 
 OpStatus MoeCombine(const MoeCombineParams& p) {
   if (p.count < 0 || p.dim <= 0) return OpStatus::kBadShape;
+  if (p.add != nullptr && (p.y_rows <= 0 || p.out == nullptr)) return OpStatus::kBadShape;
   for (int64_t i = 0; i < p.count; ++i) {
     float* y = p.y + p.rows[i] * p.dim;
     const float* o = p.expert_out + i * p.dim;
     for (int64_t d = 0; d < p.dim; ++d) y[d] += o[d];
   }
-  return OpStatus::kOk;
+  if (p.add == nullptr) return OpStatus::kOk;
+  return AddRound({.a = p.y, .b = p.add, .n = p.y_rows * p.dim, .out = p.out});
 }
 
 OpStatus MoeGroup(const MoeGroupParams& p) {
+  if (!MoeGroupFits(p)) return OpStatus::kBadShape;
   const int64_t n = p.tokens * p.k;
-  if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.slots != std::min(p.experts, n)) {
-    return OpStatus::kBadShape;
-  }
   if (n == 0) return OpStatus::kOk;
   std::vector<int64_t> count(static_cast<size_t>(p.experts), 0);
   for (int64_t i = 0; i < n; ++i) {

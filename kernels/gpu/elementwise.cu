@@ -69,12 +69,16 @@ __global__ void CopyRowsKernel(const float* src, int64_t src_stride, const int64
   dst[row * dst_stride + col] = src[from * src_stride + col];
 }
 
-// One thread per dimension: the contributions added in their given order.
+// One thread per dimension: the contributions added in their given order; with `add`, then
+// out = BF16(y + add) for each of the y_rows rows (the thread's dimension of each).
 __global__ void CombineKernel(const float* expert_out, const int64_t* rows, int64_t count,
-                              int64_t dim, float* y) {
+                              int64_t dim, float* y, int64_t y_rows, const float* add, float* out) {
   const int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (d >= dim) return;
   for (int64_t i = 0; i < count; ++i) y[rows[i] * dim + d] += expert_out[i * dim + d];
+  if (add == nullptr) return;
+  for (int64_t r = 0; r < y_rows; ++r)
+    out[r * dim + d] = c::RoundBf16(y[r * dim + d] + add[r * dim + d]);
 }
 
 // The binned combine. Workspace: [y_rows] counts, then [y_rows, kCombineSlots] each row's
@@ -101,7 +105,8 @@ __global__ void BinKernel(const int64_t* rows, int64_t count, int64_t y_rows, in
 // Block (row r, dimension chunk): the row's entries sorted into entry order by one thread, then
 // y[r][d] += expert_out[i][d] for them in that order, a thread a dimension.
 __global__ void CombineRowsKernel(const float* expert_out, const int64_t* rows, int64_t count,
-                                  int64_t dim, int64_t y_rows, const int32_t* work, float* y) {
+                                  int64_t dim, int64_t y_rows, const int32_t* work, float* y,
+                                  const float* add, float* out) {
   __shared__ int32_t entries[kCombineSlots];
   __shared__ int32_t n;
   const int64_t chunks = (dim + kThreads - 1) / kThreads;
@@ -118,16 +123,19 @@ __global__ void CombineRowsKernel(const float* expert_out, const int64_t* rows, 
     }
   }
   __syncthreads();
-  if (d >= dim || n == 0) return;
+  if (d >= dim) return;
   float v = y[r * dim + d];
-  if (n <= kCombineSlots) {
-    for (int32_t a = 0; a < n; ++a) v += expert_out[entries[a] * dim + d];
-  } else {
-    for (int64_t i = 0; i < count; ++i) {
-      if (rows[i] == r) v += expert_out[i * dim + d];
+  if (n > 0) {
+    if (n <= kCombineSlots) {
+      for (int32_t a = 0; a < n; ++a) v += expert_out[entries[a] * dim + d];
+    } else {
+      for (int64_t i = 0; i < count; ++i) {
+        if (rows[i] == r) v += expert_out[i * dim + d];
+      }
     }
+    y[r * dim + d] = v;
   }
-  y[r * dim + d] = v;
+  if (add != nullptr) out[r * dim + d] = c::RoundBf16(v + add[r * dim + d]);
 }
 
 }  // namespace
@@ -191,6 +199,11 @@ int64_t MoeCombineWorkspaceInts(const MoeCombineParams& p) {
 
 OpStatus MoeCombine(const MoeCombineParams& p) {
   if (p.count < 0 || p.dim <= 0 || p.y_rows < 0) return OpStatus::kBadShape;
+  if (p.add != nullptr && (p.y_rows == 0 || p.out == nullptr)) return OpStatus::kBadShape;
+  if (p.count == 0 && p.add != nullptr) {  // Nothing combined: the rounding alone.
+    return AddRound(
+        {.a = p.y, .b = p.add, .n = p.y_rows * p.dim, .out = p.out, .stream = p.stream});
+  }
   if (p.count == 0) return OpStatus::kOk;
   const int64_t ints = MoeCombineWorkspaceInts(p);
   const gpuStream_t stream = Stream(p.stream);
@@ -202,11 +215,12 @@ OpStatus MoeCombine(const MoeCombineParams& p) {
                   p.workspace);
     FLASHD_LAUNCH(CombineRowsKernel,
                   static_cast<unsigned>(p.y_rows * ((p.dim + kThreads - 1) / kThreads)), kThreads,
-                  0, stream, p.expert_out, p.rows, p.count, p.dim, p.y_rows, p.workspace, p.y);
+                  0, stream, p.expert_out, p.rows, p.count, p.dim, p.y_rows, p.workspace, p.y,
+                  p.add, p.out);
     return Launched();
   }
   FLASHD_LAUNCH(CombineKernel, Blocks(p.dim), kThreads, 0, stream, p.expert_out, p.rows, p.count,
-                p.dim, p.y);
+                p.dim, p.y, p.y_rows, p.add, p.out);
   return Launched();
 }
 

@@ -731,12 +731,12 @@ constexpr int kDenseGemvLoads = static_cast<int>(kDenseGemvChunk / 4 / kDenseGem
 
 static_assert(kDenseGemvLoads * 4 * kDenseGemvThreads == kDenseGemvChunk, "whole loads a thread");
 
+// Columns [n0, n0 + kDenseGemvCols) of the row by the thread block.
 template <class W, bool kVectors>
-__global__ void __launch_bounds__(kDenseGemvThreads)
-    DenseGemvKernel(const float* x, int64_t K, W w, int64_t N, float* y) {
+FLASHD_SHARED_TILE __device__ void DenseGemvColumns(const float* x, int64_t K, W w, int64_t N,
+                                                    float* y, int64_t n0) {
   __shared__ float prod[kDenseGemvCols][kDenseGemvStride];
   __shared__ float lanes[kDenseGemvCols][4];
-  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kDenseGemvCols;
   const unsigned t = threadIdx.x;
   const int64_t k4 = K - K % 4;  // Values from k4 on go to lane 0 after the rest.
   float wv[kDenseGemvLoads][kDenseGemvCols][4], xv[kDenseGemvLoads][4];
@@ -805,6 +805,39 @@ __global__ void __launch_bounds__(kDenseGemvThreads)
   if (t < kDenseGemvCols && n0 + t < N) {
     y[n0 + t] = (lanes[t][0] + lanes[t][1]) + (lanes[t][2] + lanes[t][3]);
   }
+}
+
+template <class W, bool kVectors>
+__global__ void __launch_bounds__(kDenseGemvThreads)
+    DenseGemvKernel(const float* x, int64_t K, W w, int64_t N, float* y) {
+  DenseGemvColumns<W, kVectors>(x, K, w, N, y, static_cast<int64_t>(blockIdx.x) * kDenseGemvCols);
+}
+
+// Several dense projections of one row (LinearParams::also) in one launch, as
+// GemvProjectionsKernel: thread block j takes the last projection whose first thread block is at
+// most j.
+template <class W>
+struct DenseProjection {
+  W w{};
+  int64_t N = 0, first = 0;
+  float* y = nullptr;
+};
+template <class W>
+struct DenseProjections {
+  DenseProjection<W> at[1 + kLinearMaxAlso];
+  int count = 0;
+};
+
+template <class W, bool kVectors>
+__global__ void __launch_bounds__(kDenseGemvThreads)
+    DenseGemvProjectionsKernel(const float* x, int64_t K, DenseProjections<W> ps) {
+  DenseProjection<W> p = ps.at[0];
+  FLASHD_UNROLL
+  for (int i = 1; i < 1 + kLinearMaxAlso; ++i) {
+    if (i < ps.count && blockIdx.x >= ps.at[i].first) p = ps.at[i];
+  }
+  DenseGemvColumns<W, kVectors>(x, K, p.w, p.N, p.y,
+                                (static_cast<int64_t>(blockIdx.x) - p.first) * kDenseGemvCols);
 }
 
 // Thread blocks for M rows by N columns in tiles of one row (M == 1, one sequence's step) or of
@@ -1235,9 +1268,43 @@ OpStatus GemvLinear(const LinearParams& p, const GemvShape& g, bool quantized) {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
+// Linear's one row and its `also` of dense or BF16 weights through one GEMV launch (p's weights
+// there, also fitting).
+template <class W>
+OpStatus DenseProjectionsLinear(const LinearParams& p, W (*values)(const LinearParams&)) {
+  DenseProjections<W> ps;
+  int64_t blocks = 0;
+  bool vectors = Aligned(p.x, 16);
+  for (int64_t j = -1; j < p.also_count; ++j) {
+    const LinearParams q = LinearAlone(p, j);
+    ps.at[ps.count++] = {values(q), q.out, blocks, q.y};
+    vectors = vectors && values(q).Vectors(q.in);
+    blocks += (q.out + kDenseGemvCols - 1) / kDenseGemvCols;
+  }
+  if (blocks > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
+  const auto kernel =
+      vectors ? &DenseGemvProjectionsKernel<W, true> : &DenseGemvProjectionsKernel<W, false>;
+  FLASHD_LAUNCH(kernel, static_cast<unsigned>(blocks), kDenseGemvThreads, 0,
+                static_cast<gpuStream_t>(p.stream), p.x, p.in, ps);
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
 // Linear's one row and its `also` through one GEMV launch, x quantized once (p checked, also
 // fitting); false, launching nothing, where the GEMV does not take each of them alone.
 bool GemvProjectionsLinear(const LinearParams& p, OpStatus* status) {
+  // Dense weights (whose GEMV does not round) at one row, unrounded.
+  const bool dense_row = p.rows == 1 && !p.round_output;
+  if (dense_row && p.format == WeightFormat::kDense && p.dense != nullptr) {
+    *status = DenseProjectionsLinear<F32Values>(
+        p, [](const LinearParams& q) { return F32Values{q.dense}; });
+    return true;
+  }
+  if (dense_row && p.format == WeightFormat::kBf16 && p.w != nullptr) {
+    *status = DenseProjectionsLinear<Bf16Values>(p, [](const LinearParams& q) {
+      return Bf16Values{reinterpret_cast<const uint16_t*>(q.w)};
+    });
+    return true;
+  }
   if (p.rows != 1 || (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4)) {
     return false;
   }

@@ -3,6 +3,7 @@
 // block_select.h), the CPU's order exactly; the router likewise, a thread block per token. The
 // reference's libstdc++ order exists on the CPU only.
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/fmath.h"
 #include "kernels/gpu/block_select.h"
@@ -46,12 +47,12 @@ __global__ void TopKKernel(const float* values, int64_t stride, int64_t k, const
 // One thread block per token: the experts' scores a thread per expert (a softmax's sum by one
 // thread, in expert order, as on the CPU), the top k by BlockSelectTop, then the weights by one
 // thread in rank order.
-__global__ void __launch_bounds__(kSelectThreads)
-    RouteKernel(const float* logits, const float* bias, int64_t E, int64_t k, int scoring,
-                bool norm_topk, float scale, float* scores, float* biased, int64_t* chosen,
-                float* weights) {
+// Token t's routing by the thread block (every thread returns from it).
+FLASHD_SHARED_TILE __device__ void RouteToken(int64_t t, const float* logits, const float* bias,
+                                              int64_t E, int64_t k, int scoring, bool norm_topk,
+                                              float scale, float* scores, float* biased,
+                                              int64_t* chosen, float* weights) {
   __shared__ float softmax_max, softmax_sum;
-  const int64_t t = blockIdx.x;
   const unsigned tid = threadIdx.x;
   float* s = scores + t * E;
   float* b = biased + t * E;
@@ -98,18 +99,35 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
+__global__ void __launch_bounds__(kSelectThreads)
+    RouteKernel(const float* logits, const float* bias, int64_t E, int64_t k, int scoring,
+                bool norm_topk, float scale, float* scores, float* biased, int64_t* chosen,
+                float* weights) {
+  RouteToken(blockIdx.x, logits, bias, E, k, scoring, norm_topk, scale, scores, biased, chosen,
+             weights);
+}
+
 // MoeGroup in one thread block: a thread per expert counts its choices, thread 0 lays out the
 // slots in ascending expert order, then each expert's thread writes its entries in token order.
 constexpr unsigned kGroupThreads = 256;
 constexpr int64_t kGroupMaxExperts = kMoeGroupMaxExperts;
 
-__global__ void GroupKernel(const int64_t* chosen, const float* weights, int64_t tokens, int64_t E,
-                            int64_t k, int64_t slots, int64_t* slot_expert, int64_t* slot_offset,
-                            int64_t* slot_tiles, int64_t* rows, float* row_weights) {
+// The grouping by the thread block (any number of threads). kFresh: the choices were written by
+// other thread blocks of the kernel, so they are read as volatile.
+template <bool kFresh>
+FLASHD_SHARED_TILE __device__ void GroupChoices(const int64_t* chosen_in, const float* weights_in,
+                                                int64_t tokens, int64_t E, int64_t k, int64_t slots,
+                                                int64_t* slot_expert, int64_t* slot_offset,
+                                                int64_t* slot_tiles, int64_t* rows,
+                                                float* row_weights) {
   __shared__ int64_t count[kGroupMaxExperts];
   __shared__ int64_t start[kGroupMaxExperts];
+  using Chosen = std::conditional_t<kFresh, const volatile int64_t, const int64_t>;
+  using Weight = std::conditional_t<kFresh, const volatile float, const float>;
+  Chosen* chosen = chosen_in;
+  Weight* weights = weights_in;
   const int64_t n = tokens * k;
-  for (int64_t e = threadIdx.x; e < E; e += kGroupThreads) {
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
     int64_t c = 0;
     for (int64_t i = 0; i < n; ++i) c += chosen[i] == e ? 1 : 0;
     count[e] = c;
@@ -136,7 +154,7 @@ __global__ void GroupKernel(const int64_t* chosen, const float* weights, int64_t
     slot_tiles[slots] = tiles;
   }
   __syncthreads();
-  for (int64_t e = threadIdx.x; e < E; e += kGroupThreads) {
+  for (int64_t e = threadIdx.x; e < E; e += blockDim.x) {
     if (count[e] == 0) continue;
     int64_t j = start[e];
     for (int64_t i = 0; i < n; ++i) {
@@ -148,14 +166,39 @@ __global__ void GroupKernel(const int64_t* chosen, const float* weights, int64_t
   }
 }
 
+__global__ void __launch_bounds__(kGroupThreads)
+    GroupKernel(const int64_t* chosen, const float* weights, int64_t tokens, int64_t E, int64_t k,
+                int64_t slots, int64_t* slot_expert, int64_t* slot_offset, int64_t* slot_tiles,
+                int64_t* rows, float* row_weights) {
+  GroupChoices<false>(chosen, weights, tokens, E, k, slots, slot_expert, slot_offset, slot_tiles,
+                      rows, row_weights);
+}
+
+// MoeRoute and its grouping in one kernel: a thread block a token routes it and counts itself in
+// `arrivals` when done; the last groups every token's choices and clears the count.
+__global__ void __launch_bounds__(kSelectThreads)
+    RouteGroupKernel(MoeRouteParams p, MoeGroupParams g, unsigned* arrivals) {
+  __shared__ bool last;
+  RouteToken(blockIdx.x, p.logits, p.bias, p.experts, p.k, static_cast<int>(p.scoring), p.norm_topk,
+             p.scale, p.scores, p.biased, p.chosen, p.weights);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // The token's choices seen before its count.
+    last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  GroupChoices<true>(p.chosen, p.weights, p.tokens, p.experts, p.k, g.slots, g.slot_expert,
+                     g.slot_offset, g.slot_tiles, g.rows, g.row_weights);
+  if (threadIdx.x == 0) *arrivals = 0;
+}
+
 }  // namespace
 
 OpStatus MoeGroup(const MoeGroupParams& p) {
+  if (!MoeGroupFits(p) || p.experts > kGroupMaxExperts) return OpStatus::kBadShape;
   const int64_t n = p.tokens * p.k;
-  if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.slots != (p.experts < n ? p.experts : n) ||
-      p.experts > kGroupMaxExperts) {
-    return OpStatus::kBadShape;
-  }
   if (n == 0) return OpStatus::kOk;
   FLASHD_LAUNCH(GroupKernel, 1, kGroupThreads, 0, static_cast<gpuStream_t>(p.stream), p.chosen,
                 p.weights, p.tokens, p.experts, p.k, p.slots, p.slot_expert, p.slot_offset,
@@ -176,17 +219,32 @@ OpStatus TopK(const TopKParams& p) {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
-OpStatus MoeRoute(const MoeRouteParams& p) {
+OpStatus MoeRoute(const MoeRouteParams& p, unsigned* arrivals) {
   if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.k > p.experts) return OpStatus::kBadShape;
   if (p.order != TopKOrder::kTotal) return OpStatus::kBadArgument;
   if (p.k > gpu_select::kBlockSelectPerThread * kSelectThreads) return OpStatus::kBadShape;
+  MoeGroupParams g;
+  if (p.group != nullptr) {
+    g = MoeRouteGroup(p);
+    if (!MoeGroupFits(g) || p.experts > kGroupMaxExperts) return OpStatus::kBadShape;
+  }
   if (p.tokens == 0) return OpStatus::kOk;
   if (p.tokens > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  if (p.group != nullptr && arrivals != nullptr) {
+    MoeRouteParams d = p;
+    d.group = nullptr;
+    d.stream = nullptr;
+    g.stream = nullptr;
+    FLASHD_LAUNCH(RouteGroupKernel, static_cast<unsigned>(p.tokens), kSelectThreads, 0,
+                  static_cast<gpuStream_t>(p.stream), d, g, arrivals);
+    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  }
   FLASHD_LAUNCH(RouteKernel, static_cast<unsigned>(p.tokens), kSelectThreads, 0,
                 static_cast<gpuStream_t>(p.stream), p.logits, p.bias, p.experts, p.k,
                 static_cast<int>(p.scoring), p.norm_topk, p.scale, p.scores, p.biased, p.chosen,
                 p.weights);
-  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
+  return p.group != nullptr ? MoeGroup(g) : OpStatus::kOk;
 }
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

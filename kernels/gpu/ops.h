@@ -112,7 +112,10 @@ OpStatus EngramGate(const EngramGateParams& p);
 OpStatus TopK(const TopKParams& p);
 OpStatus IndexerScores(const IndexerScoreParams& p);
 OpStatus CandidateFilter(const CandidateFilterParams& p);  // Total order only.
-OpStatus MoeRoute(const MoeRouteParams& p);
+// With p.group, MoeGroup of the choices follows: in one kernel where `arrivals` (one counter, zero,
+// left zero) is given and experts <= kMoeGroupMaxExperts (the last thread block to route its
+// token groups them all), else a kernel each.
+OpStatus MoeRoute(const MoeRouteParams& p, unsigned* arrivals = nullptr);
 // Where p gives the workspace SparseAttentionWorkspaceFloats(p) asks for (16-byte aligned, as q;
 // a DSpark draft block also its draft_keys): each query's listed keys decoded once into the
 // workspace for all the heads, then the logits a thread per (head, key), and the softmax and

@@ -139,6 +139,71 @@ BOOST_AUTO_TEST_CASE(bf16_matrices_are_held_as_bf16) {
   BOOST_TEST(std::memcmp(y.data(), want.data(), y.size() * 4) == 0);
 }
 
+// Dense projections of one x in one op (LinearParams::also) give the CPU's values: one kernel at
+// one row where the device holds every weight alike (all BF16 numbers), and an op a projection,
+// the same values, where one is held as fp32.
+BOOST_AUTO_TEST_CASE(dense_projections_of_one_x_are_one_op_when_held_alike) {
+  Load();
+  std::unique_ptr<Backend> gpu = testing::TestBackend();
+  CpuBackend cpu;
+  const int64_t in = 96;
+  const std::vector<int64_t> outs = {40, 7, 33};
+  std::vector<std::vector<float>> bf16, wide;
+  for (size_t j = 0; j < outs.size(); ++j) {
+    bf16.emplace_back(outs[j] * in), wide.emplace_back(outs[j] * in);
+    for (size_t i = 0; i < bf16[j].size(); ++i) {
+      bf16[j][i] = kernels::cpu::Bf16ToFloat(static_cast<uint16_t>(0x3c00 + (i * (j + 3)) % 997));
+      wide[j][i] = 1.0f / static_cast<float>(3 + (i + j) % 97);  // Not BF16 numbers.
+    }
+  }
+  for (const int64_t rows : {int64_t{1}, int64_t{3}}) {
+    std::vector<float> x(rows * in);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = kernels::cpu::Bf16ToFloat(0x3f80 + i % 64);
+    for (const bool mixed : {false, true}) {
+      BOOST_TEST_CONTEXT("rows " << rows << " mixed " << mixed) {
+        // The last projection's weights are not BF16 numbers when mixed.
+        const auto weights = [&](size_t j) {
+          return mixed && j + 1 == outs.size() ? wide[j].data() : bf16[j].data();
+        };
+        auto run = [&](const Backend& b, std::vector<std::vector<float>>* ys) {
+          ys->clear();
+          for (const int64_t out : outs) ys->emplace_back(rows * out);
+          std::vector<kernels::LinearProjection> also;
+          for (size_t j = 1; j < outs.size(); ++j) {
+            also.push_back({.dense = weights(j), .out = outs[j], .y = (*ys)[j].data()});
+          }
+          return b.Linear({.x = x.data(),
+                           .rows = rows,
+                           .in = in,
+                           .out = outs[0],
+                           .format = kernels::WeightFormat::kDense,
+                           .dense = weights(0),
+                           .y = (*ys)[0].data(),
+                           .also = also.data(),
+                           .also_count = static_cast<int64_t>(also.size())});
+        };
+        std::vector<std::vector<float>> got, want;
+        BOOST_REQUIRE(run(*gpu, &got) == kernels::OpStatus::kOk);  // The weights uploaded.
+        const BackendReport before = gpu->Report();
+        BOOST_REQUIRE(run(*gpu, &got) == kernels::OpStatus::kOk);
+        const BackendReport after = gpu->Report();
+        BOOST_REQUIRE(run(cpu, &want) == kernels::OpStatus::kOk);
+        for (size_t j = 0; j < outs.size(); ++j) {
+          BOOST_TEST(std::memcmp(got[j].data(), want[j].data(), want[j].size() * 4) == 0,
+                     "projection " << j);
+        }
+        const uint64_t ops = mixed ? outs.size() : 1;
+        BOOST_TEST(after.device_ops - before.device_ops == (mixed ? ops + 1 : ops));
+        // At one row: a GEMV an op, and the one op's three outputs (host buffers here) come
+        // back gathered by one more kernel.
+        if (rows == 1) {
+          BOOST_TEST(after.kernel_launches - before.kernel_launches == (mixed ? ops : 2u));
+        }
+      }
+    }
+  }
+}
+
 // Each layer on the CPU's input stream: its attention and FFN outputs and the stream it
 // produces, for every token of every golden prompt.
 BOOST_AUTO_TEST_CASE(every_sublayer_on_identical_inputs) {

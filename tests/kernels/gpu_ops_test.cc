@@ -980,9 +980,12 @@ BOOST_AUTO_TEST_CASE(linear_also_is_an_op_a_projection) {
             BOOST_REQUIRE(gpu::Linear(d) == OpStatus::kOk);
             const bool quantized = format == WeightFormat::kFp8 || format == WeightFormat::kFp4;
             // One quantization, then one GEMV at one row; more rows a tile (and a rounding
-            // pass) a projection.
-            const uint64_t tiles = rows == 1 ? 1 : (1 + more) * (round ? 2 : 1);
-            if (quantized) BOOST_TEST(gpu::KernelLaunches() - launches == 1 + tiles);
+            // pass) a projection. Dense weights: one GEMV at one row unrounded, else an op (and
+            // a rounding pass) a projection.
+            const uint64_t ops = (1 + more) * (round ? 2 : 1);
+            const uint64_t launched = gpu::KernelLaunches() - launches;
+            if (quantized) BOOST_TEST(launched == 1 + (rows == 1 ? 1 : ops));
+            if (!quantized) BOOST_TEST(launched == (rows == 1 && !round ? 1 : ops));
             for (size_t j = 0; j < want.size(); ++j) {
               BOOST_TEST(BitEqual(dy[j]->Host(), want[j]), "device, projection " << j);
             }
@@ -2036,6 +2039,62 @@ BOOST_AUTO_TEST_CASE(round_add_and_combine_are_bit_equal) {
     }
     BOOST_TEST(!BitEqual(reversed, cy));
   }
+  // The combine with the shared expert's output added (MoeCombineParams::add): the combine then
+  // an AddRound over every row, rows no entry names too; the few entries' kernel and the bins',
+  // and no entries at all.
+  for (const int64_t count : {int64_t{0}, int64_t{9}, int64_t{300}}) {
+    const int64_t y_rows = count == 300 ? 100 : 5, wide = count == 300 ? 300 : 37;
+    std::vector<int64_t> at(count);
+    std::uniform_int_distribution<int64_t> row(0, y_rows - 2);  // The last row gets none.
+    for (int64_t& r : at) r = row(rng);
+    std::normal_distribution<float> full(0.0f, 1.0f);
+    std::vector<float> eo2(count * wide), y2(y_rows * wide), add(y2.size());
+    for (float& v : eo2) v = full(rng);
+    for (float& v : y2) v = full(rng);
+    for (float& v : add) v = full(rng);
+    std::vector<float> want_y = y2, want(y2.size());
+    cpu::MoeCombine({.expert_out = eo2.data(),
+                     .rows = at.data(),
+                     .count = count,
+                     .dim = wide,
+                     .y = want_y.data(),
+                     .y_rows = y_rows});
+    cpu::AddRound({.a = want_y.data(), .b = add.data(), .n = y_rows * wide, .out = want.data()});
+    std::vector<float> cy2 = y2, cout(y2.size());
+    BOOST_REQUIRE(cpu::MoeCombine({.expert_out = eo2.data(),
+                                   .rows = at.data(),
+                                   .count = count,
+                                   .dim = wide,
+                                   .y = cy2.data(),
+                                   .y_rows = y_rows,
+                                   .add = add.data(),
+                                   .out = cout.data()}) == OpStatus::kOk);
+    BOOST_TEST((BitEqual(cy2, want_y) && BitEqual(cout, want)), "cpu, count " << count);
+    Dev<float> deo2(eo2), dy2(y2), dadd(add), dout(std::vector<float>(y2.size()));
+    Dev<int64_t> dat(at);
+    MoeCombineParams mp{.expert_out = deo2.get(),
+                        .rows = dat.get(),
+                        .count = count,
+                        .dim = wide,
+                        .y = dy2.get(),
+                        .y_rows = y_rows,
+                        .add = dadd.get(),
+                        .out = dout.get()};
+    const int64_t ints = gpu::MoeCombineWorkspaceInts(mp);
+    Dev<int32_t> dwork(std::vector<int32_t>(std::max<int64_t>(ints, 1), 12345));
+    mp.workspace = ints > 0 ? dwork.get() : nullptr;
+    mp.workspace_ints = ints;
+    BOOST_REQUIRE(gpu::MoeCombine(mp) == OpStatus::kOk);
+    BOOST_TEST(BitEqual(dy2.Host(), want_y), "device y, count " << count);
+    BOOST_TEST(BitEqual(dout.Host(), want), "device out, count " << count);
+  }
+  // `add` needs the rows of y and an output.
+  float v = 0;
+  const int64_t none = 0;
+  BOOST_TEST((cpu::MoeCombine({.rows = &none, .dim = 1, .y = &v, .add = &v, .out = &v}) ==
+              OpStatus::kBadShape));
+  BOOST_TEST((gpu::MoeCombine({.rows = &none, .dim = 1, .y = &v, .add = &v, .out = &v}) ==
+              OpStatus::kBadShape));
 }
 
 // Row copies: a strided block and a gather of repeated, unordered rows, bit for bit the CPU's,
@@ -2919,6 +2978,102 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
       BOOST_TEST(BitEqual(dsc.Host(), s));
       BOOST_TEST(BitEqual(dw.Host(), w));
     }
+  }
+}
+
+// MoeRoute with its grouping (MoeRouteParams::group) is MoeRoute then MoeGroup, bit for bit: the
+// CPU's op, and the device's in one kernel where it has its counter (one launch, the counter
+// left zero; the last thread block to finish groups the others' choices) and in two without;
+// one token, a decode batch and more tokens than experts; a wrong slot count refused alike.
+BOOST_AUTO_TEST_CASE(route_and_group_in_one_op_are_the_two_ops) {
+  std::mt19937 rng(41);
+  struct Shape {
+    int64_t tokens, experts, top;
+  };
+  for (const Shape& shape : {Shape{1, 384, 6}, Shape{8, 384, 6}, Shape{70, 12, 3}}) {
+    const int64_t tokens = shape.tokens, experts = shape.experts, top = shape.top;
+    const int64_t total = tokens * top, slots = std::min(experts, total);
+    std::vector<float> logits(tokens * experts), bias(experts);
+    std::normal_distribution<float> d(0.0f, 2.0f);
+    for (float& x : logits) x = d(rng);
+    for (float& x : bias) x = d(rng);
+    const auto params = [&](const float* l, const float* bi, float* sc, float* biased, int64_t* ch,
+                            float* wt) {
+      return MoeRouteParams{.logits = l,
+                            .bias = bi,
+                            .tokens = tokens,
+                            .experts = experts,
+                            .k = top,
+                            .scoring = RouteScoring::kSqrtSoftplus,
+                            .norm_topk = true,
+                            .scale = 1.5f,
+                            .scores = sc,
+                            .biased = biased,
+                            .chosen = ch,
+                            .weights = wt};
+    };
+    // The two CPU ops.
+    std::vector<float> s(logits.size()), b(logits.size()), w(total);
+    std::vector<int64_t> chosen(total);
+    BOOST_REQUIRE(cpu::MoeRoute(params(logits.data(), bias.data(), s.data(), b.data(),
+                                       chosen.data(), w.data())) == OpStatus::kOk);
+    Grouped want(slots, total);
+    BOOST_REQUIRE(cpu::MoeGroup(want.Params(chosen.data(), w.data(), tokens, experts, top)) ==
+                  OpStatus::kOk);
+    // The CPU's one op.
+    {
+      std::vector<float> s1(s.size()), b1(b.size()), w1(w.size());
+      std::vector<int64_t> c1(chosen.size());
+      Grouped got(slots, total);
+      const MoeGroupParams g = got.Params(nullptr, nullptr, 0, 0, 0);
+      MoeRouteParams p =
+          params(logits.data(), bias.data(), s1.data(), b1.data(), c1.data(), w1.data());
+      p.group = &g;
+      BOOST_REQUIRE(cpu::MoeRoute(p) == OpStatus::kOk);
+      BOOST_TEST((c1 == chosen && got.expert == want.expert && got.offset == want.offset &&
+                  got.tiles == want.tiles && got.rows == want.rows));
+      BOOST_TEST(BitEqual(got.weights, want.weights));
+    }
+    // The device's, with its counter and without.
+    for (const bool counter : {true, false}) {
+      BOOST_TEST_CONTEXT("tokens " << tokens << " experts " << experts << " counter " << counter) {
+        Dev<float> dl(logits), db(bias), dsc(s), dbi(b), dw(std::vector<float>(w.size()));
+        Dev<int64_t> dch(std::vector<int64_t>(chosen.size()));
+        Dev<int64_t> dexpert(std::vector<int64_t>(want.expert.size(), -7)),
+            doffset(std::vector<int64_t>(want.offset.size())),
+            dtiles(std::vector<int64_t>(want.tiles.size())),
+            drows(std::vector<int64_t>(want.rows.size()));
+        Dev<float> drw(std::vector<float>(want.weights.size()));
+        Dev<unsigned> arrivals(std::vector<unsigned>(1, 0u));
+        const MoeGroupParams g{.slots = slots,
+                               .slot_expert = dexpert.get(),
+                               .slot_offset = doffset.get(),
+                               .slot_tiles = dtiles.get(),
+                               .rows = drows.get(),
+                               .row_weights = drw.get()};
+        MoeRouteParams p = params(dl.get(), db.get(), dsc.get(), dbi.get(), dch.get(), dw.get());
+        p.group = &g;
+        const uint64_t launches = gpu::KernelLaunches();
+        BOOST_REQUIRE(gpu::MoeRoute(p, counter ? arrivals.get() : nullptr) == OpStatus::kOk);
+        BOOST_TEST(gpu::KernelLaunches() - launches == (counter ? 1u : 2u));
+        BOOST_TEST((dch.Host() == chosen));
+        BOOST_TEST(BitEqual(dw.Host(), w));
+        BOOST_TEST(dexpert.Host() == want.expert, boost::test_tools::per_element());
+        BOOST_TEST(doffset.Host() == want.offset, boost::test_tools::per_element());
+        BOOST_TEST(dtiles.Host() == want.tiles, boost::test_tools::per_element());
+        BOOST_TEST(drows.Host() == want.rows, boost::test_tools::per_element());
+        BOOST_TEST(BitEqual(drw.Host(), want.weights));
+        BOOST_TEST(arrivals.Host()[0] == 0u);
+      }
+    }
+    // A grouping whose slots are not min(experts, tokens x k).
+    MoeGroupParams wrong = want.Params(nullptr, nullptr, 0, 0, 0);
+    wrong.slots = slots + 1;
+    MoeRouteParams p =
+        params(logits.data(), bias.data(), s.data(), b.data(), chosen.data(), w.data());
+    p.group = &wrong;
+    BOOST_TEST((cpu::MoeRoute(p) == OpStatus::kBadShape));
+    BOOST_TEST((gpu::MoeRoute(p) == OpStatus::kBadShape));
   }
 }
 
