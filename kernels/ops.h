@@ -291,6 +291,18 @@ struct HcMixParams {
   float* x = nullptr;  // [rows, dim]
 };
 
+// HcMixParams' steps around the mixes as every backend checks them: kBadShape for an expansion
+// into X itself, kBadArgument for a step without its inputs or output.
+inline OpStatus HcStepsFit(const HcMixParams& p) {
+  if (p.sub != nullptr && p.expanded == p.X) return OpStatus::kBadShape;
+  if (p.sub != nullptr &&
+      (p.expanded == nullptr || p.expand_post == nullptr || p.expand_comb == nullptr)) {
+    return OpStatus::kBadArgument;
+  }
+  if (p.x != nullptr && p.collapse_weights == nullptr) return OpStatus::kBadArgument;
+  return OpStatus::kOk;
+}
+
 // x[r] = BF16(sum_h weights[r, h] * X[r, h]), then RMSNorm with norm_weight when it is set.
 struct HcCollapseParams {
   const float* X = nullptr;

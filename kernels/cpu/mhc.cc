@@ -75,7 +75,7 @@ OpStatus Embed(const EmbedParams& p) {
 
 OpStatus HcMix(const HcMixParams& p) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0 || p.iters < 1) return OpStatus::kBadShape;
-  if (p.sub != nullptr && (p.expanded == nullptr || p.expanded == p.X)) return OpStatus::kBadShape;
+  if (const OpStatus s = HcStepsFit(p); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;
   // The steps in turn, the collapse before the mixes so that it reads its weights before the
   // mixes write pre.

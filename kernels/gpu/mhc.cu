@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(kHcMixLanes, 1)
 
 OpStatus HcMix(const HcMixParams& p, const HcMixFused* fused) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0 || p.iters < 1) return OpStatus::kBadShape;
-  if (p.sub != nullptr && (p.expanded == nullptr || p.expanded == p.X)) return OpStatus::kBadShape;
+  if (const OpStatus s = HcStepsFit(p); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;
   const int64_t width = p.hc * p.dim, mix = (2 + p.hc) * p.hc;
   if (p.rows * (mix + 2) > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;

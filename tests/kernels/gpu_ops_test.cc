@@ -2447,22 +2447,19 @@ BOOST_AUTO_TEST_CASE(hc_steps_in_one_op_are_the_three_ops) {
       }
     }
   }
-  // The expansion may not write over X.
-  std::vector<float> v(4 * 8);
-  BOOST_TEST((cpu::HcMix({.X = v.data(),
-                          .rows = 1,
-                          .hc = 2,
-                          .dim = 2,
-                          .iters = 1,
-                          .sub = v.data(),
-                          .expanded = v.data()}) == OpStatus::kBadShape));
-  BOOST_TEST((gpu::HcMix({.X = v.data(),
-                          .rows = 1,
-                          .hc = 2,
-                          .dim = 2,
-                          .iters = 1,
-                          .sub = v.data(),
-                          .expanded = v.data()}) == OpStatus::kBadShape));
+  // The expansion may not write over X, and a step needs its inputs.
+  std::vector<float> v(4 * 8), w(v.size());
+  const HcMixParams base{.X = v.data(), .rows = 1, .hc = 2, .dim = 2, .iters = 1};
+  std::vector<std::pair<HcMixParams, OpStatus>> bad(3, {base, OpStatus::kBadArgument});
+  bad[0].first.sub = v.data(), bad[0].first.expand_post = v.data();
+  bad[0].first.expand_comb = v.data(), bad[0].first.expanded = v.data();
+  bad[0].second = OpStatus::kBadShape;
+  bad[1].first.sub = v.data(), bad[1].first.expanded = w.data();  // No post or comb.
+  bad[2].first.x = w.data();                                      // No collapse weights.
+  for (const auto& [p, want] : bad) {
+    BOOST_TEST((cpu::HcMix(p) == want));
+    BOOST_TEST((gpu::HcMix(p) == want));
+  }
 }
 
 // Several sequences pooled in one call (sequence_rows, kv_partials, score_partials): each
