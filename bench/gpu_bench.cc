@@ -447,20 +447,7 @@ class Layer {
     add("wo_b (FP8)", wo_b_.bytes(), [&] { Apply(wo_b_, og_, batch, sub_, {}, true); });
     add("router (dense) + route", router_.bytes(), [&] {
       Apply(router_, x_, batch, logits_);
-      CheckOp(g::MoeRoute({.logits = logits_,
-                           .bias = router_bias_,
-                           .tokens = batch,
-                           .experts = d.experts,
-                           .k = d.topk,
-                           .scoring = k::RouteScoring::kSqrtSoftplus,
-                           .norm_topk = true,
-                           .scale = 1.5f,
-                           .scores = scores_,
-                           .biased = biased_,
-                           .chosen = chosen_,
-                           .weights = weights_,
-                           .stream = stream_}),
-              "MoeRoute");
+      CheckOp(g::MoeRoute(RouteParams(batch)), "MoeRoute");
     });
     // Routed experts: the picked experts' rows grouped and run as the engine runs them
     // (Step::GroupedExperts).
@@ -519,20 +506,8 @@ class Layer {
                                      .slot_tiles = slot_tiles_,
                                      .rows = token_of_,
                                      .row_weights = row_weights_};
-    const k::MoeRouteParams route = {.logits = logits_,
-                                     .bias = router_bias_,
-                                     .tokens = batch,
-                                     .experts = d_.experts,
-                                     .k = d_.topk,
-                                     .scoring = k::RouteScoring::kSqrtSoftplus,
-                                     .norm_topk = true,
-                                     .scale = 1.5f,
-                                     .scores = scores_,
-                                     .biased = biased_,
-                                     .chosen = chosen_,
-                                     .weights = weights_,
-                                     .stream = stream_,
-                                     .group = &group};
+    k::MoeRouteParams route = RouteParams(batch);
+    route.group = &group;
     return {Time([&] { CheckOp(g::MoeRoute(route, fused_.arrivals), "MoeRoute"); }, reps),
             Time([&] { CheckOp(g::MoeRoute(route), "MoeRoute"); }, reps)};
   }
@@ -602,6 +577,23 @@ class Layer {
   const std::vector<Weight>& expert(int64_t e) const { return experts_[e]; }
 
  private:
+  // The router's choices for `batch` tokens from logits_.
+  k::MoeRouteParams RouteParams(int64_t batch) const {
+    return {.logits = logits_,
+            .bias = router_bias_,
+            .tokens = batch,
+            .experts = d_.experts,
+            .k = d_.topk,
+            .scoring = k::RouteScoring::kSqrtSoftplus,
+            .norm_topk = true,
+            .scale = 1.5f,
+            .scores = scores_,
+            .biased = biased_,
+            .chosen = chosen_,
+            .weights = weights_,
+            .stream = stream_};
+  }
+
   // The engine's step between two sublayers: the expansion of sub_, the mixes, the collapse.
   k::HcMixParams StepsParams(int64_t batch) const {
     return {.X = X_,

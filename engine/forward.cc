@@ -658,21 +658,7 @@ void Step::QuantScratch(int64_t values) {
 }
 
 Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output) {
-  if (lin.format != kernels::WeightFormat::kDense) QuantScratch(rows * lin.in);
-  FLASHD_OP(Linear, {.x = x,
-                     .rows = rows,
-                     .in = lin.in,
-                     .out = lin.out,
-                     .format = lin.format,
-                     .w = lin.w,
-                     .w_scales = lin.s,
-                     .dense = lin.dense.data(),
-                     .x_codes = xq_.data(),
-                     .x_scales = xs_.data(),
-                     .y = y,
-                     .stream = &stream_,
-                     .round_output = round_output});
-  return Status::Ok();
+  return ApplyAll(lin, x, rows, y, round_output, {});
 }
 
 Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
@@ -680,8 +666,8 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
   const bool quantized =
       lin.format == kernels::WeightFormat::kFp8 || lin.format == kernels::WeightFormat::kFp4;
   const bool dense = lin.format == kernels::WeightFormat::kDense;
-  bool together = (quantized || dense) && !more.empty() &&
-                  static_cast<int64_t>(more.size()) <= kernels::kLinearMaxAlso;
+  bool together = more.empty() || ((quantized || dense) &&
+                                   static_cast<int64_t>(more.size()) <= kernels::kLinearMaxAlso);
   for (const auto& [other, out] : more) {
     together = together && other->format == lin.format && other->in == lin.in;
   }
@@ -700,7 +686,7 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
                     .out = other->out,
                     .y = out});
   }
-  if (quantized) QuantScratch(rows * lin.in);
+  if (!dense) QuantScratch(rows * lin.in);
   FLASHD_OP(Linear, {.x = x,
                      .rows = rows,
                      .in = lin.in,
@@ -714,7 +700,7 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
                      .y = y,
                      .stream = &stream_,
                      .round_output = round_output,
-                     .also = also.data(),
+                     .also = also.empty() ? nullptr : also.data(),
                      .also_count = static_cast<int64_t>(also.size())});
   return Status::Ok();
 }

@@ -325,6 +325,37 @@ struct HcExpandParams {
   void* stream = nullptr;
 };
 
+// HcMix's steps before its mixes as ops of their own, in turn: the expansion, then the collapse
+// (which reads its weights before the mixes may write them), through a backend's `expand` and
+// `collapse` (its HcExpand and HcCollapse). *X: the stream the mixes read then (X or expanded).
+template <class Expand, class Collapse>
+OpStatus HcStepsApart(const HcMixParams& p, Expand expand, Collapse collapse, const float** X) {
+  *X = p.X;
+  if (p.sub != nullptr) {
+    const OpStatus s = expand(HcExpandParams{.X = p.X,
+                                             .sub = p.sub,
+                                             .post = p.expand_post,
+                                             .comb = p.expand_comb,
+                                             .rows = p.rows,
+                                             .hc = p.hc,
+                                             .dim = p.dim,
+                                             .out = p.expanded,
+                                             .stream = p.stream});
+    if (s != OpStatus::kOk) return s;
+    *X = p.expanded;
+  }
+  if (p.x == nullptr) return OpStatus::kOk;
+  return collapse(HcCollapseParams{.X = *X,
+                                   .weights = p.collapse_weights,
+                                   .rows = p.rows,
+                                   .hc = p.hc,
+                                   .dim = p.dim,
+                                   .norm_weight = p.collapse_norm,
+                                   .eps = p.collapse_eps,
+                                   .x = p.x,
+                                   .stream = p.stream});
+}
+
 // --- Compressor ---------------------------------------------------------------------------------
 // Gated pooling of `ratio` consecutive tokens (ratio > 1): each row's projections go into slot
 // positions[r] % ratio of the sequence's partial group; a row that completes a group (position

@@ -77,33 +77,12 @@ OpStatus HcMix(const HcMixParams& p) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0 || p.iters < 1) return OpStatus::kBadShape;
   if (const OpStatus s = HcStepsFit(p); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;
-  // The steps in turn, the collapse before the mixes so that it reads its weights before the
-  // mixes write pre.
-  const float* X = p.X;
-  if (p.sub != nullptr) {
-    const OpStatus s = HcExpand({.X = p.X,
-                                 .sub = p.sub,
-                                 .post = p.expand_post,
-                                 .comb = p.expand_comb,
-                                 .rows = p.rows,
-                                 .hc = p.hc,
-                                 .dim = p.dim,
-                                 .out = p.expanded});
-    if (s != OpStatus::kOk) return s;
-    X = p.expanded;
-  }
-  if (p.x != nullptr) {
-    const OpStatus s = HcCollapse({.X = X,
-                                   .weights = p.collapse_weights,
-                                   .rows = p.rows,
-                                   .hc = p.hc,
-                                   .dim = p.dim,
-                                   .norm_weight = p.collapse_norm,
-                                   .eps = p.collapse_eps,
-                                   .x = p.x,
-                                   .stream = p.stream});
-    if (s != OpStatus::kOk) return s;
-  }
+  // The steps in turn, then the mixes.
+  const float* X = nullptr;
+  const OpStatus steps = HcStepsApart(
+      p, [](const HcExpandParams& q) { return HcExpand(q); },
+      [](const HcCollapseParams& q) { return HcCollapse(q); }, &X);
+  if (steps != OpStatus::kOk) return steps;
   const size_t rows = static_cast<size_t>(p.rows), width = static_cast<size_t>(p.hc * p.dim);
   const size_t mix = static_cast<size_t>((2 + p.hc) * p.hc);
   ParallelRanges(

@@ -320,33 +320,12 @@ OpStatus HcMix(const HcMixParams& p, const HcMixFused* fused) {
     }
     return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
   }
-  // A kernel a step, the collapse before the mixes (which may write its weights).
-  const float* X = p.X;
-  if (p.sub != nullptr) {
-    const OpStatus s = HcExpand({.X = p.X,
-                                 .sub = p.sub,
-                                 .post = p.expand_post,
-                                 .comb = p.expand_comb,
-                                 .rows = p.rows,
-                                 .hc = p.hc,
-                                 .dim = p.dim,
-                                 .out = p.expanded,
-                                 .stream = p.stream});
-    if (s != OpStatus::kOk) return s;
-    X = p.expanded;
-  }
-  if (p.x != nullptr) {
-    const OpStatus s = HcCollapse({.X = X,
-                                   .weights = p.collapse_weights,
-                                   .rows = p.rows,
-                                   .hc = p.hc,
-                                   .dim = p.dim,
-                                   .norm_weight = p.collapse_norm,
-                                   .eps = p.collapse_eps,
-                                   .x = p.x,
-                                   .stream = p.stream});
-    if (s != OpStatus::kOk) return s;
-  }
+  // A kernel a step.
+  const float* X = nullptr;
+  const OpStatus steps = HcStepsApart(
+      p, [](const HcExpandParams& q) { return HcExpand(q); },
+      [](const HcCollapseParams& q) { return HcCollapse(q); }, &X);
+  if (steps != OpStatus::kOk) return steps;
   FLASHD_LAUNCH(HcDotKernel, static_cast<unsigned>(p.rows * mix), kHcMixLanes, 0, stream, X, p.fn,
                 width, mix, p.mixes);
   FLASHD_LAUNCH(MixSplitKernel, static_cast<unsigned>(p.rows), kHcMixLanes, 0, stream, X, p.hc,
