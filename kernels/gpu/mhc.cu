@@ -283,9 +283,10 @@ __global__ void __launch_bounds__(kHcMixLanes, 1)
       for (int64_t d = threadIdx.x; d < dim; d += kHcMixLanes) p.x[t * dim + d] = collapsed(d);
     }
   }
+  // Every thread's results seen device-wide before the block counts itself in.
+  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // The block's results seen before its count.
     last = atomicAdd(&arrivals[t], 1u) == static_cast<unsigned>(mix + 1);
   }
   __syncthreads();

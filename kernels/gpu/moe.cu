@@ -181,9 +181,11 @@ __global__ void __launch_bounds__(kSelectThreads)
   __shared__ bool last;
   RouteToken(blockIdx.x, p.logits, p.bias, p.experts, p.k, static_cast<int>(p.scoring), p.norm_topk,
              p.scale, p.scores, p.biased, p.chosen, p.weights);
+  // Every thread's writes of the token's choices seen device-wide before the block counts
+  // itself in.
+  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // The token's choices seen before its count.
     last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
   }
   __syncthreads();
