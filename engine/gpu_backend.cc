@@ -1408,15 +1408,20 @@ class GpuBackend final : public Backend {
       } else {
         d.w = c.Weight(p.w, p.out * p.in * 2);
       }
-      // The projections of `also`: their weights and outputs (the list stays on the host).
+      // The projections of `also` (FP8, FP4 or BF16 codes): their weights and outputs (the list
+      // stays on the host).
       std::vector<k::LinearProjection> also(static_cast<size_t>(p.also_count));
       for (int64_t j = 0; j < p.also_count; ++j) {
         const k::LinearProjection& a = p.also[j];
-        const k::StoredBytes stored = k::QuantizedWeightBytes(p.format, a.out, p.in);
-        also[j] = {.w = c.Weight(a.w, stored.codes),
-                   .w_scales = c.Weight(a.w_scales, stored.scales),
-                   .out = a.out,
-                   .y = c.Out(a.y, p.rows * a.out)};
+        if (p.format == k::WeightFormat::kBf16) {
+          also[j].w = c.Weight(a.w, a.out * p.in * 2);
+        } else {
+          const k::StoredBytes stored = k::QuantizedWeightBytes(p.format, a.out, p.in);
+          also[j].w = c.Weight(a.w, stored.codes);
+          also[j].w_scales = c.Weight(a.w_scales, stored.scales);
+        }
+        also[j].out = a.out;
+        also[j].y = c.Out(a.y, p.rows * a.out);
       }
       d.also = also.data();
       d.x_codes = c.Work<uint8_t>(p.rows * p.in);

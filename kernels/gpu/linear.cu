@@ -526,31 +526,38 @@ __global__ void __launch_bounds__(kGemvThreads)
                             y, sums, round, pair);
 }
 
-// Several projections of one row (LinearParams::also) in one launch: each its weights, outputs,
-// column groups a thread block and first thread block; thread block j takes the last projection
-// whose first thread block is at most j, and its tile as GemvKernel would.
+// Several projections of one row (LinearParams::also) in one launch, each with its first thread
+// block: thread block j takes the last projection whose first thread block is at most j (Of).
+template <class P>
+struct ProjectionList {
+  P at[1 + kLinearMaxAlso];
+  int count = 0;
+  // Picked with a fixed trip count, so that the params are not indexed at run time.
+  __device__ P Of(int64_t block) const {
+    P p = at[0];
+    FLASHD_UNROLL
+    for (int i = 1; i < 1 + kLinearMaxAlso; ++i) {
+      if (i < count && block >= at[i].first) p = at[i];
+    }
+    return p;
+  }
+};
+
+// A projection's weights, outputs and column groups a thread block; its tiles as GemvKernel's.
 struct GemvProjection {
   const uint8_t* w = nullptr;
   const uint8_t* ws = nullptr;
   int64_t N = 0, groups = 0, first = 0;
   float* y = nullptr;
 };
-struct GemvProjections {
-  GemvProjection at[1 + kLinearMaxAlso];
-  int count = 0;
-};
+using GemvProjections = ProjectionList<GemvProjection>;
 
 template <int kFormat>
 __global__ void __launch_bounds__(kGemvThreads)
     GemvProjectionsKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, GemvProjections ps,
                           bool round) {
   FLASHD_DYNAMIC_SHARED(float, sums);
-  // Picked with a fixed trip count, so that the params are not indexed at run time.
-  GemvProjection p = ps.at[0];
-  FLASHD_UNROLL
-  for (int i = 1; i < 1 + kLinearMaxAlso; ++i) {
-    if (i < ps.count && blockIdx.x >= ps.at[i].first) p = ps.at[i];
-  }
+  const GemvProjection p = ps.Of(blockIdx.x);
   GemvTile<kFormat>(xq, xs, K, p.w, p.ws, p.N,
                     (blockIdx.x - p.first) * p.groups * kGemvCols<kFormat>, p.groups, p.y, sums,
                     round);
@@ -814,8 +821,7 @@ __global__ void __launch_bounds__(kDenseGemvThreads)
 }
 
 // Several dense projections of one row (LinearParams::also) in one launch, as
-// GemvProjectionsKernel: thread block j takes the last projection whose first thread block is at
-// most j.
+// GemvProjectionsKernel's.
 template <class W>
 struct DenseProjection {
   W w{};
@@ -823,19 +829,12 @@ struct DenseProjection {
   float* y = nullptr;
 };
 template <class W>
-struct DenseProjections {
-  DenseProjection<W> at[1 + kLinearMaxAlso];
-  int count = 0;
-};
+using DenseProjections = ProjectionList<DenseProjection<W>>;
 
 template <class W, bool kVectors>
 __global__ void __launch_bounds__(kDenseGemvThreads)
     DenseGemvProjectionsKernel(const float* x, int64_t K, DenseProjections<W> ps) {
-  DenseProjection<W> p = ps.at[0];
-  FLASHD_UNROLL
-  for (int i = 1; i < 1 + kLinearMaxAlso; ++i) {
-    if (i < ps.count && blockIdx.x >= ps.at[i].first) p = ps.at[i];
-  }
+  const DenseProjection<W> p = ps.Of(blockIdx.x);
   DenseGemvColumns<W, kVectors>(x, K, p.w, p.N, p.y,
                                 (static_cast<int64_t>(blockIdx.x) - p.first) * kDenseGemvCols);
 }

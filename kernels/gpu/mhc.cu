@@ -7,6 +7,7 @@
 
 #include "kernels/codecs.h"
 #include "kernels/fmath.h"
+#include "kernels/gpu/arrive.h"
 #include "kernels/gpu/norm_row.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
@@ -241,7 +242,6 @@ __global__ void __launch_bounds__(kHcMixLanes, 1)
     HcStepsKernel(HcMixParams p, unsigned* arrivals, double* sums) {
   __shared__ double dlanes[kHcMixLanes];
   __shared__ float flanes[kHcMixLanes];
-  __shared__ bool last;
   const int64_t hc = p.hc, dim = p.dim, width = hc * dim, mix = (2 + hc) * hc;
   const int64_t t = blockIdx.x / (mix + 2), role = blockIdx.x % (mix + 2);
   // Value (h, d) of the token's stream, expanded from X when kExpand.
@@ -283,15 +283,7 @@ __global__ void __launch_bounds__(kHcMixLanes, 1)
       for (int64_t d = threadIdx.x; d < dim; d += kHcMixLanes) p.x[t * dim + d] = collapsed(d);
     }
   }
-  // Every thread's results seen device-wide before the block counts itself in.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(&arrivals[t], 1u) == static_cast<unsigned>(mix + 1);
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!LastToArrive(&arrivals[t], static_cast<unsigned>(mix + 2))) return;
   const double sum = *static_cast<volatile double*>(sums + t);
   ScaleAndSplit(t, sum, hc, dim, p.scale, p.base, p.iters, p.hc_eps, p.norm_eps, p.mixes, p.pre,
                 p.post, p.comb);

@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "kernels/fmath.h"
+#include "kernels/gpu/arrive.h"
 #include "kernels/gpu/block_select.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
@@ -178,19 +179,9 @@ __global__ void __launch_bounds__(kGroupThreads)
 // `arrivals` when done; the last groups every token's choices and clears the count.
 __global__ void __launch_bounds__(kSelectThreads)
     RouteGroupKernel(MoeRouteParams p, MoeGroupParams g, unsigned* arrivals) {
-  __shared__ bool last;
   RouteToken(blockIdx.x, p.logits, p.bias, p.experts, p.k, static_cast<int>(p.scoring), p.norm_topk,
              p.scale, p.scores, p.biased, p.chosen, p.weights);
-  // Every thread's writes of the token's choices seen device-wide before the block counts
-  // itself in.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(arrivals, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!LastToArrive(arrivals, static_cast<unsigned>(gridDim.x))) return;
   GroupChoices<true>(p.chosen, p.weights, p.tokens, p.experts, p.k, g.slots, g.slot_expert,
                      g.slot_offset, g.slot_tiles, g.rows, g.row_weights);
   if (threadIdx.x == 0) *arrivals = 0;

@@ -202,6 +202,44 @@ BOOST_AUTO_TEST_CASE(dense_projections_of_one_x_are_one_op_when_held_alike) {
       }
     }
   }
+  // BF16 codes given as such (kBf16): the projections' codes go to the device too.
+  for (const int64_t rows : {int64_t{1}, int64_t{3}}) {
+    std::vector<float> x(rows * in);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = kernels::cpu::Bf16ToFloat(0x3f80 + i % 64);
+    std::vector<std::vector<uint8_t>> codes;
+    for (const std::vector<float>& w : bf16) {
+      codes.emplace_back();
+      for (const float v : w) {
+        const uint16_t code = kernels::cpu::FloatToBf16(v);
+        codes.back().push_back(static_cast<uint8_t>(code));
+        codes.back().push_back(static_cast<uint8_t>(code >> 8));
+      }
+    }
+    auto run = [&](const Backend& b, std::vector<std::vector<float>>* ys) {
+      ys->clear();
+      for (const int64_t out : outs) ys->emplace_back(rows * out);
+      std::vector<kernels::LinearProjection> also;
+      for (size_t j = 1; j < outs.size(); ++j) {
+        also.push_back({.w = codes[j].data(), .out = outs[j], .y = (*ys)[j].data()});
+      }
+      return b.Linear({.x = x.data(),
+                       .rows = rows,
+                       .in = in,
+                       .out = outs[0],
+                       .format = kernels::WeightFormat::kBf16,
+                       .w = codes[0].data(),
+                       .y = (*ys)[0].data(),
+                       .also = also.data(),
+                       .also_count = static_cast<int64_t>(also.size())});
+    };
+    std::vector<std::vector<float>> got, want;
+    BOOST_REQUIRE(run(*gpu, &got) == kernels::OpStatus::kOk);
+    BOOST_REQUIRE(run(cpu, &want) == kernels::OpStatus::kOk);
+    for (size_t j = 0; j < outs.size(); ++j) {
+      BOOST_TEST(std::memcmp(got[j].data(), want[j].data(), want[j].size() * 4) == 0,
+                 "BF16 codes, rows " << rows << ", projection " << j);
+    }
+  }
 }
 
 // Each layer on the CPU's input stream: its attention and FFN outputs and the stream it
