@@ -1849,14 +1849,8 @@ class GpuBackend final : public Backend {
       k::MoeGroupParams g;
       unsigned* arrivals = nullptr;
       if (p.group != nullptr) {  // Its outputs; one kernel with the backend's counter.
-        const k::MoeGroupParams& h = *p.group;
-        const int64_t n = p.tokens * p.k;
-        g.slots = h.slots;
-        g.slot_expert = c.Out(h.slot_expert, h.slots);
-        g.slot_offset = c.Out(h.slot_offset, h.slots + 1);
-        g.slot_tiles = c.Out(h.slot_tiles, h.slots + 1);
-        g.rows = c.Out(h.rows, n);
-        g.row_weights = c.Out(h.row_weights, n);
+        g.slots = p.group->slots;
+        GroupOutputs(c, *p.group, p.tokens * p.k, g);
         d.group = &g;
         arrivals = c.Counters(1);
       }
@@ -1917,13 +1911,18 @@ class GpuBackend final : public Backend {
       d.stream = nullptr;
       d.chosen = c.In(p.chosen, n);
       d.weights = c.In(p.weights, n);
-      d.slot_expert = c.Out(p.slot_expert, p.slots);
-      d.slot_offset = c.Out(p.slot_offset, p.slots + 1);
-      d.slot_tiles = c.Out(p.slot_tiles, p.slots + 1);
-      d.rows = c.Out(p.rows, n);
-      d.row_weights = c.Out(p.row_weights, n);
+      GroupOutputs(c, p, n, d);
       return Launch(c, [&] { return g::MoeGroup(d); });
     });
+  }
+
+  // The grouping's five outputs (of `n` choices) on the device, in `d`.
+  static void GroupOutputs(Call& c, const k::MoeGroupParams& p, int64_t n, k::MoeGroupParams& d) {
+    d.slot_expert = c.Out(p.slot_expert, p.slots);
+    d.slot_offset = c.Out(p.slot_offset, p.slots + 1);
+    d.slot_tiles = c.Out(p.slot_tiles, p.slots + 1);
+    d.rows = c.Out(p.rows, n);
+    d.row_weights = c.Out(p.row_weights, n);
   }
 
   OpStatus ExpertLinear(const k::ExpertLinearParams& p) const override {
