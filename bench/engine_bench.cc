@@ -3,14 +3,16 @@
 //
 //   build/bench/engine_bench MODEL_DIR [PREFILL_CONTEXT...] [--decode-at CONTEXT]...
 //                            [--backend auto|cpu|cuda|hip|hipcpu] [--gpu-gemms exact|matrix]
-//                            [--uploads queued|waited]
+//                            [--uploads queued|waited] [--launch early|in-turn]
 //
 // --backend runs every op on that backend (default cpu); the bandwidth figure is the host's.
 // --gpu-gemms matrix puts a GPU backend's FP8/FP4 linears on matrix cores (engine.gpu_gemms). A
 // GPU backend's decode rows (--decode-at's too) are followed by what one step moved between host
 // and device and how many times the host waited for the device (BackendReport). --uploads waited
 // makes every copy to the device a plain one, which waits for the kernels before it (the
-// backend's way before its small copies were queued: GpuOptions::queued_uploads).
+// backend's way before its small copies were queued: GpuOptions::queued_uploads). --launch
+// in-turn starts each kernel when the one ahead has finished (GpuOptions::early_launch off; the
+// first line says whether kernels start early).
 // Weights are uploaded first, as the engine does (the time is printed for a GPU backend).
 // --decode-at measures decode at batch 1 behind a context of CONTEXT tokens without prefilling
 // it: the sequence resumes from KV blocks filled with valid random codes (every byte in
@@ -104,6 +106,12 @@ int main(int argc, char** argv) {
         return (std::fprintf(stderr, "--uploads is queued or waited\n"), 2);
       }
       gpu.queued_uploads = kind == "queued";
+    } else if (std::strcmp(argv[i], "--launch") == 0 && i + 1 < argc) {
+      const std::string kind = argv[++i];
+      if (kind != "early" && kind != "in-turn") {
+        return (std::fprintf(stderr, "--launch is early or in-turn\n"), 2);
+      }
+      gpu.early_launch = kind == "early";
     } else if (std::strcmp(argv[i], "--decode-at") == 0 && i + 1 < argc) {
       decode_at.push_back(std::stoul(argv[++i]));
     } else {
@@ -116,7 +124,9 @@ int main(int argc, char** argv) {
   std::string why;
   auto backend = SelectBackend(backend_name, &why, 0, gpu);
   if (!backend.ok()) return (std::fprintf(stderr, "%s\n", backend.status().ToString().c_str()), 1);
-  std::printf("%s; GEMMs %s\n", why.c_str(), (*backend)->Report().gemms.c_str());
+  const BackendReport report = (*backend)->Report();
+  std::printf("%s; GEMMs %s%s\n", why.c_str(), report.gemms.c_str(),
+              report.early_launch ? "; kernels start early" : "");
   auto fwd = CpuForward::Create(**model, "", 64, std::move(*backend));
   if (!fwd.ok()) return (std::fprintf(stderr, "%s\n", fwd.status().ToString().c_str()), 1);
   {

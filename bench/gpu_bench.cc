@@ -1,6 +1,7 @@
 // The GPU kernels at the released model's dimensions, on random weights made in device memory
 // (no checkpoint, no file): each op of one decoding layer timed alone, the layer's step time at
-// batch 1, 8 and 64 (as the sum of its ops), extrapolated to the 40-layer model, the layer's
+// batch 1, 8 and 64 (as the sum of its ops, and launched back to back: each kernel starting in
+// turn, early, and as one graph), extrapolated to the 40-layer model, the layer's
 // prefill of 4,096 tokens of one sequence, and the prefill GEMMs against the device's dense FP8
 // peak, and each GEMM against a free-order schedule (what the fixed order costs). Compiled once
 // per GPU runtime (gpu_bench_cuda, gpu_bench_hip, gpu_bench_hipcpu; the last only checks the
@@ -353,6 +354,20 @@ class Layer {
   std::vector<Row> Decode(int64_t batch, int reps, std::mt19937_64& rng, bool prefill = false) {
     PickExperts(batch, rng);
     return Ops(batch, prefill, [&](const std::function<void()>& op) { return Time(op, reps); });
+  }
+
+  // The same step's ops launched back to back, no wait between them (as the engine launches a
+  // step's): seconds per step, best of three rounds of `reps`.
+  double DecodeBackToBack(int64_t batch, int reps, std::mt19937_64& rng) {
+    PickExperts(batch, rng);
+    return Time(
+        [&] {
+          Ops(batch, false, [](const std::function<void()>& op) {
+            op();
+            return 0.0;
+          });
+        },
+        reps);
   }
 
   // The same step's ops recorded as one graph and replayed: seconds per step, best of three
@@ -862,6 +877,10 @@ int main(int argc, char** argv) {
   size_t free_bytes = 0, total = 0;
   Check(g::MemoryInfo(&free_bytes, &total), "memory");
   std::printf("device: %s, %.1f GiB\n", device.c_str(), total / double(1ull << 30));
+  // As the engine does (GpuOptions::early_launch); the layer's step is timed both ways below.
+  const bool early = g::SetEarlyLaunch(true);
+  std::printf("kernels start early (programmatic dependent launch): %s\n",
+              early ? "yes" : "no, this device's code starts them in turn");
 
   // Copy bandwidth: read plus write of a device-to-device copy.
   const size_t copy_bytes = d.hidden >= 5120 ? (size_t{2} << 30) : (size_t{64} << 20);
@@ -922,18 +941,27 @@ int main(int argc, char** argv) {
   }
   std::printf("\n");
 
-  std::printf("%5s %14s %14s %18s %26s\n", "batch", "layer us", "as a graph us",
-              "tokens/s per layer", "tokens/s, 40 layers (est.)");
+  // The step's ops timed alone and summed, then launched back to back as the engine does, each
+  // kernel starting when the one ahead has finished ("in turn") and where the device has it
+  // early, then replayed as one graph.
+  std::printf("%5s %12s %12s %12s %14s %18s %26s\n", "batch", "ops alone us", "in turn us",
+              "early us", "as a graph us", "tokens/s per layer", "tokens/s, 40 layers (est.)");
   for (int64_t batch : {1, 8, 64}) {
     double s = 0, graph = 0;
     for (const Row& r : layer.Decode(batch, reps, rng)) s += r.seconds;
-    // The faster of the two when the graph was measured: what a step replayed as a graph gets.
+    g::SetEarlyLaunch(false);
+    const double in_turn = layer.DecodeBackToBack(batch, reps, rng);
+    g::SetEarlyLaunch(early);
+    const double ahead = early ? layer.DecodeBackToBack(batch, reps, rng) : in_turn;
+    // The fastest way measured: what a step launched that way gets.
     const bool as_graph = layer.DecodeAsGraph(batch, reps, rng, false, &graph).empty();
-    const double best = as_graph ? std::min(s, graph) : s;
-    char graph_us[32] = "-";
+    const double best = std::min({s, in_turn, ahead, as_graph ? graph : s});
+    char graph_us[32] = "-", early_us[32] = "-";
     if (as_graph) std::snprintf(graph_us, sizeof graph_us, "%.1f", graph * 1e6);
-    std::printf("%5lld %14.1f %14s %18.0f %26.1f\n", static_cast<long long>(batch), s * 1e6,
-                graph_us, batch / best, batch / (best * d.layers));
+    if (early) std::snprintf(early_us, sizeof early_us, "%.1f", ahead * 1e6);
+    std::printf("%5lld %12.1f %12.1f %12s %14s %18.0f %26.1f\n", static_cast<long long>(batch),
+                s * 1e6, in_turn * 1e6, early_us, graph_us, batch / best,
+                batch / (best * d.layers));
   }
   // The hc steps between two sublayers in one kernel (the engine's at these batches) against a
   // kernel a step.

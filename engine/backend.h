@@ -35,6 +35,9 @@ struct BackendReport {
   // cores, engine.gpu_gemms), "matrix wgmma" (the same through Hopper's warpgroup instruction),
   // "matrix mfma" (through AMD's) or "matrix stand-in" (the same layout without the instruction).
   std::string gemms = "exact";
+  // Kernels start while the kernel ahead of them finishes (GpuOptions::early_launch, where the
+  // device has it).
+  bool early_launch = false;
   // The KV pool's blocks kept on the device (a GPU backend's KV arena): its bytes, and how many
   // times a block was copied there (once when first read, again after its host bytes changed).
   uint64_t kv_device_bytes = 0;

@@ -98,7 +98,8 @@ StatusOr<Placement> PlaceModel(const EngineOptions& options, const Model& model)
   FLASHD_ASSIGN_OR_RETURN(std::unique_ptr<Backend> first,
                           SelectBackend(options.backend, &why, 0, gpu));
   const std::string kind(first->name());
-  const std::string gemms = first->Report().gemms;
+  const BackendReport report = first->Report();
+  const std::string& gemms = report.gemms;
   if (gpu.matrix_gemms && kind == "cpu") {
     why += "; engine.gpu_gemms: matrix has no effect on the CPU";
   } else if (gemms != "exact") {
@@ -108,6 +109,9 @@ StatusOr<Placement> PlaceModel(const EngineOptions& options, const Model& model)
     if (gemms == "matrix stand-in") {
       why += " (a stand-in: this device lacks the instruction, slow)";
     }
+  }
+  if (report.early_launch) {
+    why += "; kernels start early (programmatic dependent launch)";
   }
   spdlog::info("engine: {}", why);
   if (options.gpus > 1 && kind == "cpu") {

@@ -1357,6 +1357,7 @@ class GpuBackend final : public Backend {
     r.kv_versions_compared = memory_.kv.compared();
     r.device_ops = ops_;
     r.kernel_launches = g::KernelLaunches();
+    r.early_launch = g::EarlyLaunch();
     r.weight_bytes = memory_.weight_bytes();
     r.bytes_to_device = memory_.traffic.to_device;
     r.bytes_zeroed = memory_.traffic.zeroed;
@@ -2151,8 +2152,9 @@ StatusOr<std::unique_ptr<Backend>> MakeGpuBackend(int device, const GpuOptions& 
   // has that (gfx908, gfx90a, gfx940-gfx942), else mma.sync or its stand-in, for every matrix
   // GEMM: one instruction for all rows, so that a row's sums do not depend on its batch.
   auto instruction = g::MatrixInstruction::kMma;
+  if (const std::string e = g::SetDevice(device); !e.empty()) return Unavailable(kind + ": " + e);
+  g::SetEarlyLaunch(options.early_launch);  // Asked of the device's code, as the instructions are.
   if (options.matrix_gemms) {
-    if (const std::string e = g::SetDevice(device); !e.empty()) return Unavailable(kind + ": " + e);
     if (g::MatrixWgmmaNative()) {
       instruction = g::MatrixInstruction::kWgmma;
     } else if (g::MatrixMfmaNative()) {

@@ -24,6 +24,11 @@ struct GpuOptions {
   // Device memory for the copies of the sequences' window rings kept from step to step; past it
   // the least recently used go, and a ring that finds no room is copied for its op alone.
   uint64_t ring_cache_bytes = uint64_t{512} << 20;
+  // Each kernel started while the kernel ahead of it finishes, its weights on their way (NVIDIA's
+  // programmatic dependent launch, where the device's code has it: compute capability 9.0 and
+  // up; elsewhere kernels start in turn). The same bits either way; for the whole process.
+  // False: every kernel starts when the one ahead has finished (to measure the two).
+  bool early_launch = true;
 };
 
 namespace cuda {

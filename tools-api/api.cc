@@ -46,6 +46,7 @@ nlohmann::json BackendJson(const engine::BackendReport& r) {
           {"memory_in_use_bytes", r.memory_in_use},
           {"memory_total_bytes", r.memory_total},
           {"gemms", r.gemms},
+          {"early_launch", r.early_launch},
           {"kv_device_bytes", r.kv_device_bytes},
           {"kv_blocks_copied", r.kv_blocks_copied},
           {"ring_device_bytes", r.ring_device_bytes},

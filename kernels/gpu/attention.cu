@@ -261,6 +261,7 @@ __device__ int64_t ListKeys(const SparseAttentionParams& p, const AttentionKeys&
 template <int G>
 __global__ void __launch_bounds__(kAttendThreads)
     AttendKernel(SparseAttentionParams p, int slices) {
+  FLASHD_GRID_BEGIN();
   __shared__ float qs[G][kMaxHeadDim];
   __shared__ float prob[G][kPassKeys];  // Logits, then probabilities, then their BF16 values.
   __shared__ KeyRow key[kPassKeys];
@@ -493,6 +494,7 @@ int OnceHeads(const SparseAttentionParams& p) {
 // t, each key's values by a thread per pair of dimensions; chunk 0 also writes the list's end.
 __global__ void __launch_bounds__(kAttendThreads)
     DecodeKeysKernel(SparseAttentionParams p, OnceLayout l) {
+  FLASHD_GRID_BEGIN();
   __shared__ KeyRow key[kOnceDecodeKeys];
   __shared__ int scan[kAttendThreads];
   const int64_t chunks = (l.capacity + kOnceDecodeKeys - 1) / kOnceDecodeKeys;
@@ -533,6 +535,7 @@ __global__ void __launch_bounds__(kAttendThreads)
 // q . key over the dimensions in order, both staged kOnceStageDims dimensions at a time.
 __global__ void __launch_bounds__(kOnceLogitThreads)
     LogitsKernel(SparseAttentionParams p, OnceLayout l) {
+  FLASHD_GRID_BEGIN();
   __shared__ float4 ks[kOnceLogitKeys][kOnceStagePitch / 4];
   __shared__ float4 qs[kOnceLogitHeads][kOnceStagePitch / 4];
   const int64_t chunks = (l.capacity + kOnceLogitKeys - 1) / kOnceLogitKeys;
@@ -580,6 +583,7 @@ __global__ void __launch_bounds__(kOnceLogitThreads)
 template <int H>
 __global__ void __launch_bounds__(kOnceSumThreads)
     SoftmaxSumsKernel(SparseAttentionParams p, OnceLayout l) {
+  FLASHD_GRID_BEGIN();
   FLASHD_DYNAMIC_SHARED(float, shared);
   __shared__ float run_m[H], denom[H];
   const int64_t hd = p.head_dim, slices = (hd + kOnceSumThreads - 1) / kOnceSumThreads;

@@ -19,6 +19,7 @@ constexpr unsigned kThreads = 128;
 // Thread blocks (sequence, dimensions): with several sequences, each walks its own rows into its
 // own partial group, its first pooled row after the completing rows of the sequences before it.
 __global__ void PoolKernel(CompressPoolParams p, int64_t dim_blocks) {
+  FLASHD_GRID_BEGIN();
   const int64_t seq = blockIdx.x / dim_blocks, dim = p.dim, ratio = p.ratio;
   const int64_t d = static_cast<int64_t>(blockIdx.x % dim_blocks) * blockDim.x + threadIdx.x;
   if (d >= dim) return;
@@ -87,6 +88,7 @@ __device__ void QuantizeFp4(const float* x, int64_t n, int64_t block, bool e4m3_
 }
 
 __global__ void WriteKernel(CompressWriteParams p) {
+  FLASHD_GRID_BEGIN();
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.groups || p.rows[g] < 0) return;
   const int64_t row = p.rows[g];

@@ -89,5 +89,16 @@ std::string DeviceName(std::string* name);
 std::string MemoryInfo(size_t* free_bytes, size_t* total_bytes);
 // Kernels this process has launched on this backend since it started, on any of its devices.
 uint64_t KernelLaunches();
+// What `probe` (a kernel of one thread) writes on the current device: asked of the code the
+// device runs (the machine code or PTX it loaded for this build's architectures), not of its
+// compute capability. False where the launch or the copy fails.
+bool AskDevice(void (*probe)(int*));
+// Asks that kernels start early (portability.h's early_launch: each kernel's thread blocks
+// resident, reading their weights, while the kernel ahead of it on its stream finishes) or not,
+// for the whole process; returns whether they now do. It takes only where the current device's
+// code waits at every kernel's FLASHD_GRID_BEGIN (NVIDIA, compiled for compute capability 9.0
+// or up); elsewhere kernels start in turn.
+bool SetEarlyLaunch(bool on);
+bool EarlyLaunch();
 
 }  // namespace flashd::kernels::FLASHD_GPU_BACKEND

@@ -24,18 +24,21 @@ OpStatus Launched() {
 }
 
 __global__ void RoundKernel(float* x, int64_t n, float scale) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   x[i] = scale == 1.0f ? c::RoundBf16(x[i]) : c::RoundBf16(c::RoundBf16(x[i]) * scale);
 }
 
 __global__ void AddRoundKernel(const float* a, const float* b, float* out, int64_t n) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = c::RoundBf16(a[i] + b[i]);
 }
 
 __global__ void SwigluKernel(const float* gate, const float* up, int64_t n, int64_t inter,
                              const float* row_weights, float limit, float* h) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
   h[i] = fm::SwigluValue(gate[i], up[i], limit,
@@ -45,6 +48,7 @@ __global__ void SwigluKernel(const float* gate, const float* up, int64_t n, int6
 // One thread per block of `block` values: the block's scale from its largest magnitude, then
 // each value through the format and back.
 __global__ void FakeQuantKernel(float* x, int64_t blocks, int64_t block, int format) {
+  FLASHD_GRID_BEGIN();
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b < blocks) FakeQuantBlock(x + b * block, block, format);
 }
@@ -52,6 +56,7 @@ __global__ void FakeQuantKernel(float* x, int64_t blocks, int64_t block, int for
 // The table as fp32 values or as BF16 codes (embed_bf16 when embed is null).
 __global__ void EmbedKernel(const int32_t* tokens, int64_t count, int64_t hc, int64_t dim,
                             const float* embed, const uint16_t* embed_bf16, float* X) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count * hc * dim) return;
   const int64_t t = i / (hc * dim), d = i % dim;
@@ -62,6 +67,7 @@ __global__ void EmbedKernel(const int32_t* tokens, int64_t count, int64_t hc, in
 // One thread per value; a row's values are neighbouring threads.
 __global__ void CopyRowsKernel(const float* src, int64_t src_stride, const int64_t* index,
                                int64_t rows, int64_t cols, float* dst, int64_t dst_stride) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * cols) return;
   const int64_t row = i / cols, col = i % cols;
@@ -73,6 +79,7 @@ __global__ void CopyRowsKernel(const float* src, int64_t src_stride, const int64
 // out = BF16(y + add) for each of the y_rows rows (the thread's dimension of each).
 __global__ void CombineKernel(const float* expert_out, const int64_t* rows, int64_t count,
                               int64_t dim, float* y, int64_t y_rows, const float* add, float* out) {
+  FLASHD_GRID_BEGIN();
   const int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (d >= dim) return;
   for (int64_t i = 0; i < count; ++i) y[rows[i] * dim + d] += expert_out[i * dim + d];
@@ -88,6 +95,7 @@ constexpr int64_t kCombineSlots = 8;      // A token's experts: 6 in the model.
 constexpr int64_t kCombineMinCount = 16;  // Fewer entries: CombineKernel's loop is short.
 
 __global__ void ZeroIntsKernel(int32_t* v, int64_t n) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) v[i] = 0;
 }
@@ -95,6 +103,7 @@ __global__ void ZeroIntsKernel(int32_t* v, int64_t n) {
 // Threads take the entries last to first, so that where they run in order (the HIP CPU runtime)
 // the bins fill out of entry order and the sort after is tested.
 __global__ void BinKernel(const int64_t* rows, int64_t count, int64_t y_rows, int32_t* work) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = count - 1 - (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x);
   if (i < 0) return;
   const int64_t r = rows[i];
@@ -107,6 +116,7 @@ __global__ void BinKernel(const int64_t* rows, int64_t count, int64_t y_rows, in
 __global__ void CombineRowsKernel(const float* expert_out, const int64_t* rows, int64_t count,
                                   int64_t dim, int64_t y_rows, const int32_t* work, float* y,
                                   const float* add, float* out) {
+  FLASHD_GRID_BEGIN();
   __shared__ int32_t entries[kCombineSlots];
   __shared__ int32_t n;
   const int64_t chunks = (dim + kThreads - 1) / kThreads;

@@ -18,6 +18,7 @@ constexpr unsigned kThreads = 256;
 __global__ void GatherKernel(const uint8_t* table, const uint8_t* scales, const int64_t* row_ids,
                              int64_t tokens, int64_t columns, int64_t head_dim, int64_t row_stride,
                              int64_t column0, float* out) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= tokens * columns * head_dim) return;
   const int64_t t = i / (columns * head_dim), col = (i / head_dim) % columns, d = i % head_dim;
@@ -29,6 +30,7 @@ __global__ void GatherKernel(const uint8_t* table, const uint8_t* scales, const 
 
 __global__ void GateKernel(float* X, const float* kv, const float* qk, int64_t tokens, int64_t hc,
                            int64_t dim, float eps) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= tokens * hc) return;
   const int64_t t = i / hc, h = i % hc;

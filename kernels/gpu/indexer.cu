@@ -16,6 +16,7 @@ namespace c = flashd::kernels::codecs;
 constexpr unsigned kThreads = 128;
 
 __global__ void ScoreKernel(IndexerScoreParams p) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= p.tokens * p.stride) return;
   const int64_t t = i / p.stride, j = i % p.stride;
@@ -48,6 +49,7 @@ __global__ void ScoreKernel(IndexerScoreParams p) {
 constexpr unsigned kCandidateThreads = 256;
 
 __global__ void CandidateKernel(CandidateFilterParams p) {
+  FLASHD_GRID_BEGIN();
   const int64_t t = blockIdx.x;
   const unsigned tid = threadIdx.x;
   const int64_t bs = p.block, nb_stride = (p.stride + bs - 1) / bs;

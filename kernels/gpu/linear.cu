@@ -32,6 +32,7 @@ __device__ inline void QuantizeBlock(const float* xb, uint8_t* q, uint8_t* scale
 }
 
 __global__ void QuantizeKernel(const float* x, int64_t blocks, uint8_t* q, uint8_t* scales) {
+  FLASHD_GRID_BEGIN();
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b < blocks) QuantizeBlock(x + b * kBlock, q + b * kBlock, scales + b);
 }
@@ -39,6 +40,7 @@ __global__ void QuantizeKernel(const float* x, int64_t blocks, uint8_t* q, uint8
 // Row r of the codes from row x_rows[r] of x ([.., K]); a thread a block.
 __global__ void QuantizeGatheredKernel(const float* x, const int64_t* x_rows, int64_t rows,
                                        int64_t K, uint8_t* q, uint8_t* scales) {
+  FLASHD_GRID_BEGIN();
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t per_row = K / kBlock;
   if (b >= rows * per_row) return;
@@ -291,6 +293,7 @@ template <int kFormat, int kRows>
 __global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
     QuantizedGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K,
                         const uint8_t* w, const uint8_t* ws, int64_t N, float* y) {
+  FLASHD_GRID_BEGIN();
   const int64_t n0 = (blockIdx.x % ColumnGroups(N)) * kTileCols;
   const int64_t m0 = (blockIdx.x / ColumnGroups(N)) * kRows;
   const int64_t rows = M - m0 < kRows ? M - m0 : kRows;
@@ -306,6 +309,7 @@ __global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
     ExpertGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                      const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
                      const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
+  FLASHD_GRID_BEGIN();
   const int64_t n0 = (blockIdx.x % ColumnGroups(N)) * kTileCols;
   int64_t m0 = 0, rows = 0, e = 0;
   if (!ExpertTileOf(kGemmRows, blockIdx.x / ColumnGroups(N), slot_expert, slot_offset, slot_tiles,
@@ -327,6 +331,7 @@ template <int kFormat, int kRows>
 __global__ void __launch_bounds__(kTileThreads, kMinTiles<kRows>)
     PartsGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
                     const uint8_t* ws, int64_t N, int split, float* y, float* sums) {
+  FLASHD_GRID_BEGIN();
   const int64_t tile = blockIdx.x / split, part = blockIdx.x % split;
   const int64_t n0 = (tile % ColumnGroups(N)) * kTileCols;
   const int64_t m0 = (tile / ColumnGroups(N)) * kRows;
@@ -353,6 +358,7 @@ __device__ inline float SumInOrder(const float* s, int64_t n) {
 
 // y[m, n] = the block sums of (m, n) added from zero in block order, as GemmTile's chains do.
 __global__ void BlockSumsKernel(const float* sums, int64_t outputs, int64_t blocks, float* y) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= outputs) return;
   y[i] = SumInOrder(sums + i * blocks, blocks);
@@ -463,6 +469,17 @@ struct GemvPair {
   float limit = 0;
 };
 
+// The weights of columns [n0, n0 + kGemvCols x groups) (whole rows of w, one after another) asked
+// of the L2 cache, before the kernel waits for the one ahead (PrefetchL2); nothing for null w.
+template <int kFormat>
+__device__ inline void PrefetchGemvWeights(const uint8_t* w, int64_t K, int64_t N, int64_t n0,
+                                           int64_t groups) {
+  if (w == nullptr || n0 >= N) return;
+  const int64_t cols = N - n0 < groups * kGemvCols<kFormat> ? N - n0 : groups * kGemvCols<kFormat>;
+  const int64_t row_bytes = kFormat == 0 ? K : K / 2;
+  PrefetchL2(w + n0 * row_bytes, cols * row_bytes);
+}
+
 // Columns [n0, n0 + kGemvCols x groups) of one row (codes xq, scale codes xs) into y (the row's
 // outputs; rounded to BF16 where `round`, never with the gated pair), by the whole thread block;
 // `sums` holds kGemvCols x groups x GemvStride(blocks) floats a matrix. kGated: the same columns of
@@ -522,8 +539,11 @@ __global__ void __launch_bounds__(kGemvThreads)
     GemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w, const uint8_t* ws,
                int64_t N, int64_t groups, float* y, bool round, GemvPair pair) {
   FLASHD_DYNAMIC_SHARED(float, sums);
-  GemvTile<kFormat, kGated>(xq, xs, K, w, ws, N, blockIdx.x * groups * kGemvCols<kFormat>, groups,
-                            y, sums, round, pair);
+  const int64_t n0 = blockIdx.x * groups * kGemvCols<kFormat>;
+  PrefetchGemvWeights<kFormat>(w, K, N, n0, groups);
+  PrefetchGemvWeights<kFormat>(kGated ? pair.w : nullptr, K, N, n0, groups);
+  FLASHD_GRID_BEGIN();
+  GemvTile<kFormat, kGated>(xq, xs, K, w, ws, N, n0, groups, y, sums, round, pair);
 }
 
 // Several projections of one row (LinearParams::also) in one launch, each with its first thread
@@ -558,9 +578,10 @@ __global__ void __launch_bounds__(kGemvThreads)
                           bool round) {
   FLASHD_DYNAMIC_SHARED(float, sums);
   const GemvProjection p = ps.Of(blockIdx.x);
-  GemvTile<kFormat>(xq, xs, K, p.w, p.ws, p.N,
-                    (blockIdx.x - p.first) * p.groups * kGemvCols<kFormat>, p.groups, p.y, sums,
-                    round);
+  const int64_t n0 = (blockIdx.x - p.first) * p.groups * kGemvCols<kFormat>;
+  PrefetchGemvWeights<kFormat>(p.w, K, p.N, n0, p.groups);
+  FLASHD_GRID_BEGIN();
+  GemvTile<kFormat>(xq, xs, K, p.w, p.ws, p.N, n0, p.groups, p.y, sums, round);
 }
 
 // The experts' rows each on its own (a step of few tokens): thread block (row r, column tile
@@ -573,6 +594,7 @@ __global__ void __launch_bounds__(kGemvThreads)
                      const uint8_t* const* ws, int64_t N, int64_t groups, int64_t tiles, float* y,
                      const uint8_t* const* up, const uint8_t* const* up_scales,
                      const float* row_weights, float limit, bool round) {
+  FLASHD_GRID_BEGIN();
   FLASHD_DYNAMIC_SHARED(float, sums);
   __shared__ int64_t row_slot;
   const int64_t r = blockIdx.x / tiles, j = blockIdx.x % tiles;
@@ -624,6 +646,7 @@ struct PartsGemm {
 };
 
 __global__ void ZeroKernel(float* y, int64_t n) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = 0.0f;
 }
@@ -668,6 +691,7 @@ static_assert(kTileThreads == 4 * kTileCols, "a thread per lane and column");
 template <class W, int kRows>
 __global__ void __launch_bounds__(kTileThreads)
     DenseGemmKernel(const float* x, int64_t M, int64_t K, W w, int64_t N, float* y) {
+  FLASHD_GRID_BEGIN();
   __shared__ float ws[kTileCols][kDenseStride];
   __shared__ float xs[kRows][kDenseChunk];
   __shared__ float lanes[kRows][4][kTileCols];
@@ -814,10 +838,22 @@ FLASHD_SHARED_TILE __device__ void DenseGemvColumns(const float* x, int64_t K, W
   }
 }
 
+// A dense GEMV thread block's weights (rows n0 and on of w) asked of the L2 cache, as
+// PrefetchGemvWeights.
+template <class W>
+__device__ inline void PrefetchDenseColumns(const W& w, int64_t K, int64_t N, int64_t n0) {
+  if (n0 >= N) return;
+  const int64_t cols = N - n0 < kDenseGemvCols ? N - n0 : kDenseGemvCols;
+  PrefetchL2(w.w + n0 * K, cols * K * static_cast<int64_t>(sizeof(w.w[0])));
+}
+
 template <class W, bool kVectors>
 __global__ void __launch_bounds__(kDenseGemvThreads)
     DenseGemvKernel(const float* x, int64_t K, W w, int64_t N, float* y) {
-  DenseGemvColumns<W, kVectors>(x, K, w, N, y, static_cast<int64_t>(blockIdx.x) * kDenseGemvCols);
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kDenseGemvCols;
+  PrefetchDenseColumns(w, K, N, n0);
+  FLASHD_GRID_BEGIN();
+  DenseGemvColumns<W, kVectors>(x, K, w, N, y, n0);
 }
 
 // Several dense projections of one row (LinearParams::also) in one launch, as
@@ -835,8 +871,10 @@ template <class W, bool kVectors>
 __global__ void __launch_bounds__(kDenseGemvThreads)
     DenseGemvProjectionsKernel(const float* x, int64_t K, DenseProjections<W> ps) {
   const DenseProjection<W> p = ps.Of(blockIdx.x);
-  DenseGemvColumns<W, kVectors>(x, K, p.w, p.N, p.y,
-                                (static_cast<int64_t>(blockIdx.x) - p.first) * kDenseGemvCols);
+  const int64_t n0 = (static_cast<int64_t>(blockIdx.x) - p.first) * kDenseGemvCols;
+  PrefetchDenseColumns(p.w, K, p.N, n0);
+  FLASHD_GRID_BEGIN();
+  DenseGemvColumns<W, kVectors>(x, K, p.w, p.N, p.y, n0);
 }
 
 // Thread blocks for M rows by N columns in tiles of one row (M == 1, one sequence's step) or of
@@ -902,6 +940,8 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t col_groups = ColumnGroups(N);
   const int64_t n0 = (blockIdx.x % col_groups) * kTileCols;
   const int64_t g = (blockIdx.x / col_groups) % groups;
+  PrefetchL2(w + (g * N + n0) * K, (N - n0 < kTileCols ? N - n0 : kTileCols) * K);
+  FLASHD_GRID_BEGIN();
   const int64_t m0 = blockIdx.x / (col_groups * groups) * kRows;
   const int64_t rows = kRows == 1 ? 1 : M - m0 < kRows ? M - m0 : kRows;
   const unsigned t = threadIdx.x;
@@ -1048,6 +1088,7 @@ static_assert(2 * 4 * kValueTileLane >= 2 * kValueTileRows * kValueTileCols,
 __global__ void __launch_bounds__(kValueTileThreads)
     Fp8ValuesTileKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
                         const uint8_t* scales, int64_t row0, int64_t N, float* y) {
+  FLASHD_GRID_BEGIN();
   __shared__ float4 stage4[2 * 4 * kValueTileLane / 4];
   float* xs = reinterpret_cast<float*>(stage4);  // [lane][k / 4][row], then the weights':
   float* ws = xs + 4 * kValueTileLane;           // [lane][k / 4][column].

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "kernels/codecs.h"
+#include "kernels/gpu/device.h"
 #include "kernels/gpu/mfma.h"
 #include "kernels/gpu/mma.h"
 #include "kernels/gpu/ops.h"
@@ -320,6 +321,7 @@ template <int kFormat, class S, MatrixInstruction kIns>
 __global__ void __launch_bounds__(kThreads)
     MatrixGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
                      const uint8_t* ws, int64_t N, float* y, bool round) {
+  FLASHD_GRID_BEGIN();
   const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows;
   const int64_t m0 = (blockIdx.x / RowTiles(N)) * S::kToks;
   MatrixTile<kFormat, S, kIns>(xq, xs, m0, M - m0 < S::kToks ? M - m0 : S::kToks, K, w, ws, N, n0,
@@ -336,6 +338,7 @@ __global__ void __launch_bounds__(kThreads)
     MatrixExpertKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                        const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
                        const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
+  FLASHD_GRID_BEGIN();
   int64_t m0 = 0, rows = 0, e = 0;
   if (!ExpertTileOf(S::kToks, blockIdx.x / RowTiles(N), slot_expert, slot_offset, slot_tiles, slots,
                     &m0, &rows, &e)) {
@@ -746,6 +749,7 @@ template <int kFormat, int kToks>
 __global__ void __launch_bounds__(kWgThreads, 1)
     WgmmaGemmKernel(const uint8_t* xq, const uint8_t* xs, int64_t M, int64_t K, const uint8_t* w,
                     const uint8_t* ws, int64_t N, float* y, bool round) {
+  FLASHD_GRID_BEGIN();
   FLASHD_DYNAMIC_SHARED(uint8_t, smem);
   const int64_t n0 = (blockIdx.x % RowTiles(N)) * kTileRows;
   const int64_t m0 = (blockIdx.x / RowTiles(N)) * kToks;
@@ -759,6 +763,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     WgmmaExpertKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                       const int64_t* slot_offset, const int64_t* slot_tiles, int64_t slots,
                       const uint8_t* const* w, const uint8_t* const* ws, int64_t N, float* y) {
+  FLASHD_GRID_BEGIN();
   FLASHD_DYNAMIC_SHARED(uint8_t, smem);
   int64_t m0 = 0, rows = 0, e = 0;
   if (!ExpertTileOf(kToks, blockIdx.x / RowTiles(N), slot_expert, slot_offset, slot_tiles, slots,
@@ -770,6 +775,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 }
 
 __global__ void WgmmaNativeKernel(int* native) {
+  FLASHD_GRID_BEGIN();
 #if defined(FLASHD_WGMMA_NATIVE)
   *native = 1;
 #else
@@ -777,7 +783,10 @@ __global__ void WgmmaNativeKernel(int* native) {
 #endif
 }
 
-__global__ void MfmaNativeKernel(int* native) { *native = kMfmaNative ? 1 : 0; }
+__global__ void MfmaNativeKernel(int* native) {
+  FLASHD_GRID_BEGIN();
+  *native = kMfmaNative ? 1 : 0;
+}
 
 // Whether this build has kMfma's kernels: AMD's and the HIP CPU runtime's (NVIDIA's answer
 // kBadArgument, as AMD's do for kWgmma).
@@ -800,6 +809,7 @@ constexpr bool WgmmaBuilt() {
 }
 
 __global__ void NativeKernel(int* native) {
+  FLASHD_GRID_BEGIN();
 #if defined(FLASHD_MMA_E4M3_NATIVE)
   *native = 1;
 #else
@@ -809,19 +819,6 @@ __global__ void NativeKernel(int* native) {
 
 OpStatus Launched() {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
-}
-
-// What `probe` (one thread) writes: asked of the code the device runs (the machine code or PTX
-// it loaded for this build's architectures), not of its compute capability.
-bool AskDevice(void (*probe)(int*)) {
-  int* flag = nullptr;
-  if (gpuMalloc(reinterpret_cast<void**>(&flag), sizeof(int)) != gpuSuccess) return false;
-  int native = 0;
-  FLASHD_LAUNCH(probe, 1, 1, 0, nullptr, flag);
-  const bool ok = gpuGetLastError() == gpuSuccess &&
-                  gpuMemcpy(&native, flag, sizeof(int), gpuMemcpyDeviceToHost) == gpuSuccess;
-  (void)gpuFree(flag);
-  return ok && native == 1;
 }
 
 }  // namespace
@@ -897,6 +894,7 @@ template <int kDmToks, int kDmChunk, MatrixInstruction kIns>
 __global__ void __launch_bounds__(kDmThreads)
     Fp8ValuesMatrixKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
                           const uint8_t* scales, int64_t row0, int64_t N, float* y, bool round) {
+  FLASHD_GRID_BEGIN();
   constexpr bool kMfma = kIns == MatrixInstruction::kMfma;
   // A row of staged values: the chunk's and 8 more, so that row g starts 4g banks on.
   constexpr int kLd = kDmChunk * kBlock + 8;

@@ -29,6 +29,7 @@ __device__ float CollapsedValue(const float* weights, int64_t t, int64_t hc, Str
 
 __global__ void CollapseKernel(const float* X, const float* weights, int64_t rows, int64_t hc,
                                int64_t dim, float* x) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * dim) return;
   const int64_t t = i / dim, d = i % dim;
@@ -40,6 +41,7 @@ __global__ void CollapseKernel(const float* X, const float* weights, int64_t row
 __global__ void __launch_bounds__(kNormThreads)
     CollapseNormKernel(const float* X, const float* weights, int64_t hc, int64_t dim,
                        const float* norm_weight, float eps, float* x) {
+  FLASHD_GRID_BEGIN();
   __shared__ double partial[kNormThreads];
   const int64_t t = blockIdx.x;
   const auto value = [&](int64_t d) {
@@ -60,6 +62,7 @@ __device__ inline float ExpandedValue(const float* X, const float* sub, const fl
 
 __global__ void ExpandKernel(const float* X, const float* sub, const float* post, const float* comb,
                              int64_t rows, int64_t hc, int64_t dim, float* out) {
+  FLASHD_GRID_BEGIN();
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * hc * dim) return;
   const int64_t t = i / (hc * dim), j = (i / dim) % hc, d = i % dim;
@@ -183,6 +186,7 @@ __device__ T LaneSum(int64_t n, Term term, T* lanes) {
 // Thread block (token t, mix j): the unscaled mix, flatten(X[t]) . fn[j].
 __global__ void __launch_bounds__(kHcMixLanes, 1)
     HcDotKernel(const float* X, const float* fn, int64_t width, int64_t mix, float* mixes) {
+  FLASHD_GRID_BEGIN();
   __shared__ float lanes[kHcMixLanes];
   const int64_t t = blockIdx.x / mix, j = blockIdx.x % mix;
   const float* x = X + t * width;
@@ -224,6 +228,7 @@ __global__ void __launch_bounds__(kHcMixLanes, 1)
     MixSplitKernel(const float* X, int64_t hc, int64_t dim, const float* scale, const float* base,
                    int iters, float hc_eps, float norm_eps, float* mixes, float* pre, float* post,
                    float* comb) {
+  FLASHD_GRID_BEGIN();
   __shared__ double lanes[kHcMixLanes];
   const int64_t t = blockIdx.x;
   const float* x = X + t * hc * dim;
@@ -240,6 +245,7 @@ __global__ void __launch_bounds__(kHcMixLanes, 1)
 template <bool kExpand>
 __global__ void __launch_bounds__(kHcMixLanes, 1)
     HcStepsKernel(HcMixParams p, unsigned* arrivals, double* sums) {
+  FLASHD_GRID_BEGIN();
   __shared__ double dlanes[kHcMixLanes];
   __shared__ float flanes[kHcMixLanes];
   const int64_t hc = p.hc, dim = p.dim, width = hc * dim, mix = (2 + hc) * hc;

@@ -26,6 +26,7 @@ constexpr int64_t kAscendingMost = 5632;
 // rank among them gives (the indices are distinct).
 __global__ void TopKKernel(const float* values, int64_t stride, int64_t k, const int64_t* n,
                            bool ascending, int64_t* out) {
+  FLASHD_GRID_BEGIN();
   const int64_t r = blockIdx.x;
   const int64_t count = n[r] < stride ? n[r] : stride;
   int64_t* row = out + r * k;
@@ -104,6 +105,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     RouteKernel(const float* logits, const float* bias, int64_t E, int64_t k, int scoring,
                 bool norm_topk, float scale, float* scores, float* biased, int64_t* chosen,
                 float* weights) {
+  FLASHD_GRID_BEGIN();
   RouteToken(blockIdx.x, logits, bias, E, k, scoring, norm_topk, scale, scores, biased, chosen,
              weights);
 }
@@ -171,6 +173,7 @@ __global__ void __launch_bounds__(kGroupThreads)
     GroupKernel(const int64_t* chosen, const float* weights, int64_t tokens, int64_t E, int64_t k,
                 int64_t slots, int64_t* slot_expert, int64_t* slot_offset, int64_t* slot_tiles,
                 int64_t* rows, float* row_weights) {
+  FLASHD_GRID_BEGIN();
   GroupChoices<false>(chosen, weights, tokens, E, k, slots, slot_expert, slot_offset, slot_tiles,
                       rows, row_weights);
 }
@@ -179,6 +182,7 @@ __global__ void __launch_bounds__(kGroupThreads)
 // `arrivals` when done; the last groups every token's choices and clears the count.
 __global__ void __launch_bounds__(kSelectThreads)
     RouteGroupKernel(MoeRouteParams p, MoeGroupParams g, unsigned* arrivals) {
+  FLASHD_GRID_BEGIN();
   RouteToken(blockIdx.x, p.logits, p.bias, p.experts, p.k, static_cast<int>(p.scoring), p.norm_topk,
              p.scale, p.scores, p.biased, p.chosen, p.weights);
   if (!LastToArrive(arrivals, static_cast<unsigned>(gridDim.x))) return;

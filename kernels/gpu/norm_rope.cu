@@ -21,6 +21,7 @@ __global__ void __launch_bounds__(kNormThreads)
     RmsNormKernel(float* x, int64_t dim, int64_t stride, const float* weight, float eps,
                   bool round_input, int64_t rope_dim, const int64_t* positions, const float* freqs,
                   bool fake_quant) {
+  FLASHD_GRID_BEGIN();
   __shared__ double partial[kNormThreads];
   float* row = x + static_cast<int64_t>(blockIdx.x) * stride;
   NormRow(
@@ -44,6 +45,7 @@ __global__ void __launch_bounds__(kNormThreads)
 __global__ void RopeKernel(float* x, int64_t rows, int64_t heads, int64_t head_dim,
                            int64_t rope_dim, int64_t row_stride, const int64_t* positions,
                            const float* freqs, bool inverse) {
+  FLASHD_GRID_BEGIN();
   const int64_t pairs = rope_dim / 2;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * heads * pairs) return;

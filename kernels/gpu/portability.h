@@ -25,6 +25,15 @@ inline std::atomic<uint64_t> launched_kernels{0};
 #define FLASHD_COUNT_LAUNCH() \
   ::flashd::kernels::FLASHD_GPU_BACKEND::launched_kernels.fetch_add(1, std::memory_order_relaxed)
 
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+// Whether FLASHD_LAUNCH lets each kernel start before the kernel ahead of it on its stream has
+// finished (NVIDIA's programmatic dependent launch, compute capability 9.0 and up; elsewhere it
+// changes nothing): the kernel's thread blocks become resident and read what no kernel writes
+// (their weights) while the kernel ahead finishes, and wait for it at FLASHD_GRID_BEGIN.
+// Process-wide; the GPU backend sets it (GpuOptions::early_launch).
+inline std::atomic<bool> early_launch{false};
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND
+
 #if defined(__HIPCC__) || defined(FLASHD_HIP_CPU)
 #include <hip/hip_runtime.h>
 #if defined(FLASHD_HIP_CPU) && defined(__GNUC__) && !defined(__clang__)
@@ -125,11 +134,62 @@ using gpuGraphExec_t = cudaGraphExec_t;
 #define gpuGraphLaunch cudaGraphLaunch
 #define gpuGraphDestroy cudaGraphDestroy
 #define gpuGraphExecDestroy cudaGraphExecDestroy
-#define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...) \
-  do {                                                          \
-    FLASHD_COUNT_LAUNCH();                                      \
-    kernel<<<grid, block, shared, stream>>>(__VA_ARGS__);       \
+#include <utility>
+namespace flashd::kernels::FLASHD_GPU_BACKEND {
+// `kernel` launched as a programmatic dependent of the kernel ahead of it on `stream`.
+template <class... Params, class... Args>
+inline void LaunchEarly(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared,
+                        cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute[1] = {};
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  (void)cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);  // As gpuGetLastError.
+}
+}  // namespace flashd::kernels::FLASHD_GPU_BACKEND
+#define FLASHD_LAUNCH(kernel, grid, block, shared, stream, ...)                                   \
+  do {                                                                                            \
+    FLASHD_COUNT_LAUNCH();                                                                        \
+    if (::flashd::kernels::FLASHD_GPU_BACKEND::early_launch.load(std::memory_order_relaxed)) {    \
+      ::flashd::kernels::FLASHD_GPU_BACKEND::LaunchEarly(kernel, dim3(grid), dim3(block), shared, \
+                                                         stream, __VA_ARGS__);                    \
+    } else {                                                                                      \
+      kernel<<<grid, block, shared, stream>>>(__VA_ARGS__);                                       \
+    }                                                                                             \
   } while (0)
+#endif
+
+// The first statement of every kernel (after its shared declarations, the indices it computes
+// from its arguments and PrefetchL2 of its weights, none of which reads or writes what a kernel
+// writes): waits for the kernels ahead of it on its stream to finish and their writes to be
+// visible, then lets the next kernel start (early_launch). Nothing where kernels do not start
+// early. tests/gpu/check-grid-begin.py holds every kernel to it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIPCC__)
+#define FLASHD_GRID_BEGIN() \
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define FLASHD_GRID_BEGIN() ((void)0)
+#endif
+
+// Asks the L2 cache for bytes [p, p + bytes), the thread block's threads taking its 128-byte
+// lines in turn: for a kernel's weights, before FLASHD_GRID_BEGIN, so that they are on their way
+// while the kernel ahead finishes. Nothing where there is no such instruction.
+#if defined(__CUDA_ARCH__) && !defined(__HIPCC__)
+__device__ inline void PrefetchL2(const void* p, int64_t bytes) {
+  const char* at = static_cast<const char*>(p);
+  for (int64_t i = static_cast<int64_t>(threadIdx.x) * 128; i < bytes;
+       i += static_cast<int64_t>(blockDim.x) * 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(at + i));
+  }
+}
+#else
+__device__ inline void PrefetchL2(const void*, int64_t) {}
 #endif
 
 // Dynamic shared memory (the launch's `shared` bytes) as `type* name`, 16-byte aligned. One

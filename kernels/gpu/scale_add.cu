@@ -11,6 +11,7 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 __global__ void ScaleAddKernel(const float* x, float a, float b, float* y, size_t n) {
+  FLASHD_GRID_BEGIN();
   size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = a * x[i] + b;
 }
@@ -24,6 +25,7 @@ __device__ uint64_t Mix(uint64_t x) {
 }
 
 __global__ void FillBytesKernel(uint8_t* dst, size_t n, uint64_t seed, uint8_t lo, uint8_t hi) {
+  FLASHD_GRID_BEGIN();
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const unsigned span = unsigned(hi) - lo + 1;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -32,6 +34,7 @@ __global__ void FillBytesKernel(uint8_t* dst, size_t n, uint64_t seed, uint8_t l
 }
 
 __global__ void FillFloatsKernel(float* dst, size_t n, uint64_t seed, float scale) {
+  FLASHD_GRID_BEGIN();
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
     const float u = static_cast<float>(Mix(seed * 0x100000001b3ull + i) >> 40) / 16777216.0f;
@@ -41,11 +44,13 @@ __global__ void FillFloatsKernel(float* dst, size_t n, uint64_t seed, float scal
 
 // A thread block a run: its bytes, a thread each in turn.
 __global__ void ScatterRunsKernel(const uint8_t* src, const ByteRun* runs) {
+  FLASHD_GRID_BEGIN();
   const ByteRun r = runs[blockIdx.x];
   for (uint64_t i = threadIdx.x; i < r.bytes; i += blockDim.x) r.to[i] = src[r.from + i];
 }
 
 __global__ void GatherRunsKernel(uint8_t* dst, const ByteGather* runs) {
+  FLASHD_GRID_BEGIN();
   const ByteGather r = runs[blockIdx.x];
   for (uint64_t i = threadIdx.x; i < r.bytes; i += blockDim.x) dst[r.to + i] = r.from[i];
 }
@@ -59,11 +64,13 @@ FLASHD_OPS_HD inline float SlowStep(float v) {
 }
 
 __global__ void SlowStepKernel(const float* x, float* y, size_t n) {
+  FLASHD_GRID_BEGIN();
   const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) y[i] = SlowStep(x[i]);
 }
 
 __global__ void DoubleKernel(const float* y, float* z, size_t n) {
+  FLASHD_GRID_BEGIN();
   const size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) z[i] = y[i] * 2.0f;
 }
@@ -346,6 +353,41 @@ std::string GraphDestroy(void* graph) {
 #endif
 
 uint64_t KernelLaunches() { return launched_kernels.load(std::memory_order_relaxed); }
+
+bool AskDevice(void (*probe)(int*)) {
+  int* flag = nullptr;
+  if (gpuMalloc(reinterpret_cast<void**>(&flag), sizeof(int)) != gpuSuccess) return false;
+  int native = 0;
+  FLASHD_LAUNCH(probe, 1, 1, 0, nullptr, flag);
+  const bool ok = gpuGetLastError() == gpuSuccess &&
+                  gpuMemcpy(&native, flag, sizeof(int), gpuMemcpyDeviceToHost) == gpuSuccess;
+  (void)gpuFree(flag);
+  return ok && native == 1;
+}
+
+namespace {
+
+// 1 where this code's FLASHD_GRID_BEGIN waits for the kernels ahead.
+__global__ void GridWaitKernel(int* waits) {
+  FLASHD_GRID_BEGIN();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(__HIPCC__)
+  *waits = 1;
+#else
+  *waits = 0;
+#endif
+}
+
+}  // namespace
+
+bool SetEarlyLaunch(bool on) {
+  // The probe itself starts in turn.
+  early_launch.store(false, std::memory_order_relaxed);
+  on = on && AskDevice(GridWaitKernel);
+  early_launch.store(on, std::memory_order_relaxed);
+  return on;
+}
+
+bool EarlyLaunch() { return early_launch.load(std::memory_order_relaxed); }
 
 std::string SetDevice(int device) {
   const gpuError_t err = gpuSetDevice(device);

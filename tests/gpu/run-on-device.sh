@@ -6,8 +6,9 @@
 # the CPU as the second backend), and the daemon serves it on the device (cache_e2e_test);
 # gpu_bench measures the kernels at the released model's
 # dimensions; engine_bench the golden model's decode (also behind a 64K-token context) and
-# prefill on the GPU (also with every copy to the device waited for, as before they were queued,
-# and with the matrix GEMMs) and on the CPU.
+# prefill on the GPU (also with each kernel starting when the one ahead has finished, with every
+# copy to the device waited for, as before they were queued, and with the matrix GEMMs) and on
+# the CPU.
 #
 # The whole run keeps to a deadline (FLASHD_DEVICE_DEADLINE_S, default 420 s): the steps run in
 # the order of what matters most, each within its own limit and what is left of the deadline,
@@ -121,7 +122,7 @@ if grep -q "^golden_test: passed" "$out/summary.txt"; then
 else
   echo "cache_e2e_test_cuda: not run (golden_test did not pass here)" >> "$out/summary.txt"
 fi
-for run in "cuda" "cuda --uploads waited" "cuda --gpu-gemms matrix" "cpu"; do
+for run in "cuda" "cuda --launch in-turn" "cuda --uploads waited" "cuda --gpu-gemms matrix" "cpu"; do
   echo "== engine_bench --backend $run" >> "$out/engine_bench.txt"
   # shellcheck disable=SC2086 # the words of $run are separate arguments
   step "engine_bench $run" 60 "$out/engine_bench.txt" engine_bench "$FLASHD_TEST_GOLDEN_DIR" \

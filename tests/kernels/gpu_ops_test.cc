@@ -186,6 +186,27 @@ BOOST_AUTO_TEST_CASE(kernels_on_one_stream_run_in_order) {
   BOOST_TEST(wrong == 0, wrong << " of 200 rounds read the first kernel's output early");
 }
 
+// Kernels start early only where the device's code waits for the kernels ahead at
+// FLASHD_GRID_BEGIN (NVIDIA's, compute capability 9.0 and up): never through the HIP CPU runtime
+// or on AMD. Either way a kernel reads what the kernel ahead of it wrote, not what was there.
+BOOST_AUTO_TEST_CASE(kernels_start_early_only_where_they_wait_for_the_one_ahead) {
+  const bool was = gpu::EarlyLaunch();
+  const bool early = gpu::SetEarlyLaunch(true);
+  BOOST_TEST(gpu::EarlyLaunch() == early);
+  if (kBackend != "cuda") BOOST_TEST(!early);
+  BOOST_TEST(!gpu::SetEarlyLaunch(false));
+  BOOST_TEST(!gpu::EarlyLaunch());
+  for (const bool on : {false, early}) {
+    BOOST_TEST(gpu::SetEarlyLaunch(on) == on);
+    int wrong = -1;
+    const std::string err = gpu::StreamOrderCheck(100, 150, &wrong);
+    BOOST_REQUIRE_MESSAGE(err.empty(), err);
+    BOOST_TEST(wrong == 0,
+               wrong << " of 100 rounds read the first kernel's output early (early " << on << ")");
+  }
+  gpu::SetEarlyLaunch(was);
+}
+
 // A copy queued from pinned memory between two kernels lands after the first has read the
 // buffer and before the second does (the backend queues a step's small uploads this way).
 BOOST_AUTO_TEST_CASE(a_queued_copy_runs_between_the_kernels_around_it) {
