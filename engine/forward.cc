@@ -415,10 +415,25 @@ class Step {
   // y = lin(x) as the Linear op gives it; round_output: then rounded to BF16 (in the same op).
   Status Apply(const Linear& lin, const float* x, int64_t rows, float* y,
                bool round_output = false);
+  // x's codes where the op that made x wrote them (RmsNormParams::codes), each buffer a kept
+  // vector of floats holding the bytes: a Linear of x reads them (LinearParams::x_quantized).
+  struct XCodes {
+    std::vector<float> codes, scales;
+    XCodes() = default;
+    XCodes(int64_t rows, int64_t in) { Size(rows, in); }
+    void Size(int64_t rows, int64_t in) {
+      codes.resize(static_cast<size_t>((rows * in + 3) / 4));
+      scales.resize(static_cast<size_t>((rows * in / 32 + 3) / 4));
+    }
+    uint8_t* Codes() { return reinterpret_cast<uint8_t*>(codes.data()); }
+    uint8_t* Scales() { return reinterpret_cast<uint8_t*>(scales.data()); }
+  };
   // y = lin(x), and each of `more` (a linear, its output) of the same x: one op where they share
-  // lin's format and inputs (x quantized once), else an op each.
+  // lin's format and inputs (x quantized once), else an op each; with `codes`, x's codes (the
+  // quantized formats read them and quantize nothing).
   Status ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
-                  const std::vector<std::pair<const Linear*, float*>>& more);
+                  const std::vector<std::pair<const Linear*, float*>>& more,
+                  XCodes* codes = nullptr);
   Status Engram(int l);
   void StartEngramReads();
   void ReadEngramRows(size_t e);
@@ -483,6 +498,10 @@ class Step {
   std::vector<uint8_t> xq_, xs_;      // The linear layers' quantized inputs.
   void QuantScratch(int64_t values);  // xq_ and xs_ for at least `values` inputs.
   std::vector<float> X_, next_, x_, sub_, mixes_, pre_mix_, pre_a_, pre_f_, post_, comb_;
+  // x_'s codes, made by the collapse before each sublayer where the layers' quantized linears
+  // read x_ (x_coded_), so that they quantize nothing (LinearParams::x_quantized).
+  XCodes x_codes_;
+  bool x_coded_ = false;
   // The indexer's picks as the last indexing layer left them: per row index_topk compressed
   // entries, ascending, -1 after (TopKParams::ascending), made at picks_ratio_'s compression.
   // Kept with the streams, so that on a GPU the attention reads them where the indexer made them
@@ -619,8 +638,8 @@ uint64_t PartialContent(const SequenceState::Compressor& comp, int which) {
 // host values after a truncation).
 void Step::KeepStreams(bool fresh) {
   ReleaseStreams();
-  for (std::vector<float>* v :
-       {&X_, &next_, &x_, &sub_, &mixes_, &pre_a_, &pre_f_, &post_, &comb_, &pre_mix_}) {
+  for (std::vector<float>* v : {&X_, &next_, &x_, &sub_, &mixes_, &pre_a_, &pre_f_, &post_, &comb_,
+                                &pre_mix_, &x_codes_.codes, &x_codes_.scales}) {
     const bool host_values = v == &pre_mix_ || (!fresh && v == &X_);
     Keep(v, host_values ? KeepAs::kHostBytes : KeepAs::kUnwritten, &streams_kept_);
   }
@@ -662,7 +681,7 @@ Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y, bo
 }
 
 Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
-                      const std::vector<std::pair<const Linear*, float*>>& more) {
+                      const std::vector<std::pair<const Linear*, float*>>& more, XCodes* codes) {
   const bool quantized =
       lin.format == kernels::WeightFormat::kFp8 || lin.format == kernels::WeightFormat::kFp4;
   const bool dense = lin.format == kernels::WeightFormat::kDense;
@@ -672,9 +691,10 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
     together = together && other->format == lin.format && other->in == lin.in;
   }
   if (!together) {
-    FLASHD_RETURN_IF_ERROR(Apply(lin, x, rows, y, round_output));
+    FLASHD_RETURN_IF_ERROR(ApplyAll(lin, x, rows, y, round_output, {}, codes));
     for (const auto& [other, out] : more) {
-      FLASHD_RETURN_IF_ERROR(Apply(*other, x, rows, out, round_output));
+      FLASHD_RETURN_IF_ERROR(
+          ApplyAll(*other, x, rows, out, round_output, {}, other->in == lin.in ? codes : nullptr));
     }
     return Status::Ok();
   }
@@ -686,7 +706,8 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
                     .out = other->out,
                     .y = out});
   }
-  if (!dense) QuantScratch(rows * lin.in);
+  const bool given = quantized && codes != nullptr;
+  if (!dense && !given) QuantScratch(rows * lin.in);
   FLASHD_OP(Linear, {.x = x,
                      .rows = rows,
                      .in = lin.in,
@@ -695,10 +716,11 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
                      .w = lin.w,
                      .w_scales = lin.s,
                      .dense = lin.dense.data(),
-                     .x_codes = xq_.data(),
-                     .x_scales = xs_.data(),
+                     .x_codes = given ? codes->Codes() : xq_.data(),
+                     .x_scales = given ? codes->Scales() : xs_.data(),
                      .y = y,
                      .stream = &stream_,
+                     .x_quantized = given,
                      .round_output = round_output,
                      .also = also.empty() ? nullptr : also.data(),
                      .also_count = static_cast<int64_t>(also.size())});
@@ -721,6 +743,7 @@ Status Step::Embed() {
   candidates_.assign(rows, {});
   candidates_on_device_ = false;
   x_.resize(rows * dim);
+  x_codes_.Size(dim % 32 == 0 ? static_cast<int64_t>(rows) : 0, dim);
   sub_.resize(rows * dim);
   mixes_.resize(rows * (2 + hc) * hc);
   pre_a_.resize(rows * hc);
@@ -858,6 +881,12 @@ Status Step::RunBlock(int l, bool record) {
                            .collapse_norm = norm.empty() ? nullptr : norm.data(),
                            .collapse_eps = eps,
                            .x = x_.data()};
+    // x's codes for the sublayer's quantized linears (wq_a and its pair, the shared expert's).
+    x_coded_ = !x_codes_.codes.empty();
+    if (x_coded_) {
+      p.x_codes = x_codes_.Codes();
+      p.x_code_scales = x_codes_.Scales();
+    }
     if (expand_pending_) {
       p.sub = sub_.data();
       p.expand_post = post_.data();
@@ -875,6 +904,7 @@ Status Step::RunBlock(int l, bool record) {
   FLASHD_RETURN_IF_ERROR(between(L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, pre_a_.data(),
                                  pre_mix_.data(), L.attn_norm));
   FLASHD_RETURN_IF_ERROR(Attention(l));
+  x_coded_ = false;
   if (record) {
     FLASHD_RETURN_IF_ERROR(ToHost(x_));
     FLASHD_RETURN_IF_ERROR(ToHost(sub_));
@@ -886,6 +916,7 @@ Status Step::RunBlock(int l, bool record) {
   FLASHD_RETURN_IF_ERROR(between(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre_f_.data(),
                                  pre_a_.data(), L.ffn_norm));
   FLASHD_RETURN_IF_ERROR(Moe(l));
+  x_coded_ = false;
   if (record) {
     FLASHD_RETURN_IF_ERROR(ToHost(x_));
     FLASHD_RETURN_IF_ERROR(ToHost(sub_));
@@ -1033,6 +1064,7 @@ Status Step::Truncate(size_t keep) {
   const size_t rows = kept.size();
   next_.resize(X_.size());
   x_.resize(rows * dim);
+  x_codes_.Size(dim % 32 == 0 ? static_cast<int64_t>(rows) : 0, dim);
   sub_.resize(rows * dim);
   mixes_.resize(rows * (2 + hc) * hc);
   pre_a_.resize(rows * hc);
@@ -1151,21 +1183,27 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
   qr.resize(static_cast<size_t>(rows * qlr));
   q.resize(static_cast<size_t>(rows * H * hd));
   kv.resize(static_cast<size_t>(rows * hd));
-  FLASHD_RETURN_IF_ERROR(
-      ApplyAll(L.wq_a, x_.data(), rows, qr.data(), false, {{&L.wkv, kv.data()}}));
+  FLASHD_RETURN_IF_ERROR(ApplyAll(L.wq_a, x_.data(), rows, qr.data(), false, {{&L.wkv, kv.data()}},
+                                  x_coded_ ? &x_codes_ : nullptr));
+  // The normed latent's codes made by the norm, for wq_b (and the indexer's) to read.
+  const bool coded = (L.wq_b.format == kernels::WeightFormat::kFp8 ||
+                      L.wq_b.format == kernels::WeightFormat::kFp4) &&
+                     qlr % 32 == 0;
+  XCodes codes(coded ? rows : 0, qlr);
+  const Kept kept(this, {&codes.codes, &codes.scales});
   FLASHD_OP(RmsNorm, {.x = qr.data(),
                       .rows = rows,
                       .dim = qlr,
                       .stride = qlr,
                       .weight = L.q_norm.data(),
                       .eps = eps,
-                      .round_input = true});
-  if (iq != nullptr) {
-    FLASHD_RETURN_IF_ERROR(
-        ApplyAll(L.wq_b, qr.data(), rows, q.data(), true, {{&L.idx_wq_b, iq->data()}}));
-  } else {
-    FLASHD_RETURN_IF_ERROR(Apply(L.wq_b, qr.data(), rows, q.data(), true));
-  }
+                      .round_input = true,
+                      .codes = coded ? codes.Codes() : nullptr,
+                      .code_scales = coded ? codes.Scales() : nullptr});
+  std::vector<std::pair<const Linear*, float*>> more;
+  if (iq != nullptr) more.push_back({&L.idx_wq_b, iq->data()});
+  FLASHD_RETURN_IF_ERROR(
+      ApplyAll(L.wq_b, qr.data(), rows, q.data(), true, more, coded ? &codes : nullptr));
   FLASHD_OP(Rope, {.x = q.data(),
                    .rows = rows,
                    .heads = H,
@@ -1752,7 +1790,9 @@ Status Step::Moe(int l) {
   // Grouped where they are routed: the grouping in the routing's op (GroupedExperts).
   const bool group_at_route = L.grouped && m_.routed_experts < 0;
   if (!group_at_route) FLASHD_RETURN_IF_ERROR(Check(b_->MoeRoute(route), "MoeRoute"));
-  auto expert = [&](const Expert& e, const float* x, int64_t m, const float* w, float* out) {
+  // `codes`: x's codes where the collapse made them (the shared expert's x_).
+  auto expert = [&](const Expert& e, const float* x, int64_t m, const float* w, float* out,
+                    XCodes* codes = nullptr) {
     const int64_t inter = e.w1.out;
     std::vector<float> g(static_cast<size_t>(m * inter)), u(g.size()), h(g.size());
     const Kept kept_gate(this, {&g, &u, &h});
@@ -1760,7 +1800,7 @@ Status Step::Moe(int l) {
     if ((f == kernels::WeightFormat::kFp8 || f == kernels::WeightFormat::kFp4) &&
         e.w3.format == f && e.w3.in == e.w1.in && e.w3.out == inter) {
       // w1 and w3 under SwiGLU as one op (g and u its workspace).
-      QuantScratch(m * e.w1.in);
+      if (codes == nullptr) QuantScratch(m * e.w1.in);
       FLASHD_OP(Linear, {.x = x,
                          .rows = m,
                          .in = e.w1.in,
@@ -1768,10 +1808,11 @@ Status Step::Moe(int l) {
                          .format = f,
                          .w = e.w1.w,
                          .w_scales = e.w1.s,
-                         .x_codes = xq_.data(),
-                         .x_scales = xs_.data(),
+                         .x_codes = codes != nullptr ? codes->Codes() : xq_.data(),
+                         .x_scales = codes != nullptr ? codes->Scales() : xs_.data(),
                          .y = h.data(),
                          .stream = &stream_,
+                         .x_quantized = codes != nullptr,
                          .up = e.w3.w,
                          .up_scales = e.w3.s,
                          .row_weights = w,
@@ -1779,8 +1820,8 @@ Status Step::Moe(int l) {
                          .gate = g.data(),
                          .up_out = u.data()});
     } else {
-      FLASHD_RETURN_IF_ERROR(Apply(e.w1, x, m, g.data()));
-      FLASHD_RETURN_IF_ERROR(Apply(e.w3, x, m, u.data()));
+      FLASHD_RETURN_IF_ERROR(ApplyAll(e.w1, x, m, g.data(), false, {}, codes));
+      FLASHD_RETURN_IF_ERROR(ApplyAll(e.w3, x, m, u.data(), false, {}, codes));
       FLASHD_OP(Swiglu, {.gate = g.data(),
                          .up = u.data(),
                          .rows = m,
@@ -1799,7 +1840,8 @@ Status Step::Moe(int l) {
   // Routed and grouped where the layer runs: the shared expert first, and the routed sum and
   // its output added in the combine's op (the two are independent: the same bits either way).
   if (group_at_route) {
-    FLASHD_RETURN_IF_ERROR(expert(L.shared, x_.data(), rows, nullptr, shared.data()));
+    FLASHD_RETURN_IF_ERROR(
+        expert(L.shared, x_.data(), rows, nullptr, shared.data(), x_coded_ ? &x_codes_ : nullptr));
     return GroupedExperts(L, &route, chosen, weights, y, shared.data());
   }
   // The routed experts may run elsewhere than the layer (Placement::routed_experts).
@@ -1841,7 +1883,8 @@ Status Step::Moe(int l) {
     }
   }
   FLASHD_RETURN_IF_ERROR(Use(layer_backend));
-  FLASHD_RETURN_IF_ERROR(expert(L.shared, x_.data(), rows, nullptr, shared.data()));
+  FLASHD_RETURN_IF_ERROR(
+      expert(L.shared, x_.data(), rows, nullptr, shared.data(), x_coded_ ? &x_codes_ : nullptr));
   FLASHD_OP(
       AddRound,
       {.a = y.data(), .b = shared.data(), .n = static_cast<int64_t>(y.size()), .out = sub_.data()});
@@ -1893,6 +1936,8 @@ Status Step::GroupedExperts(const Layer& L, const kernels::MoeRouteParams* route
   // x_rows: x's row of each grouped row (null: x is the grouped rows).
   auto linear = [&](const ExpertTables& t, const float* x, const int64_t* x_rows, float* out,
                     const ExpertTables* up = nullptr, bool round_output = false) {
+    // x_'s codes where the collapse made them, read through x_rows.
+    const bool row_codes = x_rows != nullptr && x == x_.data() && x_coded_;
     QuantScratch(total * t.in);
     FLASHD_OP(ExpertLinear, {.x = x,
                              .rows = total,
@@ -1919,7 +1964,9 @@ Status Step::GroupedExperts(const Layer& L, const kernels::MoeRouteParams* route
                              .up_out = up != nullptr ? u.data() : nullptr,
                              .round_output = round_output,
                              .x_rows = x_rows,
-                             .x_count = rows});
+                             .x_count = rows,
+                             .x_row_codes = row_codes ? x_codes_.Codes() : nullptr,
+                             .x_row_scales = row_codes ? x_codes_.Scales() : nullptr});
     return Status::Ok();
   };
   // w1 and w3 under SwiGLU as one op (g and u its workspace) over the step's rows each grouped

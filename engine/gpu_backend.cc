@@ -1425,8 +1425,14 @@ class GpuBackend final : public Backend {
         also[j].y = c.Out(a.y, p.rows * a.out);
       }
       d.also = also.data();
-      d.x_codes = c.Work<uint8_t>(p.rows * p.in);
-      d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
+      const bool codes = p.format == k::WeightFormat::kFp8 || p.format == k::WeightFormat::kFp4;
+      if (p.x_quantized && codes) {  // x's codes where the op that made x wrote them.
+        d.x_codes = const_cast<uint8_t*>(c.In(p.x_codes, p.rows * p.in));  // Only read.
+        d.x_scales = const_cast<uint8_t*>(c.In(p.x_scales, p.rows * p.in / 32));
+      } else {
+        d.x_codes = c.Work<uint8_t>(p.rows * p.in);
+        d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
+      }
       // On matrix cores for every row count, so that a row's results do not depend on how the
       // rows were batched (there an op a projection).
       const bool matrix = matrix_ && g::LinearMatrixTakes(k::LinearAlone(d, -1));
@@ -1498,6 +1504,10 @@ class GpuBackend final : public Backend {
         d.positions = c.In(p.positions, p.rows);
         d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
       }
+      if (p.codes != nullptr) {  // The rows' codes for the Linear that reads them next.
+        d.codes = c.Out(p.codes, p.rows * p.dim);
+        d.code_scales = c.Out(p.code_scales, p.rows * p.dim / 32);
+      }
       return Launch(c, [&] { return g::RmsNorm(d); });
     });
   }
@@ -1568,6 +1578,10 @@ class GpuBackend final : public Backend {
       d.comb = c.Out(p.comb, p.rows * p.hc * p.hc);
       if (p.sub != nullptr) d.expanded = c.Out(p.expanded, streams);
       if (p.x != nullptr) d.x = c.Out(p.x, p.rows * p.dim);
+      if (p.x_codes != nullptr) {  // x's codes, for the Linears that read x next.
+        d.x_codes = c.Out(p.x_codes, p.rows * p.dim);
+        d.x_code_scales = c.Out(p.x_code_scales, p.rows * p.dim / 32);
+      }
       // A decode step's rows in one kernel (g::HcMixFused).
       g::HcMixFused fused;
       if (p.rows > 0 && p.rows <= g::kHcFusedRows) {
@@ -1586,6 +1600,10 @@ class GpuBackend final : public Backend {
       d.weights = c.In(p.weights, p.rows * p.hc);
       d.norm_weight = c.Weight(p.norm_weight, p.dim);
       d.x = c.Out(p.x, p.rows * p.dim);
+      if (p.codes != nullptr) {
+        d.codes = c.Out(p.codes, p.rows * p.dim);
+        d.code_scales = c.Out(p.code_scales, p.rows * p.dim / 32);
+      }
       return Launch(c, [&] { return g::HcCollapse(d); });
     });
   }
@@ -1933,6 +1951,10 @@ class GpuBackend final : public Backend {
       d.stream = nullptr;
       d.x = c.In(p.x, (p.x_rows != nullptr ? p.x_count : p.rows) * p.in);
       d.x_rows = c.In(p.x_rows, p.x_rows != nullptr ? p.rows : 0);
+      if (p.x_rows != nullptr && p.x_row_codes != nullptr) {  // x's rows' codes, as made.
+        d.x_row_codes = c.In(p.x_row_codes, p.x_count * p.in);
+        d.x_row_scales = c.In(p.x_row_scales, p.x_count * p.in / 32);
+      }
       d.slot_expert = c.In(p.slot_expert, p.slots);
       d.slot_offset = c.In(p.slot_offset, p.slots + 1);
       d.slot_tiles = c.In(p.slot_tiles, p.slots + 1);

@@ -117,6 +117,10 @@ struct LinearParams {
   uint8_t* x_scales = nullptr;
   float* y = nullptr;
   void* stream = nullptr;
+  // kFp8/kFp4: x_codes and x_scales hold x's codes already, as the op would write them (FP8 with
+  // a UE8M0 scale per 32 of each row: QuantizeFp8PerBlock's; RmsNormParams::codes writes them),
+  // so the op reads them and does not quantize x. x is still given.
+  bool x_quantized = false;
   // kFp8Dense: `w` may be rows of a larger matrix whose scales `w_scales` are, its first row
   // being that matrix's row w_row0 (scale row (w_row0 + n) / 32 for row n).
   int64_t w_row0 = 0;
@@ -220,6 +224,11 @@ struct RmsNormParams {
   const int64_t* positions = nullptr;
   const float* freqs = nullptr;
   bool fake_quant_fp8 = false;
+  // Optional, last: each row's values as a Linear quantizes its x (FP8 codes [rows, dim] and a
+  // UE8M0 scale code per 32, [rows, dim / 32]; dim a multiple of 32), for the Linear that reads
+  // the rows next (LinearParams::x_quantized), which then launches no quantization of its own.
+  uint8_t* codes = nullptr;
+  uint8_t* code_scales = nullptr;
 };
 
 // Whether RmsNormParams' steps after the norm (rope_dim, fake_quant_fp8) fit its row: every
@@ -227,7 +236,9 @@ struct RmsNormParams {
 inline bool RmsNormStepsFit(const RmsNormParams& p) {
   const bool rope_fits = p.rope_dim <= 0 || (p.rope_dim % 2 == 0 && p.rope_dim <= p.dim &&
                                              p.positions != nullptr && p.freqs != nullptr);
-  return rope_fits && (!p.fake_quant_fp8 || p.dim % 32 == 0);
+  const bool codes_fit =
+      (p.codes == nullptr) == (p.code_scales == nullptr) && (p.codes == nullptr || p.dim % 32 == 0);
+  return rope_fits && codes_fit && (!p.fake_quant_fp8 || p.dim % 32 == 0);
 }
 
 // Rotates the last rope_dim values of each head of each row by the row's position, rounding to
@@ -289,6 +300,9 @@ struct HcMixParams {
   const float* collapse_norm = nullptr;     // [dim]
   float collapse_eps = 0;
   float* x = nullptr;  // [rows, dim]
+  // Optional with x: x's rows quantized as a Linear quantizes its x (HcCollapseParams' codes).
+  uint8_t* x_codes = nullptr;        // [rows, dim]
+  uint8_t* x_code_scales = nullptr;  // [rows, dim / 32]
 };
 
 // HcMixParams' steps around the mixes as every backend checks them: kBadShape for an expansion
@@ -300,6 +314,8 @@ inline OpStatus HcStepsFit(const HcMixParams& p) {
     return OpStatus::kBadArgument;
   }
   if (p.x != nullptr && p.collapse_weights == nullptr) return OpStatus::kBadArgument;
+  if ((p.x_codes == nullptr) != (p.x_code_scales == nullptr)) return OpStatus::kBadArgument;
+  if (p.x_codes != nullptr && (p.x == nullptr || p.dim % 32 != 0)) return OpStatus::kBadShape;
   return OpStatus::kOk;
 }
 
@@ -312,6 +328,10 @@ struct HcCollapseParams {
   float eps = 0;
   float* x = nullptr;  // [rows, dim]
   void* stream = nullptr;
+  // Optional, last: x's rows quantized as a Linear quantizes its x (RmsNormParams' codes; dim a
+  // multiple of 32), for the Linears that read x next (LinearParams::x_quantized).
+  uint8_t* codes = nullptr;        // [rows, dim]
+  uint8_t* code_scales = nullptr;  // [rows, dim / 32]
 };
 
 // out[r, j] = BF16(post[r, j] * sub[r] + sum_i comb[r, i, j] * X[r, i]).
@@ -353,7 +373,9 @@ OpStatus HcStepsApart(const HcMixParams& p, Expand expand, Collapse collapse, co
                                    .norm_weight = p.collapse_norm,
                                    .eps = p.collapse_eps,
                                    .x = p.x,
-                                   .stream = p.stream});
+                                   .stream = p.stream,
+                                   .codes = p.x_codes,
+                                   .code_scales = p.x_code_scales});
 }
 
 // --- Compressor ---------------------------------------------------------------------------------
@@ -756,6 +778,12 @@ struct ExpertLinearParams {
   // (CopyRows), bit for bit. Null: x is [rows, in].
   const int64_t* x_rows = nullptr;
   int64_t x_count = 0;
+  // Optional with x_rows: the codes of x's own rows ([x_count, in] and [x_count, in / 32], as
+  // HcMixParams::x_codes writes them), which the op may read through x_rows instead of
+  // quantizing its rows into x_codes: the same values (a backend may ignore them; a GPU's
+  // one-row path reads them).
+  const uint8_t* x_row_codes = nullptr;
+  const uint8_t* x_row_scales = nullptr;
 };
 
 // A gated pair (LinearParams' or ExpertLinearParams') as two ops (`one`, given p without the

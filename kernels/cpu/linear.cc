@@ -564,7 +564,7 @@ OpStatus Linear(const LinearParams& p) {
   // The op's projection, then each of `also` from the same codes.
   for (int64_t j = -1; j < p.also_count; ++j) {
     const LinearParams q = LinearAlone(p, j);
-    const OpStatus s = Unrounded(q, j >= 0);
+    const OpStatus s = Unrounded(q, j >= 0 || p.x_quantized);
     if (s != OpStatus::kOk) return s;
     if (!q.round_output) continue;
     if (const OpStatus r = RoundBf16({.x = q.y, .n = q.rows * q.groups * q.out});

@@ -31,11 +31,13 @@ OpStatus RmsNorm(const RmsNormParams& p) {
   if (p.rows < 0 || p.dim <= 0 || p.stride < p.dim || p.weight == nullptr) {
     return OpStatus::kBadShape;
   }
-  if (p.rope_dim > 0 || p.fake_quant_fp8) {  // The norm, then the rotation and the quantizer.
+  if (p.rope_dim > 0 || p.fake_quant_fp8 || p.codes != nullptr || p.code_scales != nullptr) {
+    // The norm, then the rotation, the quantizer and the codes.
     if (!RmsNormStepsFit(p)) return OpStatus::kBadShape;
     RmsNormParams q = p;
     q.rope_dim = 0;
     q.fake_quant_fp8 = false;
+    q.codes = q.code_scales = nullptr;
     if (const OpStatus s = RmsNorm(q); s != OpStatus::kOk) return s;
     if (p.rope_dim > 0) {
       if (const OpStatus s = Rope({.x = p.x,
@@ -54,6 +56,10 @@ OpStatus RmsNorm(const RmsNormParams& p) {
           s != OpStatus::kOk) {
         return s;
       }
+    }
+    for (int64_t r = 0; p.codes != nullptr && r < p.rows; ++r) {
+      QuantizeFp8PerBlock(p.x + r * p.stride, static_cast<size_t>(p.dim), 32, p.codes + r * p.dim,
+                          p.code_scales + r * (p.dim / 32));
     }
     return OpStatus::kOk;
   }

@@ -22,15 +22,6 @@ namespace fm = flashd::kernels::fmath;
 constexpr unsigned kThreads = 256;
 constexpr int64_t kBlock = 32;
 
-// One 32-block of activations xb to FP8 codes q[0..31] and its UE8M0 scale code.
-__device__ inline void QuantizeBlock(const float* xb, uint8_t* q, uint8_t* scale) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < kBlock; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-  const float s = c::Pow2Ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-  *scale = c::NormalPow2ToE8M0(s);
-  for (int64_t i = 0; i < kBlock; ++i) q[i] = c::FloatToE4M3(c::Clamp(xb[i] / s, -448.0f, 448.0f));
-}
-
 __global__ void QuantizeKernel(const float* x, int64_t blocks, uint8_t* q, uint8_t* scales) {
   FLASHD_GRID_BEGIN();
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -585,15 +576,16 @@ __global__ void __launch_bounds__(kGemvThreads)
 }
 
 // The experts' rows each on its own (a step of few tokens): thread block (row r, column tile
-// j), r's slot the one whose rows hold it. kGated: the gated pair's SwiGLU of the rows' gate
-// (w) and up (up) projections, row r weighted by row_weights[r] where given.
+// j), r's slot the one whose rows hold it, its codes row r of xq (x_rows null) or row x_rows[r].
+// kGated: the gated pair's SwiGLU of the rows' gate (w) and up (up) projections, row r weighted
+// by row_weights[r] where given.
 template <int kFormat, bool kGated>
 __global__ void __launch_bounds__(kGemvThreads)
     ExpertGemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const int64_t* slot_expert,
                      const int64_t* slot_offset, int64_t slots, const uint8_t* const* w,
                      const uint8_t* const* ws, int64_t N, int64_t groups, int64_t tiles, float* y,
                      const uint8_t* const* up, const uint8_t* const* up_scales,
-                     const float* row_weights, float limit, bool round) {
+                     const float* row_weights, float limit, bool round, const int64_t* x_rows) {
   FLASHD_GRID_BEGIN();
   FLASHD_DYNAMIC_SHARED(float, sums);
   __shared__ int64_t row_slot;
@@ -609,7 +601,8 @@ __global__ void __launch_bounds__(kGemvThreads)
   if constexpr (kGated) {
     pair = {up[e], up_scales[e], row_weights != nullptr ? row_weights + r : nullptr, limit};
   }
-  GemvTile<kFormat, kGated>(xq + r * K, xs + r * (K / kBlock), K, w[e], ws[e], N,
+  const int64_t xr = x_rows != nullptr ? x_rows[r] : r;
+  GemvTile<kFormat, kGated>(xq + xr * K, xs + xr * (K / kBlock), K, w[e], ws[e], N,
                             j * groups * kGemvCols<kFormat>, groups, y + r * N, sums, round, pair);
 }
 
@@ -1253,7 +1246,9 @@ OpStatus QuantizedLinear(const LinearParams& p, int split, bool free, bool quant
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
   const int64_t quantize = p.rows * blocks;
   const int format = p.format == WeightFormat::kFp8 ? 0 : 1;
-  if (!quantized) QuantizeActivations(p.x, quantize, p.x_codes, p.x_scales, stream);
+  if (!quantized && !p.x_quantized) {
+    QuantizeActivations(p.x, quantize, p.x_codes, p.x_scales, stream);
+  }
   if (!free && split == 1) {
     const auto kernel = Pick<QuantizedGemm>(format, one_row);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x_codes,
@@ -1361,7 +1356,7 @@ bool GemvProjectionsLinear(const LinearParams& p, OpStatus* status) {
   }
   if (tiles > int64_t{0x7FFFFFFF}) return false;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
-  QuantizeActivations(p.x, p.in / kBlock, p.x_codes, p.x_scales, stream);
+  if (!p.x_quantized) QuantizeActivations(p.x, p.in / kBlock, p.x_codes, p.x_scales, stream);
   const auto kernel =
       p.format == WeightFormat::kFp8 ? &GemvProjectionsKernel<0> : &GemvProjectionsKernel<1>;
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(tiles), kGemvThreads, shared, stream, p.x_codes,
@@ -1410,15 +1405,20 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
         p, [](const ExpertLinearParams& q) { return ExpertLinear(q); },
         [](const SwigluParams& q) { return Swiglu(q); });
   }
-  QuantizeExpertRows(p, stream);
+  // The GEMV reads x's own rows' codes through x_rows where the op has them; else the rows are
+  // quantized first.
+  const bool given = gemv && p.x_rows != nullptr && p.x_row_codes != nullptr &&
+                     p.x_row_scales != nullptr && Aligned(p.x_row_codes, 16);
+  if (!given) QuantizeExpertRows(p, stream);
   if (gemv) {
     const bool fp8 = p.format == WeightFormat::kFp8;
     const auto kernel = gated ? (fp8 ? &ExpertGemvKernel<0, true> : &ExpertGemvKernel<1, true>)
                               : (fp8 ? &ExpertGemvKernel<0, false> : &ExpertGemvKernel<1, false>);
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(p.rows * g.tiles), kGemvThreads, g.shared, stream,
-                  p.x_codes, p.x_scales, p.in, p.slot_expert, p.slot_offset, p.slots, p.w,
-                  p.w_scales, p.out, g.groups, g.tiles, p.y, p.up, p.up_scales, p.row_weights,
-                  p.limit, p.round_output);
+                  given ? p.x_row_codes : p.x_codes, given ? p.x_row_scales : p.x_scales, p.in,
+                  p.slot_expert, p.slot_offset, p.slots, p.w, p.w_scales, p.out, g.groups, g.tiles,
+                  p.y, p.up, p.up_scales, p.row_weights, p.limit, p.round_output,
+                  given ? p.x_rows : nullptr);
     return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
   }
   const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
@@ -1434,6 +1434,7 @@ namespace {
 // Linear, with `*rounded` set where the kernel rounded y as p.round_output asks; `quantized` as
 // QuantizedLinear's.
 OpStatus LinearOnce(const LinearParams& p, bool* rounded, bool quantized = false) {
+  quantized = quantized || p.x_quantized;
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
   }

@@ -1092,7 +1092,9 @@ OpStatus QuantizedMatrix(const LinearParams& p, MatrixInstruction instruction) {
   const int64_t grid = (p.rows + toks - 1) / toks * RowTiles(p.out);
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
-  QuantizeActivations(p.x, p.rows * (p.in / kBlock), p.x_codes, p.x_scales, stream);
+  if (!p.x_quantized) {
+    QuantizeActivations(p.x, p.rows * (p.in / kBlock), p.x_codes, p.x_scales, stream);
+  }
   const bool fp8 = p.format == WeightFormat::kFp8;
   if (instruction == MatrixInstruction::kWgmma) {
     if (shape == 0) {

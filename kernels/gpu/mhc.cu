@@ -11,6 +11,7 @@
 #include "kernels/gpu/norm_row.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
+#include "kernels/gpu/quantized.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
@@ -40,7 +41,8 @@ __global__ void CollapseKernel(const float* X, const float* weights, int64_t row
 // lane of the norm's sum (NormRow), so the row is made and normalized in one kernel.
 __global__ void __launch_bounds__(kNormThreads)
     CollapseNormKernel(const float* X, const float* weights, int64_t hc, int64_t dim,
-                       const float* norm_weight, float eps, float* x) {
+                       const float* norm_weight, float eps, float* x, uint8_t* codes,
+                       uint8_t* code_scales) {
   FLASHD_GRID_BEGIN();
   __shared__ double partial[kNormThreads];
   const int64_t t = blockIdx.x;
@@ -48,6 +50,9 @@ __global__ void __launch_bounds__(kNormThreads)
     return CollapsedValue(weights, t, hc, [&](int64_t h) { return X[(t * hc + h) * dim + d]; });
   };
   NormRow(x + t * dim, dim, norm_weight, eps, value, partial);
+  if (codes != nullptr) {
+    QuantizeRow(x + t * dim, dim, codes + t * dim, code_scales + t * (dim / 32));
+  }
 }
 
 // Value (j, d) of token t's expanded stream: the CPU's steps in its order.
@@ -288,6 +293,9 @@ __global__ void __launch_bounds__(kHcMixLanes, 1)
     } else {
       for (int64_t d = threadIdx.x; d < dim; d += kHcMixLanes) p.x[t * dim + d] = collapsed(d);
     }
+    if (p.x_codes != nullptr) {
+      QuantizeRow(p.x + t * dim, dim, p.x_codes + t * dim, p.x_code_scales + t * (dim / 32));
+    }
   }
   if (!LastToArrive(&arrivals[t], static_cast<unsigned>(mix + 2))) return;
   const double sum = *static_cast<volatile double*>(sums + t);
@@ -335,16 +343,20 @@ OpStatus HcMix(const HcMixParams& p, const HcMixFused* fused) {
 
 OpStatus HcCollapse(const HcCollapseParams& p) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;
+  if ((p.codes == nullptr) != (p.code_scales == nullptr)) return OpStatus::kBadArgument;
+  if (p.codes != nullptr && p.dim % 32 != 0) return OpStatus::kBadShape;
   const int64_t n = p.rows * p.dim;
   if (n == 0) return OpStatus::kOk;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   if (p.norm_weight != nullptr) {
     if (p.rows > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
     FLASHD_LAUNCH(CollapseNormKernel, static_cast<unsigned>(p.rows), kNormThreads, 0, stream, p.X,
-                  p.weights, p.hc, p.dim, p.norm_weight, p.eps, p.x);
+                  p.weights, p.hc, p.dim, p.norm_weight, p.eps, p.x, p.codes, p.code_scales);
   } else {
     FLASHD_LAUNCH(CollapseKernel, static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads, 0,
                   stream, p.X, p.weights, p.rows, p.hc, p.dim, p.x);
+    // The codes by the activations' quantizer (no thread block holds a row here).
+    if (p.codes != nullptr) QuantizeActivations(p.x, n / 32, p.codes, p.code_scales, stream);
   }
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }

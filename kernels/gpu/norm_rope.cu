@@ -10,17 +10,19 @@
 #include "kernels/gpu/norm_row.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
+#include "kernels/gpu/quantized.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
 // A thread block a row: the norm, then (rope_dim > 0) a thread per rotated pair, then
-// (fake_quant) a thread per block of 32, each step after a barrier.
+// (fake_quant) a thread per block of 32, then (codes) a thread per block of 32 quantizing it as
+// Linear does, each step after a barrier.
 __global__ void __launch_bounds__(kNormThreads)
     RmsNormKernel(float* x, int64_t dim, int64_t stride, const float* weight, float eps,
                   bool round_input, int64_t rope_dim, const int64_t* positions, const float* freqs,
-                  bool fake_quant) {
+                  bool fake_quant, uint8_t* codes, uint8_t* code_scales) {
   FLASHD_GRID_BEGIN();
   __shared__ double partial[kNormThreads];
   float* row = x + static_cast<int64_t>(blockIdx.x) * stride;
@@ -39,6 +41,10 @@ __global__ void __launch_bounds__(kNormThreads)
     for (int64_t b = threadIdx.x; b < dim / 32; b += kNormThreads) {
       FakeQuantBlock(row + 32 * b, 32, static_cast<int>(FakeQuantFormat::kFp8E8M0));
     }
+  }
+  if (codes != nullptr) {
+    const int64_t r = blockIdx.x;
+    QuantizeRow(row, dim, codes + r * dim, code_scales + r * (dim / 32));
   }
 }
 
@@ -65,7 +71,7 @@ OpStatus RmsNorm(const RmsNormParams& p) {
   FLASHD_LAUNCH(RmsNormKernel, static_cast<unsigned>(p.rows), kNormThreads, 0,
                 static_cast<gpuStream_t>(p.stream), p.x, p.dim, p.stride, p.weight, p.eps,
                 p.round_input, p.rope_dim > 0 ? p.rope_dim : 0, p.positions, p.freqs,
-                p.fake_quant_fp8);
+                p.fake_quant_fp8, p.codes, p.code_scales);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

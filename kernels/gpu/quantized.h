@@ -1,13 +1,35 @@
 // What the quantized GEMMs (kernels/gpu/linear.cu and linear_matrix.cu) share: the activations'
-// quantizer, the checks of their arguments and the rounding pass after them.
+// quantizer (RmsNorm's codes too), the checks of their arguments and the rounding pass after them.
 #pragma once
 
 #include <cstdint>
 
+#include "kernels/codecs.h"
 #include "kernels/gpu/portability.h"
 #include "kernels/ops.h"
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
+
+// One 32-block of activations xb to FP8 codes q[0..31] and its UE8M0 scale code, as the CPU's
+// QuantizeFp8PerBlock.
+__device__ inline void QuantizeBlock(const float* xb, uint8_t* q, uint8_t* scale) {
+  namespace c = codecs;
+  float amax = 0.0f;
+  for (int64_t i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+  const float s = c::Pow2Ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+  *scale = c::NormalPow2ToE8M0(s);
+  for (int64_t i = 0; i < 32; ++i) q[i] = c::FloatToE4M3(c::Clamp(xb[i] / s, -448.0f, 448.0f));
+}
+
+// A row of `dim` values (a multiple of 32) that this thread block has just written to x, quantized
+// as QuantizeBlock does into codes [dim] and scales [dim / 32], a thread a block, after a barrier
+// (so every thread's writes are seen). REQUIRES: every thread of the block calls it.
+__device__ inline void QuantizeRow(const float* x, int64_t dim, uint8_t* codes, uint8_t* scales) {
+  __syncthreads();
+  for (int64_t b = threadIdx.x; b < dim / 32; b += blockDim.x) {
+    QuantizeBlock(x + 32 * b, codes + 32 * b, scales + b);
+  }
+}
 
 // x[blocks x 32] to FP8 codes with a UE8M0 scale per 32, as the CPU's Linear quantizes its
 // input, one thread a block; launched on `stream`.

@@ -620,6 +620,40 @@ BOOST_AUTO_TEST_CASE(expert_rows_read_through_their_index_are_the_copied_rows) {
           BOOST_REQUIRE(gpu::ExpertLinear(d) == OpStatus::kOk);
           BOOST_TEST(BitEqual(dy.Host(), want), "slot_rows " << slot_rows);
         }
+        {
+          // Given x's own rows' codes (x_row_codes), the GEMV reads them through x_rows: the same
+          // values with one launch fewer; given the codes of twice the rows, their values. The
+          // CPU may ignore them: its values are the rows' either way.
+          std::vector<float> doubled(source.size());
+          for (size_t i = 0; i < source.size(); ++i) doubled[i] = 2.0f * source[i];
+          std::vector<uint8_t> rc(tokens * in), rs(tokens * in / 32), dc(rc.size()), ds(rs.size());
+          for (int64_t t = 0; t < tokens; ++t) {
+            cpu::QuantizeFp8PerBlock(&source[t * in], in, 32, &rc[t * in], &rs[t * in / 32]);
+            cpu::QuantizeFp8PerBlock(&doubled[t * in], in, 32, &dc[t * in], &ds[t * in / 32]);
+          }
+          std::vector<float> want2(want.size()), cpu_got(want.size());
+          ExpertLinearParams q2 = q;
+          q2.x = doubled.data(), q2.y = want2.data();
+          BOOST_REQUIRE(cpu::ExpertLinear(q2) == OpStatus::kOk);
+          q2 = q;
+          q2.x_row_codes = rc.data(), q2.x_row_scales = rs.data(), q2.y = cpu_got.data();
+          BOOST_REQUIRE(cpu::ExpertLinear(q2) == OpStatus::kOk);
+          BOOST_TEST(BitEqual(cpu_got, want), "cpu given codes");
+          d.slot_rows = tokens;
+          const uint64_t before = gpu::KernelLaunches();
+          BOOST_REQUIRE(gpu::ExpertLinear(d) == OpStatus::kOk);
+          const uint64_t quantizing = gpu::KernelLaunches() - before;
+          for (const auto& [codes, scales, expect] :
+               {std::tuple{&rc, &rs, &want}, {&dc, &ds, &want2}}) {
+            Dev<uint8_t> dcodes(*codes), dscales(*scales);
+            ExpertLinearParams e = d;
+            e.x_row_codes = dcodes.get(), e.x_row_scales = dscales.get();
+            const uint64_t at = gpu::KernelLaunches();
+            BOOST_REQUIRE(gpu::ExpertLinear(e) == OpStatus::kOk);
+            BOOST_TEST(gpu::KernelLaunches() - at == quantizing - 1);
+            BOOST_TEST(BitEqual(dy.Host(), *expect), "given codes");
+          }
+        }
         for (const gpu::MatrixInstruction ins :
              {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kMfma}) {
           if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") continue;
@@ -897,6 +931,142 @@ void MatrixRoundsAsItWrites(P p, const Dev<float>& y, Op op) {
 // of FP8 or FP4 weights is one quantization and one GEMV launch for all (counted) and more rows an
 // op a projection; outputs of several widths (a GEMV's tail columns), rounded or not; dense and
 // BF16 weights; what does not take them refused alike.
+// RmsNorm's codes are each normed row quantized as a Linear quantizes its x, and a Linear given
+// them (x_quantized) reads them instead of quantizing: its values are those of the Linear of the
+// rows, with one launch fewer on the device; given another row's codes, it gives that row's.
+BOOST_AUTO_TEST_CASE(rms_norm_codes_feed_a_linear_that_quantizes_nothing) {
+  std::mt19937 rng(41);
+  const int64_t out = 70;
+  for (const int64_t dim : {int64_t{96}, int64_t{1024}}) {
+    for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{33}}) {
+      BOOST_TEST_CONTEXT("dim " << dim << " rows " << rows) {
+        const int64_t stride = dim + 32;
+        const std::vector<float> x = Normal(rng, rows * stride, 3.0f), w = Normal(rng, dim);
+        Dev<float> dw(w);
+        // The norm alone, then its rows quantized (QuantizeFp8PerBlock, as cpu::Linear does).
+        std::vector<float> normed = x;
+        RmsNormParams p{.x = normed.data(),
+                        .rows = rows,
+                        .dim = dim,
+                        .stride = stride,
+                        .weight = w.data(),
+                        .eps = 1e-6f,
+                        .round_input = true};
+        BOOST_REQUIRE(cpu::RmsNorm(p) == OpStatus::kOk);
+        std::vector<uint8_t> codes(rows * dim), scales(rows * dim / 32);
+        for (int64_t r = 0; r < rows; ++r) {
+          cpu::QuantizeFp8PerBlock(&normed[r * stride], dim, 32, &codes[r * dim],
+                                   &scales[r * dim / 32]);
+        }
+        // With codes: the same rows, and the codes, on the CPU and the device.
+        std::vector<float> cx = x;
+        std::vector<uint8_t> cc(codes.size(), 0xAA), cs(scales.size(), 0xAA);
+        p.x = cx.data();
+        p.codes = cc.data();
+        p.code_scales = cs.data();
+        BOOST_REQUIRE(cpu::RmsNorm(p) == OpStatus::kOk);
+        BOOST_TEST(BitEqual(cx, normed));
+        BOOST_TEST((cc == codes && cs == scales));
+        Dev<float> dx(x);
+        Dev<uint8_t> dc(std::vector<uint8_t>(codes.size(), 0xAA));
+        Dev<uint8_t> ds(std::vector<uint8_t>(scales.size(), 0xAA));
+        RmsNormParams d = p;
+        d.x = dx.get(), d.weight = dw.get(), d.codes = dc.get(), d.code_scales = ds.get();
+        BOOST_REQUIRE(gpu::RmsNorm(d) == OpStatus::kOk);
+        BOOST_TEST(BitEqual(dx.Host(), normed));
+        BOOST_TEST((dc.Host() == codes && ds.Host() == scales));
+        // A Linear of the normed rows (packed), from them or from their codes.
+        std::vector<float> packed(rows * dim), doubled(rows * dim);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::copy_n(&normed[r * stride], dim, &packed[r * dim]);
+        }
+        for (size_t i = 0; i < packed.size(); ++i) doubled[i] = 2.0f * packed[i];
+        std::vector<uint8_t> other(codes.size()), other_scales(scales.size());
+        for (int64_t r = 0; r < rows; ++r) {
+          cpu::QuantizeFp8PerBlock(&doubled[r * dim], dim, 32, &other[r * dim],
+                                   &other_scales[r * dim / 32]);
+        }
+        for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+          for (const bool round : {false, true}) {
+            BOOST_TEST_CONTEXT("format " << static_cast<int>(format) << " round " << round) {
+              const flashd::testing::QuantizedWeights q =
+                  flashd::testing::QuantizeWeights(format, Normal(rng, out * dim, 0.2f), out, dim);
+              std::vector<uint8_t> xq(codes.size()), xs(scales.size());
+              auto linear = [&](const float* px, uint8_t* pxq, uint8_t* pxs, float* y) {
+                return LinearParams{.x = px,
+                                    .rows = rows,
+                                    .in = dim,
+                                    .out = out,
+                                    .format = format,
+                                    .w = q.codes.data(),
+                                    .w_scales = q.scales.data(),
+                                    .x_codes = pxq,
+                                    .x_scales = pxs,
+                                    .y = y,
+                                    .round_output = round};
+              };
+              std::vector<float> want(rows * out), want2(rows * out);
+              BOOST_REQUIRE(cpu::Linear(linear(packed.data(), xq.data(), xs.data(), want.data())) ==
+                            OpStatus::kOk);
+              BOOST_REQUIRE(cpu::Linear(linear(doubled.data(), xq.data(), xs.data(),
+                                               want2.data())) == OpStatus::kOk);
+              // The CPU given the codes, and given the doubled rows' codes.
+              for (const auto& [given, given_scales, expect] :
+                   {std::tuple{&codes, &scales, &want}, {&other, &other_scales, &want2}}) {
+                std::vector<uint8_t> gc = *given, gs = *given_scales;
+                std::vector<float> y(rows * out);
+                LinearParams l = linear(packed.data(), gc.data(), gs.data(), y.data());
+                l.x_quantized = true;
+                BOOST_REQUIRE(cpu::Linear(l) == OpStatus::kOk);
+                BOOST_TEST(BitEqual(y, *expect));
+                BOOST_TEST((gc == *given && gs == *given_scales));  // Read, not written.
+                // The device: one launch fewer than quantizing x itself.
+                Dev<float> dp(packed), dy(std::vector<float>(rows * out));
+                Dev<uint8_t> dwc(q.codes), dws(q.scales), dgc(*given), dgs(*given_scales);
+                l = linear(dp.get(), dgc.get(), dgs.get(), dy.get());
+                l.w = dwc.get(), l.w_scales = dws.get(), l.x_quantized = true;
+                const uint64_t before = gpu::KernelLaunches();
+                BOOST_REQUIRE(gpu::Linear(l) == OpStatus::kOk);
+                const uint64_t quantized_launches = gpu::KernelLaunches() - before;
+                BOOST_TEST(BitEqual(dy.Host(), *expect));
+                BOOST_TEST((dgc.Host() == *given && dgs.Host() == *given_scales));
+                // Quantizing x itself, into workspace.
+                Dev<uint8_t> wq(std::vector<uint8_t>(codes.size()));
+                Dev<uint8_t> wsc(std::vector<uint8_t>(scales.size()));
+                l.x_codes = wq.get(), l.x_scales = wsc.get(), l.x_quantized = false;
+                const uint64_t again = gpu::KernelLaunches();
+                BOOST_REQUIRE(gpu::Linear(l) == OpStatus::kOk);
+                BOOST_TEST(gpu::KernelLaunches() - again == quantized_launches + 1);
+                BOOST_TEST(BitEqual(dy.Host(), want));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::vector<float> x(64), w(64);
+  std::vector<uint8_t> codes(64);
+  // Codes without scales, or of rows not in whole 32-blocks: refused alike.
+  const RmsNormParams bad[] = {{.x = x.data(),
+                                .rows = 1,
+                                .dim = 64,
+                                .stride = 64,
+                                .weight = w.data(),
+                                .codes = codes.data()},
+                               {.x = x.data(),
+                                .rows = 1,
+                                .dim = 40,
+                                .stride = 40,
+                                .weight = w.data(),
+                                .codes = codes.data(),
+                                .code_scales = codes.data()}};
+  for (const RmsNormParams& p : bad) {
+    BOOST_TEST((cpu::RmsNorm(p) == OpStatus::kBadShape));
+    BOOST_TEST((gpu::RmsNorm(p) == OpStatus::kBadShape));
+  }
+}
+
 BOOST_AUTO_TEST_CASE(linear_also_is_an_op_a_projection) {
   std::mt19937 rng(37);
   const int64_t in = 160;
@@ -2337,6 +2507,124 @@ BOOST_AUTO_TEST_CASE(hc_mix_bit_equal) {
 // workspace through a kernel a step; with each step alone and both, the collapse normed or not;
 // pre, post and comb written over the inputs they may alias (the engine's post and comb, and here
 // pre over the collapse's weights).
+// The collapse's codes (HcMixParams::x_codes, HcCollapseParams::codes) are its rows quantized as
+// a Linear quantizes its x: on the CPU and the device, in the fused kernel and a kernel a step,
+// normed or not, the collapse itself unchanged.
+BOOST_AUTO_TEST_CASE(collapse_codes_are_its_rows_quantized) {
+  std::mt19937 rng(43);
+  const int64_t hc = 4, mix = (2 + hc) * hc, over = gpu::kHcFusedRows + 1;
+  for (const auto& [dim, rows] :
+       {std::pair<int64_t, int64_t>{64, 1}, {5120, 1}, {96, 3}, {64, over}}) {
+    const std::vector<float> X = Normal(rng, rows * hc * dim),
+                             fn = Normal(rng, mix * hc * dim, 0.05f);
+    const std::vector<float> scale = {0.7f, 1.3f, 0.9f}, base = Normal(rng, mix, 0.5f);
+    const std::vector<float> weights = Normal(rng, rows * hc), norm = Normal(rng, dim);
+    for (const bool normed : {false, true}) {
+      BOOST_TEST_CONTEXT("dim " << dim << " rows " << rows << " normed " << normed) {
+        std::vector<float> x(rows * dim);
+        HcCollapseParams c{.X = X.data(),
+                           .weights = weights.data(),
+                           .rows = rows,
+                           .hc = hc,
+                           .dim = dim,
+                           .norm_weight = normed ? norm.data() : nullptr,
+                           .eps = 1e-6f,
+                           .x = x.data()};
+        BOOST_REQUIRE(cpu::HcCollapse(c) == OpStatus::kOk);
+        std::vector<uint8_t> codes(rows * dim), scales(rows * dim / 32);
+        for (int64_t r = 0; r < rows; ++r) {
+          cpu::QuantizeFp8PerBlock(&x[r * dim], dim, 32, &codes[r * dim], &scales[r * dim / 32]);
+        }
+        // HcCollapse with codes, both sides.
+        std::vector<float> cx(rows * dim);
+        std::vector<uint8_t> cc(codes.size(), 0xAA), cs(scales.size(), 0xAA);
+        HcCollapseParams q = c;
+        q.x = cx.data(), q.codes = cc.data(), q.code_scales = cs.data();
+        BOOST_REQUIRE(cpu::HcCollapse(q) == OpStatus::kOk);
+        BOOST_TEST((BitEqual(cx, x) && cc == codes && cs == scales));
+        Dev<float> dX(X), dw(weights), dn(norm), dx(std::vector<float>(rows * dim));
+        Dev<uint8_t> dc(std::vector<uint8_t>(codes.size(), 0xAA));
+        Dev<uint8_t> ds(std::vector<uint8_t>(scales.size(), 0xAA));
+        q.X = dX.get(), q.weights = dw.get(), q.norm_weight = normed ? dn.get() : nullptr;
+        q.x = dx.get(), q.codes = dc.get(), q.code_scales = ds.get();
+        BOOST_REQUIRE(gpu::HcCollapse(q) == OpStatus::kOk);
+        BOOST_TEST((BitEqual(dx.Host(), x) && dc.Host() == codes && ds.Host() == scales));
+        // HcMix's collapse with codes: the CPU's, then the device's fused and apart.
+        std::vector<float> mixes(rows * mix), pre(rows * hc), post(rows * hc), comb(rows * hc * hc);
+        HcMixParams m{.X = X.data(),
+                      .rows = rows,
+                      .hc = hc,
+                      .dim = dim,
+                      .fn = fn.data(),
+                      .scale = scale.data(),
+                      .base = base.data(),
+                      .iters = 20,
+                      .hc_eps = 1e-6f,
+                      .norm_eps = 1e-6f,
+                      .mixes = mixes.data(),
+                      .pre = pre.data(),
+                      .post = post.data(),
+                      .comb = comb.data(),
+                      .collapse_weights = weights.data(),
+                      .collapse_norm = normed ? norm.data() : nullptr,
+                      .collapse_eps = 1e-6f,
+                      .x = cx.data(),
+                      .x_codes = cc.data(),
+                      .x_code_scales = cs.data()};
+        std::fill(cc.begin(), cc.end(), 0xAA);
+        std::fill(cs.begin(), cs.end(), 0xAA);
+        BOOST_REQUIRE(cpu::HcMix(m) == OpStatus::kOk);
+        BOOST_TEST((BitEqual(cx, x) && cc == codes && cs == scales));
+        for (const bool with_workspace : {false, true}) {
+          Dev<float> dfn(fn), dsc(scale), dba(base), dmx(mixes), dpre(pre), dpost(post),
+              dcomb(comb), dmx2(std::vector<float>(rows * mix));
+          Dev<float> dx2(std::vector<float>(rows * dim));
+          Dev<uint8_t> dc2(std::vector<uint8_t>(codes.size(), 0xAA));
+          Dev<uint8_t> ds2(std::vector<uint8_t>(scales.size(), 0xAA));
+          Dev<unsigned> arrivals(std::vector<unsigned>(rows, 0u));
+          Dev<double> sums{std::vector<double>(rows)};
+          const gpu::HcMixFused fused{.arrivals = arrivals.get(), .sums = sums.get()};
+          HcMixParams d = m;
+          d.X = dX.get(), d.fn = dfn.get(), d.scale = dsc.get(), d.base = dba.get();
+          d.mixes = dmx2.get(), d.pre = dpre.get(), d.post = dpost.get(), d.comb = dcomb.get();
+          d.collapse_weights = dw.get(), d.collapse_norm = normed ? dn.get() : nullptr;
+          d.x = dx2.get(), d.x_codes = dc2.get(), d.x_code_scales = ds2.get();
+          BOOST_REQUIRE(gpu::HcMix(d, with_workspace ? &fused : nullptr) == OpStatus::kOk);
+          BOOST_TEST((BitEqual(dx2.Host(), x) && dc2.Host() == codes && ds2.Host() == scales),
+                     "workspace " << with_workspace);
+        }
+      }
+    }
+  }
+  // Codes without their scales or without x, or of rows not in whole 32-blocks: refused alike.
+  std::vector<float> v(4 * 40 * 4 + 64);
+  std::vector<uint8_t> b(64);
+  HcMixParams ok{.X = v.data(),
+                 .rows = 1,
+                 .hc = 4,
+                 .dim = 40,
+                 .fn = v.data(),
+                 .scale = v.data(),
+                 .base = v.data(),
+                 .iters = 1,
+                 .mixes = v.data(),
+                 .pre = v.data(),
+                 .post = v.data(),
+                 .comb = v.data(),
+                 .collapse_weights = v.data(),
+                 .x = v.data()};
+  HcMixParams no_scales = ok, no_x = ok, odd = ok;
+  no_scales.x_codes = b.data();
+  no_x.x = nullptr, no_x.x_codes = b.data(), no_x.x_code_scales = b.data();
+  odd.x_codes = b.data(), odd.x_code_scales = b.data();
+  for (const auto& [p, want] : {std::pair{no_scales, OpStatus::kBadArgument},
+                                {no_x, OpStatus::kBadShape},
+                                {odd, OpStatus::kBadShape}}) {
+    BOOST_TEST((cpu::HcMix(p) == want));
+    BOOST_TEST((gpu::HcMix(p, nullptr) == want));
+  }
+}
+
 BOOST_AUTO_TEST_CASE(hc_steps_in_one_op_are_the_three_ops) {
   std::mt19937 rng(31);
   struct Shape {
