@@ -1414,7 +1414,12 @@ Status Step::Output(int l, const std::vector<float>& o) {
   const int64_t rows = static_cast<int64_t>(n()), H = c_.num_attention_heads, hd = c_.head_dim;
   const int64_t G = c_.o_groups, olr = c_.o_lora_rank, gin = H * hd / G;
   std::vector<float> og(static_cast<size_t>(rows * G * olr));
-  const Kept kept(this, {&og});
+  // og's codes made by wo_a's op, for wo_b to read.
+  const bool coded = (L.wo_b.format == kernels::WeightFormat::kFp8 ||
+                      L.wo_b.format == kernels::WeightFormat::kFp4) &&
+                     olr % 32 == 0 && L.wo_b.in == G * olr;
+  XCodes codes(coded ? rows : 0, G * olr);
+  const Kept kept(this, {&og, &codes.codes, &codes.scales});
   // The groups in one op: group g's slice of the heads to its o_lora outputs.
   FLASHD_OP(Linear, {.x = o.data(),
                      .rows = rows,
@@ -1426,8 +1431,11 @@ Status Step::Output(int l, const std::vector<float>& o) {
                      .y = og.data(),
                      .stream = &stream_,
                      .groups = G,
-                     .round_output = true});
-  FLASHD_RETURN_IF_ERROR(Apply(L.wo_b, og.data(), rows, sub_.data(), true));
+                     .round_output = true,
+                     .y_codes = coded ? codes.Codes() : nullptr,
+                     .y_code_scales = coded ? codes.Scales() : nullptr});
+  FLASHD_RETURN_IF_ERROR(
+      ApplyAll(L.wo_b, og.data(), rows, sub_.data(), true, {}, coded ? &codes : nullptr));
   return Status::Ok();
 }
 

@@ -1437,6 +1437,10 @@ class GpuBackend final : public Backend {
       // rows were batched (there an op a projection).
       const bool matrix = matrix_ && g::LinearMatrixTakes(k::LinearAlone(d, -1));
       d.y = c.Out(p.y, p.rows * groups * p.out);
+      if (p.y_codes != nullptr) {  // y's codes, for the Linear that reads y next.
+        d.y_codes = c.Out(p.y_codes, p.rows * groups * p.out);
+        d.y_code_scales = c.Out(p.y_code_scales, p.rows * groups * p.out / 32);
+      }
       return Launch(c, [&] {
         if (!matrix) return g::Linear(d);
         OpStatus s = OpStatus::kOk;

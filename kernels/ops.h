@@ -156,7 +156,23 @@ struct LinearParams {
   // kind of memory).
   const LinearProjection* also = nullptr;
   int64_t also_count = 0;
+  // Optional: y's rows' codes as a Linear quantizes its x (FP8 [rows, groups * out] with a UE8M0
+  // scale per 32, [rows, groups * out / 32], of y as the op leaves it: rounded with
+  // round_output), for the Linear that reads y next (x_quantized). out a multiple of 32
+  // (kBadShape); not with `also` or the gated pair (kBadArgument). A GPU's FP8 values kernel
+  // (wo_a at a decode step) writes them as it writes y; elsewhere a quantization follows.
+  uint8_t* y_codes = nullptr;
+  uint8_t* y_code_scales = nullptr;
 };
+
+// LinearParams' y_codes checked as every backend checks them.
+inline OpStatus LinearCodesFit(const LinearParams& p) {
+  if (p.y_codes == nullptr && p.y_code_scales == nullptr) return OpStatus::kOk;
+  if (p.y_codes == nullptr || p.y_code_scales == nullptr || p.also_count > 0 || p.up != nullptr) {
+    return OpStatus::kBadArgument;
+  }
+  return p.out % 32 == 0 ? OpStatus::kOk : OpStatus::kBadShape;
+}
 
 // LinearParams' `also` checked as every backend checks it: kOk when there is none or they fit,
 // kBadArgument for a format, group count or gated pair that does not take them (or over

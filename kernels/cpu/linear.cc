@@ -561,6 +561,18 @@ OpStatus Unrounded(const LinearParams& p, bool quantized = false);
 OpStatus Linear(const LinearParams& p) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
   if (const OpStatus s = LinearAlsoFits(p); s != OpStatus::kOk) return s;
+  if (const OpStatus s = LinearCodesFit(p); s != OpStatus::kOk) return s;
+  if (p.y_codes != nullptr) {  // The op, then its rows' codes.
+    LinearParams q = p;
+    q.y_codes = q.y_code_scales = nullptr;
+    if (const OpStatus s = Linear(q); s != OpStatus::kOk) return s;
+    const int64_t width = p.groups * p.out;
+    for (int64_t r = 0; r < p.rows; ++r) {
+      QuantizeFp8PerBlock(p.y + r * width, static_cast<size_t>(width), kQuantBlock,
+                          p.y_codes + r * width, p.y_code_scales + r * (width / kQuantBlock));
+    }
+    return OpStatus::kOk;
+  }
   // The op's projection, then each of `also` from the same codes.
   for (int64_t j = -1; j < p.also_count; ++j) {
     const LinearParams q = LinearAlone(p, j);

@@ -926,7 +926,8 @@ constexpr int kValueAhead = kRows == 1 ? 8 : 4;
 template <int kRows>
 __global__ void __launch_bounds__(kTileThreads)
     Fp8ValuesKernel(const float* x, int64_t M, int64_t K, int64_t groups, const uint8_t* w,
-                    const uint8_t* scales, int64_t row0, int64_t N, float* y, bool round) {
+                    const uint8_t* scales, int64_t row0, int64_t N, float* y, bool round,
+                    uint8_t* codes, uint8_t* code_scales) {
   constexpr int kAhead = kValueAhead<kRows>;
   __shared__ float4 xt[kRows][4][kValueLanes / 4];
   __shared__ float lanes[kRows][kTileCols][5];
@@ -1054,6 +1055,13 @@ __global__ void __launch_bounds__(kTileThreads)
     if (n0 + cc >= N) continue;
     const float v = (lanes[r][cc][0] + lanes[r][cc][1]) + (lanes[r][cc][2] + lanes[r][cc][3]);
     y[(m0 + r) * groups * N + g * N + n0 + cc] = round ? c::RoundBf16(v) : v;
+  }
+  if (codes != nullptr) {  // Each row's 32 outputs here are one block of its codes (N % 32 == 0).
+    __syncthreads();
+    for (int64_t r = t; r < rows; r += kTileThreads) {
+      const int64_t at = (m0 + r) * groups * N + g * N + n0;
+      QuantizeBlock(y + at, codes + at, code_scales + at / kBlock);
+    }
   }
 }
 
@@ -1211,7 +1219,8 @@ __global__ void __launch_bounds__(kValueTileThreads)
 }
 
 // `*rounded`: whether the kernel rounded y as p.round_output asks.
-OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream, bool* rounded) {
+// `*coded` set where the kernel wrote y's codes (LinearParams::y_codes) as it wrote y.
+OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream, bool* rounded, bool* coded) {
   if (!Aligned(p.w, 16)) return OpStatus::kBadArgument;   // Rows are read 16 bytes a load.
   if (p.rows >= kValueTileMinRows && Aligned(p.x, 16)) {  // The tile reads x 16 bytes a load.
     const int64_t grid = (p.rows + kValueTileRows - 1) / kValueTileRows *
@@ -1225,9 +1234,12 @@ OpStatus Fp8ValuesLinear(const LinearParams& p, gpuStream_t stream, bool* rounde
   const int64_t grid = TileGrid(p.rows, p.out, p.groups);  // Each group's tiles.
   if (grid > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const auto kernel = one_row ? &Fp8ValuesKernel<1> : &Fp8ValuesKernel<kGemmRows>;
+  uint8_t* codes = coded != nullptr ? p.y_codes : nullptr;
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(grid), kTileThreads, 0, stream, p.x, p.rows, p.in,
-                p.groups, p.w, p.w_scales, p.w_row0, p.out, p.y, p.round_output);
+                p.groups, p.w, p.w_scales, p.w_row0, p.out, p.y, p.round_output, codes,
+                codes != nullptr ? p.y_code_scales : nullptr);
   *rounded = true;
+  if (codes != nullptr) *coded = true;
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
@@ -1433,7 +1445,8 @@ namespace {
 
 // Linear, with `*rounded` set where the kernel rounded y as p.round_output asks; `quantized` as
 // QuantizedLinear's.
-OpStatus LinearOnce(const LinearParams& p, bool* rounded, bool quantized = false) {
+OpStatus LinearOnce(const LinearParams& p, bool* rounded, bool quantized = false,
+                    bool* coded = nullptr) {
   quantized = quantized || p.x_quantized;
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
@@ -1457,7 +1470,7 @@ OpStatus LinearOnce(const LinearParams& p, bool* rounded, bool quantized = false
   if (p.format == WeightFormat::kFp8Dense) {
     if (p.w == nullptr || p.w_scales == nullptr) return OpStatus::kBadArgument;
     if (p.w_row0 < 0 || p.in % kBlock != 0) return OpStatus::kBadShape;
-    return Fp8ValuesLinear(p, stream, rounded);
+    return Fp8ValuesLinear(p, stream, rounded, coded);
   }
   // Never split over K: on the H200 every split the earlier rule chose (enough parts to give
   // each multiprocessor four thread blocks, at one or two rows) was slower than none, the block
@@ -1494,6 +1507,7 @@ OpStatus RoundedAfter(OpStatus s, bool rounded, float* y, int64_t n, void* strea
 OpStatus Linear(const LinearParams& p) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
   if (const OpStatus s = LinearAlsoFits(p); s != OpStatus::kOk) return s;
+  if (const OpStatus s = LinearCodesFit(p); s != OpStatus::kOk) return s;
   if (p.also_count > 0) {
     // One row: one quantization and one GEMV for all; else an op a projection.
     if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
@@ -1511,9 +1525,15 @@ OpStatus Linear(const LinearParams& p) {
     }
     return status;
   }
-  bool rounded = !p.round_output;
-  const OpStatus s = LinearOnce(p, &rounded);
-  return RoundedAfter(s, rounded, p.y, p.rows * p.groups * p.out, p.stream);
+  bool rounded = !p.round_output, coded = p.y_codes == nullptr;
+  const int64_t n = p.rows * p.groups * p.out;
+  OpStatus s = LinearOnce(p, &rounded, false, &coded);  // Before `rounded` is read.
+  s = RoundedAfter(s, rounded, p.y, n, p.stream);
+  if (s != OpStatus::kOk || coded || n == 0) return s;
+  // y's codes after y as the op leaves it.
+  QuantizeActivations(p.y, n / kBlock, p.y_codes, p.y_code_scales,
+                      static_cast<gpuStream_t>(p.stream));
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
 namespace {

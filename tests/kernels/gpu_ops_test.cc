@@ -1227,6 +1227,127 @@ BOOST_AUTO_TEST_CASE(linear_also_is_an_op_a_projection) {
   }
 }
 
+// A Linear's y_codes are its rows as it leaves them (rounded or not) quantized as a Linear
+// quantizes its x: on the CPU and the device, FP8 values in groups at 1, 3 and 70 rows (the row
+// kernel writes them as it writes y, no launch more; the tile, one more) and FP8 weights (one
+// more), and on matrix cores; the shapes and arguments that do not take them refused alike.
+BOOST_AUTO_TEST_CASE(linear_y_codes_are_its_rows_quantized) {
+  std::mt19937 rng(47);
+  struct Case {
+    WeightFormat format;
+    int64_t rows, in, out, groups;
+    bool in_kernel;  // The device writes the codes in the op's own kernel.
+  };
+  const Case cases[] = {{WeightFormat::kFp8Dense, 1, 128, 64, 2, true},
+                        {WeightFormat::kFp8Dense, 3, 128, 32, 2, true},
+                        {WeightFormat::kFp8Dense, 70, 128, 64, 2, false},
+                        {WeightFormat::kFp8, 1, 160, 64, 1, false},
+                        {WeightFormat::kFp8, 3, 160, 96, 1, false}};
+  for (const Case& c : cases) {
+    for (const bool round : {false, true}) {
+      BOOST_TEST_CONTEXT("format " << static_cast<int>(c.format) << " rows " << c.rows << " round "
+                                   << round) {
+        const int64_t wrows = c.groups * c.out, width = c.groups * c.out, n = c.rows * width;
+        const std::vector<float> x = Normal(rng, c.rows * c.groups * c.in),
+                                 w = Normal(rng, wrows * c.in, 0.2f);
+        const flashd::testing::QuantizedWeights qw =
+            flashd::testing::QuantizeWeights(WeightFormat::kFp8, w, wrows, c.in);
+        std::vector<uint8_t> xq(x.size()), xs(x.size() / 32 + 1);
+        const auto params = [&](const float* px, const uint8_t* pw, const uint8_t* pws,
+                                uint8_t* pxq, uint8_t* pxs, float* y) {
+          return LinearParams{.x = px,
+                              .rows = c.rows,
+                              .in = c.in,
+                              .out = c.out,
+                              .format = c.format,
+                              .w = pw,
+                              .w_scales = pws,
+                              .x_codes = pxq,
+                              .x_scales = pxs,
+                              .y = y,
+                              .groups = c.groups,
+                              .round_output = round};
+        };
+        std::vector<float> want(n);
+        BOOST_REQUIRE(cpu::Linear(params(x.data(), qw.codes.data(), qw.scales.data(), xq.data(),
+                                         xs.data(), want.data())) == OpStatus::kOk);
+        std::vector<uint8_t> codes(n), scales(n / 32);
+        for (int64_t r = 0; r < c.rows; ++r) {
+          cpu::QuantizeFp8PerBlock(&want[r * width], width, 32, &codes[r * width],
+                                   &scales[r * width / 32]);
+        }
+        std::vector<float> got(n);
+        std::vector<uint8_t> gc(n, 0xAA), gs(n / 32, 0xAA);
+        LinearParams p =
+            params(x.data(), qw.codes.data(), qw.scales.data(), xq.data(), xs.data(), got.data());
+        p.y_codes = gc.data(), p.y_code_scales = gs.data();
+        BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
+        BOOST_TEST((BitEqual(got, want) && gc == codes && gs == scales), "cpu");
+        Dev<float> dx(x), dy(std::vector<float>(n, 7.0f));
+        Dev<uint8_t> dwq(qw.codes), dws(qw.scales), dxq(xq), dxs(xs);
+        Dev<uint8_t> dc(std::vector<uint8_t>(n, 0xAA)), ds(std::vector<uint8_t>(n / 32, 0xAA));
+        LinearParams d = params(dx.get(), dwq.get(), dws.get(), dxq.get(), dxs.get(), dy.get());
+        uint64_t at = gpu::KernelLaunches();
+        BOOST_REQUIRE(gpu::Linear(d) == OpStatus::kOk);
+        const uint64_t without = gpu::KernelLaunches() - at;
+        d.y_codes = dc.get(), d.y_code_scales = ds.get();
+        at = gpu::KernelLaunches();
+        BOOST_REQUIRE(gpu::Linear(d) == OpStatus::kOk);
+        BOOST_TEST(gpu::KernelLaunches() - at == without + (c.in_kernel ? 0 : 1));
+        // The row kernel rounds and writes the codes as it writes y: one launch in all.
+        if (c.in_kernel) BOOST_TEST(gpu::KernelLaunches() - at == 1u);
+        BOOST_TEST((BitEqual(dy.Host(), want) && dc.Host() == codes && ds.Host() == scales),
+                   "device");
+        if (gpu::LinearMatrixTakes(d)) {
+          for (const gpu::MatrixInstruction ins :
+               {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kMfma}) {
+            if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") continue;
+            Dev<uint8_t> mc(std::vector<uint8_t>(n, 0xAA)), ms(std::vector<uint8_t>(n / 32, 0xAA));
+            d.y_codes = mc.get(), d.y_code_scales = ms.get();
+            BOOST_REQUIRE(gpu::LinearMatrix(d, ins) == OpStatus::kOk);
+            const std::vector<float> my = dy.Host();
+            std::vector<uint8_t> mcodes(n), mscales(n / 32);
+            for (int64_t r = 0; r < c.rows; ++r) {
+              cpu::QuantizeFp8PerBlock(&my[r * width], width, 32, &mcodes[r * width],
+                                       &mscales[r * width / 32]);
+            }
+            BOOST_TEST((mc.Host() == mcodes && ms.Host() == mscales),
+                       "matrix " << static_cast<int>(ins));
+          }
+        }
+      }
+    }
+  }
+  // Codes without scales, with `also`, with the gated pair, or of rows not in 32-blocks.
+  std::vector<float> v(4096);
+  std::vector<uint8_t> b(4096);
+  const LinearProjection more{.w = b.data(), .w_scales = b.data(), .out = 32, .y = v.data()};
+  const LinearParams ok{.x = v.data(),
+                        .rows = 1,
+                        .in = 64,
+                        .out = 32,
+                        .format = WeightFormat::kFp8,
+                        .w = b.data(),
+                        .w_scales = b.data(),
+                        .x_codes = b.data(),
+                        .x_scales = b.data(),
+                        .y = v.data(),
+                        .y_codes = b.data(),
+                        .y_code_scales = b.data()};
+  LinearParams no_scales = ok, also = ok, gated = ok, odd = ok;
+  no_scales.y_code_scales = nullptr;
+  also.also = &more, also.also_count = 1;
+  gated.up = b.data(), gated.up_scales = b.data(), gated.gate = v.data(), gated.up_out = v.data();
+  odd.out = 40;
+  for (const auto& [p, want] : {std::pair{no_scales, OpStatus::kBadArgument},
+                                {also, OpStatus::kBadArgument},
+                                {gated, OpStatus::kBadArgument},
+                                {odd, OpStatus::kBadShape}}) {
+    BOOST_TEST((cpu::Linear(p) == want));
+    BOOST_TEST((gpu::Linear(p) == want));
+  }
+}
+
 BOOST_AUTO_TEST_CASE(round_output_is_the_op_then_a_rounding) {
   std::mt19937 rng(29);
   const auto differ = [](const std::vector<float>& a, const std::vector<float>& b) {
