@@ -151,6 +151,17 @@ struct Layer {
   std::vector<float> freqs;
 };
 
+// FP8 or FP4 weights: a linear of them quantizes its x (or reads its codes).
+bool QuantizedFormat(kernels::WeightFormat f) {
+  return f == kernels::WeightFormat::kFp8 || f == kernels::WeightFormat::kFp4;
+}
+
+// Whether `lin` reads the codes of its x, rows of `width` values, where the op writing x makes
+// them (LinearParams::x_quantized).
+bool ReadsCodes(const Linear& lin, int64_t width) {
+  return QuantizedFormat(lin.format) && width % 32 == 0 && lin.in == width;
+}
+
 kernels::RouteScoring Scoring(const std::string& name) {
   if (name == "softmax") return kernels::RouteScoring::kSoftmax;
   if (name == "sigmoid") return kernels::RouteScoring::kSigmoid;
@@ -498,10 +509,11 @@ class Step {
   std::vector<uint8_t> xq_, xs_;      // The linear layers' quantized inputs.
   void QuantScratch(int64_t values);  // xq_ and xs_ for at least `values` inputs.
   std::vector<float> X_, next_, x_, sub_, mixes_, pre_mix_, pre_a_, pre_f_, post_, comb_;
-  // x_'s codes, made by the collapse before each sublayer where the layers' quantized linears
-  // read x_ (x_coded_), so that they quantize nothing (LinearParams::x_quantized).
+  // x_'s codes, made by the collapse before each sublayer (where the hidden size is in whole
+  // 32-blocks), which the sublayer's quantized linears read (LinearParams::x_quantized): the
+  // sublayers run right after it. CollapseCodes() is null where there are none.
   XCodes x_codes_;
-  bool x_coded_ = false;
+  XCodes* CollapseCodes() { return x_codes_.codes.empty() ? nullptr : &x_codes_; }
   // The indexer's picks as the last indexing layer left them: per row index_topk compressed
   // entries, ascending, -1 after (TopKParams::ascending), made at picks_ratio_'s compression.
   // Kept with the streams, so that on a GPU the attention reads them where the indexer made them
@@ -682,8 +694,7 @@ Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y, bo
 
 Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
                       const std::vector<std::pair<const Linear*, float*>>& more, XCodes* codes) {
-  const bool quantized =
-      lin.format == kernels::WeightFormat::kFp8 || lin.format == kernels::WeightFormat::kFp4;
+  const bool quantized = QuantizedFormat(lin.format);
   const bool dense = lin.format == kernels::WeightFormat::kDense;
   bool together = more.empty() || ((quantized || dense) &&
                                    static_cast<int64_t>(more.size()) <= kernels::kLinearMaxAlso);
@@ -882,8 +893,7 @@ Status Step::RunBlock(int l, bool record) {
                            .collapse_eps = eps,
                            .x = x_.data()};
     // x's codes for the sublayer's quantized linears (wq_a and its pair, the shared expert's).
-    x_coded_ = !x_codes_.codes.empty();
-    if (x_coded_) {
+    if (CollapseCodes() != nullptr) {
       p.x_codes = x_codes_.Codes();
       p.x_code_scales = x_codes_.Scales();
     }
@@ -904,7 +914,6 @@ Status Step::RunBlock(int l, bool record) {
   FLASHD_RETURN_IF_ERROR(between(L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base, pre_a_.data(),
                                  pre_mix_.data(), L.attn_norm));
   FLASHD_RETURN_IF_ERROR(Attention(l));
-  x_coded_ = false;
   if (record) {
     FLASHD_RETURN_IF_ERROR(ToHost(x_));
     FLASHD_RETURN_IF_ERROR(ToHost(sub_));
@@ -916,7 +925,6 @@ Status Step::RunBlock(int l, bool record) {
   FLASHD_RETURN_IF_ERROR(between(L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre_f_.data(),
                                  pre_a_.data(), L.ffn_norm));
   FLASHD_RETURN_IF_ERROR(Moe(l));
-  x_coded_ = false;
   if (record) {
     FLASHD_RETURN_IF_ERROR(ToHost(x_));
     FLASHD_RETURN_IF_ERROR(ToHost(sub_));
@@ -1183,12 +1191,10 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
   qr.resize(static_cast<size_t>(rows * qlr));
   q.resize(static_cast<size_t>(rows * H * hd));
   kv.resize(static_cast<size_t>(rows * hd));
-  FLASHD_RETURN_IF_ERROR(ApplyAll(L.wq_a, x_.data(), rows, qr.data(), false, {{&L.wkv, kv.data()}},
-                                  x_coded_ ? &x_codes_ : nullptr));
+  FLASHD_RETURN_IF_ERROR(
+      ApplyAll(L.wq_a, x_.data(), rows, qr.data(), false, {{&L.wkv, kv.data()}}, CollapseCodes()));
   // The normed latent's codes made by the norm, for wq_b (and the indexer's) to read.
-  const bool coded = (L.wq_b.format == kernels::WeightFormat::kFp8 ||
-                      L.wq_b.format == kernels::WeightFormat::kFp4) &&
-                     qlr % 32 == 0;
+  const bool coded = ReadsCodes(L.wq_b, qlr);
   XCodes codes(coded ? rows : 0, qlr);
   const Kept kept(this, {&codes.codes, &codes.scales});
   FLASHD_OP(RmsNorm, {.x = qr.data(),
@@ -1415,9 +1421,7 @@ Status Step::Output(int l, const std::vector<float>& o) {
   const int64_t G = c_.o_groups, olr = c_.o_lora_rank, gin = H * hd / G;
   std::vector<float> og(static_cast<size_t>(rows * G * olr));
   // og's codes made by wo_a's op, for wo_b to read.
-  const bool coded = (L.wo_b.format == kernels::WeightFormat::kFp8 ||
-                      L.wo_b.format == kernels::WeightFormat::kFp4) &&
-                     olr % 32 == 0 && L.wo_b.in == G * olr;
+  const bool coded = ReadsCodes(L.wo_b, G * olr) && olr % 32 == 0;  // wo_a's y_codes: its blocks.
   XCodes codes(coded ? rows : 0, G * olr);
   const Kept kept(this, {&og, &codes.codes, &codes.scales});
   // The groups in one op: group g's slice of the heads to its o_lora outputs.
@@ -1805,8 +1809,7 @@ Status Step::Moe(int l) {
     std::vector<float> g(static_cast<size_t>(m * inter)), u(g.size()), h(g.size());
     const Kept kept_gate(this, {&g, &u, &h});
     const kernels::WeightFormat f = e.w1.format;
-    if ((f == kernels::WeightFormat::kFp8 || f == kernels::WeightFormat::kFp4) &&
-        e.w3.format == f && e.w3.in == e.w1.in && e.w3.out == inter) {
+    if (QuantizedFormat(f) && e.w3.format == f && e.w3.in == e.w1.in && e.w3.out == inter) {
       // w1 and w3 under SwiGLU as one op (g and u its workspace).
       if (codes == nullptr) QuantScratch(m * e.w1.in);
       FLASHD_OP(Linear, {.x = x,
@@ -1849,7 +1852,7 @@ Status Step::Moe(int l) {
   // its output added in the combine's op (the two are independent: the same bits either way).
   if (group_at_route) {
     FLASHD_RETURN_IF_ERROR(
-        expert(L.shared, x_.data(), rows, nullptr, shared.data(), x_coded_ ? &x_codes_ : nullptr));
+        expert(L.shared, x_.data(), rows, nullptr, shared.data(), CollapseCodes()));
     return GroupedExperts(L, &route, chosen, weights, y, shared.data());
   }
   // The routed experts may run elsewhere than the layer (Placement::routed_experts).
@@ -1892,7 +1895,7 @@ Status Step::Moe(int l) {
   }
   FLASHD_RETURN_IF_ERROR(Use(layer_backend));
   FLASHD_RETURN_IF_ERROR(
-      expert(L.shared, x_.data(), rows, nullptr, shared.data(), x_coded_ ? &x_codes_ : nullptr));
+      expert(L.shared, x_.data(), rows, nullptr, shared.data(), CollapseCodes()));
   FLASHD_OP(
       AddRound,
       {.a = y.data(), .b = shared.data(), .n = static_cast<int64_t>(y.size()), .out = sub_.data()});
@@ -1945,7 +1948,7 @@ Status Step::GroupedExperts(const Layer& L, const kernels::MoeRouteParams* route
   auto linear = [&](const ExpertTables& t, const float* x, const int64_t* x_rows, float* out,
                     const ExpertTables* up = nullptr, bool round_output = false) {
     // x_'s codes where the collapse made them, read through x_rows.
-    const bool row_codes = x_rows != nullptr && x == x_.data() && x_coded_;
+    const bool row_codes = x_rows != nullptr && x == x_.data() && CollapseCodes() != nullptr;
     QuantScratch(total * t.in);
     FLASHD_OP(ExpertLinear, {.x = x,
                              .rows = total,
@@ -2281,7 +2284,7 @@ struct WeightRef {
 };
 
 void AddLinear(const Backend* b, const Linear& lin, std::vector<WeightRef>* out) {
-  if (lin.format == kernels::WeightFormat::kFp8 || lin.format == kernels::WeightFormat::kFp4) {
+  if (QuantizedFormat(lin.format)) {
     const kernels::StoredBytes stored = kernels::QuantizedWeightBytes(lin.format, lin.out, lin.in);
     out->push_back({b, lin.w, static_cast<size_t>(stored.codes), false});
     out->push_back({b, lin.s, static_cast<size_t>(stored.scales), false});

@@ -980,6 +980,17 @@ class Call {
   T* Out(T* host, int64_t count) {
     return Map(host, count, false, true);
   }
+  // A row's FP8 codes and their scales (one a 32 values) for `values` values, mapped in place
+  // (null stays null): read by the op, or written whole by it.
+  template <class T>
+  void CodesIn(T*& codes, T*& scales, int64_t values) {
+    codes = const_cast<T*>(In(codes, values));  // Only read.
+    scales = const_cast<T*>(In(scales, values / 32));
+  }
+  void CodesOut(uint8_t*& codes, uint8_t*& scales, int64_t values) {
+    codes = Out(codes, values);
+    scales = Out(scales, values / 32);
+  }
   unsigned* Counters(int64_t count) {
     if (!error_.empty()) return nullptr;
     return memory_->Counters(static_cast<size_t>(count), &error_);
@@ -1427,8 +1438,7 @@ class GpuBackend final : public Backend {
       d.also = also.data();
       const bool codes = p.format == k::WeightFormat::kFp8 || p.format == k::WeightFormat::kFp4;
       if (p.x_quantized && codes) {  // x's codes where the op that made x wrote them.
-        d.x_codes = const_cast<uint8_t*>(c.In(p.x_codes, p.rows * p.in));  // Only read.
-        d.x_scales = const_cast<uint8_t*>(c.In(p.x_scales, p.rows * p.in / 32));
+        c.CodesIn(d.x_codes, d.x_scales, p.rows * p.in);
       } else {
         d.x_codes = c.Work<uint8_t>(p.rows * p.in);
         d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
@@ -1437,10 +1447,7 @@ class GpuBackend final : public Backend {
       // rows were batched (there an op a projection).
       const bool matrix = matrix_ && g::LinearMatrixTakes(k::LinearAlone(d, -1));
       d.y = c.Out(p.y, p.rows * groups * p.out);
-      if (p.y_codes != nullptr) {  // y's codes, for the Linear that reads y next.
-        d.y_codes = c.Out(p.y_codes, p.rows * groups * p.out);
-        d.y_code_scales = c.Out(p.y_code_scales, p.rows * groups * p.out / 32);
-      }
+      c.CodesOut(d.y_codes, d.y_code_scales, p.rows * groups * p.out);  // For the next Linear.
       return Launch(c, [&] {
         if (!matrix) return g::Linear(d);
         OpStatus s = OpStatus::kOk;
@@ -1508,10 +1515,7 @@ class GpuBackend final : public Backend {
         d.positions = c.In(p.positions, p.rows);
         d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
       }
-      if (p.codes != nullptr) {  // The rows' codes for the Linear that reads them next.
-        d.codes = c.Out(p.codes, p.rows * p.dim);
-        d.code_scales = c.Out(p.code_scales, p.rows * p.dim / 32);
-      }
+      c.CodesOut(d.codes, d.code_scales, p.rows * p.dim);  // For the Linear reading the rows.
       return Launch(c, [&] { return g::RmsNorm(d); });
     });
   }
@@ -1582,10 +1586,7 @@ class GpuBackend final : public Backend {
       d.comb = c.Out(p.comb, p.rows * p.hc * p.hc);
       if (p.sub != nullptr) d.expanded = c.Out(p.expanded, streams);
       if (p.x != nullptr) d.x = c.Out(p.x, p.rows * p.dim);
-      if (p.x_codes != nullptr) {  // x's codes, for the Linears that read x next.
-        d.x_codes = c.Out(p.x_codes, p.rows * p.dim);
-        d.x_code_scales = c.Out(p.x_code_scales, p.rows * p.dim / 32);
-      }
+      c.CodesOut(d.x_codes, d.x_code_scales, p.rows * p.dim);  // For the Linears reading x.
       // A decode step's rows in one kernel (g::HcMixFused).
       g::HcMixFused fused;
       if (p.rows > 0 && p.rows <= g::kHcFusedRows) {
@@ -1604,10 +1605,7 @@ class GpuBackend final : public Backend {
       d.weights = c.In(p.weights, p.rows * p.hc);
       d.norm_weight = c.Weight(p.norm_weight, p.dim);
       d.x = c.Out(p.x, p.rows * p.dim);
-      if (p.codes != nullptr) {
-        d.codes = c.Out(p.codes, p.rows * p.dim);
-        d.code_scales = c.Out(p.code_scales, p.rows * p.dim / 32);
-      }
+      c.CodesOut(d.codes, d.code_scales, p.rows * p.dim);
       return Launch(c, [&] { return g::HcCollapse(d); });
     });
   }
@@ -1955,10 +1953,7 @@ class GpuBackend final : public Backend {
       d.stream = nullptr;
       d.x = c.In(p.x, (p.x_rows != nullptr ? p.x_count : p.rows) * p.in);
       d.x_rows = c.In(p.x_rows, p.x_rows != nullptr ? p.rows : 0);
-      if (p.x_rows != nullptr && p.x_row_codes != nullptr) {  // x's rows' codes, as made.
-        d.x_row_codes = c.In(p.x_row_codes, p.x_count * p.in);
-        d.x_row_scales = c.In(p.x_row_scales, p.x_count * p.in / 32);
-      }
+      if (p.x_rows != nullptr) c.CodesIn(d.x_row_codes, d.x_row_scales, p.x_count * p.in);
       d.slot_expert = c.In(p.slot_expert, p.slots);
       d.slot_offset = c.In(p.slot_offset, p.slots + 1);
       d.slot_tiles = c.In(p.slot_tiles, p.slots + 1);

@@ -247,13 +247,20 @@ struct RmsNormParams {
   uint8_t* code_scales = nullptr;
 };
 
+// A row's codes (RmsNormParams', HcCollapseParams', HcMixParams' x_codes) as every backend checks
+// them: none, or both arrays for rows of whole 32-blocks (kBadArgument for codes without scales
+// or scales without codes, kBadShape for a `dim` not a multiple of 32).
+inline OpStatus RowCodesFit(const uint8_t* codes, const uint8_t* scales, int64_t dim) {
+  if ((codes == nullptr) != (scales == nullptr)) return OpStatus::kBadArgument;
+  return codes == nullptr || dim % 32 == 0 ? OpStatus::kOk : OpStatus::kBadShape;
+}
+
 // Whether RmsNormParams' steps after the norm (rope_dim, fake_quant_fp8) fit its row: every
 // backend refuses the rest as kBadShape.
 inline bool RmsNormStepsFit(const RmsNormParams& p) {
   const bool rope_fits = p.rope_dim <= 0 || (p.rope_dim % 2 == 0 && p.rope_dim <= p.dim &&
                                              p.positions != nullptr && p.freqs != nullptr);
-  const bool codes_fit =
-      (p.codes == nullptr) == (p.code_scales == nullptr) && (p.codes == nullptr || p.dim % 32 == 0);
+  const bool codes_fit = RowCodesFit(p.codes, p.code_scales, p.dim) == OpStatus::kOk;
   return rope_fits && codes_fit && (!p.fake_quant_fp8 || p.dim % 32 == 0);
 }
 
@@ -330,9 +337,10 @@ inline OpStatus HcStepsFit(const HcMixParams& p) {
     return OpStatus::kBadArgument;
   }
   if (p.x != nullptr && p.collapse_weights == nullptr) return OpStatus::kBadArgument;
-  if ((p.x_codes == nullptr) != (p.x_code_scales == nullptr)) return OpStatus::kBadArgument;
-  if (p.x_codes != nullptr && (p.x == nullptr || p.dim % 32 != 0)) return OpStatus::kBadShape;
-  return OpStatus::kOk;
+  if (const OpStatus s = RowCodesFit(p.x_codes, p.x_code_scales, p.dim); s != OpStatus::kOk) {
+    return s;
+  }
+  return p.x_codes != nullptr && p.x == nullptr ? OpStatus::kBadShape : OpStatus::kOk;
 }
 
 // x[r] = BF16(sum_h weights[r, h] * X[r, h]), then RMSNorm with norm_weight when it is set.

@@ -119,6 +119,14 @@ void QuantizeFp8PerBlock(const float* x, size_t n, size_t block, uint8_t* q, uin
   }
 }
 
+void QuantizeFp8Rows(const float* x, int64_t rows, int64_t width, int64_t stride, uint8_t* codes,
+                     uint8_t* scales) {
+  for (int64_t r = 0; r < rows; ++r) {
+    QuantizeFp8PerBlock(x + r * stride, static_cast<size_t>(width), 32, codes + r * width,
+                        scales + r * (width / 32));
+  }
+}
+
 // A block at a time, the codes by bit arithmetic: the inner loop vectorizes (the activations of
 // every linear layer and the attention's keys pass through here).
 FLASHD_VECTOR_CLONES void DequantizeFp8PerBlock(const uint8_t* q, const uint8_t* scales, size_t n,

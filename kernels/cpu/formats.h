@@ -72,6 +72,10 @@ uint8_t Fp4E4M3BlockScaleCode(float amax);
 // Each quantizes `n` elements (REQUIRES: n a multiple of the block) and writes one scale code per
 // block. FP4 output is packed: n/2 bytes.
 void QuantizeFp8PerBlock(const float* x, size_t n, size_t block, uint8_t* q, uint8_t* scales);
+// `rows` rows of `width` values, `stride` floats apart, as Linear quantizes its x: each row through
+// QuantizeFp8PerBlock in blocks of 32 into codes [rows, width] and scales [rows, width / 32].
+void QuantizeFp8Rows(const float* x, int64_t rows, int64_t width, int64_t stride, uint8_t* codes,
+                     uint8_t* scales);
 void DequantizeFp8PerBlock(const uint8_t* q, const uint8_t* scales, size_t n, size_t block,
                            float* out);
 void QuantizeFp4E8M0(const float* x, size_t n, size_t block, uint8_t* packed, uint8_t* scales);

@@ -567,10 +567,7 @@ OpStatus Linear(const LinearParams& p) {
     q.y_codes = q.y_code_scales = nullptr;
     if (const OpStatus s = Linear(q); s != OpStatus::kOk) return s;
     const int64_t width = p.groups * p.out;
-    for (int64_t r = 0; r < p.rows; ++r) {
-      QuantizeFp8PerBlock(p.y + r * width, static_cast<size_t>(width), kQuantBlock,
-                          p.y_codes + r * width, p.y_code_scales + r * (width / kQuantBlock));
-    }
+    QuantizeFp8Rows(p.y, p.rows, width, width, p.y_codes, p.y_code_scales);
     return OpStatus::kOk;
   }
   // The op's projection, then each of `also` from the same codes.
@@ -627,10 +624,7 @@ OpStatus Unrounded(const LinearParams& p, bool quantized) {
   if (p.w == nullptr || p.w_scales == nullptr || p.x_codes == nullptr || p.x_scales == nullptr) {
     return OpStatus::kBadArgument;
   }
-  for (size_t r = 0; r < rows && !quantized; ++r) {
-    QuantizeFp8PerBlock(p.x + r * in, in, kQuantBlock, p.x_codes + r * in,
-                        p.x_scales + r * in / kQuantBlock);
-  }
+  if (!quantized) QuantizeFp8Rows(p.x, p.rows, p.in, p.in, p.x_codes, p.x_scales);
   const KernelStatus s =
       p.format == WeightFormat::kFp8
           ? Fp8Linear(p.x_codes, p.x_scales, rows, in, p.w, p.w_scales, out, p.y, threads)

@@ -109,16 +109,12 @@ OpStatus HcMix(const HcMixParams& p) {
 
 OpStatus HcCollapse(const HcCollapseParams& p) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;
-  if ((p.codes == nullptr) != (p.code_scales == nullptr)) return OpStatus::kBadArgument;
+  if (const OpStatus s = RowCodesFit(p.codes, p.code_scales, p.dim); s != OpStatus::kOk) return s;
   if (p.codes != nullptr) {  // The collapse, then its rows' codes.
-    if (p.dim % 32 != 0) return OpStatus::kBadShape;
     HcCollapseParams q = p;
     q.codes = q.code_scales = nullptr;
     if (const OpStatus s = HcCollapse(q); s != OpStatus::kOk) return s;
-    for (int64_t r = 0; r < p.rows; ++r) {
-      QuantizeFp8PerBlock(p.x + r * p.dim, static_cast<size_t>(p.dim), 32, p.codes + r * p.dim,
-                          p.code_scales + r * (p.dim / 32));
-    }
+    QuantizeFp8Rows(p.x, p.rows, p.dim, p.dim, p.codes, p.code_scales);
     return OpStatus::kOk;
   }
   const int64_t hc = p.hc, dim = p.dim;

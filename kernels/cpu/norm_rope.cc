@@ -57,10 +57,7 @@ OpStatus RmsNorm(const RmsNormParams& p) {
         return s;
       }
     }
-    for (int64_t r = 0; p.codes != nullptr && r < p.rows; ++r) {
-      QuantizeFp8PerBlock(p.x + r * p.stride, static_cast<size_t>(p.dim), 32, p.codes + r * p.dim,
-                          p.code_scales + r * (p.dim / 32));
-    }
+    if (p.codes != nullptr) QuantizeFp8Rows(p.x, p.rows, p.dim, p.stride, p.codes, p.code_scales);
     return OpStatus::kOk;
   }
   for (int64_t r = 0; r < p.rows; ++r) {

@@ -1504,6 +1504,14 @@ OpStatus RoundedAfter(OpStatus s, bool rounded, float* y, int64_t n, void* strea
   return RoundBf16({.x = y, .n = n, .stream = stream});
 }
 
+OpStatus CodesAfter(OpStatus s, bool coded, const LinearParams& p) {
+  const int64_t n = p.rows * p.groups * p.out;
+  if (s != OpStatus::kOk || coded || p.y_codes == nullptr || n <= 0) return s;
+  QuantizeActivations(p.y, n / kBlock, p.y_codes, p.y_code_scales,
+                      static_cast<gpuStream_t>(p.stream));
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
 OpStatus Linear(const LinearParams& p) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
   if (const OpStatus s = LinearAlsoFits(p); s != OpStatus::kOk) return s;
@@ -1529,11 +1537,7 @@ OpStatus Linear(const LinearParams& p) {
   const int64_t n = p.rows * p.groups * p.out;
   OpStatus s = LinearOnce(p, &rounded, false, &coded);  // Before `rounded` is read.
   s = RoundedAfter(s, rounded, p.y, n, p.stream);
-  if (s != OpStatus::kOk || coded || n == 0) return s;
-  // y's codes after y as the op leaves it.
-  QuantizeActivations(p.y, n / kBlock, p.y_codes, p.y_code_scales,
-                      static_cast<gpuStream_t>(p.stream));
-  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  return CodesAfter(s, coded, p);  // y's codes after y as the op leaves it.
 }
 
 namespace {

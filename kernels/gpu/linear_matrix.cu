@@ -1073,12 +1073,7 @@ OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
   if (p.y_codes != nullptr) {  // The op, then y's codes.
     LinearParams q = p;
     q.y_codes = q.y_code_scales = nullptr;
-    const OpStatus s = LinearMatrix(q, instruction);
-    const int64_t n = p.rows * p.groups * p.out;
-    if (s != OpStatus::kOk || n == 0) return s;
-    QuantizeActivations(p.y, n / kBlock, p.y_codes, p.y_code_scales,
-                        static_cast<gpuStream_t>(p.stream));
-    return Launched();
+    return CodesAfter(LinearMatrix(q, instruction), false, p);
   }
   if (p.format == WeightFormat::kFp8Dense) {
     if (p.up != nullptr) return OpStatus::kBadArgument;

@@ -343,8 +343,7 @@ OpStatus HcMix(const HcMixParams& p, const HcMixFused* fused) {
 
 OpStatus HcCollapse(const HcCollapseParams& p) {
   if (p.rows < 0 || p.hc <= 0 || p.dim <= 0) return OpStatus::kBadShape;
-  if ((p.codes == nullptr) != (p.code_scales == nullptr)) return OpStatus::kBadArgument;
-  if (p.codes != nullptr && p.dim % 32 != 0) return OpStatus::kBadShape;
+  if (const OpStatus s = RowCodesFit(p.codes, p.code_scales, p.dim); s != OpStatus::kOk) return s;
   const int64_t n = p.rows * p.dim;
   if (n == 0) return OpStatus::kOk;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);

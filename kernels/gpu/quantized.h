@@ -41,6 +41,9 @@ void QuantizeExpertRows(const ExpertLinearParams& p, gpuStream_t stream);
 // An op's status after its kernels, y's n values then rounded to BF16 by a RoundBf16 op unless
 // `rounded` (the kernels did it as they wrote them, or round_output was not asked).
 OpStatus RoundedAfter(OpStatus s, bool rounded, float* y, int64_t n, void* stream);
+// A Linear's status after its kernels (and its rounding), then p.y_codes made from y by the
+// activations' quantizer unless `coded` (a kernel wrote them as it wrote y, or none were asked).
+OpStatus CodesAfter(OpStatus s, bool coded, const LinearParams& p);
 
 inline bool Aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
