@@ -3,7 +3,8 @@
 // (kAttentionBlock list entries) runs the release's online softmax (its largest logit, fp32
 // probabilities summed in list order into the denominator, BF16 probabilities times the keys
 // summed in list order per dimension, the running sums rescaled by exp(m - m')), with the CPU's
-// exp (kernels/fmath.h). The output is rounded to BF16 and rotated back by the Rope op.
+// exp (kernels/fmath.h). The output is rounded to BF16 and rotated back by the Rope op's step (by
+// the Rope op after AttendKernel; in SoftmaxSumsKernel's last step where keys are decoded once).
 //
 // A thread block serves one query and a group of G heads (G = 8 for prompts, where the keys,
 // shared by the heads, are decoded once for eight; G = 1 for decode steps, where the heads are
@@ -25,6 +26,7 @@
 
 #include "kernels/codecs.h"
 #include "kernels/fmath.h"
+#include "kernels/gpu/norm_row.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -473,11 +475,12 @@ OnceLayout OnceLayoutOf(const SparseAttentionParams& p) {
   return l;
 }
 
-// SoftmaxSumsKernel's shared memory for `heads` a block: a probability per head and slot, and per
-// head and attention block its maximum, running maximum, rescale and sum.
+// SoftmaxSumsKernel's shared memory for `heads` a block: a probability per head and slot, per
+// head and attention block its maximum, running maximum, rescale and sum, and a value a thread
+// (the rotation's pairs).
 size_t OnceSumShared(int64_t capacity, int heads) {
   const int64_t blocks = (capacity + kAttentionBlock - 1) / kAttentionBlock;
-  return static_cast<size_t>(heads * (capacity + 4 * blocks)) * sizeof(float);
+  return static_cast<size_t>(heads * (capacity + 4 * blocks) + kOnceSumThreads) * sizeof(float);
 }
 
 // The heads a SoftmaxSumsKernel block takes for p (8 for a prompt's queries, 1 for a decode
@@ -656,10 +659,10 @@ __global__ void __launch_bounds__(kOnceSumThreads)
     denom[tid] = den + fm::Exp(p.sink[h0 + tid] - run_m[tid]);
   }
   __syncthreads();
-  if (d >= hd) return;
   // The keys in list order, kOnceSumAhead<H> at a time, the next ones' loads issued before these
   // are summed; at an attention block's last key each head's accumulator takes acc * rescale +
-  // the block's sum.
+  // the block's sum. A thread past the head's dimensions sums nothing (it stays for the barriers
+  // of the rotation below).
   const float* keys = p.workspace + l.keys + tl * cap * hd + d;
   const auto load = [&](int64_t j0, float* v) {
     FLASHD_UNROLL
@@ -669,8 +672,9 @@ __global__ void __launch_bounds__(kOnceSumThreads)
   FLASHD_UNROLL
   for (int g = 0; g < H; ++g) acc[g] = 0, part[g] = 0;
   int64_t b = b0;
-  load(w0, now);
-  for (int64_t j0 = w0; j0 < end; j0 += kOnceSumAhead<H>) {
+  const int64_t sum_end = d < hd ? end : w0;
+  if (d < hd) load(w0, now);
+  for (int64_t j0 = w0; j0 < sum_end; j0 += kOnceSumAhead<H>) {
     if (j0 + kOnceSumAhead<H> < end) load(j0 + kOnceSumAhead<H>, next);
     FLASHD_UNROLL
     for (int u = 0; u < kOnceSumAhead<H>; ++u) {
@@ -693,10 +697,29 @@ __global__ void __launch_bounds__(kOnceSumThreads)
     FLASHD_UNROLL
     for (int u = 0; u < kOnceSumAhead<H>; ++u) now[u] = next[u];
   }
-  FLASHD_UNROLL
-  for (int g = 0; g < H; ++g) {
-    if (g >= hn) break;
-    p.out[(t * p.heads + h0 + g) * hd + d] = c::RoundBf16(acc[g] / denom[g]);
+  // Each head's output rounded to BF16, its last rope_dim dimensions then rotated back by the
+  // query's position (the Rope op's step: the two values of a pair are neighbouring threads', so
+  // each writes its own to shared memory and reads the other's).
+  float* pair = block_sum + H * blocks;  // kOnceSumThreads floats.
+  const int64_t r0 = hd - p.rope_dim;
+  const bool rotated = d >= r0 && d < hd;
+  float sn = 0, cs = 1;
+  if (rotated) {
+    PairSinCos(static_cast<float>(p.positions[t]) * p.freqs[(d - r0) / 2], true, &sn, &cs);
+  }
+  const bool second = (d - r0) % 2 != 0;
+  for (int g = 0; g < hn; ++g) {
+    float v = 0;
+    FLASHD_UNROLL
+    for (int q = 0; q < H; ++q) {
+      if (q == g) v = c::RoundBf16(acc[q] / denom[q]);
+    }
+    pair[tid] = v;
+    __syncthreads();
+    const float other = pair[tid ^ 1u];
+    __syncthreads();  // Before the next head's values.
+    if (rotated) v = RotatedValue(second ? other : v, second ? v : other, sn, cs, second);
+    if (d < hd) p.out[(t * p.heads + h0 + g) * hd + d] = v;
   }
 }
 
@@ -720,7 +743,8 @@ int Multiprocessors() {
 bool ValidShape(const SparseAttentionParams& p) {
   return p.tokens >= 0 && p.heads > 0 && p.head_dim > 0 && p.head_dim % 32 == 0 &&
          p.head_dim <= kMaxHeadDim && p.window > 0 && p.positions != nullptr &&
-         p.window_first != nullptr &&
+         p.window_first != nullptr && p.rope_dim > 0 && p.rope_dim % 2 == 0 &&
+         p.rope_dim <= p.head_dim && p.freqs != nullptr &&
          (p.selected_stride == 0 ||
           (p.selected != nullptr && (p.block_table != nullptr || p.token_sequence != nullptr))) &&
          (p.token_sequence == nullptr || (p.sequences != nullptr && p.sequence_count > 0));
@@ -763,7 +787,7 @@ OpStatus AttendOnce(const SparseAttentionParams& p) {
                   stream, p, l);
     if (gpuGetLastError() != gpuSuccess) return OpStatus::kDeviceError;
   }
-  return RotateBack(p);
+  return OpStatus::kOk;
 }
 
 // AttendKernel over `slices` (1 or 2) thread blocks a head; 0: two where a query's heads, one a

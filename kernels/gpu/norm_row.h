@@ -1,6 +1,6 @@
 // RMSNorm of one row by a thread block, shared by RmsNorm and the mHC collapse's fused norm; and
 // the steps RmsNorm may take after it (the window keys'), one rotated pair and one fake-quantized
-// block, shared with the Rope and FakeQuant kernels.
+// block, shared with the Rope and FakeQuant kernels (and the rotation with the attention's sums).
 #pragma once
 
 #include <cmath>
@@ -44,15 +44,26 @@ __device__ void NormRow(float* row, int64_t dim, const float* weight, float eps,
   }
 }
 
-// The pair v[0], v[1] rotated by `angle` (negated when inverse), each result rounded to BF16:
-// Rope's step, with the sine and cosine of kernels/fmath.h.
+// The sine (negated when inverse) and cosine of a pair's angle, with kernels/fmath.h's.
+__device__ inline void PairSinCos(float angle, bool inverse, float* sn, float* cs) {
+  fmath::SinCos(angle, sn, cs);
+  if (inverse) *sn = -*sn;
+}
+
+// One value of the pair (a, b) rotated (PairSinCos's sn, cs), rounded to BF16: the first's
+// (second false) or the second's. Rope's step; a kernel whose threads hold one value of a pair
+// each calls it on both.
+__device__ inline float RotatedValue(float a, float b, float sn, float cs, bool second) {
+  return codecs::RoundBf16(second ? a * sn + b * cs : a * cs - b * sn);
+}
+
+// The pair v[0], v[1] rotated in place by `angle` (negated when inverse).
 __device__ inline void RotatePair(float* v, float angle, bool inverse) {
   float sn, cs;
-  fmath::SinCos(angle, &sn, &cs);
-  if (inverse) sn = -sn;
+  PairSinCos(angle, inverse, &sn, &cs);
   const float a = v[0], b = v[1];
-  v[0] = codecs::RoundBf16(a * cs - b * sn);
-  v[1] = codecs::RoundBf16(a * sn + b * cs);
+  v[0] = RotatedValue(a, b, sn, cs, false);
+  v[1] = RotatedValue(a, b, sn, cs, true);
 }
 
 // One block of `block` values through FakeQuant's `format` (FakeQuantFormat's value), in place.

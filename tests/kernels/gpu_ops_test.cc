@@ -3525,8 +3525,17 @@ void EveryScheduleGives(SparseAttentionParams p, const std::vector<float>& want,
         AttentionSchedule::kHeadBlocksSplit, AttentionSchedule::kKeysOnce}) {
     Dev<float> out(std::vector<float>(want.size(), -1.0f));
     p.out = out.get();
+    const uint64_t before = gpu::KernelLaunches();
     BOOST_REQUIRE(gpu::SparseAttentionScheduled(p, schedule) == OpStatus::kOk);
+    const uint64_t launched = gpu::KernelLaunches() - before;
     BOOST_TEST(BitEqual(out.Host(), want), what << ", schedule " << static_cast<int>(schedule));
+    // The keys decoded once: three kernels a pass of 16 queries, the rotation back in the last
+    // (a thread block of a head's attention, one or two a head: its kernel, then the Rope op's).
+    if (schedule == AttentionSchedule::kKeysOnce) {
+      BOOST_TEST(launched == 3 * static_cast<uint64_t>((p.tokens + 15) / 16), what);
+    } else if (schedule != AttentionSchedule::kAuto) {
+      BOOST_TEST(launched == 2u, what);
+    }
   }
 }
 
