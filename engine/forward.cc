@@ -578,6 +578,7 @@ class Step {
   struct GroupedRows {
     std::array<std::vector<int64_t>, 4> ints;
     std::array<std::vector<float>, 5> floats;
+    XCodes h_codes;  // The SwiGLU's rows' codes, made by the gated op for w2.
   };
   GroupedRows grouped_;
   std::vector<const float*> streams_kept_;  // KeepStreams' buffers, as kept.
@@ -1809,7 +1810,13 @@ Status Step::Moe(int l) {
     std::vector<float> g(static_cast<size_t>(m * inter)), u(g.size()), h(g.size());
     const Kept kept_gate(this, {&g, &u, &h});
     const kernels::WeightFormat f = e.w1.format;
-    if (QuantizedFormat(f) && e.w3.format == f && e.w3.in == e.w1.in && e.w3.out == inter) {
+    const bool pair =
+        QuantizedFormat(f) && e.w3.format == f && e.w3.in == e.w1.in && e.w3.out == inter;
+    // h's codes made by the gated op, for w2 to read.
+    const bool h_coded = pair && ReadsCodes(e.w2, inter);
+    XCodes h_codes(h_coded ? m : 0, inter);
+    const Kept kept_codes(this, {&h_codes.codes, &h_codes.scales});
+    if (pair) {
       // w1 and w3 under SwiGLU as one op (g and u its workspace).
       if (codes == nullptr) QuantScratch(m * e.w1.in);
       FLASHD_OP(Linear, {.x = x,
@@ -1829,7 +1836,9 @@ Status Step::Moe(int l) {
                          .row_weights = w,
                          .limit = static_cast<float>(c_.swiglu_limit),
                          .gate = g.data(),
-                         .up_out = u.data()});
+                         .up_out = u.data(),
+                         .y_codes = h_coded ? h_codes.Codes() : nullptr,
+                         .y_code_scales = h_coded ? h_codes.Scales() : nullptr});
     } else {
       FLASHD_RETURN_IF_ERROR(ApplyAll(e.w1, x, m, g.data(), false, {}, codes));
       FLASHD_RETURN_IF_ERROR(ApplyAll(e.w3, x, m, u.data(), false, {}, codes));
@@ -1841,7 +1850,8 @@ Status Step::Moe(int l) {
                          .limit = static_cast<float>(c_.swiglu_limit),
                          .h = h.data()});
     }
-    FLASHD_RETURN_IF_ERROR(Apply(e.w2, h.data(), m, out, true));
+    FLASHD_RETURN_IF_ERROR(
+        ApplyAll(e.w2, h.data(), m, out, true, {}, h_coded ? &h_codes : nullptr));
     return Status::Ok();
   };
   // y starts as zeros (on the host, and cleared where it is kept): rows no routed expert took
@@ -1924,8 +1934,14 @@ Status Step::GroupedExperts(const Layer& L, const kernels::MoeRouteParams* route
   row_weights.resize(static_cast<size_t>(total));
   og.resize(static_cast<size_t>(total * dim));
   for (std::vector<float>* v : {&g, &u, &h}) v->resize(static_cast<size_t>(total * inter));
+  // h's codes made by the gated op, for w2 to read.
+  const bool h_coded =
+      QuantizedFormat(gw.w2.format) && gw.w2.in == inter && inter % 32 == 0 && gw.w1.out == inter;
+  XCodes& h_codes = r.h_codes;
+  h_codes.Size(h_coded ? total : 0, inter);
   const Kept kept_slots(this, {&slot_expert, &slot_offset, &slot_tiles, &token_of});
   const Kept kept_rows(this, {&row_weights, &g, &u, &h, &og});
+  const Kept kept_codes(this, {&h_codes.codes, &h_codes.scales});
   const kernels::MoeGroupParams group{.chosen = chosen.data(),
                                       .weights = weights.data(),
                                       .tokens = rows,
@@ -1944,40 +1960,46 @@ Status Step::GroupedExperts(const Layer& L, const kernels::MoeRouteParams* route
   } else {
     FLASHD_RETURN_IF_ERROR(Check(b_->MoeGroup(group), "MoeGroup"));
   }
-  // x_rows: x's row of each grouped row (null: x is the grouped rows).
+  // x_rows: x's row of each grouped row (null: x is the grouped rows). The gated pair (up)
+  // writes h's codes, and w2 (!up, x_rows null) reads them.
   auto linear = [&](const ExpertTables& t, const float* x, const int64_t* x_rows, float* out,
                     const ExpertTables* up = nullptr, bool round_output = false) {
     // x_'s codes where the collapse made them, read through x_rows.
     const bool row_codes = x_rows != nullptr && x == x_.data() && CollapseCodes() != nullptr;
-    QuantScratch(total * t.in);
-    FLASHD_OP(ExpertLinear, {.x = x,
-                             .rows = total,
-                             .in = t.in,
-                             .out = t.out,
-                             .slot_expert = slot_expert.data(),
-                             .slot_offset = slot_offset.data(),
-                             .slot_tiles = slot_tiles.data(),
-                             .slots = slots,
-                             .experts = E,
-                             .format = t.format,
-                             .w = t.w.data(),
-                             .w_scales = t.s.data(),
-                             .x_codes = xq_.data(),
-                             .x_scales = xs_.data(),
-                             .y = out,
-                             .stream = &stream_,
-                             .slot_rows = rows,  // A token chooses an expert once.
-                             .up = up != nullptr ? up->w.data() : nullptr,
-                             .up_scales = up != nullptr ? up->s.data() : nullptr,
-                             .row_weights = up != nullptr ? row_weights.data() : nullptr,
-                             .limit = static_cast<float>(c_.swiglu_limit),
-                             .gate = up != nullptr ? g.data() : nullptr,
-                             .up_out = up != nullptr ? u.data() : nullptr,
-                             .round_output = round_output,
-                             .x_rows = x_rows,
-                             .x_count = rows,
-                             .x_row_codes = row_codes ? x_codes_.Codes() : nullptr,
-                             .x_row_scales = row_codes ? x_codes_.Scales() : nullptr});
+    const bool reads_h = h_coded && up == nullptr && x_rows == nullptr;
+    if (!reads_h) QuantScratch(total * t.in);
+    FLASHD_OP(ExpertLinear,
+              {.x = x,
+               .rows = total,
+               .in = t.in,
+               .out = t.out,
+               .slot_expert = slot_expert.data(),
+               .slot_offset = slot_offset.data(),
+               .slot_tiles = slot_tiles.data(),
+               .slots = slots,
+               .experts = E,
+               .format = t.format,
+               .w = t.w.data(),
+               .w_scales = t.s.data(),
+               .x_codes = reads_h ? h_codes.Codes() : xq_.data(),
+               .x_scales = reads_h ? h_codes.Scales() : xs_.data(),
+               .y = out,
+               .stream = &stream_,
+               .slot_rows = rows,  // A token chooses an expert once.
+               .up = up != nullptr ? up->w.data() : nullptr,
+               .up_scales = up != nullptr ? up->s.data() : nullptr,
+               .row_weights = up != nullptr ? row_weights.data() : nullptr,
+               .limit = static_cast<float>(c_.swiglu_limit),
+               .gate = up != nullptr ? g.data() : nullptr,
+               .up_out = up != nullptr ? u.data() : nullptr,
+               .round_output = round_output,
+               .x_rows = x_rows,
+               .x_count = rows,
+               .x_row_codes = row_codes ? x_codes_.Codes() : nullptr,
+               .x_row_scales = row_codes ? x_codes_.Scales() : nullptr,
+               .x_quantized = reads_h,
+               .y_codes = h_coded && up != nullptr ? h_codes.Codes() : nullptr,
+               .y_code_scales = h_coded && up != nullptr ? h_codes.Scales() : nullptr});
     return Status::Ok();
   };
   // w1 and w3 under SwiGLU as one op (g and u its workspace) over the step's rows each grouped

@@ -1448,8 +1448,11 @@ class GpuBackend final : public Backend {
       const bool matrix = matrix_ && g::LinearMatrixTakes(k::LinearAlone(d, -1));
       d.y = c.Out(p.y, p.rows * groups * p.out);
       c.CodesOut(d.y_codes, d.y_code_scales, p.rows * groups * p.out);  // For the next Linear.
+      // A row's codes written by its GEMV as it writes y: counters for its 32-column blocks.
+      unsigned* arrivals =
+          p.y_codes != nullptr && p.rows == 1 ? c.Counters(groups * p.out / 32) : nullptr;
       return Launch(c, [&] {
-        if (!matrix) return g::Linear(d);
+        if (!matrix) return g::Linear(d, arrivals);
         OpStatus s = OpStatus::kOk;
         for (int64_t j = -1; j < d.also_count && s == OpStatus::kOk; ++j) {
           s = g::LinearMatrix(k::LinearAlone(d, j), instruction_);
@@ -1959,9 +1962,20 @@ class GpuBackend final : public Backend {
       d.slot_tiles = c.In(p.slot_tiles, p.slots + 1);
       d.w = c.WeightTable(p.w, p.experts, stored.codes);
       d.w_scales = c.WeightTable(p.w_scales, p.experts, stored.scales);
-      d.x_codes = c.Work<uint8_t>(p.rows * p.in);
-      d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
+      if (p.x_quantized) {  // x's codes where the op that made x wrote them.
+        c.CodesIn(d.x_codes, d.x_scales, p.rows * p.in);
+      } else {
+        d.x_codes = c.Work<uint8_t>(p.rows * p.in);
+        d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
+      }
       d.y = c.Out(p.y, p.rows * p.out);
+      c.CodesOut(d.y_codes, d.y_code_scales, p.rows * p.out);  // For the next ExpertLinear.
+      // Rows few enough a slot for the GEMV write their codes as they write y: counters for
+      // their 32-column blocks.
+      unsigned* arrivals =
+          p.y_codes != nullptr && p.slot_rows >= 1 && p.slot_rows <= g::kExpertGemvRows && !matrix_
+              ? c.Counters(p.rows * p.out / 32)
+              : nullptr;
       if (p.up != nullptr) {  // The gated pair (its two products, where made apart, in the
                               // caller's workspace: kept buffers stay on the device).
         d.up = c.WeightTable(p.up, p.experts, stored.codes);
@@ -1970,8 +1984,9 @@ class GpuBackend final : public Backend {
         d.gate = c.Out(p.gate, p.rows * p.out);
         d.up_out = c.Out(p.up_out, p.rows * p.out);
       }
-      return Launch(
-          c, [&] { return matrix_ ? g::ExpertLinearMatrix(d, instruction_) : g::ExpertLinear(d); });
+      return Launch(c, [&] {
+        return matrix_ ? g::ExpertLinearMatrix(d, instruction_) : g::ExpertLinear(d, arrivals);
+      });
     });
   }
 

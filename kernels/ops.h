@@ -158,9 +158,10 @@ struct LinearParams {
   int64_t also_count = 0;
   // Optional: y's rows' codes as a Linear quantizes its x (FP8 [rows, groups * out] with a UE8M0
   // scale per 32, [rows, groups * out / 32], of y as the op leaves it: rounded with
-  // round_output), for the Linear that reads y next (x_quantized). out a multiple of 32
-  // (kBadShape); not with `also` or the gated pair (kBadArgument). A GPU's FP8 values kernel
-  // (wo_a at a decode step) writes them as it writes y; elsewhere a quantization follows.
+  // round_output, the SwiGLU's with the gated pair), for the Linear that reads y next
+  // (x_quantized). out a multiple of 32 (kBadShape); not with `also` (kBadArgument). A GPU's FP8
+  // values kernel (wo_a at a decode step) and its one-row GEMV (given counters) write them as they
+  // write y; elsewhere a quantization follows.
   uint8_t* y_codes = nullptr;
   uint8_t* y_code_scales = nullptr;
 };
@@ -168,7 +169,7 @@ struct LinearParams {
 // LinearParams' y_codes checked as every backend checks them.
 inline OpStatus LinearCodesFit(const LinearParams& p) {
   if (p.y_codes == nullptr && p.y_code_scales == nullptr) return OpStatus::kOk;
-  if (p.y_codes == nullptr || p.y_code_scales == nullptr || p.also_count > 0 || p.up != nullptr) {
+  if (p.y_codes == nullptr || p.y_code_scales == nullptr || p.also_count > 0) {
     return OpStatus::kBadArgument;
   }
   return p.out % 32 == 0 ? OpStatus::kOk : OpStatus::kBadShape;
@@ -777,7 +778,7 @@ struct ExpertLinearParams {
   WeightFormat format = WeightFormat::kFp4;
   const uint8_t* const* w = nullptr;         // [experts]: each expert's weights, as for Linear
   const uint8_t* const* w_scales = nullptr;  // [experts]
-  uint8_t* x_codes = nullptr;                // Workspace [rows, in]
+  uint8_t* x_codes = nullptr;                // Workspace [rows, in] (x's codes with x_quantized)
   uint8_t* x_scales = nullptr;               // Workspace [rows, in / 32]
   float* y = nullptr;                        // [rows, out]
   void* stream = nullptr;
@@ -808,11 +809,29 @@ struct ExpertLinearParams {
   // one-row path reads them).
   const uint8_t* x_row_codes = nullptr;
   const uint8_t* x_row_scales = nullptr;
+  // Without x_rows: x_codes and x_scales hold the codes of x's rows already (as the op would
+  // write them: LinearParams::x_quantized's), so the op reads them and does not quantize x.
+  bool x_quantized = false;
+  // Optional: y's rows' codes, as LinearParams::y_codes ([rows, out] and [rows, out / 32], of y
+  // as the op leaves it), for the ExpertLinear that reads y next (x_quantized). out a multiple of
+  // 32 (kBadShape).
+  uint8_t* y_codes = nullptr;
+  uint8_t* y_code_scales = nullptr;
 };
+
+// ExpertLinearParams' codes (x_quantized, y_codes) checked as every backend checks them.
+inline OpStatus ExpertCodesFit(const ExpertLinearParams& p) {
+  if (p.x_quantized && (p.x_rows != nullptr || p.x_codes == nullptr || p.x_scales == nullptr)) {
+    return OpStatus::kBadArgument;
+  }
+  if (p.y_codes == nullptr && p.y_code_scales == nullptr) return OpStatus::kOk;
+  if (p.y_codes == nullptr || p.y_code_scales == nullptr) return OpStatus::kBadArgument;
+  return p.out % 32 == 0 ? OpStatus::kOk : OpStatus::kBadShape;
+}
 
 // A gated pair (LinearParams' or ExpertLinearParams') as two ops (`one`, given p without the
 // pair) into the workspace and a Swiglu op (`swiglu`): the definition every backend's fused path
-// is held to.
+// is held to. y's codes (y_codes) are not made here.
 template <class P, class One, class SwigluOp>
 OpStatus GatedApart(const P& p, One one, SwigluOp swiglu) {
   if (p.up == nullptr || p.up_scales == nullptr || p.gate == nullptr || p.up_out == nullptr ||
@@ -823,6 +842,7 @@ OpStatus GatedApart(const P& p, One one, SwigluOp swiglu) {
   q.up = q.up_scales = nullptr;
   q.row_weights = nullptr;
   q.gate = q.up_out = nullptr;
+  q.y_codes = q.y_code_scales = nullptr;  // Codes are of the SwiGLU's y: the caller's to make.
   q.y = p.gate;
   if (const OpStatus s = one(q); s != OpStatus::kOk) return s;
   q.w = p.up;

@@ -116,6 +116,14 @@ OpStatus MoeGroup(const MoeGroupParams& p) {
 }
 
 OpStatus ExpertLinear(const ExpertLinearParams& p) {
+  if (const OpStatus s = ExpertCodesFit(p); s != OpStatus::kOk) return s;
+  if (p.y_codes != nullptr) {  // The op, then its rows' codes.
+    ExpertLinearParams q = p;
+    q.y_codes = q.y_code_scales = nullptr;
+    if (const OpStatus s = ExpertLinear(q); s != OpStatus::kOk) return s;
+    QuantizeFp8Rows(p.y, p.rows, p.out, p.out, p.y_codes, p.y_code_scales);
+    return OpStatus::kOk;
+  }
   if (p.x_rows != nullptr) {  // The rows copied out, then the op over them.
     if (p.rows < 0 || p.in <= 0 || p.x == nullptr || p.x_count <= 0) return OpStatus::kBadShape;
     // The thread's copy stays from call to call, as the grouped rows' buffer did when the engine
@@ -160,6 +168,9 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
     const int64_t e = p.slot_expert[s], from = p.slot_offset[s], to = p.slot_offset[s + 1];
     if (e < 0 || to == from) continue;
     if (e >= p.experts || from < 0 || to < from || to > p.rows) return OpStatus::kBadArgument;
+    // With x_quantized each slot reads its rows' codes; else they are quantized into the
+    // workspace's first rows.
+    const int64_t at = p.x_quantized ? from : 0;
     FLASHD_OP_RETURN_IF_ERROR(Linear({.x = p.x + from * p.in,
                                       .rows = to - from,
                                       .in = p.in,
@@ -167,10 +178,11 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
                                       .format = p.format,
                                       .w = p.w[e],
                                       .w_scales = p.w_scales[e],
-                                      .x_codes = p.x_codes,
-                                      .x_scales = p.x_scales,
+                                      .x_codes = p.x_codes + at * p.in,
+                                      .x_scales = p.x_scales + at * (p.in / 32),
                                       .y = p.y + from * p.out,
-                                      .stream = p.stream}));
+                                      .stream = p.stream,
+                                      .x_quantized = p.x_quantized}));
   }
   return OpStatus::kOk;
 }

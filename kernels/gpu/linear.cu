@@ -10,6 +10,7 @@
 
 #include "kernels/codecs.h"
 #include "kernels/fmath.h"
+#include "kernels/gpu/arrive.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 #include "kernels/gpu/quantized.h"
@@ -460,6 +461,47 @@ struct GemvPair {
   float limit = 0;
 };
 
+// Where a GEMV writes its row's codes as it writes the row (LinearParams::y_codes): the row's
+// codes [N] and scales [N / 32], and a counter for each 32 columns (zeros, left zeros). Null
+// codes: none.
+struct GemvCodes {
+  uint8_t* codes = nullptr;
+  uint8_t* scales = nullptr;
+  unsigned* arrivals = nullptr;
+  // Row r's, of a matrix of N columns.
+  __device__ GemvCodes Row(int64_t r, int64_t N) const {
+    if (codes == nullptr) return {};
+    return {codes + r * N, scales + r * (N / kBlock), arrivals + r * (N / kBlock)};
+  }
+};
+
+// After the thread blocks of a GEMV wrote their columns of y (this one [n0, n0 + width) of N, a
+// multiple of 32; thread block j takes [j * width, + width)): each counts itself in for every 32
+// columns it wrote, and the last of the 32 columns' thread blocks to arrive quantizes them
+// (QuantizeBlock's codes, each of 32 threads computing the block's scale and its own code) and
+// clears their counter. `stage`: 32 floats of shared memory. REQUIRES: every thread of the block
+// calls it, at least 32 of them.
+__device__ void GemvWriteCodes(const float* y, int64_t N, int64_t n0, int64_t width,
+                               const GemvCodes& out, float* stage) {
+  const int64_t end = n0 + width < N ? n0 + width : N;
+  const unsigned t = threadIdx.x;
+  for (int64_t b = n0 / kBlock; b * kBlock < end; ++b) {
+    const int64_t first = b * kBlock / width, last = (b * kBlock + kBlock - 1) / width;
+    if (!LastToArrive(out.arrivals + b, static_cast<unsigned>(last - first + 1))) continue;
+    if (t < kBlock) stage[t] = static_cast<const volatile float*>(y)[b * kBlock + t];
+    __syncthreads();
+    if (t < kBlock) {
+      const float scale = BlockScale(stage);
+      out.codes[b * kBlock + t] = BlockCode(stage[t], scale);
+      if (t == 0) {
+        out.scales[b] = c::NormalPow2ToE8M0(scale);
+        out.arrivals[b] = 0;
+      }
+    }
+    __syncthreads();  // Before the stage is written again.
+  }
+}
+
 // The weights of columns [n0, n0 + kGemvCols x groups) (whole rows of w, one after another) asked
 // of the L2 cache, before the kernel waits for the one ahead (PrefetchL2); nothing for null w.
 template <int kFormat>
@@ -473,13 +515,15 @@ __device__ inline void PrefetchGemvWeights(const uint8_t* w, int64_t K, int64_t 
 
 // Columns [n0, n0 + kGemvCols x groups) of one row (codes xq, scale codes xs) into y (the row's
 // outputs; rounded to BF16 where `round`, never with the gated pair), by the whole thread block;
-// `sums` holds kGemvCols x groups x GemvStride(blocks) floats a matrix. kGated: the same columns of
-// pair.w too (each group of the weights w taken beside the same group of pair.w, so items 2g and 2g
-// + 1 of a K-block are a group's two), and y gets SwigluValue of each column's two sums.
+// `sums` holds kGemvCols x groups x GemvStride(blocks) floats a matrix (at least 32). kGated: the
+// same columns of pair.w too (each group of the weights w taken beside the same group of pair.w,
+// so items 2g and 2g + 1 of a K-block are a group's two), and y gets SwigluValue of each column's
+// two sums. With out.codes, y's codes then (GemvWriteCodes).
 template <int kFormat, bool kGated = false>
 __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w,
                          const uint8_t* ws, int64_t N, int64_t n0, int64_t groups, float* y,
-                         float* sums, bool round, const GemvPair& pair = {}) {
+                         float* sums, bool round, const GemvPair& pair = {},
+                         const GemvCodes& out = {}) {
   constexpr int64_t kMatrices = kGated ? 2 : 1;
   const int64_t blocks = K / kBlock, stride = GemvStride(blocks);
   const int64_t items = kMatrices * groups * blocks;
@@ -510,17 +554,19 @@ __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const 
     }
   }
   __syncthreads();
-  if (t >= groups * kGemvCols<kFormat> || n0 + t >= N) return;
-  if constexpr (kGated) {
-    // Column t's gate sums are group 2q's, its up sums group 2q + 1's (q = t / kGemvCols).
-    const int64_t q = t / kGemvCols<kFormat>, c = t % kGemvCols<kFormat>;
-    const float gate = SumInOrder(sums + (2 * q * kGemvCols<kFormat> + c) * stride, blocks);
-    const float up = SumInOrder(sums + ((2 * q + 1) * kGemvCols<kFormat> + c) * stride, blocks);
-    y[n0 + t] = fm::SwigluValue(gate, up, pair.limit, pair.row_weight);
-  } else {
-    const float v = SumInOrder(sums + t * stride, blocks);
-    y[n0 + t] = round ? c::RoundBf16(v) : v;
+  if (t < groups * kGemvCols<kFormat> && n0 + t < N) {
+    if constexpr (kGated) {
+      // Column t's gate sums are group 2q's, its up sums group 2q + 1's (q = t / kGemvCols).
+      const int64_t q = t / kGemvCols<kFormat>, c = t % kGemvCols<kFormat>;
+      const float gate = SumInOrder(sums + (2 * q * kGemvCols<kFormat> + c) * stride, blocks);
+      const float up = SumInOrder(sums + ((2 * q + 1) * kGemvCols<kFormat> + c) * stride, blocks);
+      y[n0 + t] = fm::SwigluValue(gate, up, pair.limit, pair.row_weight);
+    } else {
+      const float v = SumInOrder(sums + t * stride, blocks);
+      y[n0 + t] = round ? c::RoundBf16(v) : v;
+    }
   }
+  if (out.codes != nullptr) GemvWriteCodes(y, N, n0, groups * kGemvCols<kFormat>, out, sums);
 }
 
 // Linear's row: thread block j takes `groups` groups of columns from the j-th (kGated: of the
@@ -528,13 +574,13 @@ __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const 
 template <int kFormat, bool kGated>
 __global__ void __launch_bounds__(kGemvThreads)
     GemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w, const uint8_t* ws,
-               int64_t N, int64_t groups, float* y, bool round, GemvPair pair) {
+               int64_t N, int64_t groups, float* y, bool round, GemvPair pair, GemvCodes out) {
   FLASHD_DYNAMIC_SHARED(float, sums);
   const int64_t n0 = blockIdx.x * groups * kGemvCols<kFormat>;
   PrefetchGemvWeights<kFormat>(w, K, N, n0, groups);
   PrefetchGemvWeights<kFormat>(kGated ? pair.w : nullptr, K, N, n0, groups);
   FLASHD_GRID_BEGIN();
-  GemvTile<kFormat, kGated>(xq, xs, K, w, ws, N, n0, groups, y, sums, round, pair);
+  GemvTile<kFormat, kGated>(xq, xs, K, w, ws, N, n0, groups, y, sums, round, pair, out);
 }
 
 // Several projections of one row (LinearParams::also) in one launch, each with its first thread
@@ -585,7 +631,8 @@ __global__ void __launch_bounds__(kGemvThreads)
                      const int64_t* slot_offset, int64_t slots, const uint8_t* const* w,
                      const uint8_t* const* ws, int64_t N, int64_t groups, int64_t tiles, float* y,
                      const uint8_t* const* up, const uint8_t* const* up_scales,
-                     const float* row_weights, float limit, bool round, const int64_t* x_rows) {
+                     const float* row_weights, float limit, bool round, const int64_t* x_rows,
+                     GemvCodes out) {
   FLASHD_GRID_BEGIN();
   FLASHD_DYNAMIC_SHARED(float, sums);
   __shared__ int64_t row_slot;
@@ -603,7 +650,8 @@ __global__ void __launch_bounds__(kGemvThreads)
   }
   const int64_t xr = x_rows != nullptr ? x_rows[r] : r;
   GemvTile<kFormat, kGated>(xq + xr * K, xs + xr * (K / kBlock), K, w[e], ws[e], N,
-                            j * groups * kGemvCols<kFormat>, groups, y + r * N, sums, round, pair);
+                            j * groups * kGemvCols<kFormat>, groups, y + r * N, sums, round, pair,
+                            out.Row(r, N));
 }
 
 // Column groups a thread block takes for K-blocks `blocks` and N columns (about two items a
@@ -1293,16 +1341,24 @@ GemvShape GemvShapeFor(WeightFormat format, int64_t in, int64_t out, int64_t mat
   const int64_t groups =
       fp8 ? GemvGroups<0>(blocks, out, matrices) : GemvGroups<1>(blocks, out, matrices);
   if (groups == 0) return {};
+  // The block sums, and at least the 32 floats GemvWriteCodes stages.
+  const int64_t floats = std::max(matrices * groups * cols * GemvStride(blocks), kBlock);
   return {groups, ((out + cols - 1) / cols + groups - 1) / groups,
-          static_cast<size_t>(matrices * groups * cols * GemvStride(blocks)) * sizeof(float)};
+          static_cast<size_t>(floats) * sizeof(float)};
 }
 
-// ExpertLinear takes the GEMV up to this many rows a slot (a step of up to 8 tokens).
-constexpr int64_t kExpertGemvRows = 8;
+// The codes a GEMV writes for p's y (LinearParams' or ExpertLinearParams'): none unless p asks
+// for them and `arrivals` are given.
+template <class P>
+GemvCodes GemvCodesOf(const P& p, unsigned* arrivals) {
+  if (arrivals == nullptr || p.y_codes == nullptr) return {};
+  return {p.y_codes, p.y_code_scales, arrivals};
+}
 
 // Linear's one row through the GEMV (p checked; g.groups > 0; the gated pair's shape when p has
-// one); `quantized` as QuantizedLinear's.
-OpStatus GemvLinear(const LinearParams& p, const GemvShape& g, bool quantized) {
+// one); `quantized` as QuantizedLinear's; `*coded` set where it writes y's codes (arrivals given).
+OpStatus GemvLinear(const LinearParams& p, const GemvShape& g, bool quantized, unsigned* arrivals,
+                    bool* coded) {
   if (g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   if (!quantized) QuantizeActivations(p.x, p.in / kBlock, p.x_codes, p.x_scales, stream);
@@ -1310,8 +1366,10 @@ OpStatus GemvLinear(const LinearParams& p, const GemvShape& g, bool quantized) {
   const auto kernel = gated ? (fp8 ? &GemvKernel<0, true> : &GemvKernel<1, true>)
                             : (fp8 ? &GemvKernel<0, false> : &GemvKernel<1, false>);
   const GemvPair pair = {p.up, p.up_scales, p.row_weights, p.limit};
+  const GemvCodes out = GemvCodesOf(p, arrivals);
+  if (out.codes != nullptr && coded != nullptr) *coded = true;
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(g.tiles), kGemvThreads, g.shared, stream, p.x_codes,
-                p.x_scales, p.in, p.w, p.w_scales, p.out, g.groups, p.y, p.round_output, pair);
+                p.x_scales, p.in, p.w, p.w_scales, p.out, g.groups, p.y, p.round_output, pair, out);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
@@ -1385,14 +1443,36 @@ void QuantizeActivations(const float* x, int64_t blocks, uint8_t* codes, uint8_t
 }
 
 void QuantizeExpertRows(const ExpertLinearParams& p, gpuStream_t stream) {
+  if (p.x_quantized) return;  // x_codes hold them.
   const int64_t blocks = p.rows * (p.in / kBlock);
   if (p.x_rows == nullptr) return QuantizeActivations(p.x, blocks, p.x_codes, p.x_scales, stream);
   FLASHD_LAUNCH(QuantizeGatheredKernel, Blocks(blocks), kThreads, 0, stream, p.x, p.x_rows, p.rows,
                 p.in, p.x_codes, p.x_scales);
 }
 
-OpStatus ExpertLinear(const ExpertLinearParams& p) {
+OpStatus ExpertCodesAfter(OpStatus s, bool coded, const ExpertLinearParams& p) {
+  if (s != OpStatus::kOk || coded || p.y_codes == nullptr || p.rows <= 0) return s;
+  QuantizeActivations(p.y, p.rows * (p.out / kBlock), p.y_codes, p.y_code_scales,
+                      static_cast<gpuStream_t>(p.stream));
+  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+
+namespace {
+OpStatus ExpertLinearOnce(const ExpertLinearParams& p, unsigned* arrivals, bool* coded);
+}  // namespace
+
+OpStatus ExpertLinear(const ExpertLinearParams& p, unsigned* arrivals) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
+  if (const OpStatus s = ExpertCodesFit(p); s != OpStatus::kOk) return s;
+  bool coded = p.y_codes == nullptr;
+  const OpStatus s = ExpertLinearOnce(p, arrivals, &coded);
+  return ExpertCodesAfter(s, coded, p);  // y's codes after y as the op leaves it.
+}
+
+namespace {
+
+// ExpertLinear (p's codes checked), with `*coded` set where the GEMV wrote y's codes.
+OpStatus ExpertLinearOnce(const ExpertLinearParams& p, unsigned* arrivals, bool* coded) {
   bool none = false;
   if (const OpStatus s = CheckExpertLinear(p, 4, &none); s != OpStatus::kOk) return s;
   if (none) return RoundedAfter(OpStatus::kOk, !p.round_output, p.y, p.rows * p.out, p.stream);
@@ -1413,12 +1493,12 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
   const bool gemv = g.groups > 0 && Aligned(p.x_codes, 16);
   if (gemv && p.rows * g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   if (gated && (!gemv || p.up_scales == nullptr)) {
-    return GatedApart(
+    return GatedApart(  // y's codes after the SwiGLU (ExpertLinear).
         p, [](const ExpertLinearParams& q) { return ExpertLinear(q); },
         [](const SwigluParams& q) { return Swiglu(q); });
   }
   // The GEMV reads x's own rows' codes through x_rows where the op has them; else the rows are
-  // quantized first.
+  // quantized first (unless x_codes hold them).
   const bool given = gemv && p.x_rows != nullptr && p.x_row_codes != nullptr &&
                      p.x_row_scales != nullptr && Aligned(p.x_row_codes, 16);
   if (!given) QuantizeExpertRows(p, stream);
@@ -1426,11 +1506,13 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
     const bool fp8 = p.format == WeightFormat::kFp8;
     const auto kernel = gated ? (fp8 ? &ExpertGemvKernel<0, true> : &ExpertGemvKernel<1, true>)
                               : (fp8 ? &ExpertGemvKernel<0, false> : &ExpertGemvKernel<1, false>);
+    const GemvCodes out = GemvCodesOf(p, arrivals);
+    if (out.codes != nullptr) *coded = true;
     FLASHD_LAUNCH(kernel, static_cast<unsigned>(p.rows * g.tiles), kGemvThreads, g.shared, stream,
                   given ? p.x_row_codes : p.x_codes, given ? p.x_row_scales : p.x_scales, p.in,
                   p.slot_expert, p.slot_offset, p.slots, p.w, p.w_scales, p.out, g.groups, g.tiles,
                   p.y, p.up, p.up_scales, p.row_weights, p.limit, p.round_output,
-                  given ? p.x_rows : nullptr);
+                  given ? p.x_rows : nullptr, out);
     return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
   }
   const auto kernel = Pick<ExpertGemm>(p.format == WeightFormat::kFp8 ? 0 : 1, p.slot_rows == 1);
@@ -1441,12 +1523,10 @@ OpStatus ExpertLinear(const ExpertLinearParams& p) {
   return RoundedAfter(s, !p.round_output, p.y, p.rows * p.out, p.stream);
 }
 
-namespace {
-
 // Linear, with `*rounded` set where the kernel rounded y as p.round_output asks; `quantized` as
-// QuantizedLinear's.
+// QuantizedLinear's; `*coded` set where a kernel wrote y's codes (the GEMV given `arrivals`).
 OpStatus LinearOnce(const LinearParams& p, bool* rounded, bool quantized = false,
-                    bool* coded = nullptr) {
+                    bool* coded = nullptr, unsigned* arrivals = nullptr) {
   quantized = quantized || p.x_quantized;
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
@@ -1486,11 +1566,11 @@ OpStatus LinearOnce(const LinearParams& p, bool* rounded, bool quantized = false
     const GemvShape g = GemvShapeFor(p.format, p.in, p.out, gated ? 2 : 1);
     if (g.groups > 0 && Aligned(p.x_codes, 16) && (!gated || Aligned(p.up, 16))) {
       *rounded = true;
-      return GemvLinear(p, g, quantized);
+      return GemvLinear(p, g, quantized, arrivals, coded);
     }
   }
   if (gated) {
-    return GatedApart(
+    return GatedApart(  // y's codes after the SwiGLU (Linear).
         p, [](const LinearParams& q) { return Linear(q); },
         [](const SwigluParams& q) { return Swiglu(q); });
   }
@@ -1512,7 +1592,7 @@ OpStatus CodesAfter(OpStatus s, bool coded, const LinearParams& p) {
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
-OpStatus Linear(const LinearParams& p) {
+OpStatus Linear(const LinearParams& p, unsigned* arrivals) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
   if (const OpStatus s = LinearAlsoFits(p); s != OpStatus::kOk) return s;
   if (const OpStatus s = LinearCodesFit(p); s != OpStatus::kOk) return s;
@@ -1535,7 +1615,7 @@ OpStatus Linear(const LinearParams& p) {
   }
   bool rounded = !p.round_output, coded = p.y_codes == nullptr;
   const int64_t n = p.rows * p.groups * p.out;
-  OpStatus s = LinearOnce(p, &rounded, false, &coded);  // Before `rounded` is read.
+  OpStatus s = LinearOnce(p, &rounded, false, &coded, arrivals);  // Before `rounded` is read.
   s = RoundedAfter(s, rounded, p.y, n, p.stream);
   return CodesAfter(s, coded, p);  // y's codes after y as the op leaves it.
 }

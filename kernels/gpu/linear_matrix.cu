@@ -1186,6 +1186,12 @@ OpStatus ExpertMatrixUnrounded(const ExpertLinearParams& p, MatrixInstruction in
 
 OpStatus ExpertLinearMatrix(const ExpertLinearParams& p, MatrixInstruction instruction) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
+  if (const OpStatus s = ExpertCodesFit(p); s != OpStatus::kOk) return s;
+  if (p.y_codes != nullptr) {  // The op, then y's codes.
+    ExpertLinearParams q = p;
+    q.y_codes = q.y_code_scales = nullptr;
+    return ExpertCodesAfter(ExpertLinearMatrix(q, instruction), false, p);
+  }
   const OpStatus s = ExpertMatrixUnrounded(p, instruction);
   return RoundedAfter(s, !p.round_output, p.y, p.rows * p.out, p.stream);
 }

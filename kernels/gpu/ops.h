@@ -21,7 +21,10 @@ constexpr int64_t kLinearSplitRows = 2;
 // One row (a decode step) of FP8 or FP4 weights runs as a GEMV (every weight load of a thread
 // issued at once, the block sums added in order from shared memory), dense weights likewise; more
 // rows as tiles of 32 columns. The same sums either way.
-OpStatus Linear(const LinearParams& p);
+// `arrivals` (optional, out / 32 counters, zeros, left zeros): the one-row GEMV's thread blocks
+// count themselves in for each 32 columns of y they write, and the last of them writes the
+// columns' codes (p.y_codes), so no quantization follows. Else (and on the other paths) one does.
+OpStatus Linear(const LinearParams& p, unsigned* arrivals = nullptr);
 // FP8 and FP4 weights in a free order, for measuring what Linear's fixed order costs: each
 // thread's K-blocks summed in its registers, the thread block's threads by a tree, and K shared
 // by `split` thread blocks (1 or more) whose sums meet by atomic adds, so results depend on
@@ -86,7 +89,11 @@ int64_t MoeCombineWorkspaceInts(const MoeCombineParams& p);
 // reading every choice, so the cost grows with tokens * k per expert (a prefill's few thousand
 // tokens: a few hundred thousand reads per thread, next to the experts' GEMMs).
 OpStatus MoeGroup(const MoeGroupParams& p);
-OpStatus ExpertLinear(const ExpertLinearParams& p);
+// ExpertLinear takes the GEMV up to this many rows a slot (slot_rows: a step of up to 8 tokens).
+// `arrivals` (optional, rows x out / 32 counters, zeros, left zeros): the GEMV writes y_codes as
+// it writes y, as Linear's does.
+constexpr int64_t kExpertGemvRows = 8;
+OpStatus ExpertLinear(const ExpertLinearParams& p, unsigned* arrivals = nullptr);
 OpStatus RmsNorm(const RmsNormParams& p);
 OpStatus Rope(const RopeParams& p);
 // HcMix with its steps either side (HcMixParams' sub and x) in one kernel where `fused` is given

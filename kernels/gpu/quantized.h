@@ -10,15 +10,24 @@
 
 namespace flashd::kernels::FLASHD_GPU_BACKEND {
 
+// The scale (a power of two) of the 32-block of activations xb, as the CPU's QuantizeFp8PerBlock.
+__device__ inline float BlockScale(const float* xb) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
+  return codecs::Pow2Ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
+}
+
+// Activation v's FP8 code in a block of scale s.
+__device__ inline uint8_t BlockCode(float v, float s) {
+  return codecs::FloatToE4M3(codecs::Clamp(v / s, -448.0f, 448.0f));
+}
+
 // One 32-block of activations xb to FP8 codes q[0..31] and its UE8M0 scale code, as the CPU's
 // QuantizeFp8PerBlock.
 __device__ inline void QuantizeBlock(const float* xb, uint8_t* q, uint8_t* scale) {
-  namespace c = codecs;
-  float amax = 0.0f;
-  for (int64_t i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(xb[i]));
-  const float s = c::Pow2Ceil(fmaxf(amax, 1e-4f) * (1.0f / 448.0f));
-  *scale = c::NormalPow2ToE8M0(s);
-  for (int64_t i = 0; i < 32; ++i) q[i] = c::FloatToE4M3(c::Clamp(xb[i] / s, -448.0f, 448.0f));
+  const float s = BlockScale(xb);
+  *scale = codecs::NormalPow2ToE8M0(s);
+  for (int64_t i = 0; i < 32; ++i) q[i] = BlockCode(xb[i], s);
 }
 
 // A row of `dim` values (a multiple of 32) that this thread block has just written to x, quantized
@@ -44,6 +53,8 @@ OpStatus RoundedAfter(OpStatus s, bool rounded, float* y, int64_t n, void* strea
 // A Linear's status after its kernels (and its rounding), then p.y_codes made from y by the
 // activations' quantizer unless `coded` (a kernel wrote them as it wrote y, or none were asked).
 OpStatus CodesAfter(OpStatus s, bool coded, const LinearParams& p);
+// Likewise an ExpertLinear's y_codes (its rows x out values).
+OpStatus ExpertCodesAfter(OpStatus s, bool coded, const ExpertLinearParams& p);
 
 inline bool Aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;

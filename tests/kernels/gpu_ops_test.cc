@@ -688,6 +688,7 @@ std::vector<float> TwoOpsAndSwiglu(const P& p, One one) {
   std::vector<float> g(n), u(n), h(n);
   P q = p;
   q.up = q.up_scales = nullptr;
+  q.y_codes = q.y_code_scales = nullptr;
   q.y = g.data();
   BOOST_REQUIRE(one(q) == OpStatus::kOk);
   q.w = p.up;
@@ -895,6 +896,210 @@ BOOST_AUTO_TEST_CASE(linear_gated_pair_is_two_linears_and_swiglu) {
                            .y = y.data(),
                            .up = codes,
                            .up_scales = codes}) == OpStatus::kBadArgument));
+}
+
+// The rows of y (rows x width) quantized as a Linear quantizes its x: codes, then scales.
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> RowCodes(const std::vector<float>& y,
+                                                               int64_t rows, int64_t width) {
+  std::vector<uint8_t> codes(rows * width), scales(rows * width / 32);
+  for (int64_t r = 0; r < rows; ++r) {
+    cpu::QuantizeFp8PerBlock(&y[r * width], width, 32, &codes[r * width], &scales[r * width / 32]);
+  }
+  return {codes, scales};
+}
+
+// The gated pair's codes (y_codes: its SwiGLU's rows quantized as a Linear quantizes its x) are
+// the CPU's, for Linear and ExpertLinear: where the device's one-row GEMV is given counters it
+// writes them in its own kernel (the last of the thread blocks writing each 32 columns to finish
+// quantizes them), one launch where the op alone is one, the counters left zero; the column groups
+// its thread blocks take (4 to 128 columns, FP8 and FP4, K of 1, 32, 42 and 73 blocks) fall on
+// the 32-blocks in every way: several a thread block, and a 32-block's columns split among two
+// or three thread blocks, at offsets that move. Elsewhere (more rows, the tile, no counters) a
+// quantization follows. An ExpertLinear given the codes (x_quantized) then gives the op's values
+// on its own x, with one launch fewer; on the CPU too.
+BOOST_AUTO_TEST_CASE(gated_pair_codes_are_its_swiglu_quantized) {
+  std::mt19937 rng(53);
+  for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    for (const auto& [in, out] :
+         {std::pair<int64_t, int64_t>{32, 96}, {1024, 64}, {1344, 96}, {2336, 160}}) {
+      const flashd::testing::QuantizedWeights gate =
+          flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in);
+      const flashd::testing::QuantizedWeights up =
+          flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in);
+      for (const int64_t rows : {int64_t{1}, int64_t{3}}) {
+        BOOST_TEST_CONTEXT("Linear, format " << static_cast<int>(format) << ", in " << in
+                                             << ", out " << out << ", rows " << rows) {
+          const std::vector<float> x = Normal(rng, rows * in, 2.0f), rw = Normal(rng, rows);
+          std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
+          std::vector<float> want(rows * out), g(want.size()), u(want.size());
+          std::vector<uint8_t> wc(want.size(), 0xAA), ws(want.size() / 32, 0xAA);
+          LinearParams p{.x = x.data(),
+                         .rows = rows,
+                         .in = in,
+                         .out = out,
+                         .format = format,
+                         .w = gate.codes.data(),
+                         .w_scales = gate.scales.data(),
+                         .x_codes = xq.data(),
+                         .x_scales = xs.data(),
+                         .y = want.data(),
+                         .up = up.codes.data(),
+                         .up_scales = up.scales.data(),
+                         .row_weights = rw.data(),
+                         .limit = 1.0f,
+                         .gate = g.data(),
+                         .up_out = u.data(),
+                         .y_codes = wc.data(),
+                         .y_code_scales = ws.data()};
+          BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
+          BOOST_TEST(BitEqual(
+              TwoOpsAndSwiglu(p, [](const LinearParams& q) { return cpu::Linear(q); }), want));
+          const auto [codes, scales] = RowCodes(want, rows, out);
+          BOOST_TEST((wc == codes && ws == scales), "cpu");
+          Dev<float> dx(x), drw(rw), dy(std::vector<float>(want.size(), -1.0f));
+          Dev<float> dg(std::vector<float>(want.size())), du(std::vector<float>(want.size()));
+          Dev<uint8_t> dgw(gate.codes), dgs(gate.scales), duw(up.codes), dus(up.scales);
+          Dev<uint8_t> dxq(xq), dxs(xs);
+          Dev<unsigned> arrivals(std::vector<unsigned>(rows * out / 32, 0u));
+          LinearParams d = p;
+          d.x = dx.get(), d.w = dgw.get(), d.w_scales = dgs.get(), d.up = duw.get();
+          d.up_scales = dus.get(), d.row_weights = drw.get(), d.x_codes = dxq.get();
+          d.x_scales = dxs.get(), d.y = dy.get(), d.gate = dg.get(), d.up_out = du.get();
+          d.y_codes = d.y_code_scales = nullptr;
+          uint64_t at = gpu::KernelLaunches();
+          BOOST_REQUIRE(gpu::Linear(d) == OpStatus::kOk);
+          const uint64_t alone = gpu::KernelLaunches() - at;
+          for (const bool counters : {false, true}) {
+            Dev<uint8_t> dc(std::vector<uint8_t>(want.size(), 0xAA));
+            Dev<uint8_t> ds(std::vector<uint8_t>(want.size() / 32, 0xAA));
+            BOOST_REQUIRE(gpu::ZeroOnDevice(dy.get(), want.size() * 4).empty());
+            d.y_codes = dc.get(), d.y_code_scales = ds.get();
+            at = gpu::KernelLaunches();
+            BOOST_REQUIRE(gpu::Linear(d, counters ? arrivals.get() : nullptr) == OpStatus::kOk);
+            const bool in_kernel = counters && rows == 1;
+            BOOST_TEST(gpu::KernelLaunches() - at == alone + (in_kernel ? 0 : 1),
+                       "counters " << counters);
+            BOOST_TEST((BitEqual(dy.Host(), want) && dc.Host() == codes && ds.Host() == scales),
+                       "device, counters " << counters);
+          }
+          const std::vector<unsigned> left = arrivals.Host();
+          BOOST_TEST(std::all_of(left.begin(), left.end(), [](unsigned c) { return c == 0; }));
+        }
+      }
+    }
+  }
+  // The experts: a step of 7 tokens (a row at a time through the GEMV, slot_rows 7) and the
+  // tile (slot_rows 0), then w2 over the SwiGLU's rows given their codes.
+  const int64_t tokens = 7, experts = 6, k = 3, total = tokens * k;
+  const Grouped g = GroupedChoices(rng, tokens, experts, k);
+  for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    for (const auto& [in, inter] : {std::pair<int64_t, int64_t>{64, 96}, {1344, 64}}) {
+      const ExpertWeights w1(rng, format, experts, inter, in), w3(rng, format, experts, inter, in);
+      const ExpertWeights w2(rng, format, experts, 48, inter);
+      const std::vector<float> x = Normal(rng, total * in, 2.0f), rw = Normal(rng, total);
+      std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
+      std::vector<float> h(total * inter), hg(h.size()), hu(h.size());
+      std::vector<uint8_t> hc(h.size(), 0xAA), hs(h.size() / 32, 0xAA);
+      ExpertLinearParams p = ExpertParams(g, w1, format, in, inter, x, &xq, &xs);
+      p.y = h.data(), p.up = w3.w.data(), p.up_scales = w3.ws.data(), p.row_weights = rw.data();
+      p.limit = 1.0f, p.gate = hg.data(), p.up_out = hu.data();
+      p.y_codes = hc.data(), p.y_code_scales = hs.data();
+      BOOST_REQUIRE(cpu::ExpertLinear(p) == OpStatus::kOk);
+      const auto [codes, scales] = RowCodes(h, total, inter);
+      BOOST_TEST((hc == codes && hs == scales), "experts on the cpu, in " << in);
+      // w2 over h: quantizing h, and reading the gated op's codes.
+      std::vector<uint8_t> hq(h.size()), hqs(h.size() / 32);
+      std::vector<float> want(total * 48), got(want.size());
+      ExpertLinearParams p2 = ExpertParams(g, w2, format, inter, 48, h, &hq, &hqs);
+      p2.y = want.data();
+      BOOST_REQUIRE(cpu::ExpertLinear(p2) == OpStatus::kOk);
+      ExpertLinearParams given = p2;
+      given.x_codes = hc.data(), given.x_scales = hs.data(), given.x_quantized = true;
+      given.y = got.data();
+      BOOST_REQUIRE(cpu::ExpertLinear(given) == OpStatus::kOk);
+      BOOST_TEST(BitEqual(got, want), "w2 given its codes on the cpu, in " << in);
+      DeviceExpertInputs dev(p, g, w1);
+      Dev<const uint8_t*> dup(w3.dw), dup_s(w3.dws);
+      Dev<float> drw(rw), dh(std::vector<float>(h.size(), -1.0f));
+      Dev<float> dg(std::vector<float>(h.size())), du(std::vector<float>(h.size()));
+      Dev<unsigned> arrivals(std::vector<unsigned>(total * inter / 32, 0u));
+      ExpertLinearParams d = dev.On(p, dh.get());
+      d.up = dup.get(), d.up_scales = dup_s.get(), d.row_weights = drw.get();
+      d.gate = dg.get(), d.up_out = du.get();
+      DeviceExpertInputs dev2(p2, g, w2);
+      for (const int64_t slot_rows : {int64_t{0}, tokens}) {
+        BOOST_TEST_CONTEXT("experts, format " << static_cast<int>(format) << ", in " << in
+                                              << ", slot_rows " << slot_rows) {
+          d.slot_rows = slot_rows;
+          d.y_codes = d.y_code_scales = nullptr;
+          uint64_t at = gpu::KernelLaunches();
+          BOOST_REQUIRE(gpu::ExpertLinear(d) == OpStatus::kOk);
+          const uint64_t alone = gpu::KernelLaunches() - at;
+          Dev<uint8_t> dc(std::vector<uint8_t>(h.size(), 0xAA));
+          Dev<uint8_t> ds(std::vector<uint8_t>(h.size() / 32, 0xAA));
+          BOOST_REQUIRE(gpu::ZeroOnDevice(dh.get(), h.size() * 4).empty());
+          d.y_codes = dc.get(), d.y_code_scales = ds.get();
+          at = gpu::KernelLaunches();
+          BOOST_REQUIRE(gpu::ExpertLinear(d, arrivals.get()) == OpStatus::kOk);
+          BOOST_TEST(gpu::KernelLaunches() - at == alone + (slot_rows > 0 ? 0 : 1));
+          BOOST_TEST((BitEqual(dh.Host(), h) && dc.Host() == codes && ds.Host() == scales));
+          const std::vector<unsigned> left = arrivals.Host();
+          BOOST_TEST(std::all_of(left.begin(), left.end(), [](unsigned c) { return c == 0; }));
+          // w2: quantizing h on the device, then reading the gated op's codes.
+          Dev<float> dy(std::vector<float>(want.size(), -1.0f));
+          ExpertLinearParams e = dev2.On(p2, dy.get());
+          e.x = dh.get();
+          e.slot_rows = slot_rows;
+          at = gpu::KernelLaunches();
+          BOOST_REQUIRE(gpu::ExpertLinear(e) == OpStatus::kOk);
+          const uint64_t quantizing = gpu::KernelLaunches() - at;
+          BOOST_TEST(BitEqual(dy.Host(), want), "w2");
+          Dev<float> dy2(std::vector<float>(want.size(), -1.0f));
+          e.y = dy2.get();
+          e.x_codes = dc.get(), e.x_scales = ds.get(), e.x_quantized = true;
+          at = gpu::KernelLaunches();
+          BOOST_REQUIRE(gpu::ExpertLinear(e) == OpStatus::kOk);
+          BOOST_TEST(gpu::KernelLaunches() - at == quantizing - 1);
+          BOOST_TEST(BitEqual(dy2.Host(), want), "w2 given its codes");
+        }
+      }
+    }
+  }
+  // Codes without scales, or of rows not in 32-blocks; given codes with x_rows or without them.
+  std::vector<float> v(4096);
+  std::vector<uint8_t> b(4096);
+  const std::vector<int64_t> expert = {0}, offset = {0, 1}, tiles = {0, 1}, x_rows = {0};
+  const uint8_t* table[1] = {b.data()};
+  const ExpertLinearParams ok{.x = v.data(),
+                              .rows = 1,
+                              .in = 64,
+                              .out = 32,
+                              .slot_expert = expert.data(),
+                              .slot_offset = offset.data(),
+                              .slot_tiles = tiles.data(),
+                              .slots = 1,
+                              .experts = 1,
+                              .format = WeightFormat::kFp8,
+                              .w = table,
+                              .w_scales = table,
+                              .x_codes = b.data(),
+                              .x_scales = b.data(),
+                              .y = v.data(),
+                              .y_codes = b.data(),
+                              .y_code_scales = b.data()};
+  ExpertLinearParams no_scales = ok, odd = ok, rows_given = ok, none_given = ok;
+  no_scales.y_code_scales = nullptr;
+  odd.out = 40;
+  rows_given.x_quantized = true, rows_given.x_rows = x_rows.data(), rows_given.x_count = 1;
+  none_given.x_quantized = true, none_given.x_codes = nullptr;
+  for (const auto& [q, want] : {std::pair{no_scales, OpStatus::kBadArgument},
+                                {odd, OpStatus::kBadShape},
+                                {rows_given, OpStatus::kBadArgument},
+                                {none_given, OpStatus::kBadArgument}}) {
+    BOOST_TEST((cpu::ExpertLinear(q) == want));
+    BOOST_TEST((gpu::ExpertLinear(q) == want));
+    BOOST_TEST((gpu::ExpertLinearMatrix(q) == want));
+  }
 }
 
 // v's values rounded to BF16.
@@ -1318,7 +1523,7 @@ BOOST_AUTO_TEST_CASE(linear_y_codes_are_its_rows_quantized) {
       }
     }
   }
-  // Codes without scales, with `also`, with the gated pair, or of rows not in 32-blocks.
+  // Codes without scales, with `also`, or of rows not in 32-blocks.
   std::vector<float> v(4096);
   std::vector<uint8_t> b(4096);
   const LinearProjection more{.w = b.data(), .w_scales = b.data(), .out = 32, .y = v.data()};
@@ -1334,14 +1539,12 @@ BOOST_AUTO_TEST_CASE(linear_y_codes_are_its_rows_quantized) {
                         .y = v.data(),
                         .y_codes = b.data(),
                         .y_code_scales = b.data()};
-  LinearParams no_scales = ok, also = ok, gated = ok, odd = ok;
+  LinearParams no_scales = ok, also = ok, odd = ok;
   no_scales.y_code_scales = nullptr;
   also.also = &more, also.also_count = 1;
-  gated.up = b.data(), gated.up_scales = b.data(), gated.gate = v.data(), gated.up_out = v.data();
   odd.out = 40;
   for (const auto& [p, want] : {std::pair{no_scales, OpStatus::kBadArgument},
                                 {also, OpStatus::kBadArgument},
-                                {gated, OpStatus::kBadArgument},
                                 {odd, OpStatus::kBadShape}}) {
     BOOST_TEST((cpu::Linear(p) == want));
     BOOST_TEST((gpu::Linear(p) == want));
