@@ -442,9 +442,11 @@ class Step {
   // y = lin(x), and each of `more` (a linear, its output) of the same x: one op where they share
   // lin's format and inputs (x quantized once), else an op each; with `codes`, x's codes (the
   // quantized formats read them and quantize nothing).
+  // With `rope`, lin's y then rotated (its rope_dim, head_dim, positions and freqs; `more`'s
+  // are not).
   Status ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
                   const std::vector<std::pair<const Linear*, float*>>& more,
-                  XCodes* codes = nullptr);
+                  XCodes* codes = nullptr, const kernels::RopeParams* rope = nullptr);
   Status Engram(int l);
   void StartEngramReads();
   void ReadEngramRows(size_t e);
@@ -694,7 +696,8 @@ Status Step::Apply(const Linear& lin, const float* x, int64_t rows, float* y, bo
 }
 
 Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y, bool round_output,
-                      const std::vector<std::pair<const Linear*, float*>>& more, XCodes* codes) {
+                      const std::vector<std::pair<const Linear*, float*>>& more, XCodes* codes,
+                      const kernels::RopeParams* rope) {
   const bool quantized = QuantizedFormat(lin.format);
   const bool dense = lin.format == kernels::WeightFormat::kDense;
   bool together = more.empty() || ((quantized || dense) &&
@@ -703,7 +706,7 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
     together = together && other->format == lin.format && other->in == lin.in;
   }
   if (!together) {
-    FLASHD_RETURN_IF_ERROR(ApplyAll(lin, x, rows, y, round_output, {}, codes));
+    FLASHD_RETURN_IF_ERROR(ApplyAll(lin, x, rows, y, round_output, {}, codes, rope));
     for (const auto& [other, out] : more) {
       FLASHD_RETURN_IF_ERROR(
           ApplyAll(*other, x, rows, out, round_output, {}, other->in == lin.in ? codes : nullptr));
@@ -735,7 +738,11 @@ Status Step::ApplyAll(const Linear& lin, const float* x, int64_t rows, float* y,
                      .x_quantized = given,
                      .round_output = round_output,
                      .also = also.empty() ? nullptr : also.data(),
-                     .also_count = static_cast<int64_t>(also.size())});
+                     .also_count = static_cast<int64_t>(also.size()),
+                     .rope_dim = rope != nullptr ? rope->rope_dim : 0,
+                     .rope_head_dim = rope != nullptr ? rope->head_dim : 0,
+                     .rope_positions = rope != nullptr ? rope->positions : nullptr,
+                     .rope_freqs = rope != nullptr ? rope->freqs : nullptr});
   return Status::Ok();
 }
 
@@ -1209,16 +1216,12 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
                       .code_scales = coded ? codes.Scales() : nullptr});
   std::vector<std::pair<const Linear*, float*>> more;
   if (iq != nullptr) more.push_back({&L.idx_wq_b, iq->data()});
+  // The queries rotated by wq_b's op (the indexer's are not).
+  const kernels::RopeParams rope{
+      .head_dim = hd, .rope_dim = rd, .positions = plan_.positions.data(), .freqs = L.freqs.data()};
+  if (L.wq_b.out != H * hd) return Internal("wq_b: its outputs are not the heads");
   FLASHD_RETURN_IF_ERROR(
-      ApplyAll(L.wq_b, qr.data(), rows, q.data(), true, more, coded ? &codes : nullptr));
-  FLASHD_OP(Rope, {.x = q.data(),
-                   .rows = rows,
-                   .heads = H,
-                   .head_dim = hd,
-                   .rope_dim = rd,
-                   .row_stride = H * hd,
-                   .positions = plan_.positions.data(),
-                   .freqs = L.freqs.data()});
+      ApplyAll(L.wq_b, qr.data(), rows, q.data(), true, more, coded ? &codes : nullptr, &rope));
   return NormWindowKeys(L, rows, plan_.positions.data(), kv.data());
 }
 

@@ -1383,7 +1383,14 @@ class GpuBackend final : public Backend {
 
   OpStatus Linear(const k::LinearParams& p) const override {
     if (const OpStatus s = k::LinearAlsoFits(p); s != OpStatus::kOk) return s;
-    if (p.also_count > 0 && p.format == k::WeightFormat::kDense) return DenseLinears(p);
+    if (const OpStatus s = k::LinearRopeFits(p); s != OpStatus::kOk) return s;
+    if (p.also_count > 0 && p.format == k::WeightFormat::kDense) {
+      if (p.rope_dim == 0) return DenseLinears(p);
+      k::LinearParams q = p;  // The op, then its rotation.
+      q.rope_dim = 0;
+      const OpStatus s = DenseLinears(q);
+      return s != OpStatus::kOk ? s : Rope(k::LinearRope(p));
+    }
     return Run([&](Call& c) {
       k::LinearParams d = p;
       d.stream = nullptr;
@@ -1448,6 +1455,10 @@ class GpuBackend final : public Backend {
       const bool matrix = matrix_ && g::LinearMatrixTakes(k::LinearAlone(d, -1));
       d.y = c.Out(p.y, p.rows * groups * p.out);
       c.CodesOut(d.y_codes, d.y_code_scales, p.rows * groups * p.out);  // For the next Linear.
+      if (p.rope_dim > 0) {  // The rows' positions and the layer's frequencies.
+        d.rope_positions = c.In(p.rope_positions, p.rows);
+        d.rope_freqs = c.Weight(p.rope_freqs, p.rope_dim / 2);
+      }
       // A row's codes written by its GEMV as it writes y: counters for its 32-column blocks.
       unsigned* arrivals =
           p.y_codes != nullptr && p.rows == 1 ? c.Counters(groups * p.out / 32) : nullptr;

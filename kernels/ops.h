@@ -164,7 +164,28 @@ struct LinearParams {
   // write y; elsewhere a quantization follows.
   uint8_t* y_codes = nullptr;
   uint8_t* y_code_scales = nullptr;
+  // Optional: y's rows rotated after the op (and its rounding), as heads of rope_head_dim values
+  // (even; out a multiple of it), each head's last rope_dim values by its row's position
+  // (rope_positions [rows], rope_freqs [rope_dim / 2]): the op's values, then a Rope op's (not
+  // inverse) over y, bit for bit (LinearRope). The op's own projection only (not `also`'s); not
+  // with groups, the gated pair or y_codes (kBadArgument). A GPU's one-row GEMV rotates as it
+  // writes y; elsewhere a Rope op follows.
+  int64_t rope_dim = 0, rope_head_dim = 0;
+  const int64_t* rope_positions = nullptr;
+  const float* rope_freqs = nullptr;
 };
+
+// LinearParams' rope checked as every backend checks it.
+inline OpStatus LinearRopeFits(const LinearParams& p) {
+  if (p.rope_dim == 0) return OpStatus::kOk;
+  if (p.groups != 1 || p.up != nullptr || p.y_codes != nullptr) return OpStatus::kBadArgument;
+  if (p.rope_dim < 0 || p.rope_dim % 2 != 0 || p.rope_head_dim < p.rope_dim ||
+      p.rope_head_dim % 2 != 0 || p.out % p.rope_head_dim != 0 || p.rope_positions == nullptr ||
+      p.rope_freqs == nullptr) {
+    return OpStatus::kBadShape;
+  }
+  return OpStatus::kOk;
+}
 
 // LinearParams' y_codes checked as every backend checks them.
 inline OpStatus LinearCodesFit(const LinearParams& p) {
@@ -205,6 +226,7 @@ inline LinearParams LinearAlone(const LinearParams& p, int64_t j) {
   q.also = nullptr;
   q.also_count = 0;
   if (j < 0) return q;
+  q.rope_dim = 0;  // The rotation is the op's own projection's.
   const LinearProjection& a = p.also[j];
   q.w = a.w;
   q.w_scales = a.w_scales;
@@ -277,6 +299,19 @@ struct RopeParams {
   bool inverse = false;
   void* stream = nullptr;
 };
+
+// The Rope op after a Linear of p's rope (LinearParams::rope_dim > 0): over its y.
+inline RopeParams LinearRope(const LinearParams& p) {
+  return {.x = p.y,
+          .rows = p.rows,
+          .heads = p.out / p.rope_head_dim,
+          .head_dim = p.rope_head_dim,
+          .rope_dim = p.rope_dim,
+          .row_stride = p.out,
+          .positions = p.rope_positions,
+          .freqs = p.rope_freqs,
+          .stream = p.stream};
+}
 
 // The model's fake quantizers: x = dequantize(quantize(x)) in blocks of `block` along each row.
 enum class FakeQuantFormat { kFp8E8M0, kFp4E8M0, kFp4E4M3 };

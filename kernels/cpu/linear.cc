@@ -562,6 +562,13 @@ OpStatus Linear(const LinearParams& p) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
   if (const OpStatus s = LinearAlsoFits(p); s != OpStatus::kOk) return s;
   if (const OpStatus s = LinearCodesFit(p); s != OpStatus::kOk) return s;
+  if (const OpStatus s = LinearRopeFits(p); s != OpStatus::kOk) return s;
+  if (p.rope_dim > 0) {  // The op, then its rotation.
+    LinearParams q = p;
+    q.rope_dim = 0;
+    if (const OpStatus s = Linear(q); s != OpStatus::kOk) return s;
+    return Rope(LinearRope(p));
+  }
   if (p.y_codes != nullptr) {  // The op, then its rows' codes.
     LinearParams q = p;
     q.y_codes = q.y_code_scales = nullptr;

@@ -11,6 +11,7 @@
 #include "kernels/codecs.h"
 #include "kernels/fmath.h"
 #include "kernels/gpu/arrive.h"
+#include "kernels/gpu/norm_row.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 #include "kernels/gpu/quantized.h"
@@ -475,6 +476,14 @@ struct GemvCodes {
   }
 };
 
+// Where a GEMV rotates its row's heads as it writes them (LinearParams' rope, at the row's
+// position positions[0]); rope_dim 0: none.
+struct GemvRope {
+  int64_t rope_dim = 0, head_dim = 0;
+  const int64_t* positions = nullptr;
+  const float* freqs = nullptr;
+};
+
 // After the thread blocks of a GEMV wrote their columns of y (this one [n0, n0 + width) of N, a
 // multiple of 32; thread block j takes [j * width, + width)): each counts itself in for every 32
 // columns it wrote, and the last of the 32 columns' thread blocks to arrive quantizes them
@@ -518,12 +527,14 @@ __device__ inline void PrefetchGemvWeights(const uint8_t* w, int64_t K, int64_t 
 // `sums` holds kGemvCols x groups x GemvStride(blocks) floats a matrix (at least 32). kGated: the
 // same columns of pair.w too (each group of the weights w taken beside the same group of pair.w,
 // so items 2g and 2g + 1 of a K-block are a group's two), and y gets SwigluValue of each column's
-// two sums. With out.codes, y's codes then (GemvWriteCodes).
+// two sums. With out.codes, y's codes then (GemvWriteCodes); with rope.rope_dim, each column of a
+// head's rotated part rotated with its pair's (the neighbouring thread's, through shared memory)
+// before it is written (never with the gated pair).
 template <int kFormat, bool kGated = false>
 __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w,
                          const uint8_t* ws, int64_t N, int64_t n0, int64_t groups, float* y,
                          float* sums, bool round, const GemvPair& pair = {},
-                         const GemvCodes& out = {}) {
+                         const GemvCodes& out = {}, const GemvRope& rope = {}) {
   constexpr int64_t kMatrices = kGated ? 2 : 1;
   const int64_t blocks = K / kBlock, stride = GemvStride(blocks);
   const int64_t items = kMatrices * groups * blocks;
@@ -554,18 +565,35 @@ __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const 
     }
   }
   __syncthreads();
-  if (t < groups * kGemvCols<kFormat> && n0 + t < N) {
+  const bool mine = t < groups * kGemvCols<kFormat> && n0 + t < N;
+  float v = 0;
+  if (mine) {
     if constexpr (kGated) {
       // Column t's gate sums are group 2q's, its up sums group 2q + 1's (q = t / kGemvCols).
       const int64_t q = t / kGemvCols<kFormat>, c = t % kGemvCols<kFormat>;
       const float gate = SumInOrder(sums + (2 * q * kGemvCols<kFormat> + c) * stride, blocks);
       const float up = SumInOrder(sums + ((2 * q + 1) * kGemvCols<kFormat> + c) * stride, blocks);
-      y[n0 + t] = fm::SwigluValue(gate, up, pair.limit, pair.row_weight);
+      v = fm::SwigluValue(gate, up, pair.limit, pair.row_weight);
     } else {
-      const float v = SumInOrder(sums + t * stride, blocks);
-      y[n0 + t] = round ? c::RoundBf16(v) : v;
+      v = SumInOrder(sums + t * stride, blocks);
+      if (round) v = c::RoundBf16(v);
     }
   }
+  if (!kGated && rope.rope_dim > 0) {
+    // n0 and the head size are even, so a pair's two columns are threads t and t ^ 1.
+    __syncthreads();  // Every thread's sums read.
+    if (mine) sums[t] = v;
+    __syncthreads();
+    const int64_t j = (n0 + t) % rope.head_dim, r0 = rope.head_dim - rope.rope_dim;
+    if (mine && j >= r0) {
+      const float other = sums[t ^ 1];
+      const bool second = (j - r0) % 2 != 0;
+      float sn, cs;
+      PairSinCos(static_cast<float>(rope.positions[0]) * rope.freqs[(j - r0) / 2], false, &sn, &cs);
+      v = RotatedValue(second ? other : v, second ? v : other, sn, cs, second);
+    }
+  }
+  if (mine) y[n0 + t] = v;
   if (out.codes != nullptr) GemvWriteCodes(y, N, n0, groups * kGemvCols<kFormat>, out, sums);
 }
 
@@ -574,13 +602,14 @@ __device__ void GemvTile(const uint8_t* xq, const uint8_t* xs, int64_t K, const 
 template <int kFormat, bool kGated>
 __global__ void __launch_bounds__(kGemvThreads)
     GemvKernel(const uint8_t* xq, const uint8_t* xs, int64_t K, const uint8_t* w, const uint8_t* ws,
-               int64_t N, int64_t groups, float* y, bool round, GemvPair pair, GemvCodes out) {
+               int64_t N, int64_t groups, float* y, bool round, GemvPair pair, GemvCodes out,
+               GemvRope rope) {
   FLASHD_DYNAMIC_SHARED(float, sums);
   const int64_t n0 = blockIdx.x * groups * kGemvCols<kFormat>;
   PrefetchGemvWeights<kFormat>(w, K, N, n0, groups);
   PrefetchGemvWeights<kFormat>(kGated ? pair.w : nullptr, K, N, n0, groups);
   FLASHD_GRID_BEGIN();
-  GemvTile<kFormat, kGated>(xq, xs, K, w, ws, N, n0, groups, y, sums, round, pair, out);
+  GemvTile<kFormat, kGated>(xq, xs, K, w, ws, N, n0, groups, y, sums, round, pair, out, rope);
 }
 
 // Several projections of one row (LinearParams::also) in one launch, each with its first thread
@@ -606,6 +635,7 @@ struct GemvProjection {
   const uint8_t* ws = nullptr;
   int64_t N = 0, groups = 0, first = 0;
   float* y = nullptr;
+  GemvRope rope;
 };
 using GemvProjections = ProjectionList<GemvProjection>;
 
@@ -618,7 +648,7 @@ __global__ void __launch_bounds__(kGemvThreads)
   const int64_t n0 = (blockIdx.x - p.first) * p.groups * kGemvCols<kFormat>;
   PrefetchGemvWeights<kFormat>(p.w, K, p.N, n0, p.groups);
   FLASHD_GRID_BEGIN();
-  GemvTile<kFormat>(xq, xs, K, p.w, p.ws, p.N, n0, p.groups, p.y, sums, round);
+  GemvTile<kFormat>(xq, xs, K, p.w, p.ws, p.N, n0, p.groups, p.y, sums, round, {}, {}, p.rope);
 }
 
 // The experts' rows each on its own (a step of few tokens): thread block (row r, column tile
@@ -1347,6 +1377,12 @@ GemvShape GemvShapeFor(WeightFormat format, int64_t in, int64_t out, int64_t mat
           static_cast<size_t>(floats) * sizeof(float)};
 }
 
+// The rotation a GEMV makes of p's y (LinearParams' rope).
+GemvRope GemvRopeOf(const LinearParams& p) {
+  if (p.rope_dim == 0) return {};
+  return {p.rope_dim, p.rope_head_dim, p.rope_positions, p.rope_freqs};
+}
+
 // The codes a GEMV writes for p's y (LinearParams' or ExpertLinearParams'): none unless p asks
 // for them and `arrivals` are given.
 template <class P>
@@ -1356,9 +1392,10 @@ GemvCodes GemvCodesOf(const P& p, unsigned* arrivals) {
 }
 
 // Linear's one row through the GEMV (p checked; g.groups > 0; the gated pair's shape when p has
-// one); `quantized` as QuantizedLinear's; `*coded` set where it writes y's codes (arrivals given).
+// one); `quantized` as QuantizedLinear's; `*coded` set where it writes y's codes (arrivals given);
+// it rotates y as p's rope asks (`*rotated` set).
 OpStatus GemvLinear(const LinearParams& p, const GemvShape& g, bool quantized, unsigned* arrivals,
-                    bool* coded) {
+                    bool* coded, bool* rotated) {
   if (g.tiles > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;
   const gpuStream_t stream = static_cast<gpuStream_t>(p.stream);
   if (!quantized) QuantizeActivations(p.x, p.in / kBlock, p.x_codes, p.x_scales, stream);
@@ -1368,8 +1405,10 @@ OpStatus GemvLinear(const LinearParams& p, const GemvShape& g, bool quantized, u
   const GemvPair pair = {p.up, p.up_scales, p.row_weights, p.limit};
   const GemvCodes out = GemvCodesOf(p, arrivals);
   if (out.codes != nullptr && coded != nullptr) *coded = true;
+  if (rotated != nullptr) *rotated = true;
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(g.tiles), kGemvThreads, g.shared, stream, p.x_codes,
-                p.x_scales, p.in, p.w, p.w_scales, p.out, g.groups, p.y, p.round_output, pair, out);
+                p.x_scales, p.in, p.w, p.w_scales, p.out, g.groups, p.y, p.round_output, pair, out,
+                GemvRopeOf(p));
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 
@@ -1395,8 +1434,9 @@ OpStatus DenseProjectionsLinear(const LinearParams& p, W (*values)(const LinearP
 }
 
 // Linear's one row and its `also` through one GEMV launch, x quantized once (p checked, also
-// fitting); false, launching nothing, where the GEMV does not take each of them alone.
-bool GemvProjectionsLinear(const LinearParams& p, OpStatus* status) {
+// fitting); false, launching nothing, where the GEMV does not take each of them alone. `*rotated`
+// set where the launch rotates p's own projection as its rope asks.
+bool GemvProjectionsLinear(const LinearParams& p, OpStatus* status, bool* rotated) {
   // Dense weights (whose GEMV does not round) at one row, unrounded.
   const bool dense_row = p.rows == 1 && !p.round_output;
   if (dense_row && p.format == WeightFormat::kDense && p.dense != nullptr) {
@@ -1420,7 +1460,7 @@ bool GemvProjectionsLinear(const LinearParams& p, OpStatus* status) {
     const LinearParams q = LinearAlone(p, j);
     const GemvShape g = GemvShapeFor(q.format, q.in, q.out);
     if (CheckQuantizedLinear(q, 16) != OpStatus::kOk || g.groups == 0) return false;
-    ps.at[ps.count++] = {q.w, q.w_scales, q.out, g.groups, tiles, q.y};
+    ps.at[ps.count++] = {q.w, q.w_scales, q.out, g.groups, tiles, q.y, GemvRopeOf(q)};
     shared = std::max(shared, g.shared);
     tiles += g.tiles;
   }
@@ -1432,6 +1472,7 @@ bool GemvProjectionsLinear(const LinearParams& p, OpStatus* status) {
   FLASHD_LAUNCH(kernel, static_cast<unsigned>(tiles), kGemvThreads, shared, stream, p.x_codes,
                 p.x_scales, p.in, ps, p.round_output);
   *status = gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  *rotated = true;
   return true;
 }
 
@@ -1524,9 +1565,10 @@ OpStatus ExpertLinearOnce(const ExpertLinearParams& p, unsigned* arrivals, bool*
 }
 
 // Linear, with `*rounded` set where the kernel rounded y as p.round_output asks; `quantized` as
-// QuantizedLinear's; `*coded` set where a kernel wrote y's codes (the GEMV given `arrivals`).
+// QuantizedLinear's; `*coded` set where a kernel wrote y's codes (the GEMV given `arrivals`),
+// `*rotated` where it rotated y as p's rope asks (the GEMV).
 OpStatus LinearOnce(const LinearParams& p, bool* rounded, bool quantized = false,
-                    bool* coded = nullptr, unsigned* arrivals = nullptr) {
+                    bool* coded = nullptr, unsigned* arrivals = nullptr, bool* rotated = nullptr) {
   quantized = quantized || p.x_quantized;
   if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
     return OpStatus::kBadShape;
@@ -1566,7 +1608,7 @@ OpStatus LinearOnce(const LinearParams& p, bool* rounded, bool quantized = false
     const GemvShape g = GemvShapeFor(p.format, p.in, p.out, gated ? 2 : 1);
     if (g.groups > 0 && Aligned(p.x_codes, 16) && (!gated || Aligned(p.up, 16))) {
       *rounded = true;
-      return GemvLinear(p, g, quantized, arrivals, coded);
+      return GemvLinear(p, g, quantized, arrivals, coded, rotated);
     }
   }
   if (gated) {
@@ -1584,6 +1626,11 @@ OpStatus RoundedAfter(OpStatus s, bool rounded, float* y, int64_t n, void* strea
   return RoundBf16({.x = y, .n = n, .stream = stream});
 }
 
+OpStatus RotatedAfter(OpStatus s, bool rotated, const LinearParams& p) {
+  if (s != OpStatus::kOk || rotated || p.rope_dim == 0 || p.rows <= 0) return s;
+  return Rope(LinearRope(p));
+}
+
 OpStatus CodesAfter(OpStatus s, bool coded, const LinearParams& p) {
   const int64_t n = p.rows * p.groups * p.out;
   if (s != OpStatus::kOk || coded || p.y_codes == nullptr || n <= 0) return s;
@@ -1596,28 +1643,33 @@ OpStatus Linear(const LinearParams& p, unsigned* arrivals) {
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
   if (const OpStatus s = LinearAlsoFits(p); s != OpStatus::kOk) return s;
   if (const OpStatus s = LinearCodesFit(p); s != OpStatus::kOk) return s;
+  if (const OpStatus s = LinearRopeFits(p); s != OpStatus::kOk) return s;
+  bool rotated = p.rope_dim == 0;
   if (p.also_count > 0) {
     // One row: one quantization and one GEMV for all; else an op a projection.
     if (p.rows < 0 || p.in <= 0 || p.out <= 0 || p.x == nullptr || p.y == nullptr) {
       return OpStatus::kBadShape;
     }
     OpStatus status = OpStatus::kOk;
-    if (GemvProjectionsLinear(p, &status)) return status;
-    // The projections after the first read its codes.
+    if (GemvProjectionsLinear(p, &status, &rotated)) return RotatedAfter(status, rotated, p);
+    // The projections after the first read its codes; the rotation after them all.
     const bool codes = p.format == WeightFormat::kFp8 || p.format == WeightFormat::kFp4;
     for (int64_t j = -1; j < p.also_count && status == OpStatus::kOk; ++j) {
-      const LinearParams q = LinearAlone(p, j);
+      LinearParams q = LinearAlone(p, j);
+      q.rope_dim = 0;
       bool rounded = !q.round_output;
       status = LinearOnce(q, &rounded, codes && j >= 0);
       status = RoundedAfter(status, rounded, q.y, q.rows * q.out, q.stream);
     }
-    return status;
+    return RotatedAfter(status, false, p);
   }
   bool rounded = !p.round_output, coded = p.y_codes == nullptr;
   const int64_t n = p.rows * p.groups * p.out;
-  OpStatus s = LinearOnce(p, &rounded, false, &coded, arrivals);  // Before `rounded` is read.
+  // Before `rounded`, `coded` and `rotated` are read.
+  OpStatus s = LinearOnce(p, &rounded, false, &coded, arrivals, &rotated);
   s = RoundedAfter(s, rounded, p.y, n, p.stream);
-  return CodesAfter(s, coded, p);  // y's codes after y as the op leaves it.
+  s = CodesAfter(s, coded, p);  // y's codes after y as the op leaves it.
+  return RotatedAfter(s, rotated, p);
 }
 
 namespace {
@@ -1631,9 +1683,11 @@ OpStatus SplitLinear(const LinearParams& p, int split, bool free) {
       (p.format != WeightFormat::kFp8 && p.format != WeightFormat::kFp4)) {
     return OpStatus::kBadArgument;
   }
+  if (const OpStatus s = LinearRopeFits(p); s != OpStatus::kOk) return s;
   if (p.rows == 0) return OpStatus::kOk;
-  return RoundedAfter(QuantizedLinear(p, split, free), !p.round_output, p.y, p.rows * p.out,
-                      p.stream);
+  const OpStatus s =
+      RoundedAfter(QuantizedLinear(p, split, free), !p.round_output, p.y, p.rows * p.out, p.stream);
+  return RotatedAfter(s, false, p);
 }
 
 }  // namespace

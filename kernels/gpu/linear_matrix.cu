@@ -1070,10 +1070,16 @@ OpStatus LinearMatrix(const LinearParams& p, MatrixInstruction instruction) {
   if (!LinearMatrixTakes(p)) return OpStatus::kBadArgument;
   if (p.round_output && p.up != nullptr) return OpStatus::kBadArgument;
   if (const OpStatus s = LinearCodesFit(p); s != OpStatus::kOk) return s;
+  if (const OpStatus s = LinearRopeFits(p); s != OpStatus::kOk) return s;
   if (p.y_codes != nullptr) {  // The op, then y's codes.
     LinearParams q = p;
     q.y_codes = q.y_code_scales = nullptr;
     return CodesAfter(LinearMatrix(q, instruction), false, p);
+  }
+  if (p.rope_dim > 0) {  // The op, then its rotation.
+    LinearParams q = p;
+    q.rope_dim = 0;
+    return RotatedAfter(LinearMatrix(q, instruction), false, p);
   }
   if (p.format == WeightFormat::kFp8Dense) {
     if (p.up != nullptr) return OpStatus::kBadArgument;

@@ -53,6 +53,9 @@ OpStatus RoundedAfter(OpStatus s, bool rounded, float* y, int64_t n, void* strea
 // A Linear's status after its kernels (and its rounding), then p.y_codes made from y by the
 // activations' quantizer unless `coded` (a kernel wrote them as it wrote y, or none were asked).
 OpStatus CodesAfter(OpStatus s, bool coded, const LinearParams& p);
+// A Linear's status after its kernels, then y rotated by a Rope op as p's rope asks unless
+// `rotated` (a kernel did it as it wrote y).
+OpStatus RotatedAfter(OpStatus s, bool rotated, const LinearParams& p);
 // Likewise an ExpertLinear's y_codes (its rows x out values).
 OpStatus ExpertCodesAfter(OpStatus s, bool coded, const ExpertLinearParams& p);
 

@@ -1102,6 +1102,171 @@ BOOST_AUTO_TEST_CASE(gated_pair_codes_are_its_swiglu_quantized) {
   }
 }
 
+// A Linear's rope (LinearParams::rope_dim) is the op and then a Rope op over its y, on the CPU and
+// on the device: the one-row GEMV rotates as it writes y (one launch where the op alone is one,
+// also with `also`, whose projection is not rotated), the other paths rotate after (a launch
+// more); FP8, FP4 and dense weights, rounded or not, 1 and 3 rows, heads of 64 values with 16
+// rotated and of 32 with all rotated, K of 1 and 42 blocks (a thread block's columns crossing a
+// head's end); the matrix GEMMs too. Shapes that do not take it refused alike.
+BOOST_AUTO_TEST_CASE(linear_rope_is_the_op_then_a_rope) {
+  std::mt19937 rng(59);
+  for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4, WeightFormat::kDense}) {
+    for (const auto& [in, out, hd, rd] :
+         {std::tuple<int64_t, int64_t, int64_t, int64_t>{32, 128, 64, 16}, {1344, 96, 32, 32}}) {
+      std::vector<float> freqs(rd / 2);
+      cpu::RopeFrequencies(rd, 65536, 160000.0, 16, 32, 1, freqs.data());
+      const std::vector<float> w = Normal(rng, out * in, 0.2f), w2 = Normal(rng, 32 * in, 0.2f);
+      const flashd::testing::QuantizedWeights qw =
+          format == WeightFormat::kDense ? flashd::testing::QuantizedWeights{}
+                                         : flashd::testing::QuantizeWeights(format, w, out, in);
+      const flashd::testing::QuantizedWeights qw2 =
+          format == WeightFormat::kDense ? flashd::testing::QuantizedWeights{}
+                                         : flashd::testing::QuantizeWeights(format, w2, 32, in);
+      for (const int64_t rows : {int64_t{1}, int64_t{3}}) {
+        for (const bool round : {false, true}) {
+          for (const bool with_also : {false, true}) {
+            BOOST_TEST_CONTEXT("format " << static_cast<int>(format) << ", in " << in << ", head "
+                                         << hd << ", rows " << rows << ", round " << round
+                                         << ", also " << with_also) {
+              const std::vector<float> x = Normal(rng, rows * in, 2.0f);
+              std::vector<int64_t> pos(rows);
+              for (int64_t r = 0; r < rows; ++r) pos[r] = 1000 + 77 * r;
+              std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
+              std::vector<float> want(rows * out), want2(rows * 32);
+              const auto params = [&](const float* px, const uint8_t* pw, const uint8_t* pws,
+                                      const float* pd, uint8_t* pxq, uint8_t* pxs, float* y) {
+                return LinearParams{.x = px,
+                                    .rows = rows,
+                                    .in = in,
+                                    .out = out,
+                                    .format = format,
+                                    .w = pw,
+                                    .w_scales = pws,
+                                    .dense = pd,
+                                    .x_codes = pxq,
+                                    .x_scales = pxs,
+                                    .y = y,
+                                    .round_output = round};
+              };
+              // The definition: the op, then a Rope op.
+              LinearParams p = params(x.data(), qw.codes.data(), qw.scales.data(), w.data(),
+                                      xq.data(), xs.data(), want.data());
+              BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
+              BOOST_REQUIRE(cpu::Rope({.x = want.data(),
+                                       .rows = rows,
+                                       .heads = out / hd,
+                                       .head_dim = hd,
+                                       .rope_dim = rd,
+                                       .row_stride = out,
+                                       .positions = pos.data(),
+                                       .freqs = freqs.data()}) == OpStatus::kOk);
+              LinearParams p2 = params(x.data(), qw2.codes.data(), qw2.scales.data(), w2.data(),
+                                       xq.data(), xs.data(), want2.data());
+              p2.out = 32;
+              BOOST_REQUIRE(cpu::Linear(p2) == OpStatus::kOk);
+              // The CPU's op with its rope.
+              std::vector<float> got(want.size(), -1.0f), got2(want2.size(), -1.0f);
+              const LinearProjection more{.w = qw2.codes.data(),
+                                          .w_scales = qw2.scales.data(),
+                                          .dense = w2.data(),
+                                          .out = 32,
+                                          .y = got2.data()};
+              p.y = got.data();
+              p.rope_dim = rd, p.rope_head_dim = hd, p.rope_positions = pos.data();
+              p.rope_freqs = freqs.data();
+              if (with_also) p.also = &more, p.also_count = 1;
+              BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
+              BOOST_TEST(BitEqual(got, want), "cpu");
+              if (with_also) BOOST_TEST(BitEqual(got2, want2), "cpu, also");
+              // The device's, against the op alone (its launches) and the definition.
+              Dev<float> dx(x), dw(w), dw2(w2), dfreqs(freqs);
+              Dev<uint8_t> dq(qw.codes), ds(qw.scales), dq2(qw2.codes), ds2(qw2.scales);
+              Dev<uint8_t> dxq(xq), dxs(xs);
+              Dev<int64_t> dpos(pos);
+              Dev<float> dy(std::vector<float>(want.size(), -1.0f));
+              Dev<float> dy2(std::vector<float>(want2.size(), -1.0f));
+              const LinearProjection dmore{.w = dq2.get(),
+                                           .w_scales = ds2.get(),
+                                           .dense = dw2.get(),
+                                           .out = 32,
+                                           .y = dy2.get()};
+              LinearParams d =
+                  params(dx.get(), dq.get(), ds.get(), dw.get(), dxq.get(), dxs.get(), dy.get());
+              if (with_also) d.also = &dmore, d.also_count = 1;
+              uint64_t at = gpu::KernelLaunches();
+              BOOST_REQUIRE(gpu::Linear(d) == OpStatus::kOk);
+              const uint64_t alone = gpu::KernelLaunches() - at;
+              d.rope_dim = rd, d.rope_head_dim = hd, d.rope_positions = dpos.get();
+              d.rope_freqs = dfreqs.get();
+              at = gpu::KernelLaunches();
+              BOOST_REQUIRE(gpu::Linear(d) == OpStatus::kOk);
+              const bool gemv = rows == 1 && format != WeightFormat::kDense;
+              BOOST_TEST(gpu::KernelLaunches() - at == alone + (gemv ? 0 : 1));
+              BOOST_TEST(BitEqual(dy.Host(), want), "device");
+              if (with_also) BOOST_TEST(BitEqual(dy2.Host(), want2), "device, also");
+              if (with_also || format == WeightFormat::kDense) continue;
+              // The matrix GEMMs: their op, then the rotation.
+              for (const gpu::MatrixInstruction ins :
+                   {gpu::MatrixInstruction::kMma, gpu::MatrixInstruction::kMfma}) {
+                if (ins == gpu::MatrixInstruction::kMfma && kBackend == "cuda") continue;
+                LinearParams m = d;
+                m.rope_dim = 0;
+                BOOST_REQUIRE(gpu::LinearMatrix(m, ins) == OpStatus::kOk);
+                std::vector<float> mwant = dy.Host();
+                BOOST_REQUIRE(cpu::Rope({.x = mwant.data(),
+                                         .rows = rows,
+                                         .heads = out / hd,
+                                         .head_dim = hd,
+                                         .rope_dim = rd,
+                                         .row_stride = out,
+                                         .positions = pos.data(),
+                                         .freqs = freqs.data()}) == OpStatus::kOk);
+                BOOST_REQUIRE(gpu::LinearMatrix(d, ins) == OpStatus::kOk);
+                BOOST_TEST(BitEqual(dy.Host(), mwant), "matrix " << static_cast<int>(ins));
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  // An odd head, outputs not in whole heads, no positions, and with the gated pair, y's codes or
+  // groups.
+  std::vector<float> v(4096);
+  std::vector<uint8_t> b(4096);
+  const int64_t pos[1] = {3};
+  const LinearParams ok{.x = v.data(),
+                        .rows = 1,
+                        .in = 64,
+                        .out = 64,
+                        .format = WeightFormat::kFp8,
+                        .w = b.data(),
+                        .w_scales = b.data(),
+                        .x_codes = b.data(),
+                        .x_scales = b.data(),
+                        .y = v.data(),
+                        .rope_dim = 16,
+                        .rope_head_dim = 32,
+                        .rope_positions = pos,
+                        .rope_freqs = v.data()};
+  LinearParams odd = ok, partial = ok, unplaced = ok, gated = ok, coded = ok, grouped = ok;
+  odd.rope_head_dim = 33;
+  partial.out = 48;
+  unplaced.rope_positions = nullptr;
+  gated.up = b.data(), gated.up_scales = b.data(), gated.gate = v.data(), gated.up_out = v.data();
+  coded.y_codes = b.data(), coded.y_code_scales = b.data();
+  grouped.format = WeightFormat::kFp8Dense, grouped.groups = 2;
+  for (const auto& [q, want] : {std::pair{odd, OpStatus::kBadShape},
+                                {partial, OpStatus::kBadShape},
+                                {unplaced, OpStatus::kBadShape},
+                                {gated, OpStatus::kBadArgument},
+                                {coded, OpStatus::kBadArgument},
+                                {grouped, OpStatus::kBadArgument}}) {
+    BOOST_TEST((cpu::Linear(q) == want));
+    BOOST_TEST((gpu::Linear(q) == want));
+  }
+}
+
 // v's values rounded to BF16.
 std::vector<float> RoundedBf16(std::vector<float> v) {
   for (float& x : v) x = codecs::RoundBf16(x);
