@@ -144,30 +144,48 @@ struct GatedPair {
   const Weight* up = nullptr;
   float *gate = nullptr, *up_out = nullptr;
 };
+// What the engine asks of a linear besides its product: x's codes made by the op before it
+// (x_quantized), y's codes for the op after it (y_codes, with the backend's counters), and y's
+// rotation (rope; its rope_dim, head_dim, positions and freqs).
+struct LinearExtras {
+  uint8_t *x_codes = nullptr, *x_scales = nullptr;
+  uint8_t *y_codes = nullptr, *y_scales = nullptr;
+  unsigned* arrivals = nullptr;
+  const k::RopeParams* rope = nullptr;
+};
 void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_t* xs, float* y,
               void* stream, Order order = Order::kShipped, int split = 1,
-              const GatedPair& pair = {}, bool round_output = false) {
-  const k::LinearParams p = {.x = x,
-                             .rows = rows,
-                             .in = w.in,
-                             .out = w.out,
-                             .format = w.format,
-                             .w = w.w,
-                             .w_scales = w.scales,
-                             .dense = w.dense,
-                             .x_codes = xq,
-                             .x_scales = xs,
-                             .y = y,
-                             .stream = stream,
-                             .groups = w.groups,
-                             .block_sums = block_sums,
-                             .block_sums_count = block_sums_count,
-                             .up = pair.up != nullptr ? pair.up->w : nullptr,
-                             .up_scales = pair.up != nullptr ? pair.up->scales : nullptr,
-                             .limit = 10.0f,
-                             .gate = pair.gate,
-                             .up_out = pair.up_out,
-                             .round_output = round_output};
+              const GatedPair& pair = {}, bool round_output = false,
+              const LinearExtras& extras = {}) {
+  k::LinearParams p = {.x = x,
+                       .rows = rows,
+                       .in = w.in,
+                       .out = w.out,
+                       .format = w.format,
+                       .w = w.w,
+                       .w_scales = w.scales,
+                       .dense = w.dense,
+                       .x_codes = xq,
+                       .x_scales = xs,
+                       .y = y,
+                       .stream = stream,
+                       .groups = w.groups,
+                       .block_sums = block_sums,
+                       .block_sums_count = block_sums_count,
+                       .up = pair.up != nullptr ? pair.up->w : nullptr,
+                       .up_scales = pair.up != nullptr ? pair.up->scales : nullptr,
+                       .limit = 10.0f,
+                       .gate = pair.gate,
+                       .up_out = pair.up_out,
+                       .round_output = round_output};
+  if (extras.x_codes != nullptr) {
+    p.x_codes = extras.x_codes, p.x_scales = extras.x_scales, p.x_quantized = true;
+  }
+  p.y_codes = extras.y_codes, p.y_code_scales = extras.y_scales;
+  if (extras.rope != nullptr) {
+    p.rope_dim = extras.rope->rope_dim, p.rope_head_dim = extras.rope->head_dim;
+    p.rope_positions = extras.rope->positions, p.rope_freqs = extras.rope->freqs;
+  }
   // kMatrix: weights LinearMatrix does not take run as the backend runs them then (Linear).
   const bool matrix =
       (order == Order::kMatrix || order == Order::kWgmma || order == Order::kMfma) &&
@@ -175,7 +193,7 @@ void LinearOn(const Weight& w, const float* x, int64_t rows, uint8_t* xq, uint8_
   CheckOp(matrix                  ? g::LinearMatrix(p, InstructionOf(order))
           : order == Order::kTile ? g::LinearSplit(p, 1)
           : order == Order::kFree ? g::LinearFreeOrder(p, split)
-                                  : g::Linear(p),
+                                  : g::Linear(p, extras.arrivals),
           "Linear");
 }
 
@@ -244,6 +262,17 @@ class Layer {
     const int64_t widest =
         std::max({d.hidden, d.heads * d.head_dim, d.o_groups * d.o_lora, d.inter, d.experts});
     xq_ = Alloc<uint8_t>(n * widest), xs_ = Alloc<uint8_t>(n * widest / 32);
+    // The rows' codes made by the ops writing the rows, as the engine asks for them: the
+    // collapse's (x_), the query latent's norm's, wo_a's and the gated pairs' (the shared
+    // expert's and the routed experts' rows); the GEMV's counters for the last.
+    x_codes_ = Codes(n * d.hidden), x_scales_ = Codes(n * d.hidden / 32);
+    qa_codes_ = Codes(n * d.q_lora), qa_scales_ = Codes(n * d.q_lora / 32);
+    og_codes_ = Codes(n * d.o_groups * d.o_lora),
+    og_scales_ = Codes(n * d.o_groups * d.o_lora / 32);
+    h_codes_ = Codes(n * d.inter), h_scales_ = Codes(n * d.inter / 32);
+    hg_codes_ = Codes(n * d.topk * d.inter), hg_scales_ = Codes(n * d.topk * d.inter / 32);
+    code_arrivals_ = Alloc<unsigned>(n * d.topk * d.inter / 32);
+    Check(g::ZeroOnDevice(code_arrivals_, n * d.topk * d.inter / 32 * sizeof(unsigned)), "zero");
     qa_ = Floats(n * d.q_lora, 1.0f);
     q_ = Floats(n * d.heads * d.head_dim, 1.0f);
     o_ = Floats(n * d.heads * d.head_dim, 1.0f);
@@ -424,28 +453,24 @@ class Layer {
           for (int i = 0; i < 2; ++i) CheckOp(g::HcMix(StepsParams(batch), &fused_), "HcMix");
         });
     add("wq_a + wkv (FP8, one op)", wq_a_.bytes() + wkv_.bytes(), [&] { QueryAndKeys(batch); });
-    add("q norm", act * d.q_lora * 2, [&] {
+    add("q norm (writing its codes)", act * d.q_lora * 2, [&] {
       CheckOp(g::RmsNorm({.x = qa_,
                           .rows = batch,
                           .dim = d.q_lora,
                           .stride = d.q_lora,
                           .weight = norm_,
                           .eps = 1e-6f,
-                          .stream = stream_}),
+                          .stream = stream_,
+                          .codes = qa_codes_,
+                          .code_scales = qa_scales_}),
               "RmsNorm");
     });
-    add("wq_b (FP8)", wq_b_.bytes(), [&] { Apply(wq_b_, qa_, batch, q_, {}, true); });
-    add("q rope", act * d.heads * d.head_dim * 2, [&] {
-      CheckOp(g::Rope({.x = q_,
-                       .rows = batch,
-                       .heads = d.heads,
-                       .head_dim = d.head_dim,
-                       .rope_dim = d.rope,
-                       .row_stride = d.heads * d.head_dim,
-                       .positions = positions_,
-                       .freqs = freqs_,
-                       .stream = stream_}),
-              "Rope");
+    // The queries rotated by wq_b's op, as the engine asks.
+    const k::RopeParams rope{
+        .head_dim = d.head_dim, .rope_dim = d.rope, .positions = positions_, .freqs = freqs_};
+    add("wq_b (FP8, rotating q)", wq_b_.bytes(), [&] {
+      Apply(wq_b_, qa_, batch, q_, {}, true,
+            {.x_codes = qa_codes_, .x_scales = qa_scales_, .rope = &rope});
     });
     const uint64_t kv_bytes = uint64_t(d.window) * (d.head_dim + d.head_dim / 32) +
                               uint64_t(d.selected) * (d.head_dim / 2 + d.head_dim / 16) +
@@ -457,12 +482,19 @@ class Layer {
       }
       CheckOp(g::SparseAttention(batch == 1 ? Attention(0) : StepAttention(batch)), "Attention");
     });
-    add("wo_a (FP8 as values, its groups in one op)", wo_a_.bytes(),
-        [&] { Apply(wo_a_, o_, batch, og_, {}, true); });
-    add("wo_b (FP8)", wo_b_.bytes(), [&] { Apply(wo_b_, og_, batch, sub_, {}, true); });
-    add("router (dense) + route", router_.bytes(), [&] {
+    add("wo_a (FP8 as values, its groups in one op)", wo_a_.bytes(), [&] {
+      Apply(wo_a_, o_, batch, og_, {}, true, {.y_codes = og_codes_, .y_scales = og_scales_});
+    });
+    add("wo_b (FP8)", wo_b_.bytes(), [&] {
+      Apply(wo_b_, og_, batch, sub_, {}, true, {.x_codes = og_codes_, .x_scales = og_scales_});
+    });
+    // The choices grouped by expert in the routing's op (one kernel), as the engine asks.
+    const k::MoeGroupParams group = GroupParams(batch);
+    add("router (dense) + route and group", router_.bytes(), [&] {
       Apply(router_, x_, batch, logits_);
-      CheckOp(g::MoeRoute(RouteParams(batch)), "MoeRoute");
+      k::MoeRouteParams route = RouteParams(batch);
+      route.group = &group;
+      CheckOp(g::MoeRoute(route, fused_.arrivals), "MoeRoute");
     });
     // Routed experts: the picked experts' rows grouped and run as the engine runs them
     // (Step::GroupedExperts).
@@ -471,7 +503,7 @@ class Layer {
       for (const Weight& w : experts_[e]) expert_bytes += w.bytes();
     }
     add("routed experts (FP4, " + std::to_string(tokens_of_.size()) + " touched)", expert_bytes,
-        [&] { RoutedExperts(batch); });
+        [&] { RoutedExperts(batch, false); });
     uint64_t shared_bytes = 0;
     for (const Weight& w : shared_) shared_bytes += w.bytes();
     add("shared expert (FP8)", shared_bytes, [&] { Expert(shared_, batch); });
@@ -633,7 +665,26 @@ class Layer {
             .collapse_weights = pre_,
             .collapse_norm = norm_,
             .collapse_eps = 1e-6f,
-            .x = x_};
+            .x = x_,
+            .x_codes = x_codes_,
+            .x_code_scales = x_scales_};
+  }
+
+  // The grouping of `batch` tokens' choices into the bench's slots.
+  k::MoeGroupParams GroupParams(int64_t batch) const {
+    const int64_t total = batch * d_.topk;
+    return {.chosen = chosen_,
+            .weights = weights_,
+            .tokens = batch,
+            .experts = d_.experts,
+            .k = d_.topk,
+            .slots = std::min(d_.experts, total),
+            .slot_expert = slot_expert_,
+            .slot_offset = slot_offset_,
+            .slot_tiles = slot_tiles_,
+            .rows = token_of_,
+            .row_weights = row_weights_,
+            .stream = stream_};
   }
 
   k::SparseAttentionParams Attention(int64_t s) const {
@@ -689,21 +740,22 @@ class Layer {
 
   // y = w(x); round_output as the engine asks it (q, wo_a's and wo_b's outputs, the experts').
   void Apply(const Weight& w, const float* x, int64_t rows, float* y, const GatedPair& pair = {},
-             bool round_output = false) {
+             bool round_output = false, const LinearExtras& extras = {}) {
     LinearOn(w, x, rows, xq_, xs_, y, stream_,
              !matrix_                                       ? Order::kShipped
              : instruction_ == g::MatrixInstruction::kWgmma ? Order::kWgmma
              : instruction_ == g::MatrixInstruction::kMfma  ? Order::kMfma
                                                             : Order::kMatrix,
-             1, pair, round_output);
+             1, pair, round_output, extras);
   }
 
   // wq_a and wkv of the same x as the engine runs them (`together`): one op, x quantized once
   // (one GEMV launch at one row); on matrix cores an op each, as the backend runs them there.
+  // Both read the collapse's codes of x, as the engine's do.
   void QueryAndKeys(int64_t rows, bool together = true) {
     if (matrix_ || !together) {
-      Apply(wq_a_, x_, rows, qa_);
-      Apply(wkv_, x_, rows, kv_);
+      Apply(wq_a_, x_, rows, qa_, {}, false, {.x_codes = x_codes_, .x_scales = x_scales_});
+      Apply(wkv_, x_, rows, kv_, {}, false, {.x_codes = x_codes_, .x_scales = x_scales_});
       return;
     }
     const k::LinearProjection wkv{.w = wkv_.w, .w_scales = wkv_.scales, .out = wkv_.out, .y = kv_};
@@ -714,23 +766,30 @@ class Layer {
                        .format = wq_a_.format,
                        .w = wq_a_.w,
                        .w_scales = wq_a_.scales,
-                       .x_codes = xq_,
-                       .x_scales = xs_,
+                       .x_codes = x_codes_,
+                       .x_scales = x_scales_,
                        .y = qa_,
                        .stream = stream_,
+                       .x_quantized = true,
                        .also = &wkv,
                        .also_count = 1}),
             "Linear");
   }
 
+  // The shared expert as the engine runs it: x's codes the collapse's, and (gated) h's codes
+  // made by the gated op for w2.
   void Expert(const std::vector<Weight>& e, int64_t rows) {
+    const LinearExtras x_codes{.x_codes = x_codes_, .x_scales = x_scales_};
     if (gated_experts_) {  // w1 and w3 under SwiGLU in one op, as the engine runs them.
-      Apply(e[0], x_, rows, h_, {&e[1], gate_, up_});
-    } else {
-      Apply(e[0], x_, rows, gate_);
-      Apply(e[1], x_, rows, up_);
-      Activate(gate_, up_, rows, nullptr, h_);
+      LinearExtras codes = x_codes;
+      codes.y_codes = h_codes_, codes.y_scales = h_scales_, codes.arrivals = code_arrivals_;
+      Apply(e[0], x_, rows, h_, {&e[1], gate_, up_}, false, codes);
+      Apply(e[2], h_, rows, expert_out_, {}, true, {.x_codes = h_codes_, .x_scales = h_scales_});
+      return;
     }
+    Apply(e[0], x_, rows, gate_, {}, false, x_codes);
+    Apply(e[1], x_, rows, up_, {}, false, x_codes);
+    Activate(gate_, up_, rows, nullptr, h_);
     Apply(e[2], h_, rows, expert_out_, {}, true);
   }
 
@@ -746,53 +805,49 @@ class Layer {
             "Swiglu");
   }
 
-  // MoeGroup over the router's choices for `rows` tokens, then the experts over the grouped rows.
-  void RoutedExperts(int64_t rows) {
+  // MoeGroup over the router's choices for `rows` tokens (unless `group` is false: the routing
+  // grouped them), then the experts over the grouped rows.
+  void RoutedExperts(int64_t rows, bool group = true) {
     const int64_t total = rows * d_.topk, slots = std::min(d_.experts, total);
-    CheckOp(g::MoeGroup({.chosen = chosen_,
-                         .weights = weights_,
-                         .tokens = rows,
-                         .experts = d_.experts,
-                         .k = d_.topk,
-                         .slots = slots,
-                         .slot_expert = slot_expert_,
-                         .slot_offset = slot_offset_,
-                         .slot_tiles = slot_tiles_,
-                         .rows = token_of_,
-                         .row_weights = row_weights_,
-                         .stream = stream_}),
-            "MoeGroup");
-    // w1 and w3 read the step's rows through token_of_ (ExpertLinearParams::x_rows), as
-    // Step::GroupedExperts does; w2 the grouped rows.
+    if (group) CheckOp(g::MoeGroup(GroupParams(rows)), "MoeGroup");
+    // w1 and w3 read the step's rows through token_of_ (ExpertLinearParams::x_rows) and their
+    // codes the collapse's, as Step::GroupedExperts does; w2 the grouped rows, and (gated) the
+    // codes the gated op made of them.
     auto linear = [&](int which, const float* x, float* y, bool gated = false) {
       const Weight& w = experts_[0][which];
-      const k::ExpertLinearParams p = {.x = x,
-                                       .rows = total,
-                                       .in = w.in,
-                                       .out = w.out,
-                                       .slot_expert = slot_expert_,
-                                       .slot_offset = slot_offset_,
-                                       .slot_tiles = slot_tiles_,
-                                       .slots = slots,
-                                       .experts = d_.experts,
-                                       .format = w.format,
-                                       .w = tables_[which][0],
-                                       .w_scales = tables_[which][1],
-                                       .x_codes = xq_grouped_,
-                                       .x_scales = xs_grouped_,
-                                       .y = y,
-                                       .stream = stream_,
-                                       .slot_rows = rows,
-                                       .up = gated ? tables_[1][0] : nullptr,
-                                       .up_scales = gated ? tables_[1][1] : nullptr,
-                                       .row_weights = gated ? row_weights_ : nullptr,
-                                       .limit = 10.0f,
-                                       .gate = gg_,
-                                       .up_out = ug_,
-                                       .round_output = which == 2,
-                                       .x_rows = which < 2 ? token_of_ : nullptr,
-                                       .x_count = rows};
-      CheckOp(matrix_ ? g::ExpertLinearMatrix(p, instruction_) : g::ExpertLinear(p),
+      k::ExpertLinearParams p = {.x = x,
+                                 .rows = total,
+                                 .in = w.in,
+                                 .out = w.out,
+                                 .slot_expert = slot_expert_,
+                                 .slot_offset = slot_offset_,
+                                 .slot_tiles = slot_tiles_,
+                                 .slots = slots,
+                                 .experts = d_.experts,
+                                 .format = w.format,
+                                 .w = tables_[which][0],
+                                 .w_scales = tables_[which][1],
+                                 .x_codes = xq_grouped_,
+                                 .x_scales = xs_grouped_,
+                                 .y = y,
+                                 .stream = stream_,
+                                 .slot_rows = rows,
+                                 .up = gated ? tables_[1][0] : nullptr,
+                                 .up_scales = gated ? tables_[1][1] : nullptr,
+                                 .row_weights = gated ? row_weights_ : nullptr,
+                                 .limit = 10.0f,
+                                 .gate = gg_,
+                                 .up_out = ug_,
+                                 .round_output = which == 2,
+                                 .x_rows = which < 2 ? token_of_ : nullptr,
+                                 .x_count = rows};
+      if (which < 2) p.x_row_codes = x_codes_, p.x_row_scales = x_scales_;
+      if (gated) p.y_codes = hg_codes_, p.y_code_scales = hg_scales_;
+      if (which == 2 && gated_experts_) {
+        p.x_codes = hg_codes_, p.x_scales = hg_scales_, p.x_quantized = true;
+      }
+      CheckOp(matrix_ ? g::ExpertLinearMatrix(p, instruction_)
+                      : g::ExpertLinear(p, gated ? code_arrivals_ : nullptr),
               "ExpertLinear");
     };
     if (gated_experts_) {  // w1 and w3 under SwiGLU in one op, as Step::GroupedExperts.
@@ -815,6 +870,10 @@ class Layer {
   int64_t *slot_expert_, *slot_offset_, *slot_tiles_, *token_of_;
   float *row_weights_, *gg_, *ug_, *hg_, *og_routed_;
   uint8_t *xq_grouped_, *xs_grouped_;
+  // Rows' codes made by the op writing the rows (Ops), and the GEMV's counters for the gated's.
+  uint8_t *x_codes_, *x_scales_, *qa_codes_, *qa_scales_, *og_codes_, *og_scales_;
+  uint8_t *h_codes_, *h_scales_, *hg_codes_, *hg_scales_;
+  unsigned* code_arrivals_;
   float *hc_fn_, *hc_scale_, *hc_base_, *norm_, *router_bias_, *freqs_, *sink_;
   Weight wq_a_, wq_b_, wkv_, wo_a_, wo_b_, router_;
   std::vector<Weight> shared_;
