@@ -825,15 +825,39 @@ BOOST_AUTO_TEST_CASE(expert_gated_pair_is_two_linears_and_swiglu) {
                                  .up_scales = w.ws.data()}) == OpStatus::kBadArgument));
 }
 
+// The rows of y (rows x width) quantized as a Linear quantizes its x: codes, then scales.
+std::pair<std::vector<uint8_t>, std::vector<uint8_t>> RowCodes(const std::vector<float>& y,
+                                                               int64_t rows, int64_t width) {
+  std::vector<uint8_t> codes(rows * width), scales(rows * width / 32);
+  for (int64_t r = 0; r < rows; ++r) {
+    cpu::QuantizeFp8PerBlock(&y[r * width], width, 32, &codes[r * width], &scales[r * width / 32]);
+  }
+  return {codes, scales};
+}
+
 // Linear's gated pair (the shared expert's w1 and w3 under SwiGLU): the one-row GEMV's fused
-// kernel and the apart path at more rows give the CPU's definition bit for bit.
+// kernel and the apart path at more rows give the CPU's definition bit for bit. Its codes
+// (y_codes: the SwiGLU's rows quantized as a Linear quantizes its x) are the CPU's: where the
+// device's one-row GEMV is given counters it writes them in its own kernel (the last of the thread
+// blocks writing each 32 columns to finish quantizes them), one launch where the op alone is one,
+// the counters left zero; the column groups its thread blocks take (4 to 128 columns, FP8 and
+// FP4, K of 1, 32, 42 and 73 blocks) fall on the 32-blocks in every way: several a thread block,
+// and a 32-block's columns split among two to eight thread blocks, at offsets that move.
+// Elsewhere (more rows, no counters) a quantization follows.
 BOOST_AUTO_TEST_CASE(linear_gated_pair_is_two_linears_and_swiglu) {
   std::mt19937 rng(24);
-  for (const auto& [format, in, out] :
-       {std::tuple{WeightFormat::kFp8, int64_t{96}, int64_t{40}},
-        std::tuple{WeightFormat::kFp4, int64_t{96}, int64_t{40}},
-        std::tuple{WeightFormat::kFp8, int64_t{2336}, int64_t{44}},
-        std::tuple{WeightFormat::kFp4, int64_t{2336}, int64_t{44}}}) {
+  using Shape = std::tuple<WeightFormat, int64_t, int64_t>;
+  std::vector<Shape> shapes = {{WeightFormat::kFp8, 96, 40},
+                               {WeightFormat::kFp4, 96, 40},
+                               {WeightFormat::kFp8, 2336, 44},
+                               {WeightFormat::kFp4, 2336, 44}};
+  for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
+    for (const auto& [in, out] :
+         {std::pair<int64_t, int64_t>{32, 96}, {1024, 64}, {1344, 96}, {2336, 64}}) {
+      shapes.push_back({format, in, out});
+    }
+  }
+  for (const auto& [format, in, out] : shapes) {
     const flashd::testing::QuantizedWeights gate =
         flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in);
     const flashd::testing::QuantizedWeights up =
@@ -878,10 +902,35 @@ BOOST_AUTO_TEST_CASE(linear_gated_pair_is_two_linears_and_swiglu) {
         d.y = dy.get();
         d.gate = dg.get();
         d.up_out = du.get();
+        uint64_t at = gpu::KernelLaunches();
         BOOST_REQUIRE(gpu::Linear(d) == OpStatus::kOk);
-        BOOST_TEST(BitEqual(dy.Host(), want), "format " << static_cast<int>(format) << ", in " << in
-                                                        << ", rows " << rows << ", limit "
-                                                        << limit);
+        const uint64_t alone = gpu::KernelLaunches() - at;
+        const std::string what = "format " + std::to_string(static_cast<int>(format)) + ", in " +
+                                 std::to_string(in) + ", rows " + std::to_string(rows) +
+                                 ", limit " + std::to_string(limit);
+        BOOST_TEST(BitEqual(dy.Host(), want), what);
+        if (out % 32 != 0) continue;
+        // y's codes, on the CPU and on the device with and without counters (y cleared first).
+        const auto [codes, scales] = RowCodes(want, rows, out);
+        std::vector<uint8_t> wc(want.size(), 0xAA), ws(want.size() / 32, 0xAA);
+        p.y_codes = wc.data(), p.y_code_scales = ws.data();
+        BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
+        BOOST_TEST((wc == codes && ws == scales), "cpu codes, " << what);
+        Dev<unsigned> arrivals(std::vector<unsigned>(rows * out / 32, 0u));
+        for (const bool counters : {false, true}) {
+          Dev<uint8_t> dc(std::vector<uint8_t>(want.size(), 0xAA));
+          Dev<uint8_t> ds(std::vector<uint8_t>(want.size() / 32, 0xAA));
+          BOOST_REQUIRE(gpu::ZeroOnDevice(dy.get(), want.size() * 4).empty());
+          d.y_codes = dc.get(), d.y_code_scales = ds.get();
+          at = gpu::KernelLaunches();
+          BOOST_REQUIRE(gpu::Linear(d, counters ? arrivals.get() : nullptr) == OpStatus::kOk);
+          BOOST_TEST(gpu::KernelLaunches() - at == alone + (counters && rows == 1 ? 0 : 1));
+          BOOST_TEST((BitEqual(dy.Host(), want) && dc.Host() == codes && ds.Host() == scales),
+                     "device codes, counters " << counters << ", " << what);
+        }
+        d.y_codes = d.y_code_scales = nullptr;
+        const std::vector<unsigned> left = arrivals.Host();
+        BOOST_TEST(std::all_of(left.begin(), left.end(), [](unsigned c) { return c == 0; }));
       }
     }
   }
@@ -898,98 +947,15 @@ BOOST_AUTO_TEST_CASE(linear_gated_pair_is_two_linears_and_swiglu) {
                            .up_scales = codes}) == OpStatus::kBadArgument));
 }
 
-// The rows of y (rows x width) quantized as a Linear quantizes its x: codes, then scales.
-std::pair<std::vector<uint8_t>, std::vector<uint8_t>> RowCodes(const std::vector<float>& y,
-                                                               int64_t rows, int64_t width) {
-  std::vector<uint8_t> codes(rows * width), scales(rows * width / 32);
-  for (int64_t r = 0; r < rows; ++r) {
-    cpu::QuantizeFp8PerBlock(&y[r * width], width, 32, &codes[r * width], &scales[r * width / 32]);
-  }
-  return {codes, scales};
-}
-
-// The gated pair's codes (y_codes: its SwiGLU's rows quantized as a Linear quantizes its x) are
-// the CPU's, for Linear and ExpertLinear: where the device's one-row GEMV is given counters it
-// writes them in its own kernel (the last of the thread blocks writing each 32 columns to finish
-// quantizes them), one launch where the op alone is one, the counters left zero; the column groups
-// its thread blocks take (4 to 128 columns, FP8 and FP4, K of 1, 32, 42 and 73 blocks) fall on
-// the 32-blocks in every way: several a thread block, and a 32-block's columns split among two
-// or three thread blocks, at offsets that move. Elsewhere (more rows, the tile, no counters) a
-// quantization follows. An ExpertLinear given the codes (x_quantized) then gives the op's values
+// The experts' gated pair's codes (ExpertLinearParams::y_codes) are the CPU's: the device's GEMV
+// (a step of up to 8 tokens) given counters writes them in its kernel as Linear's does (the
+// launches counted, the counters left zero, y cleared first), the tile quantizes after; FP8 and
+// FP4, K of 2 and 42 blocks. An ExpertLinear given them (x_quantized) then gives the op's values
 // on its own x, with one launch fewer; on the CPU too.
-BOOST_AUTO_TEST_CASE(gated_pair_codes_are_its_swiglu_quantized) {
+BOOST_AUTO_TEST_CASE(expert_gated_pair_codes_are_its_swiglu_quantized) {
   std::mt19937 rng(53);
-  for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
-    for (const auto& [in, out] :
-         {std::pair<int64_t, int64_t>{32, 96}, {1024, 64}, {1344, 96}, {2336, 160}}) {
-      const flashd::testing::QuantizedWeights gate =
-          flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in);
-      const flashd::testing::QuantizedWeights up =
-          flashd::testing::QuantizeWeights(format, Normal(rng, out * in, 0.2f), out, in);
-      for (const int64_t rows : {int64_t{1}, int64_t{3}}) {
-        BOOST_TEST_CONTEXT("Linear, format " << static_cast<int>(format) << ", in " << in
-                                             << ", out " << out << ", rows " << rows) {
-          const std::vector<float> x = Normal(rng, rows * in, 2.0f), rw = Normal(rng, rows);
-          std::vector<uint8_t> xq(x.size()), xs(x.size() / 32);
-          std::vector<float> want(rows * out), g(want.size()), u(want.size());
-          std::vector<uint8_t> wc(want.size(), 0xAA), ws(want.size() / 32, 0xAA);
-          LinearParams p{.x = x.data(),
-                         .rows = rows,
-                         .in = in,
-                         .out = out,
-                         .format = format,
-                         .w = gate.codes.data(),
-                         .w_scales = gate.scales.data(),
-                         .x_codes = xq.data(),
-                         .x_scales = xs.data(),
-                         .y = want.data(),
-                         .up = up.codes.data(),
-                         .up_scales = up.scales.data(),
-                         .row_weights = rw.data(),
-                         .limit = 1.0f,
-                         .gate = g.data(),
-                         .up_out = u.data(),
-                         .y_codes = wc.data(),
-                         .y_code_scales = ws.data()};
-          BOOST_REQUIRE(cpu::Linear(p) == OpStatus::kOk);
-          BOOST_TEST(BitEqual(
-              TwoOpsAndSwiglu(p, [](const LinearParams& q) { return cpu::Linear(q); }), want));
-          const auto [codes, scales] = RowCodes(want, rows, out);
-          BOOST_TEST((wc == codes && ws == scales), "cpu");
-          Dev<float> dx(x), drw(rw), dy(std::vector<float>(want.size(), -1.0f));
-          Dev<float> dg(std::vector<float>(want.size())), du(std::vector<float>(want.size()));
-          Dev<uint8_t> dgw(gate.codes), dgs(gate.scales), duw(up.codes), dus(up.scales);
-          Dev<uint8_t> dxq(xq), dxs(xs);
-          Dev<unsigned> arrivals(std::vector<unsigned>(rows * out / 32, 0u));
-          LinearParams d = p;
-          d.x = dx.get(), d.w = dgw.get(), d.w_scales = dgs.get(), d.up = duw.get();
-          d.up_scales = dus.get(), d.row_weights = drw.get(), d.x_codes = dxq.get();
-          d.x_scales = dxs.get(), d.y = dy.get(), d.gate = dg.get(), d.up_out = du.get();
-          d.y_codes = d.y_code_scales = nullptr;
-          uint64_t at = gpu::KernelLaunches();
-          BOOST_REQUIRE(gpu::Linear(d) == OpStatus::kOk);
-          const uint64_t alone = gpu::KernelLaunches() - at;
-          for (const bool counters : {false, true}) {
-            Dev<uint8_t> dc(std::vector<uint8_t>(want.size(), 0xAA));
-            Dev<uint8_t> ds(std::vector<uint8_t>(want.size() / 32, 0xAA));
-            BOOST_REQUIRE(gpu::ZeroOnDevice(dy.get(), want.size() * 4).empty());
-            d.y_codes = dc.get(), d.y_code_scales = ds.get();
-            at = gpu::KernelLaunches();
-            BOOST_REQUIRE(gpu::Linear(d, counters ? arrivals.get() : nullptr) == OpStatus::kOk);
-            const bool in_kernel = counters && rows == 1;
-            BOOST_TEST(gpu::KernelLaunches() - at == alone + (in_kernel ? 0 : 1),
-                       "counters " << counters);
-            BOOST_TEST((BitEqual(dy.Host(), want) && dc.Host() == codes && ds.Host() == scales),
-                       "device, counters " << counters);
-          }
-          const std::vector<unsigned> left = arrivals.Host();
-          BOOST_TEST(std::all_of(left.begin(), left.end(), [](unsigned c) { return c == 0; }));
-        }
-      }
-    }
-  }
-  // The experts: a step of 7 tokens (a row at a time through the GEMV, slot_rows 7) and the
-  // tile (slot_rows 0), then w2 over the SwiGLU's rows given their codes.
+  // A step of 7 tokens (a row at a time through the GEMV, slot_rows 7) and the tile (slot_rows
+  // 0), then w2 over the SwiGLU's rows given their codes.
   const int64_t tokens = 7, experts = 6, k = 3, total = tokens * k;
   const Grouped g = GroupedChoices(rng, tokens, experts, k);
   for (const WeightFormat format : {WeightFormat::kFp8, WeightFormat::kFp4}) {
