@@ -453,7 +453,20 @@ class Layer {
           for (int i = 0; i < 2; ++i) CheckOp(g::HcMix(StepsParams(batch), &fused_), "HcMix");
         });
     add("wq_a + wkv (FP8, one op)", wq_a_.bytes() + wkv_.bytes(), [&] { QueryAndKeys(batch); });
-    add("q norm (writing its codes)", act * d.q_lora * 2, [&] {
+    // The query latent's norm writing its codes, and the window keys' norm, rotation and FP8
+    // steps, in one op.
+    add("q norm (writing its codes) + kv norm", act * (d.q_lora + d.head_dim) * 2, [&] {
+      const k::RmsNormParams keys = {.x = kv_,
+                                     .rows = batch,
+                                     .dim = d.head_dim,
+                                     .stride = d.head_dim,
+                                     .weight = norm_,
+                                     .eps = 1e-6f,
+                                     .round_input = true,
+                                     .rope_dim = d.rope,
+                                     .positions = positions_,
+                                     .freqs = freqs_,
+                                     .fake_quant_fp8 = true};
       CheckOp(g::RmsNorm({.x = qa_,
                           .rows = batch,
                           .dim = d.q_lora,
@@ -462,7 +475,8 @@ class Layer {
                           .eps = 1e-6f,
                           .stream = stream_,
                           .codes = qa_codes_,
-                          .code_scales = qa_scales_}),
+                          .code_scales = qa_scales_,
+                          .next = &keys}),
               "RmsNorm");
     });
     // The queries rotated by wq_b's op, as the engine asks.

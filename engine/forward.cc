@@ -477,6 +477,8 @@ class Step {
   Status WindowKeys(const Layer& L, const float* x, int64_t rows, const int64_t* positions,
                     std::vector<float>* kv);
   Status NormWindowKeys(const Layer& L, int64_t rows, const int64_t* positions, float* kv);
+  kernels::RmsNormParams WindowKeysNorm(const Layer& L, int64_t rows, const int64_t* positions,
+                                        float* kv) const;
   Status Force(int layer);
   Status Truncate(size_t keep);
   Status Logits();
@@ -1205,6 +1207,8 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
   const bool coded = ReadsCodes(L.wq_b, qlr);
   XCodes codes(coded ? rows : 0, qlr);
   const Kept kept(this, {&codes.codes, &codes.scales});
+  // The window keys' steps after wkv in the same op (the next norm).
+  const kernels::RmsNormParams keys = WindowKeysNorm(L, rows, plan_.positions.data(), kv.data());
   FLASHD_OP(RmsNorm, {.x = qr.data(),
                       .rows = rows,
                       .dim = qlr,
@@ -1213,7 +1217,8 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
                       .eps = eps,
                       .round_input = true,
                       .codes = coded ? codes.Codes() : nullptr,
-                      .code_scales = coded ? codes.Scales() : nullptr});
+                      .code_scales = coded ? codes.Scales() : nullptr,
+                      .next = &keys});
   std::vector<std::pair<const Linear*, float*>> more;
   if (iq != nullptr) more.push_back({&L.idx_wq_b, iq->data()});
   // The queries rotated by wq_b's op (the indexer's are not).
@@ -1222,7 +1227,7 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
   if (L.wq_b.out != H * hd) return Internal("wq_b: its outputs are not the heads");
   FLASHD_RETURN_IF_ERROR(
       ApplyAll(L.wq_b, qr.data(), rows, q.data(), true, more, coded ? &codes : nullptr, &rope));
-  return NormWindowKeys(L, rows, plan_.positions.data(), kv.data());
+  return Status::Ok();
 }
 
 // Window keys (= values) of `rows` inputs: normed, rotated, FP8 with a UE8M0 scale per 32.
@@ -1237,19 +1242,25 @@ Status Step::WindowKeys(const Layer& L, const float* x, int64_t rows, const int6
 // The window keys' steps after wkv: normed, rotated and through FP8 (blocks of 32 along each row),
 // in one op.
 Status Step::NormWindowKeys(const Layer& L, int64_t rows, const int64_t* positions, float* kv) {
-  const int64_t hd = c_.head_dim;
-  FLASHD_OP(RmsNorm, {.x = kv,
-                      .rows = rows,
-                      .dim = hd,
-                      .stride = hd,
-                      .weight = L.kv_norm.data(),
-                      .eps = static_cast<float>(c_.rms_norm_eps),
-                      .round_input = true,
-                      .rope_dim = c_.qk_rope_head_dim,
-                      .positions = positions,
-                      .freqs = L.freqs.data(),
-                      .fake_quant_fp8 = true});
+  FLASHD_OP(RmsNorm, WindowKeysNorm(L, rows, positions, kv));
   return Status::Ok();
+}
+
+// That op's params.
+kernels::RmsNormParams Step::WindowKeysNorm(const Layer& L, int64_t rows, const int64_t* positions,
+                                            float* kv) const {
+  const int64_t hd = c_.head_dim;
+  return {.x = kv,
+          .rows = rows,
+          .dim = hd,
+          .stride = hd,
+          .weight = L.kv_norm.data(),
+          .eps = static_cast<float>(c_.rms_norm_eps),
+          .round_input = true,
+          .rope_dim = c_.qk_rope_head_dim,
+          .positions = positions,
+          .freqs = L.freqs.data(),
+          .fake_quant_fp8 = true};
 }
 
 // The hc mean of each segment's last rows (up to a window) entering DSpark target `target`.

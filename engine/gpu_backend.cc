@@ -1520,16 +1520,26 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus RmsNorm(const k::RmsNormParams& p) const override {
+    if (const OpStatus s = k::RmsNormFits(p); s != OpStatus::kOk) return s;
     return Run([&](Call& c) {
-      k::RmsNormParams d = p;
-      d.stream = nullptr;
-      d.x = c.InOut(p.x, p.rows > 0 ? (p.rows - 1) * p.stride + p.dim : 0);
-      d.weight = c.Weight(p.weight, p.dim);
-      if (p.rope_dim > 0) {  // The rotation after the norm.
-        d.positions = c.In(p.positions, p.rows);
-        d.freqs = c.Weight(p.freqs, p.rope_dim / 2);
+      // Each norm's arrays (this op's, and its next's) on the device.
+      const auto on_device = [&](const k::RmsNormParams& q) {
+        k::RmsNormParams d = q;
+        d.stream = nullptr;
+        d.x = c.InOut(q.x, q.rows > 0 ? (q.rows - 1) * q.stride + q.dim : 0);
+        d.weight = c.Weight(q.weight, q.dim);
+        if (q.rope_dim > 0) {  // The rotation after the norm.
+          d.positions = c.In(q.positions, q.rows);
+          d.freqs = c.Weight(q.freqs, q.rope_dim / 2);
+        }
+        c.CodesOut(d.codes, d.code_scales, q.rows * q.dim);  // For the Linear reading the rows.
+        return d;
+      };
+      k::RmsNormParams d = on_device(p), next;
+      if (p.next != nullptr) {
+        next = on_device(*p.next);
+        d.next = &next;
       }
-      c.CodesOut(d.codes, d.code_scales, p.rows * p.dim);  // For the Linear reading the rows.
       return Launch(c, [&] { return g::RmsNorm(d); });
     });
   }

@@ -268,6 +268,10 @@ struct RmsNormParams {
   // the rows next (LinearParams::x_quantized), which then launches no quantization of its own.
   uint8_t* codes = nullptr;
   uint8_t* code_scales = nullptr;
+  // Optional: another norm in the same op (its own rows, x, dim, weight and steps; no `next` of
+  // its own; host memory), over rows apart from this op's: this op's values, then that op's, bit
+  // for bit (a layer's query latent and window keys, one launch on a GPU).
+  const RmsNormParams* next = nullptr;
 };
 
 // A row's codes (RmsNormParams', HcCollapseParams', HcMixParams' x_codes) as every backend checks
@@ -285,6 +289,17 @@ inline bool RmsNormStepsFit(const RmsNormParams& p) {
                                              p.positions != nullptr && p.freqs != nullptr);
   const bool codes_fit = RowCodesFit(p.codes, p.code_scales, p.dim) == OpStatus::kOk;
   return rope_fits && codes_fit && (!p.fake_quant_fp8 || p.dim % 32 == 0);
+}
+
+// RmsNormParams checked as every backend checks them, its `next` too, before anything is written:
+// kBadShape for a shape or steps that do not fit, kBadArgument for a `next` with its own.
+inline OpStatus RmsNormFits(const RmsNormParams& p) {
+  if (p.rows < 0 || p.dim <= 0 || p.stride < p.dim || p.weight == nullptr || !RmsNormStepsFit(p)) {
+    return OpStatus::kBadShape;
+  }
+  if (p.next == nullptr) return OpStatus::kOk;
+  if (p.next->next != nullptr) return OpStatus::kBadArgument;
+  return RmsNormFits(*p.next);
 }
 
 // Rotates the last rope_dim values of each head of each row by the row's position, rounding to

@@ -28,6 +28,13 @@ OpStatus RoundBf16(const RoundBf16Params& p) {
 }
 
 OpStatus RmsNorm(const RmsNormParams& p) {
+  if (p.next != nullptr) {  // This op, then the next.
+    if (const OpStatus s = RmsNormFits(p); s != OpStatus::kOk) return s;
+    RmsNormParams q = p;
+    q.next = nullptr;
+    if (const OpStatus s = RmsNorm(q); s != OpStatus::kOk) return s;
+    return RmsNorm(*p.next);
+  }
   if (p.rows < 0 || p.dim <= 0 || p.stride < p.dim || p.weight == nullptr) {
     return OpStatus::kBadShape;
   }

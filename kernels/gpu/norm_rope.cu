@@ -16,35 +16,35 @@ namespace flashd::kernels::FLASHD_GPU_BACKEND {
 namespace {
 
 namespace c = flashd::kernels::codecs;
-// A thread block a row: the norm, then (rope_dim > 0) a thread per rotated pair, then
-// (fake_quant) a thread per block of 32, then (codes) a thread per block of 32 quantizing it as
-// Linear does, each step after a barrier.
-__global__ void __launch_bounds__(kNormThreads)
-    RmsNormKernel(float* x, int64_t dim, int64_t stride, const float* weight, float eps,
-                  bool round_input, int64_t rope_dim, const int64_t* positions, const float* freqs,
-                  bool fake_quant, uint8_t* codes, uint8_t* code_scales) {
+// A thread block a row, of a's rows and then b's (RmsNormParams' next; b.rows 0 where there is
+// none): the norm, then (rope_dim > 0) a thread per rotated pair, then (fake_quant_fp8) a thread
+// per block of 32, then (codes) a thread per block of 32 quantizing it as Linear does, each step
+// after a barrier.
+__global__ void __launch_bounds__(kNormThreads) RmsNormKernel(RmsNormParams a, RmsNormParams b) {
   FLASHD_GRID_BEGIN();
   __shared__ double partial[kNormThreads];
-  float* row = x + static_cast<int64_t>(blockIdx.x) * stride;
+  const bool first = blockIdx.x < a.rows;
+  const RmsNormParams& p = first ? a : b;
+  const int64_t r = first ? blockIdx.x : blockIdx.x - a.rows, dim = p.dim;
+  float* row = p.x + r * p.stride;
   NormRow(
-      row, dim, weight, eps, [&](int64_t i) { return round_input ? c::RoundBf16(row[i]) : row[i]; },
-      partial);
-  if (rope_dim > 0) {
+      row, dim, p.weight, p.eps,
+      [&](int64_t i) { return p.round_input ? c::RoundBf16(row[i]) : row[i]; }, partial);
+  if (p.rope_dim > 0) {
     __syncthreads();
-    const float position = static_cast<float>(positions[blockIdx.x]);
-    for (int64_t k = threadIdx.x; k < rope_dim / 2; k += kNormThreads) {
-      RotatePair(row + dim - rope_dim + 2 * k, position * freqs[k], false);
+    const float position = static_cast<float>(p.positions[r]);
+    for (int64_t k = threadIdx.x; k < p.rope_dim / 2; k += kNormThreads) {
+      RotatePair(row + dim - p.rope_dim + 2 * k, position * p.freqs[k], false);
     }
   }
-  if (fake_quant) {
+  if (p.fake_quant_fp8) {
     __syncthreads();
     for (int64_t b = threadIdx.x; b < dim / 32; b += kNormThreads) {
       FakeQuantBlock(row + 32 * b, 32, static_cast<int>(FakeQuantFormat::kFp8E8M0));
     }
   }
-  if (codes != nullptr) {
-    const int64_t r = blockIdx.x;
-    QuantizeRow(row, dim, codes + r * dim, code_scales + r * (dim / 32));
+  if (p.codes != nullptr) {
+    QuantizeRow(row, dim, p.codes + r * dim, p.code_scales + r * (dim / 32));
   }
 }
 
@@ -63,15 +63,16 @@ __global__ void RopeKernel(float* x, int64_t rows, int64_t heads, int64_t head_d
 }  // namespace
 
 OpStatus RmsNorm(const RmsNormParams& p) {
-  if (p.rows < 0 || p.dim <= 0 || p.stride < p.dim || p.weight == nullptr) {
-    return OpStatus::kBadShape;
-  }
-  if (!RmsNormStepsFit(p)) return OpStatus::kBadShape;
-  if (p.rows == 0) return OpStatus::kOk;
-  FLASHD_LAUNCH(RmsNormKernel, static_cast<unsigned>(p.rows), kNormThreads, 0,
-                static_cast<gpuStream_t>(p.stream), p.x, p.dim, p.stride, p.weight, p.eps,
-                p.round_input, p.rope_dim > 0 ? p.rope_dim : 0, p.positions, p.freqs,
-                p.fake_quant_fp8, p.codes, p.code_scales);
+  if (const OpStatus s = RmsNormFits(p); s != OpStatus::kOk) return s;
+  // Both norms' rows in one launch, the next's thread blocks after this op's.
+  RmsNormParams a = p, b = p.next != nullptr ? *p.next : RmsNormParams{};
+  a.next = b.next = nullptr;
+  a.rope_dim = a.rope_dim > 0 ? a.rope_dim : 0, b.rope_dim = b.rope_dim > 0 ? b.rope_dim : 0;
+  const int64_t rows = a.rows + b.rows;
+  if (rows == 0) return OpStatus::kOk;
+  if (rows > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  FLASHD_LAUNCH(RmsNormKernel, static_cast<unsigned>(rows), kNormThreads, 0,
+                static_cast<gpuStream_t>(p.stream), a, b);
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
 }
 

@@ -1900,6 +1900,94 @@ BOOST_AUTO_TEST_CASE(rms_norm_with_rope_and_fp8_is_the_three_ops) {
   }
 }
 
+// Two norms in one op (RmsNormParams::next: the query latent's with its codes and the window
+// keys' with their rotation and FP8 steps, as a layer asks) are the two ops in turn, on the CPU
+// and on the device, where they are one launch; 1 and 3 rows of one and 1 and 5 of the other. A
+// next with one of its own, or of a shape that does not fit, refused alike with nothing written.
+BOOST_AUTO_TEST_CASE(two_norms_in_one_op_are_the_two_ops) {
+  std::mt19937 rng(61);
+  const int64_t qdim = 96, kdim = 64, rope_dim = 16;
+  std::vector<float> freqs(rope_dim / 2);
+  cpu::RopeFrequencies(rope_dim, 65536, 160000.0, 16, 32, 1, freqs.data());
+  const std::vector<float> qw = Normal(rng, qdim), kw = Normal(rng, kdim);
+  Dev<float> dqw(qw), dkw(kw), df(freqs);
+  for (const int64_t qrows : {int64_t{1}, int64_t{3}}) {
+    for (const int64_t krows : {int64_t{1}, int64_t{5}}) {
+      BOOST_TEST_CONTEXT("rows " << qrows << " and " << krows) {
+        const std::vector<float> qx = Normal(rng, qrows * qdim, 3.0f);
+        const std::vector<float> kx = Normal(rng, krows * kdim, 3.0f);
+        std::vector<int64_t> pos(krows);
+        for (int64_t r = 0; r < krows; ++r) pos[r] = 4000 + 9 * r;
+        const auto norms = [&](float* q, float* k, const float* w1, const float* w2,
+                               const int64_t* positions, const float* f, uint8_t* codes,
+                               uint8_t* scales) {
+          return std::pair{RmsNormParams{.x = q,
+                                         .rows = qrows,
+                                         .dim = qdim,
+                                         .stride = qdim,
+                                         .weight = w1,
+                                         .eps = 1e-6f,
+                                         .round_input = true,
+                                         .codes = codes,
+                                         .code_scales = scales},
+                           RmsNormParams{.x = k,
+                                         .rows = krows,
+                                         .dim = kdim,
+                                         .stride = kdim,
+                                         .weight = w2,
+                                         .eps = 1e-6f,
+                                         .round_input = true,
+                                         .rope_dim = rope_dim,
+                                         .positions = positions,
+                                         .freqs = f,
+                                         .fake_quant_fp8 = true}};
+        };
+        std::vector<float> wq = qx, wk = kx;
+        std::vector<uint8_t> wc(qx.size()), ws(qx.size() / 32);
+        auto [a, b] = norms(wq.data(), wk.data(), qw.data(), kw.data(), pos.data(), freqs.data(),
+                            wc.data(), ws.data());
+        BOOST_REQUIRE(cpu::RmsNorm(a) == OpStatus::kOk);
+        BOOST_REQUIRE(cpu::RmsNorm(b) == OpStatus::kOk);
+        std::vector<float> gq = qx, gk = kx;
+        std::vector<uint8_t> gc(qx.size()), gs(qx.size() / 32);
+        auto [c, e] = norms(gq.data(), gk.data(), qw.data(), kw.data(), pos.data(), freqs.data(),
+                            gc.data(), gs.data());
+        c.next = &e;
+        BOOST_REQUIRE(cpu::RmsNorm(c) == OpStatus::kOk);
+        BOOST_TEST((BitEqual(gq, wq) && BitEqual(gk, wk) && gc == wc && gs == ws), "cpu");
+        Dev<float> dq(qx), dk(kx);
+        Dev<int64_t> dp(pos);
+        Dev<uint8_t> dc(std::vector<uint8_t>(qx.size())), ds(std::vector<uint8_t>(qx.size() / 32));
+        auto [d, n] =
+            norms(dq.get(), dk.get(), dqw.get(), dkw.get(), dp.get(), df.get(), dc.get(), ds.get());
+        d.next = &n;
+        const uint64_t at = gpu::KernelLaunches();
+        BOOST_REQUIRE(gpu::RmsNorm(d) == OpStatus::kOk);
+        BOOST_TEST(gpu::KernelLaunches() - at == 1u);
+        BOOST_TEST((BitEqual(dq.Host(), wq) && BitEqual(dk.Host(), wk) && dc.Host() == wc &&
+                    ds.Host() == ws),
+                   "device");
+      }
+    }
+  }
+  // A next with a next of its own; a next whose rotation does not fit its row.
+  std::vector<float> x(64, 1.0f), w(64, 1.0f);
+  const std::vector<int64_t> pos = {0};
+  const RmsNormParams last{
+      .x = x.data() + 32, .rows = 1, .dim = 32, .stride = 32, .weight = w.data()};
+  RmsNormParams chained = last, odd = last;
+  chained.next = &last;
+  odd.rope_dim = 3, odd.positions = pos.data(), odd.freqs = w.data();
+  for (const auto& [next, want] :
+       {std::pair{&chained, OpStatus::kBadArgument}, {&odd, OpStatus::kBadShape}}) {
+    const RmsNormParams p{
+        .x = x.data(), .rows = 1, .dim = 32, .stride = 32, .weight = w.data(), .next = next};
+    BOOST_TEST((cpu::RmsNorm(p) == want));
+    BOOST_TEST((gpu::RmsNorm(p) == want));  // Refused before any device use.
+    BOOST_TEST(std::all_of(x.begin(), x.end(), [](float v) { return v == 1.0f; }));
+  }
+}
+
 // Ops on a stream of the caller's own give the results they give on the default one; recorded
 // as a graph (gpu_bench's layer timing), they do not run until the graph is launched, then give
 // the same results again. The CPU runtime has no graphs: that part needs a device.
