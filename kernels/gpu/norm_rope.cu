@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(kNormThreads) RmsNormKernel(RmsNormParams a, R
   FLASHD_GRID_BEGIN();
   __shared__ double partial[kNormThreads];
   const bool first = blockIdx.x < a.rows;
-  const RmsNormParams& p = first ? a : b;
+  const RmsNormParams p = first ? a : b;
   const int64_t r = first ? blockIdx.x : blockIdx.x - a.rows, dim = p.dim;
   float* row = p.x + r * p.stride;
   NormRow(
