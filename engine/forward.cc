@@ -156,9 +156,10 @@ bool QuantizedFormat(kernels::WeightFormat f) {
   return f == kernels::WeightFormat::kFp8 || f == kernels::WeightFormat::kFp4;
 }
 
-// Whether `lin` reads the codes of its x, rows of `width` values, where the op writing x makes
-// them (LinearParams::x_quantized).
-bool ReadsCodes(const Linear& lin, int64_t width) {
+// Whether `lin` (a Linear, or the experts' ExpertTables) reads the codes of its x, rows of `width`
+// values, where the op writing x makes them (LinearParams::x_quantized).
+template <class L>
+bool ReadsCodes(const L& lin, int64_t width) {
   return QuantizedFormat(lin.format) && width % 32 == 0 && lin.in == width;
 }
 
@@ -1949,8 +1950,7 @@ Status Step::GroupedExperts(const Layer& L, const kernels::MoeRouteParams* route
   og.resize(static_cast<size_t>(total * dim));
   for (std::vector<float>* v : {&g, &u, &h}) v->resize(static_cast<size_t>(total * inter));
   // h's codes made by the gated op, for w2 to read.
-  const bool h_coded =
-      QuantizedFormat(gw.w2.format) && gw.w2.in == inter && inter % 32 == 0 && gw.w1.out == inter;
+  const bool h_coded = ReadsCodes(gw.w2, inter);
   XCodes& h_codes = r.h_codes;
   h_codes.Size(h_coded ? total : 0, inter);
   const Kept kept_slots(this, {&slot_expert, &slot_offset, &slot_tiles, &token_of});

@@ -991,6 +991,13 @@ class Call {
     codes = Out(codes, values);
     scales = Out(scales, values / 32);
   }
+  // An op's x codes: where `given` (x_quantized) the codes the op that made x wrote, read as
+  // CodesIn; else workspace the op quantizes x into.
+  void XCodes(uint8_t*& codes, uint8_t*& scales, int64_t values, bool given) {
+    if (given) return CodesIn(codes, scales, values);
+    codes = Work<uint8_t>(values);
+    scales = Work<uint8_t>(values / 32);
+  }
   unsigned* Counters(int64_t count) {
     if (!error_.empty()) return nullptr;
     return memory_->Counters(static_cast<size_t>(count), &error_);
@@ -1444,12 +1451,7 @@ class GpuBackend final : public Backend {
       }
       d.also = also.data();
       const bool codes = p.format == k::WeightFormat::kFp8 || p.format == k::WeightFormat::kFp4;
-      if (p.x_quantized && codes) {  // x's codes where the op that made x wrote them.
-        c.CodesIn(d.x_codes, d.x_scales, p.rows * p.in);
-      } else {
-        d.x_codes = c.Work<uint8_t>(p.rows * p.in);
-        d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
-      }
+      c.XCodes(d.x_codes, d.x_scales, p.rows * p.in, p.x_quantized && codes);
       // On matrix cores for every row count, so that a row's results do not depend on how the
       // rows were batched (there an op a projection).
       const bool matrix = matrix_ && g::LinearMatrixTakes(k::LinearAlone(d, -1));
@@ -1983,12 +1985,7 @@ class GpuBackend final : public Backend {
       d.slot_tiles = c.In(p.slot_tiles, p.slots + 1);
       d.w = c.WeightTable(p.w, p.experts, stored.codes);
       d.w_scales = c.WeightTable(p.w_scales, p.experts, stored.scales);
-      if (p.x_quantized) {  // x's codes where the op that made x wrote them.
-        c.CodesIn(d.x_codes, d.x_scales, p.rows * p.in);
-      } else {
-        d.x_codes = c.Work<uint8_t>(p.rows * p.in);
-        d.x_scales = c.Work<uint8_t>(p.rows * p.in / 32);
-      }
+      c.XCodes(d.x_codes, d.x_scales, p.rows * p.in, p.x_quantized);
       d.y = c.Out(p.y, p.rows * p.out);
       c.CodesOut(d.y_codes, d.y_code_scales, p.rows * p.out);  // For the next ExpertLinear.
       // Rows few enough a slot for the GEMV write their codes as they write y: counters for

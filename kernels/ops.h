@@ -175,6 +175,15 @@ struct LinearParams {
   const float* rope_freqs = nullptr;
 };
 
+// A row's codes (RmsNormParams', HcCollapseParams', HcMixParams' x_codes, Linear's and
+// ExpertLinear's y_codes) as every backend checks them: none, or both arrays for rows of whole
+// 32-blocks (kBadArgument for codes without scales or scales without codes, kBadShape for a `dim`
+// not a multiple of 32).
+inline OpStatus RowCodesFit(const uint8_t* codes, const uint8_t* scales, int64_t dim) {
+  if ((codes == nullptr) != (scales == nullptr)) return OpStatus::kBadArgument;
+  return codes == nullptr || dim % 32 == 0 ? OpStatus::kOk : OpStatus::kBadShape;
+}
+
 // LinearParams' rope checked as every backend checks it.
 inline OpStatus LinearRopeFits(const LinearParams& p) {
   if (p.rope_dim == 0) return OpStatus::kOk;
@@ -190,10 +199,8 @@ inline OpStatus LinearRopeFits(const LinearParams& p) {
 // LinearParams' y_codes checked as every backend checks them.
 inline OpStatus LinearCodesFit(const LinearParams& p) {
   if (p.y_codes == nullptr && p.y_code_scales == nullptr) return OpStatus::kOk;
-  if (p.y_codes == nullptr || p.y_code_scales == nullptr || p.also_count > 0) {
-    return OpStatus::kBadArgument;
-  }
-  return p.out % 32 == 0 ? OpStatus::kOk : OpStatus::kBadShape;
+  if (p.also_count > 0) return OpStatus::kBadArgument;
+  return RowCodesFit(p.y_codes, p.y_code_scales, p.out);
 }
 
 // LinearParams' `also` checked as every backend checks it: kOk when there is none or they fit,
@@ -273,14 +280,6 @@ struct RmsNormParams {
   // for bit (a layer's query latent and window keys, one launch on a GPU).
   const RmsNormParams* next = nullptr;
 };
-
-// A row's codes (RmsNormParams', HcCollapseParams', HcMixParams' x_codes) as every backend checks
-// them: none, or both arrays for rows of whole 32-blocks (kBadArgument for codes without scales
-// or scales without codes, kBadShape for a `dim` not a multiple of 32).
-inline OpStatus RowCodesFit(const uint8_t* codes, const uint8_t* scales, int64_t dim) {
-  if ((codes == nullptr) != (scales == nullptr)) return OpStatus::kBadArgument;
-  return codes == nullptr || dim % 32 == 0 ? OpStatus::kOk : OpStatus::kBadShape;
-}
 
 // Whether RmsNormParams' steps after the norm (rope_dim, fake_quant_fp8) fit its row: every
 // backend refuses the rest as kBadShape.
@@ -874,9 +873,7 @@ inline OpStatus ExpertCodesFit(const ExpertLinearParams& p) {
   if (p.x_quantized && (p.x_rows != nullptr || p.x_codes == nullptr || p.x_scales == nullptr)) {
     return OpStatus::kBadArgument;
   }
-  if (p.y_codes == nullptr && p.y_code_scales == nullptr) return OpStatus::kOk;
-  if (p.y_codes == nullptr || p.y_code_scales == nullptr) return OpStatus::kBadArgument;
-  return p.out % 32 == 0 ? OpStatus::kOk : OpStatus::kBadShape;
+  return RowCodesFit(p.y_codes, p.y_code_scales, p.out);
 }
 
 // A gated pair (LinearParams' or ExpertLinearParams') as two ops (`one`, given p without the

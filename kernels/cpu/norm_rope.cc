@@ -28,19 +28,15 @@ OpStatus RoundBf16(const RoundBf16Params& p) {
 }
 
 OpStatus RmsNorm(const RmsNormParams& p) {
+  if (const OpStatus s = RmsNormFits(p); s != OpStatus::kOk) return s;
   if (p.next != nullptr) {  // This op, then the next.
-    if (const OpStatus s = RmsNormFits(p); s != OpStatus::kOk) return s;
     RmsNormParams q = p;
     q.next = nullptr;
     if (const OpStatus s = RmsNorm(q); s != OpStatus::kOk) return s;
     return RmsNorm(*p.next);
   }
-  if (p.rows < 0 || p.dim <= 0 || p.stride < p.dim || p.weight == nullptr) {
-    return OpStatus::kBadShape;
-  }
   if (p.rope_dim > 0 || p.fake_quant_fp8 || p.codes != nullptr || p.code_scales != nullptr) {
     // The norm, then the rotation, the quantizer and the codes.
-    if (!RmsNormStepsFit(p)) return OpStatus::kBadShape;
     RmsNormParams q = p;
     q.rope_dim = 0;
     q.fake_quant_fp8 = false;

@@ -1491,13 +1491,6 @@ void QuantizeExpertRows(const ExpertLinearParams& p, gpuStream_t stream) {
                 p.in, p.x_codes, p.x_scales);
 }
 
-OpStatus ExpertCodesAfter(OpStatus s, bool coded, const ExpertLinearParams& p) {
-  if (s != OpStatus::kOk || coded || p.y_codes == nullptr || p.rows <= 0) return s;
-  QuantizeActivations(p.y, p.rows * (p.out / kBlock), p.y_codes, p.y_code_scales,
-                      static_cast<gpuStream_t>(p.stream));
-  return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
-}
-
 namespace {
 OpStatus ExpertLinearOnce(const ExpertLinearParams& p, unsigned* arrivals, bool* coded);
 }  // namespace
@@ -1507,7 +1500,7 @@ OpStatus ExpertLinear(const ExpertLinearParams& p, unsigned* arrivals) {
   if (const OpStatus s = ExpertCodesFit(p); s != OpStatus::kOk) return s;
   bool coded = p.y_codes == nullptr;
   const OpStatus s = ExpertLinearOnce(p, arrivals, &coded);
-  return ExpertCodesAfter(s, coded, p);  // y's codes after y as the op leaves it.
+  return CodesAfter(s, coded, p);  // y's codes after y as the op leaves it.
 }
 
 namespace {
@@ -1631,12 +1624,23 @@ OpStatus RotatedAfter(OpStatus s, bool rotated, const LinearParams& p) {
   return Rope(LinearRope(p));
 }
 
-OpStatus CodesAfter(OpStatus s, bool coded, const LinearParams& p) {
-  const int64_t n = p.rows * p.groups * p.out;
-  if (s != OpStatus::kOk || coded || p.y_codes == nullptr || n <= 0) return s;
-  QuantizeActivations(p.y, n / kBlock, p.y_codes, p.y_code_scales,
-                      static_cast<gpuStream_t>(p.stream));
+namespace {
+// y's n values quantized into codes and scales after an op's kernels (CodesAfter).
+OpStatus QuantizedAfter(OpStatus s, bool coded, const float* y, int64_t n, uint8_t* codes,
+                        uint8_t* scales, void* stream) {
+  if (s != OpStatus::kOk || coded || codes == nullptr || n <= 0) return s;
+  QuantizeActivations(y, n / kBlock, codes, scales, static_cast<gpuStream_t>(stream));
   return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+}
+}  // namespace
+
+OpStatus CodesAfter(OpStatus s, bool coded, const LinearParams& p) {
+  return QuantizedAfter(s, coded, p.y, p.rows * p.groups * p.out, p.y_codes, p.y_code_scales,
+                        p.stream);
+}
+
+OpStatus CodesAfter(OpStatus s, bool coded, const ExpertLinearParams& p) {
+  return QuantizedAfter(s, coded, p.y, p.rows * p.out, p.y_codes, p.y_code_scales, p.stream);
 }
 
 OpStatus Linear(const LinearParams& p, unsigned* arrivals) {

@@ -1196,7 +1196,7 @@ OpStatus ExpertLinearMatrix(const ExpertLinearParams& p, MatrixInstruction instr
   if (p.y_codes != nullptr) {  // The op, then y's codes.
     ExpertLinearParams q = p;
     q.y_codes = q.y_code_scales = nullptr;
-    return ExpertCodesAfter(ExpertLinearMatrix(q, instruction), false, p);
+    return CodesAfter(ExpertLinearMatrix(q, instruction), false, p);
   }
   const OpStatus s = ExpertMatrixUnrounded(p, instruction);
   return RoundedAfter(s, !p.round_output, p.y, p.rows * p.out, p.stream);

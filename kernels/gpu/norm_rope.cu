@@ -67,7 +67,6 @@ OpStatus RmsNorm(const RmsNormParams& p) {
   // Both norms' rows in one launch, the next's thread blocks after this op's.
   RmsNormParams a = p, b = p.next != nullptr ? *p.next : RmsNormParams{};
   a.next = b.next = nullptr;
-  a.rope_dim = a.rope_dim > 0 ? a.rope_dim : 0, b.rope_dim = b.rope_dim > 0 ? b.rope_dim : 0;
   const int64_t rows = a.rows + b.rows;
   if (rows == 0) return OpStatus::kOk;
   if (rows > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.

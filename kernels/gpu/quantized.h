@@ -57,7 +57,7 @@ OpStatus CodesAfter(OpStatus s, bool coded, const LinearParams& p);
 // `rotated` (a kernel did it as it wrote y).
 OpStatus RotatedAfter(OpStatus s, bool rotated, const LinearParams& p);
 // Likewise an ExpertLinear's y_codes (its rows x out values).
-OpStatus ExpertCodesAfter(OpStatus s, bool coded, const ExpertLinearParams& p);
+OpStatus CodesAfter(OpStatus s, bool coded, const ExpertLinearParams& p);
 
 inline bool Aligned(const void* p, uintptr_t bytes) {
   return reinterpret_cast<uintptr_t>(p) % bytes == 0;
