@@ -17,8 +17,8 @@
 // accumulators in registers. No key value goes through shared memory; each is read from its row
 // twice, once for the logits and once for the sums.
 //
-// Given a workspace, three other kernels take the queries instead, which decode each key once
-// for all the heads and spread the logits over (head, key) threads ("Each query's keys decoded
+// Given a workspace, two other kernels take the queries instead, which decode each key once for
+// 16 heads and spread the logits over (head, key) threads ("Each query's keys decoded
 // once" below); the same bits.
 #include <algorithm>
 #include <atomic>
@@ -425,12 +425,12 @@ __global__ void __launch_bounds__(kAttendThreads)
 
 // --- Each query's keys decoded once --------------------------------------------------------------
 // Where the caller gives a workspace (and for a DSpark draft block, the bound on its window keys),
-// three kernels replace AttendKernel, none of them bound to a head's thread block:
-//   DecodeKeysKernel: each listed key's values (the products KeyValues2 makes) into the
-//     workspace, once for all the heads (AttendKernel decodes each key once per head, or per
-//     eight);
+// two kernels replace AttendKernel, neither bound to a head's thread block:
 //   LogitsKernel: each (head, key) logit, a thread each, the dimensions in order, 16 keys and 16
-//     heads a thread block staging 128 dimensions of each at a time in shared memory;
+//     heads a thread block staging 128 dimensions of each at a time in shared memory, the keys'
+//     values made there from their rows (the products KeyValues2 makes), so once for 16 heads
+//     (AttendKernel makes each once per head, or per eight), and written to the workspace once
+//     for all the heads by the first group of 16;
 //   SoftmaxSumsKernel: per query, group of heads (one for a decode step's few queries, eight for
 //     a prompt's, which then share each key value loaded) and 128 dimensions, the softmax's steps
 //     (block maxima and block sums a thread per head and attention block, the running maximum and
@@ -445,7 +445,6 @@ __global__ void __launch_bounds__(kAttendThreads)
 // (the window's slots first, so the capacity is window + selected_stride, or for a draft block
 // draft_keys + selected_stride).
 constexpr int64_t kOncePassTokens = 16;
-constexpr int64_t kOnceDecodeKeys = 16;  // List entries a DecodeKeysKernel block decodes.
 constexpr int64_t kOnceLogitKeys = 16, kOnceLogitHeads = 16;
 constexpr int64_t kOnceStageDims = 128;  // Dimensions a LogitsKernel block stages at a time.
 constexpr int64_t kOnceStagePitch = kOnceStageDims + 4;  // Rows 16 bytes apart in banks.
@@ -456,8 +455,12 @@ constexpr unsigned kOnceSumThreads = 128;  // Dimensions a SoftmaxSumsKernel blo
 template <int H>
 constexpr int kOnceSumAhead = H == 1 ? 32 : 16;
 constexpr size_t kOnceSharedMax = 48 * 1024;
-static_assert(kOnceDecodeKeys <= kAttendThreads, "a thread resolves each entry's row");
-static_assert(2 * kAttendThreads >= kMaxHeadDim, "DecodeKeysKernel: a pair of dimensions a thread");
+// A LogitsKernel thread's pairs of key dimensions a stage, and the stages of the longest head.
+constexpr int kOncePairsAThread = kOnceLogitKeys * kOnceStageDims / 2 / kOnceLogitThreads;
+constexpr int kOnceStages = kMaxHeadDim / kOnceStageDims;
+static_assert(kOnceLogitThreads == kAttendThreads, "ListKeys' prefix sums: a thread an entry");
+static_assert(kOncePairsAThread * kOnceLogitThreads * 2 == kOnceLogitKeys * kOnceStageDims);
+static_assert(kOnceStages * kOnceStageDims == kMaxHeadDim);
 
 struct OnceLayout {
   int64_t capacity = 0, pass = 0;           // Slots a query; queries a pass.
@@ -493,80 +496,80 @@ int OnceHeads(const SparseAttentionParams& p) {
   return OnceSumShared(capacity, 1) <= kOnceSharedMax ? 1 : 0;
 }
 
-// Block (t, chunk c): list entries [c * kOnceDecodeKeys, + kOnceDecodeKeys) of the pass's query
-// t, each key's values by a thread per pair of dimensions; chunk 0 also writes the list's end.
-__global__ void __launch_bounds__(kAttendThreads)
-    DecodeKeysKernel(SparseAttentionParams p, OnceLayout l) {
-  FLASHD_GRID_BEGIN();
-  __shared__ KeyRow key[kOnceDecodeKeys];
-  __shared__ int scan[kAttendThreads];
-  const int64_t chunks = (l.capacity + kOnceDecodeKeys - 1) / kOnceDecodeKeys;
-  const int64_t tl = blockIdx.x / chunks, t = l.t0 + tl, L = blockIdx.x % chunks * kOnceDecodeKeys;
-  const int64_t hd = p.head_dim;
-  const unsigned tid = threadIdx.x;
-  const AttentionKeys window = AttentionKeys::Of(p, t);
-  const int64_t sb = window.selected_base(), w0 = ListStart(window);
-  // Chunk 0 counts the whole selection row (the list's end); another, until its last entry.
-  const int64_t rank0 = ListKeys(p, window, t, L, L + kOnceDecodeKeys, L == 0, key, scan);
-  // The list's end for chunk 0; for another, past the chunk's last listed entry (the ranks were
-  // counted until they passed it, or through the row).
-  const int64_t end = sb + rank0;
-  if (L == 0 && tid == 0) p.workspace[tl] = static_cast<float>(end);
-  __syncthreads();
-  // Thread tid's two dimensions (hd <= 2 x kAttendThreads) of every key of the chunk: all the
-  // keys' loads issued before the first value is stored.
-  const int64_t d = 2 * tid;
-  if (d >= hd) return;
-  float* keys = p.workspace + l.keys + tl * l.capacity * hd + d;
-  Key2 raw[kOnceDecodeKeys];
-  FLASHD_UNROLL
-  for (int s = 0; s < kOnceDecodeKeys; ++s) {
-    if (L + s >= w0 && L + s < end) raw[s] = LoadKey2(key[s], d);
-  }
-  FLASHD_UNROLL
-  for (int s = 0; s < kOnceDecodeKeys; ++s) {
-    if (L + s >= w0 && L + s < end) {
-      float v[2];
-      DecodeKey2(key[s].source, raw[s], v);
-      keys[(L + s) * hd] = v[0], keys[(L + s) * hd + 1] = v[1];
-    }
-  }
-}
-
 // Block (t, key chunk, head group): logits[t][h][li] (t of the pass) for the chunk's kOnceLogitKeys
 // list entries and the group's kOnceLogitHeads heads, thread (key tid % 16, head tid / 16) summing
-// q . key over the dimensions in order, both staged kOnceStageDims dimensions at a time.
+// q . key over the dimensions in order, both staged kOnceStageDims dimensions at a time in shared
+// memory. The keys' values are made here from their rows (KeyValues2's products, every load a
+// thread makes for the chunk issued before the first value is made); the first head group's
+// blocks also write them to the workspace for SoftmaxSumsKernel, and chunk 0's the list's end.
 __global__ void __launch_bounds__(kOnceLogitThreads)
     LogitsKernel(SparseAttentionParams p, OnceLayout l) {
-  FLASHD_GRID_BEGIN();
-  __shared__ float4 ks[kOnceLogitKeys][kOnceStagePitch / 4];
+  __shared__ float4 ks4[kOnceLogitKeys][kOnceStagePitch / 4];
   __shared__ float4 qs[kOnceLogitHeads][kOnceStagePitch / 4];
+  __shared__ KeyRow key[kOnceLogitKeys];
+  __shared__ int scan[kAttendThreads];
+  FLASHD_GRID_BEGIN();
   const int64_t chunks = (l.capacity + kOnceLogitKeys - 1) / kOnceLogitKeys;
   const int64_t groups = (p.heads + kOnceLogitHeads - 1) / kOnceLogitHeads;
   const int64_t tl = blockIdx.x / (chunks * groups), rest = blockIdx.x % (chunks * groups);
   const int64_t t = l.t0 + tl;
   const int64_t L = rest / groups * kOnceLogitKeys, h0 = rest % groups * kOnceLogitHeads;
-  const int64_t hd = p.head_dim, w0 = ListStart(AttentionKeys::Of(p, t));
-  const int64_t end = static_cast<int64_t>(p.workspace[tl]);
-  if (L + kOnceLogitKeys <= w0 || L >= end) return;  // The whole block: no key of the list.
+  const int64_t hd = p.head_dim;
   const unsigned tid = threadIdx.x, kk = tid % kOnceLogitKeys, hh = tid / kOnceLogitKeys;
-  const float* keys = p.workspace + l.keys + (tl * l.capacity + L) * hd;
+  const AttentionKeys window = AttentionKeys::Of(p, t);
+  const int64_t sb = window.selected_base(), w0 = ListStart(window);
+  // Chunk 0 counts the whole selection row (the list's end); another, until its last entry, so
+  // `end` is past the chunk's last listed entry.
+  const int64_t end = sb + ListKeys(p, window, t, L, L + kOnceLogitKeys, L == 0, key, scan);
+  if (L == 0 && h0 == 0 && tid == 0) p.workspace[tl] = static_cast<float>(end);
+  __syncthreads();                                   // The chunk's rows.
+  if (L + kOnceLogitKeys <= w0 || L >= end) return;  // The whole block: no key of the list.
+  // Stage s's pair i (i = tid + kOnceLogitThreads * j): key i / (dims / 2), dimensions 2 (i %
+  // (dims / 2)) and the next of the stage.
+  const auto listed = [&](int64_t r) { return L + r >= w0 && L + r < end; };
+  Key2 raw[kOnceStages][kOncePairsAThread];
+  FLASHD_UNROLL
+  for (int s = 0; s < kOnceStages; ++s) {
+    const int64_t d0 = s * kOnceStageDims;
+    if (d0 >= hd) break;
+    const int64_t half = (hd - d0 < kOnceStageDims ? hd - d0 : kOnceStageDims) / 2;
+    FLASHD_UNROLL
+    for (int j = 0; j < kOncePairsAThread; ++j) {
+      const int64_t i = tid + kOnceLogitThreads * j, r = i / half;
+      if (r < kOnceLogitKeys && listed(r)) raw[s][j] = LoadKey2(key[r], d0 + 2 * (i % half));
+    }
+  }
+  float* keys = h0 == 0 ? p.workspace + l.keys + (tl * l.capacity + L) * hd : nullptr;
   const float* q = p.q + (t * p.heads + h0) * hd;
   const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
+  float* ks = reinterpret_cast<float*>(ks4);  // [key][kOnceStagePitch].
   float dot = 0;
-  for (int64_t d0 = 0; d0 < hd; d0 += kOnceStageDims) {
-    const int64_t dims = hd - d0 < kOnceStageDims ? hd - d0 : kOnceStageDims;
+  FLASHD_UNROLL
+  for (int s = 0; s < kOnceStages; ++s) {
+    const int64_t d0 = s * kOnceStageDims;
+    if (d0 >= hd) break;
+    const int64_t dims = hd - d0 < kOnceStageDims ? hd - d0 : kOnceStageDims, half = dims / 2;
     __syncthreads();  // The last stage's readers are done.
-    for (int64_t i = tid; i < kOnceLogitKeys * dims / 4; i += kOnceLogitThreads) {
+    FLASHD_UNROLL
+    for (int j = 0; j < kOncePairsAThread; ++j) {
+      const int64_t i = tid + kOnceLogitThreads * j, r = i / half, c = 2 * (i % half);
+      if (r >= kOnceLogitKeys) break;
+      float v[2] = {0, 0};
+      if (listed(r)) {
+        DecodeKey2(key[r].source, raw[s][j], v);
+        if (keys != nullptr) keys[r * hd + d0 + c] = v[0], keys[r * hd + d0 + c + 1] = v[1];
+      }
+      ks[r * kOnceStagePitch + c] = v[0], ks[r * kOnceStagePitch + c + 1] = v[1];
+    }
+    for (int64_t i = tid; i < kOnceLogitHeads * dims / 4; i += kOnceLogitThreads) {
       const int64_t r = i / (dims / 4), c4 = i % (dims / 4);
-      float4 k = {0, 0, 0, 0}, x = {0, 0, 0, 0};
-      if (L + r >= w0 && L + r < end) k = reinterpret_cast<const float4*>(keys + r * hd + d0)[c4];
+      float4 x = {0, 0, 0, 0};
       if (h0 + r < p.heads) x = reinterpret_cast<const float4*>(q + r * hd + d0)[c4];
-      ks[r][c4] = k, qs[r][c4] = x;
+      qs[r][c4] = x;
     }
     __syncthreads();
     for (int64_t c4 = 0; c4 < dims / 4; ++c4) {
-      const float4 k = ks[kk][c4], x = qs[hh][c4];
+      const float4 k = ks4[kk][c4], x = qs[hh][c4];
       dot += x.x * k.x;
       dot += x.y * k.y;
       dot += x.z * k.z;
@@ -574,7 +577,7 @@ __global__ void __launch_bounds__(kOnceLogitThreads)
     }
   }
   const int64_t li = L + kk, h = h0 + hh;
-  if (li >= w0 && li < end && h < p.heads) {
+  if (listed(kk) && h < p.heads) {
     p.workspace[l.logits + (tl * p.heads + h) * l.capacity + li] = dot * scale;
   }
 }
@@ -771,16 +774,13 @@ OpStatus AttendOnce(const SparseAttentionParams& p) {
   const auto stream = static_cast<gpuStream_t>(p.stream);
   for (l.t0 = 0; l.t0 < p.tokens; l.t0 += l.pass) {
     const int64_t queries = p.tokens - l.t0 < l.pass ? p.tokens - l.t0 : l.pass;
-    const int64_t decode_blocks = queries * ((l.capacity + kOnceDecodeKeys - 1) / kOnceDecodeKeys);
     const int64_t logit_blocks = queries * ((l.capacity + kOnceLogitKeys - 1) / kOnceLogitKeys) *
                                  ((p.heads + kOnceLogitHeads - 1) / kOnceLogitHeads);
     const int64_t sum_blocks =
         queries * ((p.heads + H - 1) / H) * ((p.head_dim + kOnceSumThreads - 1) / kOnceSumThreads);
-    if (std::max({decode_blocks, logit_blocks, sum_blocks}) > int64_t{0x7FFFFFFF}) {
+    if (std::max(logit_blocks, sum_blocks) > int64_t{0x7FFFFFFF}) {
       return OpStatus::kBadShape;  // The grid's limit.
     }
-    FLASHD_LAUNCH(DecodeKeysKernel, static_cast<unsigned>(decode_blocks), kAttendThreads, 0, stream,
-                  p, l);
     FLASHD_LAUNCH(LogitsKernel, static_cast<unsigned>(logit_blocks), kOnceLogitThreads, 0, stream,
                   p, l);
     FLASHD_LAUNCH(SoftmaxSumsKernel<H>, static_cast<unsigned>(sum_blocks), kOnceSumThreads, shared,

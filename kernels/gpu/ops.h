@@ -124,12 +124,13 @@ OpStatus CandidateFilter(const CandidateFilterParams& p);  // Total order only.
 // token groups them all), else a kernel each.
 OpStatus MoeRoute(const MoeRouteParams& p, unsigned* arrivals = nullptr);
 // Where p gives the workspace SparseAttentionWorkspaceFloats(p) asks for (16-byte aligned, as q;
-// a DSpark draft block also its draft_keys): each query's listed keys decoded once into the
-// workspace for all the heads, then the logits a thread per (head, key), and the softmax and
-// weighted sums a thread block per query, head (eight heads for 16 queries or more) and 128
-// dimensions; 16 queries at a time. Otherwise a thread block per query and head (eight heads where
-// the queries are 16 or more), and where the query's heads leave half the multiprocessors idle, two
-// a head, each computing all the logits and half the weighted sums. The same bits every way.
+// a DSpark draft block also its draft_keys): the logits a thread per (head, key), each thread
+// block decoding its 16 keys for its 16 heads (the first 16 heads' blocks writing them to the
+// workspace), then the softmax and weighted sums a thread block per query, head (eight heads for
+// 16 queries or more) and 128 dimensions; 16 queries at a time, two kernels each. Otherwise a
+// thread block per query and head (eight heads where the queries are 16 or more), and where the
+// query's heads leave half the multiprocessors idle, two a head, each computing all the logits and
+// half the weighted sums. The same bits every way.
 OpStatus SparseAttention(const SparseAttentionParams& p);
 // The floats of workspace SparseAttention takes for p's shape (tokens, heads, head_dim, window,
 // selected_stride; for a draft block draft_keys), 0 where it takes none: 1.5 MB a query at the
