@@ -278,6 +278,7 @@ class Layer {
     o_ = Floats(n * d.heads * d.head_dim, 1.0f);
     og_ = Floats(n * d.o_groups * d.o_lora, 1.0f);
     kv_ = Floats(n * d.head_dim, 1.0f);
+    kv_stage_ = Floats(n * d.head_dim);  // The window rows staged for the host, as a step keeps.
     logits_ = Floats(n * d.experts), scores_ = Floats(n * d.experts),
     biased_ = Floats(n * d.experts);
     chosen_ = Alloc<int64_t>(n * d.topk), weights_ = Floats(n * d.topk);
@@ -351,6 +352,9 @@ class Layer {
     chunk_positions_ = upload(chunk);
     chunk_window_first_ = upload(chunk_first);
     chunk_selected_ = upload(chunk_selected);
+    std::vector<int64_t> stage_rows(max_rows);
+    for (int64_t t = 0; t < max_rows; ++t) stage_rows[t] = t;
+    stage_rows_ = upload(stage_rows);
     max_rows_ = max_rows;
     // A decode step's sequences in one call (as the engine makes it): sequence s its own fresh
     // row, the ring and block table shared (the bytes read are those of separate sequences).
@@ -454,8 +458,8 @@ class Layer {
         });
     add("wq_a + wkv (FP8, one op)", wq_a_.bytes() + wkv_.bytes(), [&] { QueryAndKeys(batch); });
     // The query latent's norm writing its codes, and the window keys' norm, rotation and FP8
-    // steps, in one op.
-    add("q norm (writing its codes) + kv norm", act * (d.q_lora + d.head_dim) * 2, [&] {
+    // steps and their rows staged for the host, in one op.
+    add("q norm (writing its codes) + kv norm", act * (2 * d.q_lora + 3 * d.head_dim), [&] {
       const k::RmsNormParams keys = {.x = kv_,
                                      .rows = batch,
                                      .dim = d.head_dim,
@@ -466,7 +470,9 @@ class Layer {
                                      .rope_dim = d.rope,
                                      .positions = positions_,
                                      .freqs = freqs_,
-                                     .fake_quant_fp8 = true};
+                                     .fake_quant_fp8 = true,
+                                     .copy_to = kv_stage_,
+                                     .copy_rows = stage_rows_};
       CheckOp(g::RmsNorm({.x = qa_,
                           .rows = batch,
                           .dim = d.q_lora,
@@ -896,7 +902,8 @@ class Layer {
   float *X_, *out_X_, *mixes_, *pre_, *post_, *comb_, *x_, *sub_, *qa_, *q_, *o_, *og_, *kv_;
   float *logits_, *scores_, *biased_, *weights_, *gate_, *up_, *h_, *y_, *expert_out_;
   uint8_t *xq_, *xs_, *ring_codes_, *ring_scales_, *arena_;
-  int64_t *chosen_, *selected_, *positions_, *window_first_;
+  float* kv_stage_;
+  int64_t *chosen_, *selected_, *positions_, *window_first_, *stage_rows_;
   int64_t *chunk_positions_, *chunk_window_first_, *chunk_selected_;
   int64_t max_rows_ = 0;
   k::AttentionSequence* sequences_ = nullptr;

@@ -1208,8 +1208,28 @@ Status Step::QueriesAndWindow(int l, std::vector<float>* qr_out, std::vector<flo
   const bool coded = ReadsCodes(L.wq_b, qlr);
   XCodes codes(coded ? rows : 0, qlr);
   const Kept kept(this, {&codes.codes, &codes.scales});
-  // The window keys' steps after wkv in the same op (the next norm).
-  const kernels::RmsNormParams keys = WindowKeysNorm(L, rows, plan_.positions.data(), kv.data());
+  // The window keys' steps after wkv in the same op (the next norm), which also stages the rows
+  // each sequence's ring keeps (its last `window`), to reach the host with the step's last Settle
+  // (Run): row ring_stage_at_[i] + j of the layer's staging takes sequence i's kept row j.
+  kernels::RmsNormParams keys = WindowKeysNorm(L, rows, plan_.positions.data(), kv.data());
+  std::vector<int64_t> stage_rows;
+  if (!draft_) {
+    stage_rows.assign(static_cast<size_t>(rows), -1);
+    for (size_t i = 0; i < plan_.segments.size(); ++i) {
+      const ForwardPlan::Segment& sg = plan_.segments[i];
+      // A truncation (a replay) keeps at least a window of every sequence's rows.
+      if (ring_keep_[i] != std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window))) {
+        return Internal("window rows: a sequence's rows changed under the step");
+      }
+      const size_t first = sg.offset + sg.count - ring_keep_[i];
+      for (size_t j = 0; j < ring_keep_[i]; ++j) {
+        stage_rows[first + j] = static_cast<int64_t>(ring_stage_at_[i] + j);
+      }
+    }
+    keys.copy_to =
+        &ring_stage_[static_cast<size_t>(l) * ring_stage_rows_ * static_cast<size_t>(hd)];
+    keys.copy_rows = stage_rows.data();
+  }
   FLASHD_OP(RmsNorm, {.x = qr.data(),
                       .rows = rows,
                       .dim = qlr,
@@ -1394,38 +1414,12 @@ Status Step::Attend(int l, const std::vector<float>& q, const std::vector<float>
     p.sequence_count = static_cast<int64_t>(count);
   }
   FLASHD_OP(SparseAttention, p);
-  // The window ring keeps the last `window` rows; written when the step commits. They are
-  // staged where the layer runs and reach the host with the step's last Settle (Run): a run of
-  // sequences whose kept rows follow each other (a decode step's, one row each) in one copy.
+  // The window ring keeps the last `window` rows (staged by the window keys' norm), written when
+  // the step commits.
   if (draft_) return Status::Ok();
   for (size_t i = 0; i < count; ++i) {
     const ForwardPlan::Segment& sg = plan_.segments[i];
-    // A truncation (a replay) keeps at least a window of every sequence's rows.
-    if (ring_keep_[i] != std::min<size_t>(sg.count, static_cast<size_t>(c_.sliding_window))) {
-      return Internal("window rows: a sequence's rows changed under the step");
-    }
     ring_rows_[i][l].first_position = sg.start + static_cast<int64_t>(sg.count - ring_keep_[i]);
-  }
-  const auto kept_first = [&](size_t i) {
-    const ForwardPlan::Segment& sg = plan_.segments[i];
-    return sg.offset + sg.count - ring_keep_[i];
-  };
-  for (size_t i = 0, j = 0; i < count; i = j) {
-    // Sequence j joins the run when its kept rows follow the run's, in kv and in the staging.
-    size_t run = 0;
-    for (j = i; j < count && kept_first(j) == kept_first(i) + run &&
-                ring_stage_at_[j] == ring_stage_at_[i] + run;
-         ++j) {
-      run += ring_keep_[j];
-    }
-    FLASHD_OP(CopyRows,
-              {.src = &kv[kept_first(i) * hd],
-               .src_stride = hd,
-               .rows = static_cast<int64_t>(run),
-               .cols = hd,
-               .dst = &ring_stage_[(static_cast<size_t>(l) * ring_stage_rows_ + ring_stage_at_[i]) *
-                                   static_cast<size_t>(hd)],
-               .dst_stride = hd});
   }
   return Status::Ok();
 }

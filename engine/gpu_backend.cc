@@ -1535,6 +1535,13 @@ class GpuBackend final : public Backend {
           d.freqs = c.Weight(q.freqs, q.rope_dim / 2);
         }
         c.CodesOut(d.codes, d.code_scales, q.rows * q.dim);  // For the Linear reading the rows.
+        // The copy's rows: up to the last one written (the others between keep their bytes).
+        int64_t copies = 0;
+        for (int64_t r = 0; q.copy_to != nullptr && r < q.rows; ++r) {
+          copies = std::max(copies, q.copy_rows[r] + 1);
+        }
+        d.copy_rows = copies > 0 ? c.In(q.copy_rows, q.rows) : nullptr;
+        d.copy_to = copies > 0 ? c.InOut(q.copy_to, copies * q.dim) : nullptr;
         return d;
       };
       k::RmsNormParams d = on_device(p), next;

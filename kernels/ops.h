@@ -275,19 +275,25 @@ struct RmsNormParams {
   // the rows next (LinearParams::x_quantized), which then launches no quantization of its own.
   uint8_t* codes = nullptr;
   uint8_t* code_scales = nullptr;
+  // Optional, last: row r's values (after every step above) also written to row copy_rows[r] of
+  // copy_to (rows of dim floats) where copy_rows[r] >= 0 (copy_rows [rows]); no two rows to one:
+  // a CopyRows of those rows after the op, bit for bit (the window rows a step keeps, staged).
+  float* copy_to = nullptr;
+  const int64_t* copy_rows = nullptr;
   // Optional: another norm in the same op (its own rows, x, dim, weight and steps; no `next` of
   // its own; host memory), over rows apart from this op's: this op's values, then that op's, bit
   // for bit (a layer's query latent and window keys, one launch on a GPU).
   const RmsNormParams* next = nullptr;
 };
 
-// Whether RmsNormParams' steps after the norm (rope_dim, fake_quant_fp8) fit its row: every
-// backend refuses the rest as kBadShape.
+// Whether RmsNormParams' steps after the norm (rope_dim, fake_quant_fp8, codes, the copy) fit its
+// row: every backend refuses the rest as kBadShape.
 inline bool RmsNormStepsFit(const RmsNormParams& p) {
   const bool rope_fits = p.rope_dim <= 0 || (p.rope_dim % 2 == 0 && p.rope_dim <= p.dim &&
                                              p.positions != nullptr && p.freqs != nullptr);
   const bool codes_fit = RowCodesFit(p.codes, p.code_scales, p.dim) == OpStatus::kOk;
-  return rope_fits && codes_fit && (!p.fake_quant_fp8 || p.dim % 32 == 0);
+  const bool copy_fits = (p.copy_to == nullptr) == (p.copy_rows == nullptr);
+  return rope_fits && codes_fit && copy_fits && (!p.fake_quant_fp8 || p.dim % 32 == 0);
 }
 
 // RmsNormParams checked as every backend checks them, its `next` too, before anything is written:

@@ -35,12 +35,14 @@ OpStatus RmsNorm(const RmsNormParams& p) {
     if (const OpStatus s = RmsNorm(q); s != OpStatus::kOk) return s;
     return RmsNorm(*p.next);
   }
-  if (p.rope_dim > 0 || p.fake_quant_fp8 || p.codes != nullptr || p.code_scales != nullptr) {
-    // The norm, then the rotation, the quantizer and the codes.
+  if (p.rope_dim > 0 || p.fake_quant_fp8 || p.codes != nullptr || p.copy_to != nullptr) {
+    // The norm, then the rotation, the quantizer, the codes and the copy.
     RmsNormParams q = p;
     q.rope_dim = 0;
     q.fake_quant_fp8 = false;
     q.codes = q.code_scales = nullptr;
+    q.copy_to = nullptr;
+    q.copy_rows = nullptr;
     if (const OpStatus s = RmsNorm(q); s != OpStatus::kOk) return s;
     if (p.rope_dim > 0) {
       if (const OpStatus s = Rope({.x = p.x,
@@ -61,6 +63,10 @@ OpStatus RmsNorm(const RmsNormParams& p) {
       }
     }
     if (p.codes != nullptr) QuantizeFp8Rows(p.x, p.rows, p.dim, p.stride, p.codes, p.code_scales);
+    for (int64_t r = 0; p.copy_to != nullptr && r < p.rows; ++r) {
+      if (p.copy_rows[r] < 0) continue;
+      std::copy_n(p.x + r * p.stride, p.dim, p.copy_to + p.copy_rows[r] * p.dim);
+    }
     return OpStatus::kOk;
   }
   for (int64_t r = 0; r < p.rows; ++r) {

@@ -18,8 +18,8 @@ namespace {
 namespace c = flashd::kernels::codecs;
 // A thread block a row, of a's rows and then b's (RmsNormParams' next; b.rows 0 where there is
 // none): the norm, then (rope_dim > 0) a thread per rotated pair, then (fake_quant_fp8) a thread
-// per block of 32, then (codes) a thread per block of 32 quantizing it as Linear does, each step
-// after a barrier.
+// per block of 32, then (codes) a thread per block of 32 quantizing it as Linear does, then
+// (copy_to) the row copied, each step after a barrier.
 __global__ void __launch_bounds__(kNormThreads) RmsNormKernel(RmsNormParams a, RmsNormParams b) {
   FLASHD_GRID_BEGIN();
   __shared__ double partial[kNormThreads];
@@ -45,6 +45,11 @@ __global__ void __launch_bounds__(kNormThreads) RmsNormKernel(RmsNormParams a, R
   }
   if (p.codes != nullptr) {
     QuantizeRow(row, dim, p.codes + r * dim, p.code_scales + r * (dim / 32));
+  }
+  if (p.copy_to != nullptr && p.copy_rows[r] >= 0) {
+    __syncthreads();  // Every step's values written.
+    float* to = p.copy_to + p.copy_rows[r] * dim;
+    for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) to[i] = row[i];
   }
 }
 

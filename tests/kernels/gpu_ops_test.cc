@@ -1901,9 +1901,11 @@ BOOST_AUTO_TEST_CASE(rms_norm_with_rope_and_fp8_is_the_three_ops) {
 }
 
 // Two norms in one op (RmsNormParams::next: the query latent's with its codes and the window
-// keys' with their rotation and FP8 steps, as a layer asks) are the two ops in turn, on the CPU
-// and on the device, where they are one launch; 1 and 3 rows of one and 1 and 5 of the other. A
-// next with one of its own, or of a shape that does not fit, refused alike with nothing written.
+// keys' with their rotation and FP8 steps and their rows copied to the ring staging, as a layer
+// asks) are the two ops in turn and the copy, on the CPU and on the device, where they are one
+// launch; 1 and 3 rows of one and 1 and 5 of the other, some rows not copied and the copies in
+// another order, the staging's other rows untouched. A next with one of its own, of a shape that
+// does not fit or with a copy and no rows for it, refused alike with nothing written.
 BOOST_AUTO_TEST_CASE(two_norms_in_one_op_are_the_two_ops) {
   std::mt19937 rng(61);
   const int64_t qdim = 96, kdim = 64, rope_dim = 16;
@@ -1918,6 +1920,10 @@ BOOST_AUTO_TEST_CASE(two_norms_in_one_op_are_the_two_ops) {
         const std::vector<float> kx = Normal(rng, krows * kdim, 3.0f);
         std::vector<int64_t> pos(krows);
         for (int64_t r = 0; r < krows; ++r) pos[r] = 4000 + 9 * r;
+        // The keys' rows into a staging of 7 rows: rows 1 and 4 of five not copied.
+        const std::vector<int64_t> to =
+            krows == 1 ? std::vector<int64_t>{2} : std::vector<int64_t>{3, -1, 0, 6, -1};
+        const std::vector<float> staging(7 * kdim, 7.0f);
         const auto norms = [&](float* q, float* k, const float* w1, const float* w2,
                                const int64_t* positions, const float* f, uint8_t* codes,
                                uint8_t* scales) {
@@ -1948,18 +1954,25 @@ BOOST_AUTO_TEST_CASE(two_norms_in_one_op_are_the_two_ops) {
                             wc.data(), ws.data());
         BOOST_REQUIRE(cpu::RmsNorm(a) == OpStatus::kOk);
         BOOST_REQUIRE(cpu::RmsNorm(b) == OpStatus::kOk);
-        std::vector<float> gq = qx, gk = kx;
+        std::vector<float> wstage = staging;  // The copy, after the two ops.
+        for (int64_t r = 0; r < krows; ++r) {
+          if (to[r] >= 0) std::copy_n(&wk[r * kdim], kdim, &wstage[to[r] * kdim]);
+        }
+        std::vector<float> gq = qx, gk = kx, gstage = staging;
         std::vector<uint8_t> gc(qx.size()), gs(qx.size() / 32);
         auto [c, e] = norms(gq.data(), gk.data(), qw.data(), kw.data(), pos.data(), freqs.data(),
                             gc.data(), gs.data());
+        e.copy_to = gstage.data(), e.copy_rows = to.data();
         c.next = &e;
         BOOST_REQUIRE(cpu::RmsNorm(c) == OpStatus::kOk);
         BOOST_TEST((BitEqual(gq, wq) && BitEqual(gk, wk) && gc == wc && gs == ws), "cpu");
-        Dev<float> dq(qx), dk(kx);
-        Dev<int64_t> dp(pos);
+        BOOST_TEST(BitEqual(gstage, wstage), "cpu's copy");
+        Dev<float> dq(qx), dk(kx), dstage(staging);
+        Dev<int64_t> dp(pos), dto(to);
         Dev<uint8_t> dc(std::vector<uint8_t>(qx.size())), ds(std::vector<uint8_t>(qx.size() / 32));
         auto [d, n] =
             norms(dq.get(), dk.get(), dqw.get(), dkw.get(), dp.get(), df.get(), dc.get(), ds.get());
+        n.copy_to = dstage.get(), n.copy_rows = dto.get();
         d.next = &n;
         const uint64_t at = gpu::KernelLaunches();
         BOOST_REQUIRE(gpu::RmsNorm(d) == OpStatus::kOk);
@@ -1967,6 +1980,7 @@ BOOST_AUTO_TEST_CASE(two_norms_in_one_op_are_the_two_ops) {
         BOOST_TEST((BitEqual(dq.Host(), wq) && BitEqual(dk.Host(), wk) && dc.Host() == wc &&
                     ds.Host() == ws),
                    "device");
+        BOOST_TEST(BitEqual(dstage.Host(), wstage), "device's copy");
       }
     }
   }
@@ -1975,11 +1989,14 @@ BOOST_AUTO_TEST_CASE(two_norms_in_one_op_are_the_two_ops) {
   const std::vector<int64_t> pos = {0};
   const RmsNormParams last{
       .x = x.data() + 32, .rows = 1, .dim = 32, .stride = 32, .weight = w.data()};
-  RmsNormParams chained = last, odd = last;
+  RmsNormParams chained = last, odd = last, rowless = last;
   chained.next = &last;
   odd.rope_dim = 3, odd.positions = pos.data(), odd.freqs = w.data();
-  for (const auto& [next, want] :
-       {std::pair{&chained, OpStatus::kBadArgument}, {&odd, OpStatus::kBadShape}}) {
+  std::vector<float> staging(32);
+  rowless.copy_to = staging.data();
+  for (const auto& [next, want] : {std::pair{&chained, OpStatus::kBadArgument},
+                                   {&odd, OpStatus::kBadShape},
+                                   {&rowless, OpStatus::kBadShape}}) {
     const RmsNormParams p{
         .x = x.data(), .rows = 1, .dim = 32, .stride = 32, .weight = w.data(), .next = next};
     BOOST_TEST((cpu::RmsNorm(p) == want));
