@@ -508,12 +508,20 @@ class Layer {
     add("wo_b (FP8)", wo_b_.bytes(), [&] {
       Apply(wo_b_, og_, batch, sub_, {}, true, {.x_codes = og_codes_, .x_scales = og_scales_});
     });
-    // The choices grouped by expert in the routing's op (one kernel), as the engine asks.
+    // The router's logits and the choices grouped by expert in the routing's op (one kernel at
+    // one token), as the engine asks.
     const k::MoeGroupParams group = GroupParams(batch);
     add("router (dense) + route and group", router_.bytes(), [&] {
-      Apply(router_, x_, batch, logits_);
+      const k::LinearParams router{.x = x_,
+                                   .rows = batch,
+                                   .in = router_.in,
+                                   .out = router_.out,
+                                   .dense = router_.dense,
+                                   .y = logits_,
+                                   .stream = stream_};
       k::MoeRouteParams route = RouteParams(batch);
       route.group = &group;
+      route.router = &router;
       CheckOp(g::MoeRoute(route, fused_.arrivals), "MoeRoute");
     });
     // Routed experts: the picked experts' rows grouped and run as the engine runs them

@@ -1784,13 +1784,15 @@ Status Step::Moe(int l) {
   const int64_t E = static_cast<int64_t>(L.experts.size()), K = L.top_k;
   std::vector<float> logits(static_cast<size_t>(rows * E)), s(logits.size()), b(logits.size());
   const Kept kept(this, {&logits, &s, &b});
-  FLASHD_OP(Linear, {.x = x_.data(),
-                     .rows = rows,
-                     .in = dim,
-                     .out = E,
-                     .dense = L.gate_w.data(),
-                     .y = logits.data(),
-                     .stream = &stream_});
+  // The router's logits made in the routing's op (one kernel for them, the routing and the
+  // grouping at a step of one token, on a GPU).
+  const kernels::LinearParams router{.x = x_.data(),
+                                     .rows = rows,
+                                     .in = dim,
+                                     .out = E,
+                                     .dense = L.gate_w.data(),
+                                     .y = logits.data(),
+                                     .stream = &stream_};
   // The choices stay where they are made: grouped there by expert, the host never waits for
   // them (unless the experts' weights are not alike, and the per-expert loop below groups them).
   std::vector<int64_t> chosen(static_cast<size_t>(rows * K));
@@ -1808,7 +1810,8 @@ Status Step::Moe(int l) {
                                       .scores = s.data(),
                                       .biased = b.data(),
                                       .chosen = chosen.data(),
-                                      .weights = weights.data()};
+                                      .weights = weights.data(),
+                                      .router = &router};
   // Grouped where they are routed: the grouping in the routing's op (GroupedExperts).
   const bool group_at_route = L.grouped && m_.routed_experts < 0;
   if (!group_at_route) FLASHD_RETURN_IF_ERROR(Check(b_->MoeRoute(route), "MoeRoute"));

@@ -1873,6 +1873,18 @@ class GpuBackend final : public Backend {
   }
 
   OpStatus MoeRoute(const k::MoeRouteParams& p) const override {
+    // The router's logits in the routing's kernel where the device takes them there, else the
+    // Linear op, then the rest.
+    if (p.router != nullptr && !g::RouterInKernel(p)) {
+      if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.k > p.experts || !k::MoeRouterFits(p) ||
+          (p.group != nullptr && !k::MoeGroupFits(k::MoeRouteGroup(p)))) {
+        return OpStatus::kBadShape;  // Before the Linear writes anything.
+      }
+      if (const OpStatus s = Linear(*p.router); s != OpStatus::kOk) return s;
+      k::MoeRouteParams rest = p;
+      rest.router = nullptr;
+      return MoeRoute(rest);
+    }
     // The grouping in the same kernel where the device routes and groups them, else the two
     // ops in turn.
     if (p.group != nullptr) {
@@ -1894,7 +1906,22 @@ class GpuBackend final : public Backend {
     return Run([&](Call& c) {
       k::MoeRouteParams d = p;
       d.stream = nullptr;
-      d.logits = c.In(p.logits, p.tokens * p.experts);
+      k::LinearParams router;
+      if (p.router != nullptr) {  // The logits made in the kernel (RouterInKernel).
+        router = *p.router;
+        router.stream = nullptr;
+        router.x = c.In(p.router->x, p.router->in);
+        bool bf16 = false;  // Weights whose values are all BF16 ones are kept as BF16 codes.
+        const void* w = c.DenseWeight(p.router->dense, p.router->out * p.router->in, &bf16);
+        router.format = bf16 ? k::WeightFormat::kBf16 : k::WeightFormat::kDense;
+        router.w = bf16 ? static_cast<const uint8_t*>(w) : nullptr;
+        router.dense = bf16 ? nullptr : static_cast<const float*>(w);
+        router.y = c.Out(p.router->y, p.experts);
+        d.logits = router.y;
+        d.router = &router;
+      } else {
+        d.logits = c.In(p.logits, p.tokens * p.experts);
+      }
       d.bias = c.Weight(p.bias, p.experts);
       d.scores = c.Out(p.scores, p.tokens * p.experts);
       d.biased = c.Out(p.biased, p.tokens * p.experts);

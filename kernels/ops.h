@@ -744,6 +744,10 @@ struct MoeRouteParams {
   // experts and k these), bit for bit the two ops in turn. Host memory on every backend (its
   // pointers the op's kind of memory), as MoeGroupParams' chosen, weights and shape are ignored.
   const MoeGroupParams* group = nullptr;
+  // Optional: the logits made first, in the op, by this Linear (its y the logits, its rows the
+  // tokens, its outputs the experts; host memory, as group): bit for bit the Linear op, then this
+  // op without it.
+  const LinearParams* router = nullptr;
 };
 
 // The expert's activation: h = BF16(weight * silu(gate) * up) with gate and up rounded to BF16
@@ -818,6 +822,13 @@ inline MoeGroupParams MoeRouteGroup(const MoeRouteParams& p) {
   g.k = p.k;
   g.stream = p.stream;
   return g;
+}
+
+// Whether MoeRouteParams' router, where it has one, writes the op's logits for its tokens and
+// experts; every backend refuses the rest as kBadShape, before anything is written.
+inline bool MoeRouterFits(const MoeRouteParams& p) {
+  return p.router == nullptr || (p.router->y == p.logits && p.router->rows == p.tokens &&
+                                 p.router->out == p.experts && p.router->groups <= 1);
 }
 
 // The routed experts' linear layers over grouped rows (MoeGroup): rows [offset[s], offset[s +

@@ -8,6 +8,7 @@
 #include "kernels/fmath.h"
 #include "kernels/gpu/arrive.h"
 #include "kernels/gpu/block_select.h"
+#include "kernels/gpu/dense_gemv.h"
 #include "kernels/gpu/ops.h"
 #include "kernels/gpu/portability.h"
 
@@ -49,12 +50,16 @@ __global__ void TopKKernel(const float* values, int64_t stride, int64_t k, const
 // One thread block per token: the experts' scores a thread per expert (a softmax's sum by one
 // thread, in expert order, as on the CPU), the top k by BlockSelectTop, then the weights by one
 // thread in rank order.
-// Token t's routing by the thread block (every thread returns from it).
-FLASHD_SHARED_TILE __device__ void RouteToken(int64_t t, const float* logits, const float* bias,
+// Token t's routing by the thread block (every thread returns from it). kFresh: the logits were
+// written by other thread blocks of the kernel, so they are read as volatile.
+template <bool kFresh = false>
+FLASHD_SHARED_TILE __device__ void RouteToken(int64_t t, const float* logits_in, const float* bias,
                                               int64_t E, int64_t k, int scoring, bool norm_topk,
                                               float scale, float* scores, float* biased,
                                               int64_t* chosen, float* weights) {
   __shared__ float softmax_max, softmax_sum;
+  using Logit = std::conditional_t<kFresh, const volatile float, const float>;
+  Logit* logits = logits_in;
   const unsigned tid = threadIdx.x;
   float* s = scores + t * E;
   float* b = biased + t * E;
@@ -191,7 +196,38 @@ __global__ void __launch_bounds__(kSelectThreads)
   if (threadIdx.x == 0) *arrivals = 0;
 }
 
+// The router's logits of one token (DenseGemvKernel's thread blocks, two experts each; fp32
+// values or BF16 codes), then the last block to finish routes the token and groups its choices
+// (RouteGroupKernel's steps).
+static_assert(kDenseGemvThreads == kSelectThreads, "the GEMV's thread blocks route");
+template <class W, bool kVectors>
+__global__ void __launch_bounds__(kDenseGemvThreads)
+    RouterRouteGroupKernel(const float* x, int64_t K, W w, float* logits, MoeRouteParams p,
+                           MoeGroupParams g, unsigned* arrivals) {
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * kDenseGemvCols;
+  PrefetchDenseColumns(w, K, p.experts, n0);
+  FLASHD_GRID_BEGIN();
+  DenseGemvColumns<W, kVectors>(x, K, w, p.experts, logits, n0);
+  if (!LastToArrive(arrivals, static_cast<unsigned>(gridDim.x))) return;
+  RouteToken<true>(0, logits, p.bias, p.experts, p.k, static_cast<int>(p.scoring), p.norm_topk,
+                   p.scale, p.scores, p.biased, p.chosen, p.weights);
+  __syncthreads();  // The choices and weights written.
+  GroupChoices<false>(p.chosen, p.weights, 1, p.experts, p.k, g.slots, g.slot_expert, g.slot_offset,
+                      g.slot_tiles, g.rows, g.row_weights);
+  if (threadIdx.x == 0) *arrivals = 0;
+}
+
 }  // namespace
+
+bool RouterInKernel(const MoeRouteParams& p) {
+  if (p.router == nullptr || p.tokens != 1 || p.group == nullptr) return false;
+  const LinearParams& r = *p.router;  // One row of dense weights and nothing more.
+  const bool dense = (r.format == WeightFormat::kDense && r.dense != nullptr) ||
+                     (r.format == WeightFormat::kBf16 && r.w != nullptr);
+  return MoeRouterFits(p) && p.order == TopKOrder::kTotal && p.experts <= kGroupMaxExperts &&
+         dense && r.in > 0 && r.x != nullptr && !r.round_output && r.also_count == 0 &&
+         r.up == nullptr && r.y_codes == nullptr && r.rope_dim == 0;
+}
 
 OpStatus MoeGroup(const MoeGroupParams& p) {
   if (!MoeGroupFits(p) || p.experts > kGroupMaxExperts) return OpStatus::kBadShape;
@@ -225,8 +261,39 @@ OpStatus MoeRoute(const MoeRouteParams& p, unsigned* arrivals) {
     g = MoeRouteGroup(p);
     if (!MoeGroupFits(g) || p.experts > kGroupMaxExperts) return OpStatus::kBadShape;
   }
-  if (p.tokens == 0) return OpStatus::kOk;
+  if (!MoeRouterFits(p)) return OpStatus::kBadShape;
   if (p.tokens > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
+  if (p.router != nullptr) {
+    const LinearParams& r = *p.router;
+    if (arrivals != nullptr && RouterInKernel(p)) {
+      // One kernel: the logits, the routing and the grouping.
+      MoeRouteParams d = p;
+      d.group = nullptr;
+      d.router = nullptr;
+      d.stream = nullptr;
+      g.stream = nullptr;
+      const auto launch = [&](auto w) {
+        using W = decltype(w);
+        const auto kernel = w.Vectors(r.in) && Aligned(r.x, 16) ? &RouterRouteGroupKernel<W, true>
+                                                                : &RouterRouteGroupKernel<W, false>;
+        FLASHD_LAUNCH(kernel,
+                      static_cast<unsigned>((p.experts + kDenseGemvCols - 1) / kDenseGemvCols),
+                      kDenseGemvThreads, 0, static_cast<gpuStream_t>(p.stream), r.x, r.in, w, r.y,
+                      d, g, arrivals);
+      };
+      if (r.format == WeightFormat::kDense) {
+        launch(F32Values{r.dense});
+      } else {
+        launch(Bf16Values{reinterpret_cast<const uint16_t*>(r.w)});
+      }
+      return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+    }
+    if (const OpStatus s = Linear(r); s != OpStatus::kOk) return s;  // The logits, then the rest.
+    MoeRouteParams rest = p;
+    rest.router = nullptr;
+    return MoeRoute(rest, arrivals);
+  }
+  if (p.tokens == 0) return OpStatus::kOk;
   if (p.group != nullptr && arrivals != nullptr) {
     MoeRouteParams d = p;
     d.group = nullptr;

@@ -122,7 +122,12 @@ OpStatus CandidateFilter(const CandidateFilterParams& p);  // Total order only.
 // With p.group, MoeGroup of the choices follows: in one kernel where `arrivals` (one counter, zero,
 // left zero) is given and experts <= kMoeGroupMaxExperts (the last thread block to route its
 // token groups them all), else a kernel each.
+// With p.router, its Linear makes the logits first: in the same kernel where arrivals are given
+// and RouterInKernel(p) (one token, the grouping asked, one row of fp32 weights and nothing
+// more: the last thread block of the logits' GEMV routes and groups), else the Linear op's
+// launches, then the rest.
 OpStatus MoeRoute(const MoeRouteParams& p, unsigned* arrivals = nullptr);
+bool RouterInKernel(const MoeRouteParams& p);
 // Where p gives the workspace SparseAttentionWorkspaceFloats(p) asks for (16-byte aligned, as q;
 // a DSpark draft block also its draft_keys): the logits a thread per (head, key), each thread
 // block decoding its 16 keys for its 16 heads (the first 16 heads' blocks writing them to the

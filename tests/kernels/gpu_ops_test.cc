@@ -3943,6 +3943,150 @@ BOOST_AUTO_TEST_CASE(route_and_group_in_one_op_are_the_two_ops) {
   }
 }
 
+// MoeRoute with its router (MoeRouteParams::router: the logits made in the op by a dense Linear)
+// is the Linear op, then the routing (and its grouping where asked), bit for bit: the CPU's op,
+// and the device's in one kernel at one token with the grouping and its counter (the logits'
+// GEMV, whose last thread block routes and groups; the counter left zero), else the Linear's
+// launches and the routing's; hidden sizes with and without whole 16-byte loads. A router that
+// does not write the op's logits for its tokens and experts refused alike, nothing written.
+BOOST_AUTO_TEST_CASE(route_with_its_router_is_the_linear_then_the_route) {
+  std::mt19937 rng(43);
+  struct Shape {
+    int64_t tokens, experts, top, hidden;
+  };
+  for (const Shape& shape :
+       {Shape{1, 384, 6, 320}, Shape{1, 40, 4, 203}, Shape{3, 12, 3, 64}, Shape{9, 384, 6, 96}}) {
+    const int64_t tokens = shape.tokens, experts = shape.experts, top = shape.top;
+    const int64_t hidden = shape.hidden, total = tokens * top, slots = std::min(experts, total);
+    const std::vector<float> x = Normal(rng, tokens * hidden), gate = Normal(rng, experts * hidden);
+    const std::vector<float> bias = Normal(rng, experts, 0.1f);
+    const auto router = [&](const float* xx, const float* ww, float* y) {
+      return LinearParams{
+          .x = xx, .rows = tokens, .in = hidden, .out = experts, .dense = ww, .y = y};
+    };
+    const auto params = [&](const float* l, const float* bi, float* sc, float* biased, int64_t* ch,
+                            float* wt) {
+      return MoeRouteParams{.logits = l,
+                            .bias = bi,
+                            .tokens = tokens,
+                            .experts = experts,
+                            .k = top,
+                            .scoring = RouteScoring::kSqrtSoftplus,
+                            .norm_topk = true,
+                            .scale = 2.5f,
+                            .scores = sc,
+                            .biased = biased,
+                            .chosen = ch,
+                            .weights = wt};
+    };
+    // The CPU's ops in turn: the Linear, the routing, the grouping.
+    std::vector<float> logits(tokens * experts), s(logits.size()), b(logits.size()), w(total);
+    std::vector<int64_t> chosen(total);
+    BOOST_REQUIRE(cpu::Linear(router(x.data(), gate.data(), logits.data())) == OpStatus::kOk);
+    BOOST_REQUIRE(cpu::MoeRoute(params(logits.data(), bias.data(), s.data(), b.data(),
+                                       chosen.data(), w.data())) == OpStatus::kOk);
+    Grouped want(slots, total);
+    BOOST_REQUIRE(cpu::MoeGroup(want.Params(chosen.data(), w.data(), tokens, experts, top)) ==
+                  OpStatus::kOk);
+    BOOST_TEST_CONTEXT("tokens " << tokens << " experts " << experts << " hidden " << hidden) {
+      // The CPU's one op.
+      {
+        std::vector<float> l1(logits.size(), NAN), s1(s.size()), b1(b.size()), w1(w.size());
+        std::vector<int64_t> c1(chosen.size());
+        Grouped got(slots, total);
+        const MoeGroupParams g = got.Params(nullptr, nullptr, 0, 0, 0);
+        const LinearParams r = router(x.data(), gate.data(), l1.data());
+        MoeRouteParams p =
+            params(l1.data(), bias.data(), s1.data(), b1.data(), c1.data(), w1.data());
+        p.group = &g, p.router = &r;
+        BOOST_REQUIRE(cpu::MoeRoute(p) == OpStatus::kOk);
+        BOOST_TEST((BitEqual(l1, logits) && c1 == chosen && BitEqual(w1, w)), "cpu");
+        BOOST_TEST(
+            (got.expert == want.expert && got.offset == want.offset && got.tiles == want.tiles &&
+             got.rows == want.rows && BitEqual(got.weights, want.weights)),
+            "cpu's grouping");
+      }
+      // The device's Linear alone, its launches counted; the weights also as BF16 codes (the
+      // values are BF16 ones: the same sums).
+      std::vector<uint16_t> codes(gate.size());
+      for (size_t i = 0; i < gate.size(); ++i) codes[i] = cpu::FloatToBf16(gate[i]);
+      Dev<float> dx(x), dgate(gate), dbias(bias);
+      Dev<uint16_t> dcodes(codes);
+      uint64_t linear_launches = 0;
+      {
+        Dev<float> dy(std::vector<float>(logits.size()));
+        const uint64_t at = gpu::KernelLaunches();
+        BOOST_REQUIRE(gpu::Linear(router(dx.get(), dgate.get(), dy.get())) == OpStatus::kOk);
+        linear_launches = gpu::KernelLaunches() - at;
+        BOOST_TEST(BitEqual(dy.Host(), logits), "the device's Linear");
+      }
+      for (const int variant : {0, 1, 2, 3, 4}) {
+        // Grouped with the counter, fp32 then BF16 weights; grouped without it; not grouped,
+        // without the counter and with it (and BF16 weights).
+        const bool grouped = variant <= 2, counter = variant != 2 && variant != 3;
+        const bool bf16 = variant == 1 || variant == 4;
+        BOOST_TEST_CONTEXT("grouped " << grouped << " counter " << counter << " bf16 " << bf16) {
+          Dev<float> dl(std::vector<float>(logits.size(), NAN)), dsc(std::vector<float>(s.size())),
+              dbi(std::vector<float>(b.size())), dw(std::vector<float>(w.size()));
+          Dev<int64_t> dch(std::vector<int64_t>(chosen.size()));
+          Dev<int64_t> dexpert(std::vector<int64_t>(want.expert.size(), -7)),
+              doffset(std::vector<int64_t>(want.offset.size())),
+              dtiles(std::vector<int64_t>(want.tiles.size())),
+              drows(std::vector<int64_t>(want.rows.size()));
+          Dev<float> drw(std::vector<float>(want.weights.size()));
+          Dev<unsigned> arrivals(std::vector<unsigned>(1, 0u));
+          const MoeGroupParams g{.slots = slots,
+                                 .slot_expert = dexpert.get(),
+                                 .slot_offset = doffset.get(),
+                                 .slot_tiles = dtiles.get(),
+                                 .rows = drows.get(),
+                                 .row_weights = drw.get()};
+          LinearParams r = router(dx.get(), dgate.get(), dl.get());
+          if (bf16) {
+            r.format = WeightFormat::kBf16, r.dense = nullptr;
+            r.w = reinterpret_cast<const uint8_t*>(dcodes.get());
+          }
+          MoeRouteParams p =
+              params(dl.get(), dbias.get(), dsc.get(), dbi.get(), dch.get(), dw.get());
+          p.router = &r;
+          if (grouped) p.group = &g;
+          const bool one = tokens == 1 && grouped && counter;
+          BOOST_TEST(gpu::RouterInKernel(p) == (tokens == 1 && grouped));
+          const uint64_t at = gpu::KernelLaunches();
+          BOOST_REQUIRE(gpu::MoeRoute(p, counter ? arrivals.get() : nullptr) == OpStatus::kOk);
+          const uint64_t routing = grouped ? (counter ? 1u : 2u) : 1u;
+          BOOST_TEST(gpu::KernelLaunches() - at == (one ? 1u : linear_launches + routing));
+          BOOST_TEST(BitEqual(dl.Host(), logits));
+          BOOST_TEST((dch.Host() == chosen));
+          BOOST_TEST(BitEqual(dsc.Host(), s));
+          BOOST_TEST(BitEqual(dw.Host(), w));
+          if (grouped) {
+            BOOST_TEST(dexpert.Host() == want.expert, boost::test_tools::per_element());
+            BOOST_TEST(doffset.Host() == want.offset, boost::test_tools::per_element());
+            BOOST_TEST(dtiles.Host() == want.tiles, boost::test_tools::per_element());
+            BOOST_TEST(drows.Host() == want.rows, boost::test_tools::per_element());
+            BOOST_TEST(BitEqual(drw.Host(), want.weights));
+          }
+          BOOST_TEST(arrivals.Host()[0] == 0u);
+        }
+      }
+      // Routers that do not write the op's logits: into another buffer, of another row count.
+      std::vector<float> other(logits.size(), 3.0f), mine(logits.size(), 3.0f);
+      for (const bool elsewhere : {true, false}) {
+        LinearParams r = router(x.data(), gate.data(), elsewhere ? other.data() : mine.data());
+        if (!elsewhere) r.rows = tokens + 1;
+        MoeRouteParams p =
+            params(mine.data(), bias.data(), s.data(), b.data(), chosen.data(), w.data());
+        p.router = &r;
+        BOOST_TEST((cpu::MoeRoute(p) == OpStatus::kBadShape));
+        BOOST_TEST((gpu::MoeRoute(p) == OpStatus::kBadShape));  // Refused before any device use.
+        BOOST_TEST((other == std::vector<float>(logits.size(), 3.0f) &&
+                    mine == std::vector<float>(logits.size(), 3.0f)));
+      }
+    }
+  }
+}
+
 // A draft block's bound on its queries' window keys (SparseAttentionParams::draft_keys).
 int64_t DraftKeys(const std::vector<int64_t>& window_first,
                   const std::vector<int64_t>& window_last) {
