@@ -1632,6 +1632,8 @@ Status Step::Index(int l, float* iq, const float* weights) {
   const LayerPlan& lp = m_.Plan(l);
   const int64_t ih = c_.index_n_heads, idd = c_.index_head_dim, ratio = lp.compress_ratio;
   const int64_t count = static_cast<int64_t>(n());
+  // Rotated, then FP4 in blocks of 32 along each head (the config's index_head_dim is in 32s),
+  // in one op.
   FLASHD_OP(Rope, {.x = iq,
                    .rows = count,
                    .heads = ih,
@@ -1639,10 +1641,9 @@ Status Step::Index(int l, float* iq, const float* weights) {
                    .rope_dim = c_.qk_rope_head_dim,
                    .row_stride = ih * idd,
                    .positions = plan_.positions.data(),
-                   .freqs = L.freqs.data()});
-  FLASHD_OP(
-      FakeQuant,
-      {.x = iq, .n = count * ih * idd, .block = 32, .format = kernels::FakeQuantFormat::kFp4E8M0});
+                   .freqs = L.freqs.data(),
+                   .fake_quant_block = 32,
+                   .fake_quant_format = kernels::FakeQuantFormat::kFp4E8M0});
   // Only the entries a query can see take part, so the choice for a token never depends on how
   // many tokens share its call (the reference's decode step does the same).
   std::vector<int64_t> visible(static_cast<size_t>(count));

@@ -307,6 +307,9 @@ inline OpStatus RmsNormFits(const RmsNormParams& p) {
   return RmsNormFits(*p.next);
 }
 
+// The model's fake quantizers: x = dequantize(quantize(x)) in blocks of `block` along each row.
+enum class FakeQuantFormat { kFp8E8M0, kFp4E8M0, kFp4E4M3 };
+
 // Rotates the last rope_dim values of each head of each row by the row's position, rounding to
 // BF16: x[r, h, head_dim - rope_dim + 2i : +2] by angle positions[r] * freqs[i] (negated when
 // inverse). freqs comes from RopeFrequencies (YaRN when original_max_positions > 0).
@@ -318,7 +321,20 @@ struct RopeParams {
   const float* freqs = nullptr;  // [rope_dim / 2]
   bool inverse = false;
   void* stream = nullptr;
+  // Optional, after the rotation (fake_quant_block > 0, dividing head_dim): each head's values
+  // through FakeQuant's fake_quant_format in blocks of fake_quant_block: the Rope op, then a
+  // FakeQuant op of each head, bit for bit (the indexer's queries, one launch on a GPU).
+  int64_t fake_quant_block = 0;
+  FakeQuantFormat fake_quant_format = FakeQuantFormat::kFp8E8M0;
 };
+
+// RopeParams checked as every backend checks them (kBadShape for the rest).
+inline bool RopeFits(const RopeParams& p) {
+  return p.rows >= 0 && p.heads > 0 && p.rope_dim > 0 && p.rope_dim % 2 == 0 &&
+         p.rope_dim <= p.head_dim && p.row_stride >= p.heads * p.head_dim &&
+         p.positions != nullptr && p.freqs != nullptr &&
+         (p.fake_quant_block <= 0 || p.head_dim % p.fake_quant_block == 0);
+}
 
 // The Rope op after a Linear of p's rope (LinearParams::rope_dim > 0): over its y.
 inline RopeParams LinearRope(const LinearParams& p) {
@@ -333,8 +349,7 @@ inline RopeParams LinearRope(const LinearParams& p) {
           .stream = p.stream};
 }
 
-// The model's fake quantizers: x = dequantize(quantize(x)) in blocks of `block` along each row.
-enum class FakeQuantFormat { kFp8E8M0, kFp4E8M0, kFp4E4M3 };
+// The model's fake quantizers (FakeQuantFormat above) over n values in blocks of `block`.
 struct FakeQuantParams {
   float* x = nullptr;
   int64_t n = 0, block = 32;

@@ -83,11 +83,7 @@ OpStatus RmsNorm(const RmsNormParams& p) {
 }
 
 OpStatus Rope(const RopeParams& p) {
-  if (p.rows < 0 || p.heads <= 0 || p.rope_dim <= 0 || p.rope_dim % 2 != 0 ||
-      p.rope_dim > p.head_dim || p.row_stride < p.heads * p.head_dim || p.positions == nullptr ||
-      p.freqs == nullptr) {
-    return OpStatus::kBadShape;
-  }
+  if (!RopeFits(p)) return OpStatus::kBadShape;
   const int64_t pairs = p.rope_dim / 2;
   for (int64_t r = 0; r < p.rows; ++r) {
     const float pos = static_cast<float>(p.positions[r]);
@@ -102,6 +98,14 @@ OpStatus Rope(const RopeParams& p) {
         x[2 * i] = Bf(a * c - b * s);
         x[2 * i + 1] = Bf(a * s + b * c);
       }
+    }
+  }
+  for (int64_t r = 0; p.fake_quant_block > 0 && r < p.rows; ++r) {  // Then each head's blocks.
+    for (int64_t h = 0; h < p.heads; ++h) {
+      FLASHD_OP_RETURN_IF_ERROR(FakeQuant({.x = p.x + r * p.row_stride + h * p.head_dim,
+                                           .n = p.head_dim,
+                                           .block = p.fake_quant_block,
+                                           .format = p.fake_quant_format}));
     }
   }
   return OpStatus::kOk;

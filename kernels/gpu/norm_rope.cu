@@ -49,7 +49,9 @@ __global__ void __launch_bounds__(kNormThreads) RmsNormKernel(RmsNormParams a, R
   if (p.copy_to != nullptr && p.copy_rows[r] >= 0) {
     __syncthreads();  // Every step's values written.
     float* to = p.copy_to + p.copy_rows[r] * dim;
-    for (int64_t i = threadIdx.x; i < dim; i += kNormThreads) to[i] = row[i];
+    // A 32-bit index (a row's values are few): with a 64-bit one ptxas spills a register here.
+    for (unsigned i = threadIdx.x; i < static_cast<unsigned>(dim); i += kNormThreads)
+      to[i] = row[i];
   }
 }
 
@@ -63,6 +65,28 @@ __global__ void RopeKernel(float* x, int64_t rows, int64_t heads, int64_t head_d
   const int64_t r = i / (heads * pairs), h = (i / pairs) % heads, k = i % pairs;
   RotatePair(x + r * row_stride + h * head_dim + head_dim - rope_dim + 2 * k,
              static_cast<float>(positions[r]) * freqs[k], inverse);
+}
+
+// Rope then FakeQuant of each head (RopeParams::fake_quant_block): a thread block a row, a thread
+// per rotated pair, then after a barrier a thread per block.
+__global__ void __launch_bounds__(kNormThreads) RopeQuantKernel(RopeParams p) {
+  FLASHD_GRID_BEGIN();
+  // 32-bit indices within the row (a row's values are few).
+  const unsigned pairs = static_cast<unsigned>(p.rope_dim / 2);
+  const unsigned heads = static_cast<unsigned>(p.heads), hd = static_cast<unsigned>(p.head_dim);
+  float* row = p.x + static_cast<int64_t>(blockIdx.x) * p.row_stride;
+  const float position = static_cast<float>(p.positions[blockIdx.x]);
+  for (unsigned i = threadIdx.x; i < heads * pairs; i += kNormThreads) {
+    const unsigned h = i / pairs, k = i % pairs;
+    RotatePair(row + h * hd + hd - static_cast<unsigned>(p.rope_dim) + 2 * k, position * p.freqs[k],
+               p.inverse);
+  }
+  __syncthreads();
+  const unsigned block = static_cast<unsigned>(p.fake_quant_block), blocks = hd / block;
+  for (unsigned i = threadIdx.x; i < heads * blocks; i += kNormThreads) {
+    FakeQuantBlock(row + i / blocks * hd + i % blocks * block, block,
+                   static_cast<int>(p.fake_quant_format));
+  }
 }
 
 }  // namespace
@@ -81,13 +105,20 @@ OpStatus RmsNorm(const RmsNormParams& p) {
 }
 
 OpStatus Rope(const RopeParams& p) {
-  if (p.rows < 0 || p.heads <= 0 || p.rope_dim <= 0 || p.rope_dim % 2 != 0 ||
-      p.rope_dim > p.head_dim || p.row_stride < p.heads * p.head_dim || p.positions == nullptr ||
-      p.freqs == nullptr) {
-    return OpStatus::kBadShape;
-  }
+  if (!RopeFits(p)) return OpStatus::kBadShape;
   const int64_t n = p.rows * p.heads * (p.rope_dim / 2);
   if (n == 0) return OpStatus::kOk;
+  if (p.fake_quant_block > 0) {  // The rows' rotations and their heads' quantizers, one launch.
+    // The grid's limit, and the kernel's 32-bit indices within a row.
+    if (p.rows > int64_t{0x7FFFFFFF} || p.heads * p.head_dim > int64_t{0x7FFFFFFF}) {
+      return OpStatus::kBadShape;
+    }
+    RopeParams d = p;
+    d.stream = nullptr;
+    FLASHD_LAUNCH(RopeQuantKernel, static_cast<unsigned>(p.rows), kNormThreads, 0,
+                  static_cast<gpuStream_t>(p.stream), d);
+    return gpuGetLastError() == gpuSuccess ? OpStatus::kOk : OpStatus::kDeviceError;
+  }
   const unsigned threads = 256;
   FLASHD_LAUNCH(RopeKernel, static_cast<unsigned>((n + threads - 1) / threads), threads, 0,
                 static_cast<gpuStream_t>(p.stream), p.x, p.rows, p.heads, p.head_dim, p.rope_dim,

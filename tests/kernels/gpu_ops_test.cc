@@ -3009,6 +3009,89 @@ BOOST_AUTO_TEST_CASE(rms_norm_and_rope_bit_equal) {
   }
 }
 
+// A Rope with its fake quantizer after it (RopeParams::fake_quant_block: the indexer's queries)
+// is the Rope op, then a FakeQuant op of each head, bit for bit: the CPU's op and the device's
+// (one launch) at 1 to 257 rows, heads of 64 values with 16 rotated and of 128 with 64, every
+// format, blocks of 32 and 16, rows packed and apart (the gap between them untouched), forward
+// and inverse. A block that does not divide a head refused alike, nothing written.
+BOOST_AUTO_TEST_CASE(rope_then_fake_quant_is_the_two_ops) {
+  std::mt19937 rng(47);
+  struct Shape {
+    int64_t heads, head_dim, rope_dim, block, gap;
+  };
+  for (const Shape& sh :
+       {Shape{3, 64, 16, 32, 0}, Shape{2, 128, 64, 32, 7}, Shape{4, 64, 64, 16, 0}}) {
+    std::vector<float> freqs(sh.rope_dim / 2);
+    cpu::RopeFrequencies(sh.rope_dim, 65536, 160000.0, 16, 32, 1, freqs.data());
+    Dev<float> df(freqs);
+    const int64_t stride = sh.heads * sh.head_dim + sh.gap;
+    for (const int64_t rows : {int64_t{1}, int64_t{3}, int64_t{257}}) {
+      const std::vector<float> x = Normal(rng, rows * stride, 4.0f);
+      std::vector<int64_t> pos(rows);
+      for (int64_t r = 0; r < rows; ++r) pos[r] = 11 * r + 5000;
+      Dev<int64_t> dp(pos);
+      for (const FakeQuantFormat format :
+           {FakeQuantFormat::kFp8E8M0, FakeQuantFormat::kFp4E8M0, FakeQuantFormat::kFp4E4M3}) {
+        for (const bool inverse : {false, true}) {
+          BOOST_TEST_CONTEXT("heads " << sh.heads << " x " << sh.head_dim << " rows " << rows
+                                      << " format " << static_cast<int>(format) << " inverse "
+                                      << inverse) {
+            const auto rope = [&](float* xx, const int64_t* positions, const float* f) {
+              return RopeParams{.x = xx,
+                                .rows = rows,
+                                .heads = sh.heads,
+                                .head_dim = sh.head_dim,
+                                .rope_dim = sh.rope_dim,
+                                .row_stride = stride,
+                                .positions = positions,
+                                .freqs = f,
+                                .inverse = inverse};
+            };
+            // The two ops.
+            std::vector<float> want = x;
+            BOOST_REQUIRE(cpu::Rope(rope(want.data(), pos.data(), freqs.data())) == OpStatus::kOk);
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t h = 0; h < sh.heads; ++h) {
+                BOOST_REQUIRE(cpu::FakeQuant({.x = &want[r * stride + h * sh.head_dim],
+                                              .n = sh.head_dim,
+                                              .block = sh.block,
+                                              .format = format}) == OpStatus::kOk);
+              }
+            }
+            std::vector<float> got = x;
+            RopeParams p = rope(got.data(), pos.data(), freqs.data());
+            p.fake_quant_block = sh.block, p.fake_quant_format = format;
+            BOOST_REQUIRE(cpu::Rope(p) == OpStatus::kOk);
+            BOOST_TEST(BitEqual(got, want), "cpu");
+            Dev<float> dx(x);
+            RopeParams d = rope(dx.get(), dp.get(), df.get());
+            d.fake_quant_block = sh.block, d.fake_quant_format = format;
+            const uint64_t at = gpu::KernelLaunches();
+            BOOST_REQUIRE(gpu::Rope(d) == OpStatus::kOk);
+            BOOST_TEST(gpu::KernelLaunches() - at == 1u);
+            BOOST_TEST(BitEqual(dx.Host(), want), "device");
+          }
+        }
+      }
+    }
+  }
+  // Blocks of 24 in heads of 64.
+  std::vector<float> x(128, 1.0f), freqs(8, 0.5f);
+  const std::vector<int64_t> pos = {3};
+  const RopeParams p{.x = x.data(),
+                     .rows = 1,
+                     .heads = 2,
+                     .head_dim = 64,
+                     .rope_dim = 16,
+                     .row_stride = 128,
+                     .positions = pos.data(),
+                     .freqs = freqs.data(),
+                     .fake_quant_block = 24};
+  BOOST_TEST((cpu::Rope(p) == OpStatus::kBadShape));
+  BOOST_TEST((gpu::Rope(p) == OpStatus::kBadShape));  // Refused before any device use.
+  BOOST_TEST(std::all_of(x.begin(), x.end(), [](float v) { return v == 1.0f; }));
+}
+
 // The mixes in HcMixParams' lanes-and-tree order on both sides: widths under one round of lanes,
 // whole rounds with a part (4,400 = 17 x 256 + 48), and the released 20,480; the model's 4 copies
 // and others (the split a thread per value), and 16 (more values than threads: one thread).
@@ -3847,6 +3930,54 @@ BOOST_AUTO_TEST_CASE(top_k_in_the_total_order_and_routing) {
   }
 }
 
+// The route tests' MoeRouteParams (square-rooted softplus scores, the top k normalised).
+MoeRouteParams RouteTestParams(int64_t tokens, int64_t experts, int64_t top, float scale,
+                               const float* logits, const float* bias, float* scores, float* biased,
+                               int64_t* chosen, float* weights) {
+  return {.logits = logits,
+          .bias = bias,
+          .tokens = tokens,
+          .experts = experts,
+          .k = top,
+          .scoring = RouteScoring::kSqrtSoftplus,
+          .norm_topk = true,
+          .scale = scale,
+          .scores = scores,
+          .biased = biased,
+          .chosen = chosen,
+          .weights = weights};
+}
+
+// MoeGroup's outputs on the device (the slots' experts starting as -7), and their check against
+// the CPU's.
+struct DeviceGrouped {
+  int64_t slots;
+  Dev<int64_t> expert, offset, tiles, rows;
+  Dev<float> weights;
+  explicit DeviceGrouped(const Grouped& like)
+      : slots(static_cast<int64_t>(like.expert.size())),
+        expert(std::vector<int64_t>(like.expert.size(), -7)),
+        offset(std::vector<int64_t>(like.offset.size())),
+        tiles(std::vector<int64_t>(like.tiles.size())),
+        rows(std::vector<int64_t>(like.rows.size())),
+        weights(std::vector<float>(like.weights.size())) {}
+  MoeGroupParams Params() {
+    return {.slots = slots,
+            .slot_expert = expert.get(),
+            .slot_offset = offset.get(),
+            .slot_tiles = tiles.get(),
+            .rows = rows.get(),
+            .row_weights = weights.get()};
+  }
+  void Check(const Grouped& want) {
+    BOOST_TEST(expert.Host() == want.expert, boost::test_tools::per_element());
+    BOOST_TEST(offset.Host() == want.offset, boost::test_tools::per_element());
+    BOOST_TEST(tiles.Host() == want.tiles, boost::test_tools::per_element());
+    BOOST_TEST(rows.Host() == want.rows, boost::test_tools::per_element());
+    BOOST_TEST(BitEqual(weights.Host(), want.weights));
+  }
+};
+
 // MoeRoute with its grouping (MoeRouteParams::group) is MoeRoute then MoeGroup, bit for bit: the
 // CPU's op, and the device's in one kernel where it has its counter (one launch, the counter
 // left zero; the last thread block to finish groups the others' choices) and in two without;
@@ -3865,18 +3996,7 @@ BOOST_AUTO_TEST_CASE(route_and_group_in_one_op_are_the_two_ops) {
     for (float& x : bias) x = d(rng);
     const auto params = [&](const float* l, const float* bi, float* sc, float* biased, int64_t* ch,
                             float* wt) {
-      return MoeRouteParams{.logits = l,
-                            .bias = bi,
-                            .tokens = tokens,
-                            .experts = experts,
-                            .k = top,
-                            .scoring = RouteScoring::kSqrtSoftplus,
-                            .norm_topk = true,
-                            .scale = 1.5f,
-                            .scores = sc,
-                            .biased = biased,
-                            .chosen = ch,
-                            .weights = wt};
+      return RouteTestParams(tokens, experts, top, 1.5f, l, bi, sc, biased, ch, wt);
     };
     // The two CPU ops.
     std::vector<float> s(logits.size()), b(logits.size()), w(total);
@@ -3905,18 +4025,9 @@ BOOST_AUTO_TEST_CASE(route_and_group_in_one_op_are_the_two_ops) {
       BOOST_TEST_CONTEXT("tokens " << tokens << " experts " << experts << " counter " << counter) {
         Dev<float> dl(logits), db(bias), dsc(s), dbi(b), dw(std::vector<float>(w.size()));
         Dev<int64_t> dch(std::vector<int64_t>(chosen.size()));
-        Dev<int64_t> dexpert(std::vector<int64_t>(want.expert.size(), -7)),
-            doffset(std::vector<int64_t>(want.offset.size())),
-            dtiles(std::vector<int64_t>(want.tiles.size())),
-            drows(std::vector<int64_t>(want.rows.size()));
-        Dev<float> drw(std::vector<float>(want.weights.size()));
+        DeviceGrouped grouped(want);
         Dev<unsigned> arrivals(std::vector<unsigned>(1, 0u));
-        const MoeGroupParams g{.slots = slots,
-                               .slot_expert = dexpert.get(),
-                               .slot_offset = doffset.get(),
-                               .slot_tiles = dtiles.get(),
-                               .rows = drows.get(),
-                               .row_weights = drw.get()};
+        const MoeGroupParams g = grouped.Params();
         MoeRouteParams p = params(dl.get(), db.get(), dsc.get(), dbi.get(), dch.get(), dw.get());
         p.group = &g;
         const uint64_t launches = gpu::KernelLaunches();
@@ -3924,11 +4035,7 @@ BOOST_AUTO_TEST_CASE(route_and_group_in_one_op_are_the_two_ops) {
         BOOST_TEST(gpu::KernelLaunches() - launches == (counter ? 1u : 2u));
         BOOST_TEST((dch.Host() == chosen));
         BOOST_TEST(BitEqual(dw.Host(), w));
-        BOOST_TEST(dexpert.Host() == want.expert, boost::test_tools::per_element());
-        BOOST_TEST(doffset.Host() == want.offset, boost::test_tools::per_element());
-        BOOST_TEST(dtiles.Host() == want.tiles, boost::test_tools::per_element());
-        BOOST_TEST(drows.Host() == want.rows, boost::test_tools::per_element());
-        BOOST_TEST(BitEqual(drw.Host(), want.weights));
+        grouped.Check(want);
         BOOST_TEST(arrivals.Host()[0] == 0u);
       }
     }
@@ -3966,18 +4073,7 @@ BOOST_AUTO_TEST_CASE(route_with_its_router_is_the_linear_then_the_route) {
     };
     const auto params = [&](const float* l, const float* bi, float* sc, float* biased, int64_t* ch,
                             float* wt) {
-      return MoeRouteParams{.logits = l,
-                            .bias = bi,
-                            .tokens = tokens,
-                            .experts = experts,
-                            .k = top,
-                            .scoring = RouteScoring::kSqrtSoftplus,
-                            .norm_topk = true,
-                            .scale = 2.5f,
-                            .scores = sc,
-                            .biased = biased,
-                            .chosen = ch,
-                            .weights = wt};
+      return RouteTestParams(tokens, experts, top, 2.5f, l, bi, sc, biased, ch, wt);
     };
     // The CPU's ops in turn: the Linear, the routing, the grouping.
     std::vector<float> logits(tokens * experts), s(logits.size()), b(logits.size()), w(total);
@@ -4029,18 +4125,9 @@ BOOST_AUTO_TEST_CASE(route_with_its_router_is_the_linear_then_the_route) {
           Dev<float> dl(std::vector<float>(logits.size(), NAN)), dsc(std::vector<float>(s.size())),
               dbi(std::vector<float>(b.size())), dw(std::vector<float>(w.size()));
           Dev<int64_t> dch(std::vector<int64_t>(chosen.size()));
-          Dev<int64_t> dexpert(std::vector<int64_t>(want.expert.size(), -7)),
-              doffset(std::vector<int64_t>(want.offset.size())),
-              dtiles(std::vector<int64_t>(want.tiles.size())),
-              drows(std::vector<int64_t>(want.rows.size()));
-          Dev<float> drw(std::vector<float>(want.weights.size()));
+          DeviceGrouped device_grouped(want);
           Dev<unsigned> arrivals(std::vector<unsigned>(1, 0u));
-          const MoeGroupParams g{.slots = slots,
-                                 .slot_expert = dexpert.get(),
-                                 .slot_offset = doffset.get(),
-                                 .slot_tiles = dtiles.get(),
-                                 .rows = drows.get(),
-                                 .row_weights = drw.get()};
+          const MoeGroupParams g = device_grouped.Params();
           LinearParams r = router(dx.get(), dgate.get(), dl.get());
           if (bf16) {
             r.format = WeightFormat::kBf16, r.dense = nullptr;
@@ -4060,13 +4147,7 @@ BOOST_AUTO_TEST_CASE(route_with_its_router_is_the_linear_then_the_route) {
           BOOST_TEST((dch.Host() == chosen));
           BOOST_TEST(BitEqual(dsc.Host(), s));
           BOOST_TEST(BitEqual(dw.Host(), w));
-          if (grouped) {
-            BOOST_TEST(dexpert.Host() == want.expert, boost::test_tools::per_element());
-            BOOST_TEST(doffset.Host() == want.offset, boost::test_tools::per_element());
-            BOOST_TEST(dtiles.Host() == want.tiles, boost::test_tools::per_element());
-            BOOST_TEST(drows.Host() == want.rows, boost::test_tools::per_element());
-            BOOST_TEST(BitEqual(drw.Host(), want.weights));
-          }
+          if (grouped) device_grouped.Check(want);
           BOOST_TEST(arrivals.Host()[0] == 0u);
         }
       }
