@@ -1417,14 +1417,7 @@ class GpuBackend final : public Backend {
           d.up_out = c.Out(p.up_out, p.rows * p.out);
         }
       } else if (p.format == k::WeightFormat::kDense) {
-        bool bf16 = false;
-        const void* w = c.DenseWeight(p.dense, p.out * p.in, &bf16);
-        if (bf16) {
-          d.format = k::WeightFormat::kBf16;
-          d.w = static_cast<const uint8_t*>(w);
-        } else {
-          d.dense = static_cast<const float*>(w);
-        }
+        DenseWeights(c, p, d);
       } else if (p.format == k::WeightFormat::kFp8Dense) {
         // The codes of these rows; the scales of the tiles they reach (of a larger matrix when
         // the rows are a slice of it, uploaded whole beforehand).
@@ -1482,11 +1475,7 @@ class GpuBackend final : public Backend {
     const OpStatus s = Run([&](Call& c) {
       k::LinearParams d = p;
       d.stream = nullptr;
-      bool bf16 = false;
-      const void* w = c.DenseWeight(p.dense, p.out * p.in, &bf16);
-      d.format = bf16 ? k::WeightFormat::kBf16 : k::WeightFormat::kDense;
-      d.w = bf16 ? static_cast<const uint8_t*>(w) : nullptr;
-      d.dense = bf16 ? nullptr : static_cast<const float*>(w);
+      const bool bf16 = DenseWeights(c, p, d);
       std::vector<k::LinearProjection> also(static_cast<size_t>(p.also_count));
       for (int64_t j = 0; j < p.also_count && alike; ++j) {
         bool same = false;
@@ -1876,10 +1865,7 @@ class GpuBackend final : public Backend {
     // The router's logits in the routing's kernel where the device takes them there, else the
     // Linear op, then the rest.
     if (p.router != nullptr && !g::RouterInKernel(p)) {
-      if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.k > p.experts || !k::MoeRouterFits(p) ||
-          (p.group != nullptr && !k::MoeGroupFits(k::MoeRouteGroup(p)))) {
-        return OpStatus::kBadShape;  // Before the Linear writes anything.
-      }
+      if (!k::MoeRouteFits(p)) return OpStatus::kBadShape;  // Before the Linear writes anything.
       if (const OpStatus s = Linear(*p.router); s != OpStatus::kOk) return s;
       k::MoeRouteParams rest = p;
       rest.router = nullptr;
@@ -1911,11 +1897,7 @@ class GpuBackend final : public Backend {
         router = *p.router;
         router.stream = nullptr;
         router.x = c.In(p.router->x, p.router->in);
-        bool bf16 = false;  // Weights whose values are all BF16 ones are kept as BF16 codes.
-        const void* w = c.DenseWeight(p.router->dense, p.router->out * p.router->in, &bf16);
-        router.format = bf16 ? k::WeightFormat::kBf16 : k::WeightFormat::kDense;
-        router.w = bf16 ? static_cast<const uint8_t*>(w) : nullptr;
-        router.dense = bf16 ? nullptr : static_cast<const float*>(w);
+        DenseWeights(c, *p.router, router);
         router.y = c.Out(p.router->y, p.experts);
         d.logits = router.y;
         d.router = &router;
@@ -1995,6 +1977,17 @@ class GpuBackend final : public Backend {
       GroupOutputs(c, p, n, d);
       return Launch(c, [&] { return g::MoeGroup(d); });
     });
+  }
+
+  // Dense Linear p's weights as the device keeps them (DenseWeight), in `d`: BF16 codes where
+  // every value is a BF16 one (format kBf16, w), else fp32 values (kDense, dense); true for BF16.
+  static bool DenseWeights(Call& c, const k::LinearParams& p, k::LinearParams& d) {
+    bool bf16 = false;
+    const void* w = c.DenseWeight(p.dense, p.out * p.in, &bf16);
+    d.format = bf16 ? k::WeightFormat::kBf16 : k::WeightFormat::kDense;
+    d.w = bf16 ? static_cast<const uint8_t*>(w) : nullptr;
+    d.dense = bf16 ? nullptr : static_cast<const float*>(w);
+    return bf16;
   }
 
   // The grouping's five outputs (of `n` choices) on the device, in `d`.

@@ -846,6 +846,13 @@ inline bool MoeRouterFits(const MoeRouteParams& p) {
                                  p.router->out == p.experts && p.router->groups <= 1);
 }
 
+// MoeRouteParams' shape (tokens, experts, k), grouping and router checked as every backend checks
+// them: false for what each refuses as kBadShape.
+inline bool MoeRouteFits(const MoeRouteParams& p) {
+  return p.tokens >= 0 && p.experts > 0 && p.k > 0 && p.k <= p.experts &&
+         (p.group == nullptr || MoeGroupFits(MoeRouteGroup(p))) && MoeRouterFits(p);
+}
+
 // The routed experts' linear layers over grouped rows (MoeGroup): rows [offset[s], offset[s +
 // 1]) of x times expert slot_expert[s]'s weights, for every slot. Every expert's weights have the
 // format (FP8 or FP4) and shape given; each row's sums are Linear's, bit for bit.

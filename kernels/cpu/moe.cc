@@ -15,9 +15,7 @@ inline float SqrtSoftplus(float x) { return std::sqrt(x > 20.0f ? x : fmath::Sof
 }  // namespace
 
 OpStatus MoeRoute(const MoeRouteParams& p) {
-  if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.k > p.experts) return OpStatus::kBadShape;
-  if (p.group != nullptr && !MoeGroupFits(MoeRouteGroup(p))) return OpStatus::kBadShape;
-  if (!MoeRouterFits(p)) return OpStatus::kBadShape;
+  if (!MoeRouteFits(p)) return OpStatus::kBadShape;
   if (p.router != nullptr) FLASHD_OP_RETURN_IF_ERROR(Linear(*p.router));  // The logits first.
   const int64_t E = p.experts;
   for (int64_t t = 0; t < p.tokens; ++t) {

@@ -253,15 +253,14 @@ OpStatus TopK(const TopKParams& p) {
 }
 
 OpStatus MoeRoute(const MoeRouteParams& p, unsigned* arrivals) {
-  if (p.tokens < 0 || p.experts <= 0 || p.k <= 0 || p.k > p.experts) return OpStatus::kBadShape;
+  if (!MoeRouteFits(p)) return OpStatus::kBadShape;
   if (p.order != TopKOrder::kTotal) return OpStatus::kBadArgument;
   if (p.k > gpu_select::kBlockSelectPerThread * kSelectThreads) return OpStatus::kBadShape;
   MoeGroupParams g;
   if (p.group != nullptr) {
     g = MoeRouteGroup(p);
-    if (!MoeGroupFits(g) || p.experts > kGroupMaxExperts) return OpStatus::kBadShape;
+    if (p.experts > kGroupMaxExperts) return OpStatus::kBadShape;
   }
-  if (!MoeRouterFits(p)) return OpStatus::kBadShape;
   if (p.tokens > int64_t{0x7FFFFFFF}) return OpStatus::kBadShape;  // The grid's limit.
   if (p.router != nullptr) {
     const LinearParams& r = *p.router;
